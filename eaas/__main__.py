@@ -1,0 +1,3 @@
+from eaas.cli import app
+
+app()

@@ -1,0 +1,1 @@
+"""EaaS Kubernetes operator (kopf): ExpertPool and AttentionFleet."""

@@ -1,0 +1,1 @@
+"""Attention client: scheduler (continuous batching), dispatch/combine, OpenAI-compatible API."""

@@ -1,0 +1,1 @@
+"""Model adapters: Hugging Face MoE architectures, tiny default model, expert weight loading."""

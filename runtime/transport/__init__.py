@@ -1,0 +1,1 @@
+"""Transports that move activations between attention clients and expert servers."""

@@ -1,0 +1,166 @@
+"""Transport interface between attention clients and expert servers.
+
+One MoE layer call from a client to one expert server is a :class:`RequestFrame`; the server
+answers with a :class:`ResponseFrame` holding the per-token weighted partial sums of the experts
+it was asked to run. Implementations:
+
+* ``unix:PATH`` -> :mod:`eaas.runtime.transport.shm` (same host): request/response slots in
+  shared memory (memfd passed over the Unix socket, so nothing can leak in /dev/shm), ready
+  flags in the slot header, the socket used only as a doorbell (adaptive wait: spin briefly on
+  the flag, then block on the socket) and as the liveness signal (EOF = peer died).
+* ``tcp://HOST:PORT`` -> :mod:`eaas.runtime.transport.tcp` (cross host): the same frame, header
+  then raw tensor bytes, no pickling.
+* GPU (later): NVSHMEM put-with-signal into symmetric buffers, same interface.
+
+Protocol per connection: at most ``slots`` requests in flight (default 1); responses come back
+with the request's ``seq``. A dead or broken peer raises :class:`PeerDeadError` promptly; a
+missed deadline raises :class:`DeadlineExceeded`. Neither ever hangs the caller.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+class TransportError(RuntimeError):
+    """Base class of transport failures."""
+
+
+class PeerDeadError(TransportError):
+    """The peer closed the connection or died (EOF, reset, refused)."""
+
+
+class DeadlineExceeded(TransportError):
+    """No response before the caller's deadline."""
+
+
+class FrameError(TransportError):
+    """A frame that violates the protocol (size limits, dtype, shapes)."""
+
+
+# Response status codes.
+STATUS_OK = 0
+STATUS_NOT_HOSTED = 1  # an expert in the frame is not hosted by this server
+STATUS_BAD_FRAME = 2
+
+
+@dataclass
+class RequestFrame:
+    """Tokens of one MoE layer sent by one attention client to one expert server.
+
+    Attributes:
+        client_id: ``int``, unique per attention client process.
+        layer: ``int``, model layer index of the MoE layer.
+        table_version: ``int``, routing table version the client used to pick this server.
+        seq: ``int``, per-connection sequence number, echoed in the response.
+        hidden: ``[n, hidden]`` float32 or bfloat16, contiguous: the tokens' hidden states
+            (after the post-attention norm, i.e. the MoE block's input).
+        experts: ``[n, k]`` int32 logical expert ids this server must run per token; ``-1`` pads.
+        weights: ``[n, k]`` float32 gate weights matching ``experts`` (already scaled by the
+            model's routed scaling factor where the model does so); ignored where expert is -1.
+    """
+
+    client_id: int
+    layer: int
+    table_version: int
+    seq: int
+    hidden: torch.Tensor
+    experts: torch.Tensor
+    weights: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.hidden.shape[0])
+
+
+@dataclass
+class ResponseFrame:
+    """Answer to one :class:`RequestFrame`.
+
+    Attributes:
+        seq: the request's ``seq``.
+        layer: the request's ``layer``.
+        status: ``STATUS_OK`` or an error code; ``message`` explains errors.
+        output: ``[n, hidden]``, same dtype as the request's hidden: per token
+            ``sum_j weights[t, j] * E_{experts[t, j]}(hidden[t])`` over non-padding ``j``.
+    """
+
+    seq: int
+    layer: int
+    status: int
+    output: torch.Tensor | None
+    message: str = ""
+
+
+class ClientConnection(abc.ABC):
+    """Client end of one connection to one expert server."""
+
+    server_id: str
+    endpoint: str
+
+    @abc.abstractmethod
+    def send(self, frame: RequestFrame) -> None:
+        """Write ``frame`` to the server. Raises :class:`PeerDeadError` or :class:`FrameError`."""
+
+    @abc.abstractmethod
+    def recv(self, deadline: float) -> ResponseFrame:
+        """Wait for the next response until ``deadline`` (``time.monotonic()`` seconds).
+
+        The returned ``output`` may alias transport buffers: copy it before the next ``send``.
+        Raises :class:`PeerDeadError` or :class:`DeadlineExceeded`.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class ServerListener(abc.ABC):
+    """Server end: accepts client connections and yields their ready frames."""
+
+    endpoint: str
+
+    @abc.abstractmethod
+    def poll(self, timeout: float | None) -> Sequence[tuple[object, RequestFrame]]:
+        """Return every ready frame of every connected client as ``(conn_handle, frame)``.
+
+        Spins briefly, then blocks up to ``timeout`` seconds (``None`` = forever) without
+        burning CPU. Accepts new connections and drops dead ones as a side effect. The frame's
+        tensors may alias transport buffers and stay valid until ``respond`` on that handle.
+        """
+
+    @abc.abstractmethod
+    def respond(self, conn: object, frame: ResponseFrame) -> None:
+        """Send ``frame`` back on ``conn``; a dead client is dropped silently."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+def connect(endpoint: str, server_id: str, *, hidden_size: int, dtype: torch.dtype, **kw) -> ClientConnection:
+    """Open a client connection by endpoint scheme (``unix:`` or ``tcp://``)."""
+    if endpoint.startswith("unix:"):
+        from eaas.runtime.transport.shm import ShmClientConnection
+
+        return ShmClientConnection(endpoint, server_id, hidden_size=hidden_size, dtype=dtype, **kw)
+    if endpoint.startswith("tcp://"):
+        from eaas.runtime.transport.tcp import TcpClientConnection
+
+        return TcpClientConnection(endpoint, server_id, hidden_size=hidden_size, dtype=dtype, **kw)
+    raise ValueError(f"unknown endpoint scheme in {endpoint!r} (expected unix:PATH or tcp://HOST:PORT)")
+
+
+def listen(endpoint: str, *, hidden_size: int, dtype: torch.dtype, **kw) -> ServerListener:
+    """Open a server listener by endpoint scheme (``unix:`` or ``tcp://``)."""
+    if endpoint.startswith("unix:"):
+        from eaas.runtime.transport.shm import ShmServerListener
+
+        return ShmServerListener(endpoint, hidden_size=hidden_size, dtype=dtype, **kw)
+    if endpoint.startswith("tcp://"):
+        from eaas.runtime.transport.tcp import TcpServerListener
+
+        return TcpServerListener(endpoint, hidden_size=hidden_size, dtype=dtype, **kw)
+    raise ValueError(f"unknown endpoint scheme in {endpoint!r} (expected unix:PATH or tcp://HOST:PORT)")
