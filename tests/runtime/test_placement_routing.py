@@ -1,0 +1,140 @@
+"""Unit tests of the pure placement and routing-table logic."""
+
+import itertools
+
+import pytest
+
+from eaas.runtime.placement import (
+    PlacementError,
+    format_expert_spec,
+    parse_expert_spec,
+    place_experts,
+)
+from eaas.runtime.routing import RoutingTable, RoutingTableError
+
+LAYERS = (1, 2, 3)
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "load-balanced"])
+@pytest.mark.parametrize("servers,redundancy", [(2, 2), (3, 2), (4, 2), (5, 3), (7, 2), (40, 2), (33, 1)])
+def test_every_expert_has_redundancy_replicas_on_distinct_servers(policy, servers, redundancy):
+    p = place_experts(LAYERS, 32, servers, redundancy, policy=policy)
+    reps = p.replicas()
+    assert set(reps) == {(layer, e) for layer in LAYERS for e in range(32)}
+    for pair, where in reps.items():
+        assert len(where) == redundancy, pair
+        assert len(set(where)) == redundancy, pair  # distinct servers
+    assert p.experts_below_redundancy() == 0
+    # Balance per layer: every server hosts floor or ceil of E*R/N replicas of each layer.
+    for layer in LAYERS:
+        counts = [sum(1 for (l, _) in hosted if l == layer) for hosted in p.servers]
+        assert max(counts) - min(counts) <= 1, counts
+
+
+def test_any_server_count_works_without_divisibility():
+    # 40 servers, 256 experts, 58 layers: 40 does not divide 256; monolithic EP cannot use it.
+    p = place_experts(range(3, 61), 256, 40, 2)
+    per_server = p.experts_per_server()
+    assert sum(per_server) == 58 * 256 * 2
+    assert max(per_server) - min(per_server) <= 58  # at most one extra replica per layer
+
+
+def test_load_balanced_beats_round_robin_under_skew():
+    # Experts 0 and 4 are hot; round-robin deals both onto servers 0 and 1 (8 servers, R=2).
+    load = {(1, e): (100.0 if e in (0, 4) else 1.0) for e in range(32)}
+
+    def max_server_load(p):
+        reps = p.replicas()
+        server_load = [0.0] * p.num_servers
+        for pair, where in reps.items():
+            for s in where:
+                server_load[s] += load[pair] / len(where)
+        return max(server_load)
+
+    rr = place_experts([1], 32, 8, 2, policy="round-robin", expert_load=load)
+    lb = place_experts([1], 32, 8, 2, policy="load-balanced", expert_load=load)
+    assert max_server_load(lb) < max_server_load(rr)
+
+
+def test_dead_servers_reduce_coverage_count():
+    p = place_experts([1], 8, 4, 2)
+    assert p.experts_below_redundancy(alive=[0, 1, 2, 3]) == 0
+    assert p.experts_below_redundancy(alive=[0, 1, 2]) > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(num_servers=0), "num_servers"),
+        (dict(redundancy=3, num_servers=2), "redundancy"),
+        (dict(redundancy=0), "redundancy"),
+        (dict(num_experts=0), "num_experts"),
+        (dict(policy="random"), "unknown placement policy"),
+    ],
+)
+def test_invalid_requests_raise_with_field(kwargs, match):
+    args = dict(layers=[1], num_experts=8, num_servers=4, redundancy=2)
+    args.update(kwargs)
+    with pytest.raises(PlacementError, match=match):
+        place_experts(**args)
+
+
+def test_expert_spec_round_trip():
+    pairs = [(1, 0), (1, 1), (1, 2), (1, 7), (3, 5), (3, 6)]
+    spec = format_expert_spec(pairs)
+    assert spec == "1:0-2,7;3:5-6"
+    assert parse_expert_spec(spec) == pairs
+    for servers in range(2, 6):
+        p = place_experts(LAYERS, 32, servers, 2)
+        for hosted in p.servers:
+            assert parse_expert_spec(format_expert_spec(hosted)) == list(hosted)
+
+
+@pytest.mark.parametrize("bad", ["x:1", "1:a-b", "1:5-3", "1"])
+def test_malformed_expert_spec(bad):
+    with pytest.raises(ValueError, match="malformed expert spec"):
+        parse_expert_spec(bad)
+
+
+def _table():
+    p = place_experts(LAYERS, 8, 3, 2)
+    ids = [f"s{i}" for i in range(3)]
+    return RoutingTable.from_placement(p, ids, [f"tcp://127.0.0.1:{9000 + i}" for i in range(3)], version=4)
+
+
+def test_routing_table_json_round_trip_and_queries():
+    t = _table()
+    t2 = RoutingTable.from_json(t.to_json())
+    assert t2 == t
+    for layer, e in itertools.product(LAYERS, range(8)):
+        assert len(t.replicas(layer, e)) == 2
+    assert sorted(set(t.hosted_by("s0")) | set(t.hosted_by("s1")) | set(t.hosted_by("s2"))) == [
+        (layer, e) for layer in LAYERS for e in range(8)
+    ]
+
+
+def test_without_servers_bumps_version_and_keeps_coverage_with_redundancy_2():
+    t = _table()
+    t2 = t.without_servers(["s1"])
+    assert t2.version == t.version + 1
+    assert "s1" not in t2.servers
+    assert t2.uncovered() == []  # one dead server never removes the last replica when R=2
+    t3 = t2.without_servers(["s0"])
+    assert t3.uncovered() != []
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda d: d.pop("version"), "version"),
+        (lambda d: d["layers"]["1"].pop(), "num_experts"),
+        (lambda d: d["layers"]["1"][0].append("ghost"), "ghost"),
+    ],
+)
+def test_routing_table_rejects_malformed(mutate, match):
+    d = _table().to_dict()
+    mutate(d)
+    with pytest.raises(RoutingTableError, match=match):
+        RoutingTable.from_dict(d)
+    with pytest.raises(RoutingTableError, match="JSON"):
+        RoutingTable.from_json("{not json")
