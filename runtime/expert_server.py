@@ -1,0 +1,299 @@
+"""Expert server: a stateless process hosting a set of ``(layer, logical expert)`` weights.
+
+Loop (see DESIGN.md "Data plane protocol", steps 4-5):
+
+1. ``listener.poll`` gathers the ready frames of *all* connected attention clients (dynamic
+   batching; optional ``batch_window_us`` keeps gathering for a short while after the first
+   frame).
+2. Frames are grouped by layer. A frame naming an expert this server does not host gets a
+   ``STATUS_NOT_HOSTED`` response (message names the experts) and is left out; a malformed one
+   gets ``STATUS_BAD_FRAME``. The server never crashes on a client's input.
+3. Per layer, the frames' tokens are concatenated and every hosted expert of that layer that
+   got tokens runs ONCE on the union of its tokens (sort-based grouping; only experts with
+   tokens are touched, the CPU analog of the paper's "kernel shrinking").
+4. The output ``[N, H]`` is split back per frame and each client gets its rows.
+
+Metrics (:mod:`eaas.runtime.metrics`): ``EXPERT_TOKENS{layer,expert}`` (expert load),
+``SERVER_BATCH_TOKENS`` (tokens per per-layer dynamic batch), ``SERVER_FRAMES``.
+
+Run it with ``eaas expert-server`` (checkpoint weights) or, for tests and benchmarks,
+``python -m eaas.runtime.expert_server --random HIDDEN:INTER:SEED ...`` (random weights).
+Readiness: the process prints ``expert-server <id> ready on <endpoint> hosting <N> experts``
+to stdout (flushed) once the listener accepts connections; the Unix socket file / TCP port
+accepting connections is an equivalent signal. No separate marker file.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from typing import Mapping
+
+import torch
+
+from eaas.runtime.experts import ExpertWeights, expert_forward
+from eaas.runtime.metrics import EXPERT_TOKENS, SERVER_BATCH_TOKENS, SERVER_FRAMES
+from eaas.runtime.transport.base import (
+    STATUS_BAD_FRAME,
+    STATUS_NOT_HOSTED,
+    STATUS_OK,
+    RequestFrame,
+    ResponseFrame,
+    listen,
+)
+
+
+def grouped_expert_sum(
+    hidden: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    hosted: Mapping[int, ExpertWeights],
+) -> tuple[torch.Tensor, dict[int, int]]:
+    """Per-token weighted sum of selected experts; each expert runs once on all of its tokens.
+
+    Same result as :func:`eaas.runtime.experts.weighted_expert_sum` (experts accumulated in
+    ascending id order), but groups with one stable sort instead of one scan per expert.
+
+    Args:
+        hidden: ``[N, H]`` float32/bfloat16 (dtype of the weights).
+        experts: ``[N, k]`` int logical expert ids; ``-1`` = padding.
+        weights: ``[N, k]`` float32 gate weights.
+        hosted: expert id -> weights (this layer's hosted experts). Every non-negative id in
+            ``experts`` must be a key (the caller checks).
+
+    Returns:
+        ``(out [N, H] same dtype as hidden, tokens_per_expert {expert id: token count})``.
+    """
+    n, k = experts.shape
+    out = torch.zeros_like(hidden)
+    if n == 0 or k == 0:
+        return out, {}
+    flat = experts.reshape(-1).to(torch.int64)
+    order = torch.argsort(flat, stable=True)
+    ids_sorted = flat[order]
+    uniq, counts = torch.unique_consecutive(ids_sorted, return_counts=True)
+    wflat = weights.reshape(-1)
+    loads: dict[int, int] = {}
+    start = 0
+    for e, c in zip(uniq.tolist(), counts.tolist()):
+        idx = order[start : start + c]
+        start += c
+        if e < 0:
+            continue
+        tok = idx // k
+        y = expert_forward(hidden[tok], hosted[e])  # (c, H)
+        y = y * wflat[idx].to(y.dtype).unsqueeze(-1)
+        out.index_add_(0, tok, y)
+        loads[e] = c
+    return out, loads
+
+
+class ExpertServer:
+    """One expert server process's work loop.
+
+    Args:
+        listen_endpoint: ``unix:/path.sock`` or ``tcp://host:port``.
+        hosted: ``{(layer, expert): ExpertWeights}``; weights in ``dtype``.
+        hidden_size: model hidden size ``H``.
+        dtype: activation/weight dtype (float32 or bfloat16).
+        server_id: id used in logs and the ready line.
+        num_threads: ``torch.set_num_threads`` value (default 1; ``None`` leaves torch's default).
+        batch_window_us: after the first ready frame, keep gathering frames this long (µs) to
+            grow the dynamic batch (default 0: take what is ready now).
+        poll_timeout: seconds ``poll`` blocks per loop turn (bounds ``stop`` latency).
+        listener_kw: extra options for the listener (e.g. ``spin_us``).
+    """
+
+    def __init__(
+        self,
+        listen_endpoint: str,
+        hosted: Mapping[tuple[int, int], ExpertWeights],
+        hidden_size: int,
+        dtype: torch.dtype,
+        server_id: str,
+        *,
+        num_threads: int | None = 1,
+        batch_window_us: float = 0.0,
+        poll_timeout: float = 0.2,
+        **listener_kw,
+    ):
+        if num_threads:
+            torch.set_num_threads(int(num_threads))
+        self.server_id = server_id
+        self.hidden_size = int(hidden_size)
+        self.dtype = dtype
+        self.by_layer: dict[int, dict[int, ExpertWeights]] = {}
+        for (layer, e), w in hosted.items():
+            self.by_layer.setdefault(int(layer), {})[int(e)] = w
+        self.num_experts = len(hosted)
+        self.batch_window_s = batch_window_us * 1e-6
+        self.poll_timeout = poll_timeout
+        self.listener = listen(listen_endpoint, hidden_size=hidden_size, dtype=dtype, **listener_kw)
+        self.endpoint = self.listener.endpoint
+        self._stop = threading.Event()
+        # Plain counters for tests/introspection (also exported as Prometheus metrics).
+        self.stats = {"batches": 0, "frames": 0, "tokens": 0, "max_clients_per_batch": 0, "errors": 0}
+
+    # -- loop ---------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        """Serve until :meth:`stop` (or SIGTERM/SIGINT via :meth:`install_signal_handlers`);
+        closes the listener (unlinking a Unix socket path) on the way out."""
+        try:
+            while not self._stop.is_set():
+                frames = list(self.listener.poll(self.poll_timeout))
+                if frames and self.batch_window_s > 0:
+                    end = time.monotonic() + self.batch_window_s
+                    while time.monotonic() < end:
+                        frames.extend(self.listener.poll(0))
+                if frames:
+                    self.process(frames)
+        finally:
+            self.listener.close()
+
+    def stop(self) -> None:
+        """Ask the loop to end (takes effect within ``poll_timeout``). Safe from signal handlers."""
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM / SIGINT -> :meth:`stop` (graceful: sockets closed, path unlinked)."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+
+    def process(self, frames: list[tuple[object, RequestFrame]]) -> None:
+        """Compute and answer one dynamic batch of ``(conn, frame)`` pairs."""
+        SERVER_FRAMES.inc(len(frames))
+        self.stats["frames"] += len(frames)
+        by_layer: dict[int, list[tuple[object, RequestFrame]]] = {}
+        for conn, f in frames:
+            err = self._check(f)
+            if err is not None:
+                self.stats["errors"] += 1
+                self.listener.respond(conn, ResponseFrame(f.seq, f.layer, err[0], None, err[1]))
+                continue
+            by_layer.setdefault(f.layer, []).append((conn, f))
+        for layer, group in by_layer.items():
+            try:
+                self._run_layer(layer, group)
+            except Exception as e:  # never crash on a client's input; answer everyone
+                self.stats["errors"] += 1
+                for conn, f in group:
+                    self.listener.respond(
+                        conn, ResponseFrame(f.seq, f.layer, STATUS_BAD_FRAME, None, f"server error: {e!r}")
+                    )
+
+    def _check(self, f: RequestFrame) -> tuple[int, str] | None:
+        if f.hidden.dtype != self.dtype or f.hidden.dim() != 2 or f.hidden.shape[1] != self.hidden_size:
+            return STATUS_BAD_FRAME, f"hidden must be [n, {self.hidden_size}] {self.dtype}"
+        if f.experts.shape != f.weights.shape or f.experts.shape[0] != f.hidden.shape[0]:
+            return STATUS_BAD_FRAME, "experts/weights must be [n, k] matching hidden"
+        layer_experts = self.by_layer.get(f.layer, {})
+        want = set(torch.unique(f.experts).tolist()) - {-1}
+        bad = sorted(e for e in want if e not in layer_experts)
+        if bad:
+            return STATUS_NOT_HOSTED, (
+                f"expert server {self.server_id} does not host layer {f.layer} expert(s) {bad[:16]}"
+            )
+        return None
+
+    def _run_layer(self, layer: int, group: list[tuple[object, RequestFrame]]) -> None:
+        if len(group) == 1:
+            hidden, experts, weights = group[0][1].hidden, group[0][1].experts, group[0][1].weights
+        else:
+            kmax = max(int(f.experts.shape[1]) for _, f in group)
+            hidden = torch.cat([f.hidden for _, f in group])
+            experts = torch.cat(
+                [torch.nn.functional.pad(f.experts.to(torch.int32), (0, kmax - f.experts.shape[1]), value=-1)
+                 for _, f in group]
+            )
+            weights = torch.cat(
+                [torch.nn.functional.pad(f.weights.to(torch.float32), (0, kmax - f.weights.shape[1]))
+                 for _, f in group]
+            )
+        out, loads = grouped_expert_sum(hidden, experts, weights, self.by_layer[layer])
+        ntok = int(hidden.shape[0])
+        SERVER_BATCH_TOKENS.observe(ntok)
+        for e, c in loads.items():
+            EXPERT_TOKENS.labels(str(layer), str(e)).inc(c)
+        self.stats["batches"] += 1
+        self.stats["tokens"] += ntok
+        clients = len({f.client_id for _, f in group})
+        self.stats["max_clients_per_batch"] = max(self.stats["max_clients_per_batch"], clients)
+        start = 0
+        for conn, f in group:
+            n = f.num_tokens
+            self.listener.respond(conn, ResponseFrame(f.seq, f.layer, STATUS_OK, out[start : start + n]))
+            start += n
+
+    def ready_line(self) -> str:
+        return f"expert-server {self.server_id} ready on {self.endpoint} hosting {self.num_experts} experts"
+
+
+def random_experts(
+    pairs, hidden_size: int, intermediate: int, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> dict[tuple[int, int], ExpertWeights]:
+    """Deterministic random expert weights for tests and benchmarks.
+
+    Each ``(layer, e)`` gets weights from its own generator seeded by ``(seed, layer, e)``, so a
+    server hosting a subset gets exactly the same tensors as a reference hosting all of them.
+    Shapes: gate/up ``[intermediate, hidden]``, down ``[hidden, intermediate]``; scaled by
+    ``1/sqrt(fan_in)``; created in float32 then cast to ``dtype``.
+    """
+    out = {}
+    for layer, e in pairs:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + int(layer) * 10_007 + int(e))
+        gate = torch.randn(intermediate, hidden_size, generator=g) / hidden_size**0.5
+        up = torch.randn(intermediate, hidden_size, generator=g) / hidden_size**0.5
+        down = torch.randn(hidden_size, intermediate, generator=g) / intermediate**0.5
+        out[(int(layer), int(e))] = ExpertWeights(gate.to(dtype), up.to(dtype), down.to(dtype))
+    return out
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def run(
+    server: ExpertServer,
+    metrics_port: int = 0,
+) -> None:
+    """Start metrics (if asked), install signal handlers, print the ready line, serve."""
+    from eaas.runtime.metrics import multiprocess_dir
+
+    if metrics_port and not multiprocess_dir():
+        from prometheus_client import start_http_server
+
+        start_http_server(int(metrics_port))
+    server.install_signal_handlers()
+    print(server.ready_line(), flush=True)
+    server.serve_forever()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m eaas.runtime.expert_server``: random-weight server for tests/benchmarks."""
+    import argparse
+
+    from eaas.runtime.placement import parse_expert_spec
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--listen", required=True)
+    p.add_argument("--experts", required=True, help="spec like '1:0-3,7;2:5'")
+    p.add_argument("--random", required=True, help="HIDDEN:INTER:SEED random weights")
+    p.add_argument("--server-id", default="s0")
+    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--metrics-port", type=int, default=0)
+    p.add_argument("--batch-window-us", type=float, default=0.0)
+    p.add_argument("--spin-us", type=float, default=None)
+    a = p.parse_args(argv)
+    hidden, inter, seed = (int(x) for x in a.random.split(":"))
+    dtype = _DTYPES[a.dtype]
+    hosted = random_experts(parse_expert_spec(a.experts), hidden, inter, dtype, seed)
+    kw = {} if a.spin_us is None else {"spin_us": a.spin_us}
+    server = ExpertServer(a.listen, hosted, hidden, dtype, a.server_id, num_threads=a.threads,
+                          batch_window_us=a.batch_window_us, **kw)
+    run(server, a.metrics_port)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main(sys.argv[1:])

@@ -1,0 +1,702 @@
+"""Same-host transport: request/response slots in shared memory, a Unix socket as doorbell.
+
+Endpoint: ``unix:/path/to/server.sock``.
+
+Connection set-up
+-----------------
+The server listens on a ``SOCK_SEQPACKET`` Unix socket (message boundaries kept, EOF on peer
+death). The client creates one anonymous ``memfd`` (``os.memfd_create``) holding its request
+slot and its response slot, maps it, and sends a *hello* packet carrying the fd (SCM_RIGHTS)
+plus ``client_id``, ``hidden_size``, dtype and the slot capacity (tokens, k). The server maps the
+same fd and answers an *ack* packet (status + message; a wrong hidden size or dtype is refused
+here). No named ``/dev/shm`` object ever exists: the memory goes away when the last process
+holding a mapping exits, even on SIGKILL.
+
+Slot layout (one memfd, both regions page aligned, all little-endian / native x86)
+----------------------------------------------------------------------------------
+request region::
+
+    header   int64[8]   [0] ready counter (written LAST)  [1] layer  [2] table_version
+                        [3] n tokens  [4] k  [5] client_id  [6] caller seq
+    hidden   [cap_tokens, H]  dtype (float32 | bfloat16)  -- first n*H used
+    experts  [cap_tokens * cap_k] int32                   -- first n*k used, [n, k] row major
+    weights  [cap_tokens * cap_k] float32                 -- same
+
+response region::
+
+    header   int64[8]   [0] done counter (written LAST) [1] layer [2] status [3] n [4] msg len
+                        [5] caller seq
+    message  1024 bytes utf-8 (error text)
+    output   [cap_tokens, H] dtype
+
+Data path
+---------
+Client ``send``: copy tensors into the request slot, write header fields, write the ready counter
+(a fresh per-connection counter, not the caller's seq), then send one doorbell packet ``b"D"``.
+Server ``poll``: spin up to ``spin_us`` reading every connection's ready counter; then block in
+``select`` on all sockets (idle server: ~0 CPU). Server ``respond``: copy the output into the
+response slot, write the done counter last, send a doorbell. Client ``recv``: spin, then block
+on the socket until the done counter matches or the deadline passes.
+
+Frames larger than the slot: ``send`` transparently grows the slot. It creates a new memfd sized
+for the frame (capacity at least doubled), sends it in a *remap* packet (same format as hello),
+and then writes the frame into the new slot; the server switches mappings when it reads the
+remap packet, which always precedes the doorbell. So callers never chunk. Hard cap:
+``MAX_TOKENS_HARD`` tokens per frame (:class:`FrameError` above it).
+
+Ordering: payload stores happen before the counter store and x86 keeps stores (and loads) in
+order, so a reader that sees the new counter sees the payload. Other CPU architectures would
+need explicit fences here. The blocking path goes through a syscall (full barrier) anyway.
+
+Liveness: EOF / ECONNRESET / EPIPE on the socket means the peer is gone. The client raises
+:class:`PeerDeadError`; the server drops that connection and keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import select
+import selectors
+import socket
+import struct
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from eaas.runtime.transport.base import (
+    STATUS_BAD_FRAME,
+    STATUS_OK,
+    ClientConnection,
+    DeadlineExceeded,
+    FrameError,
+    PeerDeadError,
+    RequestFrame,
+    ResponseFrame,
+    ServerListener,
+)
+
+DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+
+MAX_TOKENS_HARD = 1 << 16
+MAX_K_HARD = 1024
+DEFAULT_SPIN_US = 80.0
+_PAGE = mmap.PAGESIZE
+_HDR_BYTES = 64
+_MSG_BYTES = 1024
+
+# hello / remap packet: kind(1s) client_id hidden dtype cap_tokens cap_k
+_HELLO = struct.Struct("<cxxxqqiii")
+_ACK = struct.Struct("<ci")  # kind b"A", status; followed by utf-8 message
+_KIND_HELLO = b"H"
+_KIND_REMAP = b"R"
+_KIND_ACK = b"A"
+_DOORBELL = b"D"
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def unix_path(endpoint: str) -> str:
+    """``unix:/a/b.sock`` -> ``/a/b.sock``. Raises ValueError on another scheme."""
+    if not endpoint.startswith("unix:"):
+        raise ValueError(f"not a unix endpoint: {endpoint!r}")
+    path = endpoint[len("unix:") :]
+    if path.startswith("//"):  # tolerate unix:///abs/path
+        path = path[2:]
+    if not path:
+        raise ValueError(f"empty unix socket path in {endpoint!r}")
+    return path
+
+
+class _Slots:
+    """Tensor views over one mapped memfd (request + response regions).
+
+    Args:
+        mm: the mapping (``mmap.mmap``), at least :meth:`nbytes` long.
+        hidden: hidden size ``H``.
+        dtype: activation dtype.
+        cap_tokens: maximum tokens per frame.
+        cap_k: maximum expert entries per token.
+    """
+
+    @staticmethod
+    def layout(hidden: int, dtype: torch.dtype, cap_tokens: int, cap_k: int) -> tuple[int, int, int]:
+        """Returns ``(request_bytes, response_offset, total_bytes)``."""
+        esz = torch.empty((), dtype=dtype).element_size()
+        req = _HDR_BYTES + _align(cap_tokens * hidden * esz, 64) + 2 * _align(cap_tokens * cap_k * 4, 64)
+        resp_off = _align(req, _PAGE)
+        resp = _HDR_BYTES + _MSG_BYTES + cap_tokens * hidden * esz
+        return req, resp_off, _align(resp_off + resp, _PAGE)
+
+    def __init__(self, mm: mmap.mmap, hidden: int, dtype: torch.dtype, cap_tokens: int, cap_k: int):
+        self.mm = mm
+        self.hidden_size = hidden
+        self.dtype = dtype
+        self.cap_tokens = cap_tokens
+        self.cap_k = cap_k
+        esz = torch.empty((), dtype=dtype).element_size()
+        _, resp_off, total = self.layout(hidden, dtype, cap_tokens, cap_k)
+        if len(mm) < total:
+            raise FrameError(f"shared slot too small: {len(mm)} bytes < {total}")
+        off = 0
+        self.req_hdr = np.frombuffer(mm, dtype=np.int64, count=8, offset=off)
+        off += _HDR_BYTES
+        self.req_hidden = torch.frombuffer(mm, dtype=dtype, count=cap_tokens * hidden, offset=off).view(
+            cap_tokens, hidden
+        )
+        off += _align(cap_tokens * hidden * esz, 64)
+        self.req_experts = torch.frombuffer(mm, dtype=torch.int32, count=cap_tokens * cap_k, offset=off)
+        off += _align(cap_tokens * cap_k * 4, 64)
+        self.req_weights = torch.frombuffer(mm, dtype=torch.float32, count=cap_tokens * cap_k, offset=off)
+        off = resp_off
+        self.resp_hdr = np.frombuffer(mm, dtype=np.int64, count=8, offset=off)
+        off += _HDR_BYTES
+        self.resp_msg = np.frombuffer(mm, dtype=np.uint8, count=_MSG_BYTES, offset=off)
+        off += _MSG_BYTES
+        self.resp_out = torch.frombuffer(mm, dtype=dtype, count=cap_tokens * hidden, offset=off).view(
+            cap_tokens, hidden
+        )
+
+    def release(self) -> None:
+        """Drop our views and unmap if no caller still holds a view (else unmapped on GC)."""
+        mm = self.mm
+        self.req_hdr = self.req_hidden = self.req_experts = self.req_weights = None  # type: ignore
+        self.resp_hdr = self.resp_msg = self.resp_out = None  # type: ignore
+        self.mm = None  # type: ignore
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # a returned tensor still aliases it; the mapping dies with that tensor
+
+
+def _new_memfd_slots(hidden: int, dtype: torch.dtype, cap_tokens: int, cap_k: int) -> tuple[int, _Slots]:
+    _, _, total = _Slots.layout(hidden, dtype, cap_tokens, cap_k)
+    fd = os.memfd_create("eaas-slot", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, total)
+        mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, _Slots(mm, hidden, dtype, cap_tokens, cap_k)
+
+
+class ShmClientConnection(ClientConnection):
+    """Client end of a shared-memory connection to one expert server.
+
+    Args:
+        endpoint: ``unix:/path.sock``.
+        server_id: the server's id (kept for error messages and the dispatcher).
+        hidden_size: ``H``.
+        dtype: activation dtype of every frame on this connection (float32 or bfloat16).
+        client_id: this attention client's id (default: pid).
+        max_tokens: initial slot capacity in tokens (grown on demand, see module doc).
+        max_k: initial expert entries per token capacity (grown on demand).
+        spin_us: busy-poll time before blocking in ``recv``, microseconds.
+        connect_timeout: seconds to connect and get the server's ack.
+
+    Raises:
+        PeerDeadError: nothing listens at the path, or the server closed during the hello.
+        FrameError: the server refused the hello (hidden size / dtype mismatch).
+        DeadlineExceeded: no ack within ``connect_timeout``.
+
+    One request in flight per connection: ``send`` raises :class:`FrameError` while the previous
+    response has not been received. The ``output`` of a returned :class:`ResponseFrame` aliases
+    the response slot: copy it before the next ``send``.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        server_id: str,
+        *,
+        hidden_size: int,
+        dtype: torch.dtype,
+        client_id: int | None = None,
+        max_tokens: int = 256,
+        max_k: int = 8,
+        spin_us: float = DEFAULT_SPIN_US,
+        connect_timeout: float = 5.0,
+    ):
+        if dtype not in DTYPE_CODES:
+            raise FrameError(f"unsupported dtype {dtype}")
+        self.endpoint = endpoint
+        self.server_id = server_id
+        self.hidden_size = int(hidden_size)
+        self.dtype = dtype
+        self.client_id = os.getpid() if client_id is None else int(client_id)
+        self.spin_s = spin_us * 1e-6
+        self._counter = 0
+        self._outstanding = False
+        self._slots: _Slots | None = None
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        path = unix_path(endpoint)
+        deadline = time.monotonic() + connect_timeout
+        try:
+            self._sock.settimeout(connect_timeout)
+            try:
+                self._sock.connect(path)
+            except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError) as e:
+                raise PeerDeadError(f"expert server {server_id} at {endpoint}: connect failed: {e}") from None
+            except socket.timeout:
+                raise DeadlineExceeded(f"expert server {server_id} at {endpoint}: connect timed out") from None
+            self._map(max(1, int(max_tokens)), max(1, int(max_k)), _KIND_HELLO)
+            status, msg = self._wait_ack(deadline)
+            if status != STATUS_OK:
+                raise FrameError(f"expert server {server_id} at {endpoint} refused the connection: {msg}")
+            self._sock.setblocking(False)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- set-up -------------------------------------------------------------------------
+    def _map(self, cap_tokens: int, cap_k: int, kind: bytes) -> None:
+        fd, slots = _new_memfd_slots(self.hidden_size, self.dtype, cap_tokens, cap_k)
+        try:
+            pkt = _HELLO.pack(kind, self.client_id, self.hidden_size, DTYPE_CODES[self.dtype], cap_tokens, cap_k)
+            try:
+                socket.send_fds(self._sock, [pkt], [fd])
+            except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as e:
+                slots.release()
+                raise PeerDeadError(f"expert server {self.server_id} at {self.endpoint} is gone: {e}") from None
+            except BlockingIOError:
+                slots.release()
+                raise PeerDeadError(f"expert server {self.server_id}: socket full during remap") from None
+        finally:
+            os.close(fd)
+        if self._slots is not None:
+            self._slots.release()
+        self._slots = slots
+
+    def _wait_ack(self, deadline: float) -> tuple[int, str]:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceeded(f"expert server {self.server_id} at {self.endpoint}: no hello ack")
+            self._sock.settimeout(remaining)
+            try:
+                data = self._sock.recv(4096)
+            except socket.timeout:
+                continue
+            except (ConnectionResetError, BrokenPipeError) as e:
+                raise PeerDeadError(f"expert server {self.server_id}: {e}") from None
+            if not data:
+                raise PeerDeadError(f"expert server {self.server_id} at {self.endpoint} closed during hello")
+            if data[:1] == _KIND_ACK:
+                _, status = _ACK.unpack_from(data)
+                return status, data[_ACK.size :].decode("utf-8", "replace")
+
+    # -- data path ----------------------------------------------------------------------
+    def send(self, frame: RequestFrame) -> None:
+        """Write ``frame`` into the request slot and ring the doorbell.
+
+        Args:
+            frame: ``hidden`` ``[n, H]`` in this connection's dtype; ``experts`` ``[n, k]`` int
+                (any int dtype, converted to int32); ``weights`` ``[n, k]`` float (converted
+                to float32).
+
+        Raises:
+            FrameError: wrong shapes/dtype, ``n`` above ``MAX_TOKENS_HARD``, or a request still
+                in flight on this connection.
+            PeerDeadError: the server is gone.
+        """
+        if self._sock is None:
+            raise PeerDeadError(f"connection to {self.server_id} is closed")
+        if self._outstanding:
+            raise FrameError(f"connection to {self.server_id}: a request is already in flight (one at a time)")
+        h, ex, w = frame.hidden, frame.experts, frame.weights
+        if h.dim() != 2 or h.shape[1] != self.hidden_size:
+            raise FrameError(f"hidden must be [n, {self.hidden_size}], got {tuple(h.shape)}")
+        if h.dtype != self.dtype:
+            raise FrameError(f"hidden dtype {h.dtype} != connection dtype {self.dtype}")
+        n = int(h.shape[0])
+        if ex.dim() == 1:
+            ex = ex.unsqueeze(1)
+        if w.dim() == 1:
+            w = w.unsqueeze(1)
+        if ex.shape[0] != n or w.shape != ex.shape:
+            raise FrameError(f"experts {tuple(ex.shape)} / weights {tuple(w.shape)} must both be [{n}, k]")
+        k = int(ex.shape[1])
+        if n > MAX_TOKENS_HARD or k > MAX_K_HARD:
+            raise FrameError(f"frame of {n} tokens x k={k} exceeds the limit {MAX_TOKENS_HARD} x {MAX_K_HARD}")
+        s = self._slots
+        if n > s.cap_tokens or k > s.cap_k:
+            cap_t = s.cap_tokens
+            while cap_t < n:
+                cap_t *= 2
+            self._map(min(cap_t, MAX_TOKENS_HARD), max(k, s.cap_k), _KIND_REMAP)
+            s = self._slots
+        if n:
+            s.req_hidden[:n].copy_(h)
+            s.req_experts[: n * k].view(n, k).copy_(ex)
+            s.req_weights[: n * k].view(n, k).copy_(w)
+        hdr = s.req_hdr
+        hdr[1] = frame.layer
+        hdr[2] = frame.table_version
+        hdr[3] = n
+        hdr[4] = k
+        hdr[5] = self.client_id
+        hdr[6] = frame.seq
+        self._counter += 1
+        self._seq = frame.seq
+        hdr[0] = self._counter  # written last: the ready flag
+        self._outstanding = True
+        try:
+            self._sock.send(_DOORBELL)
+        except BlockingIOError:
+            pass  # the server has unread doorbells queued already; it will wake anyway
+        except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as e:
+            self._outstanding = False
+            raise PeerDeadError(f"expert server {self.server_id} at {self.endpoint} is gone: {e}") from None
+
+    def _drain(self) -> None:
+        """Read pending doorbells; raise PeerDeadError on EOF/reset."""
+        while True:
+            try:
+                data = self._sock.recv(4096)
+            except BlockingIOError:
+                return
+            except (ConnectionResetError, BrokenPipeError) as e:
+                raise PeerDeadError(f"expert server {self.server_id} at {self.endpoint} died: {e}") from None
+            if not data:
+                raise PeerDeadError(f"expert server {self.server_id} at {self.endpoint} closed the connection")
+
+    def _response(self) -> ResponseFrame:
+        s = self._slots
+        hdr = s.resp_hdr
+        self._outstanding = False
+        status = int(hdr[2])
+        n = int(hdr[3])
+        if status == STATUS_OK:
+            return ResponseFrame(seq=int(hdr[5]), layer=int(hdr[1]), status=status, output=s.resp_out[:n])
+        ln = min(int(hdr[4]), _MSG_BYTES)
+        msg = bytes(s.resp_msg[:ln]).decode("utf-8", "replace")
+        return ResponseFrame(seq=int(hdr[5]), layer=int(hdr[1]), status=status, output=None, message=msg)
+
+    def recv(self, deadline: float) -> ResponseFrame:
+        """Wait for the response to the last ``send`` until ``deadline`` (``time.monotonic()``).
+
+        Returns:
+            :class:`ResponseFrame`; ``output`` ``[n, H]`` aliases the response slot.
+
+        Raises:
+            PeerDeadError: the server died / closed (detected via socket EOF, typically < 1 ms).
+            DeadlineExceeded: no response by ``deadline``; the request stays in flight (a later
+                ``recv`` may still get it); ``close`` the connection to abandon it.
+            FrameError: no request in flight.
+        """
+        if self._sock is None:
+            raise PeerDeadError(f"connection to {self.server_id} is closed")
+        if not self._outstanding:
+            raise FrameError(f"connection to {self.server_id}: recv without a request in flight")
+        hdr = self._slots.resp_hdr
+        want = self._counter
+        if hdr[0] == want:
+            return self._response()
+        spin_end = min(time.monotonic() + self.spin_s, deadline)
+        while time.monotonic() < spin_end:
+            if hdr[0] == want:
+                return self._response()
+        while True:
+            self._drain()
+            if hdr[0] == want:
+                return self._response()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceeded(
+                    f"expert server {self.server_id} at {self.endpoint}: no response before the deadline"
+                )
+            try:
+                select.select([self._sock], [], [], remaining)
+            except ValueError:  # socket closed under us
+                raise PeerDeadError(f"connection to {self.server_id} is closed") from None
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+        if self._slots is not None:
+            self._slots.release()
+            self._slots = None
+        self._outstanding = False
+
+
+class _ServerConn:
+    __slots__ = ("sock", "slots", "client_id", "last_seen", "in_flight", "ready", "fileno")
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.fileno = sock.fileno()
+        self.slots: _Slots | None = None
+        self.client_id = -1
+        self.last_seen = 0
+        self.in_flight = False
+        self.ready = False  # hello accepted
+
+
+class ShmServerListener(ServerListener):
+    """Server end of the shared-memory transport.
+
+    Args:
+        endpoint: ``unix:/path.sock``; a stale socket file at the path is replaced, a live one
+            (some process accepts on it) raises ``OSError(EADDRINUSE)``.
+        hidden_size: ``H``; hellos with another size are refused.
+        dtype: activation dtype; hellos with another dtype are refused.
+        spin_us: busy-poll time in ``poll`` before blocking, microseconds.
+
+    The path is unlinked by :meth:`close`.
+    """
+
+    def __init__(self, endpoint: str, *, hidden_size: int, dtype: torch.dtype, spin_us: float = DEFAULT_SPIN_US):
+        self.endpoint = endpoint
+        self.hidden_size = int(hidden_size)
+        self.dtype = dtype
+        self.spin_s = spin_us * 1e-6
+        self.path = unix_path(endpoint)
+        self._conns: dict[int, _ServerConn] = {}
+        self._sel = selectors.DefaultSelector()
+        self._lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._remove_stale(self.path)
+        d = os.path.dirname(self.path)
+        if d:
+            os.makedirs(d, exist_ok=True)
+        self._lsock.bind(self.path)
+        self._owner_pid = os.getpid()
+        self._lsock.listen(128)
+        self._lsock.setblocking(False)
+        self._sel.register(self._lsock, selectors.EVENT_READ, None)
+
+    @staticmethod
+    def _remove_stale(path: str) -> None:
+        if not os.path.exists(path):
+            return
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            probe.settimeout(0.5)
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError, socket.timeout, OSError):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            return
+        finally:
+            probe.close()
+        raise OSError(errno.EADDRINUSE, f"another expert server is listening on {path}")
+
+    @property
+    def num_connections(self) -> int:
+        return sum(1 for c in self._conns.values() if c.ready)
+
+    # -- connections --------------------------------------------------------------------
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._lsock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            sock.setblocking(False)
+            conn = _ServerConn(sock)
+            self._conns[conn.fileno] = conn
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _drop(self, conn: _ServerConn) -> None:
+        if self._conns.pop(conn.fileno, None) is None:
+            return
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+        if conn.slots is not None:
+            conn.slots.release()
+            conn.slots = None
+        conn.ready = False
+
+    def _ack(self, conn: _ServerConn, status: int, msg: str) -> bool:
+        try:
+            conn.sock.send(_ACK.pack(_KIND_ACK, status) + msg.encode()[:2000])
+            return True
+        except OSError:
+            return False
+
+    def _on_map(self, conn: _ServerConn, data: bytes, fds: list[int]) -> None:
+        try:
+            if len(fds) != 1 or len(data) < _HELLO.size:
+                raise FrameError("hello/remap packet without exactly one fd")
+            kind, client_id, hidden, dcode, cap_t, cap_k = _HELLO.unpack_from(data)
+            if hidden != self.hidden_size:
+                raise FrameError(f"hidden size {hidden} != server's {self.hidden_size}")
+            dtype = CODE_DTYPES.get(dcode)
+            if dtype != self.dtype:
+                raise FrameError(f"dtype {dtype} != server's {self.dtype}")
+            if not (0 < cap_t <= MAX_TOKENS_HARD and 0 < cap_k <= MAX_K_HARD):
+                raise FrameError(f"bad slot capacity {cap_t} x {cap_k}")
+            _, _, total = _Slots.layout(hidden, dtype, cap_t, cap_k)
+            if os.fstat(fds[0]).st_size < total:
+                raise FrameError("shared slot smaller than announced")
+            mm = mmap.mmap(fds[0], total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            slots = _Slots(mm, hidden, dtype, cap_t, cap_k)
+        except (FrameError, OSError, ValueError, struct.error) as e:
+            for fd in fds:
+                os.close(fd)
+            if not conn.ready:
+                self._ack(conn, STATUS_BAD_FRAME, str(e))
+            self._drop(conn)
+            return
+        for fd in fds:
+            os.close(fd)
+        if conn.slots is not None:
+            conn.slots.release()
+        conn.slots = slots
+        conn.client_id = client_id
+        conn.last_seen = int(slots.req_hdr[0])  # fresh memfd: 0
+        if kind == _KIND_HELLO:
+            conn.ready = True
+            if not self._ack(conn, STATUS_OK, ""):
+                self._drop(conn)
+
+    def _read(self, conn: _ServerConn) -> None:
+        """Drain every pending packet of ``conn`` (doorbells, hello, remap); drop it on EOF."""
+        while True:
+            try:
+                data, fds, _flags, _ = socket.recv_fds(conn.sock, 256, 4)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self._drop(conn)
+                return
+            if not data:
+                for fd in fds:
+                    os.close(fd)
+                self._drop(conn)
+                return
+            kind = data[:1]
+            if kind == _DOORBELL and not fds:
+                continue
+            if kind in (_KIND_HELLO, _KIND_REMAP):
+                self._on_map(conn, data, fds)
+                if conn.fileno not in self._conns:
+                    return
+                continue
+            for fd in fds:
+                os.close(fd)
+            self._drop(conn)  # protocol violation
+            return
+
+    # -- data path ----------------------------------------------------------------------
+    def _collect(self) -> list[tuple[object, RequestFrame]]:
+        out = []
+        for conn in self._conns.values():
+            if not conn.ready or conn.in_flight:
+                continue
+            s = conn.slots
+            hdr = s.req_hdr
+            c = int(hdr[0])
+            if c == conn.last_seen:
+                continue
+            conn.last_seen = c
+            n, k = int(hdr[3]), int(hdr[4])
+            if not (0 <= n <= s.cap_tokens and 0 <= k <= s.cap_k):
+                conn.in_flight = True
+                self.respond(conn, ResponseFrame(int(hdr[6]), int(hdr[1]), STATUS_BAD_FRAME, None,
+                                                 f"bad frame size n={n} k={k}"))
+                continue
+            conn.in_flight = True
+            frame = RequestFrame(
+                client_id=int(hdr[5]),
+                layer=int(hdr[1]),
+                table_version=int(hdr[2]),
+                seq=int(hdr[6]),
+                hidden=s.req_hidden[:n],
+                experts=s.req_experts[: n * k].view(n, k),
+                weights=s.req_weights[: n * k].view(n, k),
+            )
+            out.append((conn, frame))
+        return out
+
+    def poll(self, timeout: float | None) -> Sequence[tuple[object, RequestFrame]]:
+        """Ready frames of all clients: spin ``spin_us``, then block up to ``timeout`` seconds.
+
+        ``timeout=0`` checks once without blocking. Returned tensors alias the client's slot and
+        stay valid until :meth:`respond` on that handle. A connection with a frame in flight is
+        not polled again until it is answered.
+        """
+        frames = self._collect()
+        if frames:
+            return frames
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
+        spin_end = now + (self.spin_s if timeout is None else min(self.spin_s, timeout))
+        while time.monotonic() < spin_end:
+            frames = self._collect()
+            if frames:
+                return frames
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            for key, _ in self._sel.select(remaining):
+                if key.data is None:
+                    self._accept()
+                else:
+                    self._read(key.data)
+            frames = self._collect()
+            if frames or (deadline is not None and time.monotonic() >= deadline):
+                return frames
+
+    def respond(self, conn: object, frame: ResponseFrame) -> None:
+        """Copy ``frame`` into ``conn``'s response slot, set the done counter, ring the doorbell.
+
+        ``frame.output``: ``[n, H]`` in the connection dtype (ignored unless status is OK).
+        A dead or vanished client is dropped silently.
+        """
+        assert isinstance(conn, _ServerConn)
+        if conn.fileno not in self._conns or conn.slots is None:
+            return
+        s = conn.slots
+        hdr = s.resp_hdr
+        hdr[1] = frame.layer
+        hdr[2] = frame.status
+        hdr[5] = frame.seq
+        if frame.status == STATUS_OK and frame.output is not None:
+            n = int(frame.output.shape[0])
+            if n:
+                s.resp_out[:n].copy_(frame.output)
+            hdr[3] = n
+            hdr[4] = 0
+        else:
+            msg = frame.message.encode("utf-8")[:_MSG_BYTES]
+            s.resp_msg[: len(msg)] = np.frombuffer(msg, dtype=np.uint8)
+            hdr[3] = 0
+            hdr[4] = len(msg)
+        hdr[0] = conn.last_seen  # written last: done flag, echoes the request counter
+        conn.in_flight = False
+        try:
+            conn.sock.send(_DOORBELL)
+        except (BlockingIOError, InterruptedError):
+            pass  # client has unread doorbells; it will wake
+        except OSError:
+            self._drop(conn)
+
+    def close(self) -> None:
+        for conn in list(self._conns.values()):
+            self._drop(conn)
+        try:
+            self._sel.unregister(self._lsock)
+        except (KeyError, ValueError):
+            pass
+        self._sel.close()
+        self._lsock.close()
+        if os.getpid() == self._owner_pid:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
