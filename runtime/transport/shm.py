@@ -559,7 +559,9 @@ class ShmServerListener(ServerListener):
             conn.slots.release()
         conn.slots = slots
         conn.client_id = client_id
-        conn.last_seen = int(slots.req_hdr[0])  # fresh memfd: 0
+        # A fresh memfd reads 0 until the client's first frame in it (its counter is >= 1); the
+        # frame may already be there, so do NOT read the current counter here.
+        conn.last_seen = 0
         if kind == _KIND_HELLO:
             conn.ready = True
             if not self._ack(conn, STATUS_OK, ""):

@@ -1,0 +1,188 @@
+"""Transports (shm over a Unix socket, TCP) against a real expert-server process."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from eaas.runtime.transport.base import (
+    STATUS_OK,
+    DeadlineExceeded,
+    FrameError,
+    PeerDeadError,
+    RequestFrame,
+    connect,
+)
+from srv_helpers import HIDDEN, reference, shm_entries, start_server, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _endpoint(kind: str, tmp_path) -> str:
+    return f"unix:{tmp_path}/es.sock" if kind == "unix" else "tcp://127.0.0.1:0"
+
+
+def _frame(n, k, layer=1, n_exp=4, dtype=torch.float32, seq=0, gen=None):
+    g = gen or torch.Generator().manual_seed(1000 + n * 31 + k)
+    h = torch.randn(n, HIDDEN, generator=g).to(dtype)
+    ex = torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(n)]).to(torch.int32) if n else \
+        torch.zeros(0, k, dtype=torch.int32)
+    if n and k > 1:
+        ex[0, -1] = -1  # one padding entry
+    w = torch.rand(n, k, generator=g)
+    return RequestFrame(client_id=1, layer=layer, table_version=3, seq=seq, hidden=h, experts=ex, weights=w)
+
+
+@pytest.mark.parametrize("kind", ["unix", "tcp"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_round_trip_matches_local_reference(kind, dtype, tmp_path):
+    srv = start_server(_endpoint(kind, tmp_path), dtype=dtype)
+    try:
+        # max_tokens=4 / max_k=1: larger frames force the shm slot to grow (remap) transparently.
+        c = connect(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=dtype, max_tokens=4, max_k=1)
+        for i, (n, k, layer, n_exp) in enumerate([(1, 1, 1, 4), (3, 2, 1, 4), (17, 4, 1, 4), (5, 2, 2, 2),
+                                                   (0, 2, 1, 4), (64, 3, 1, 4), (2, 1, 1, 4)]):
+            f = _frame(n, k, layer, n_exp, dtype, seq=100 + i)
+            c.send(f)
+            r = c.recv(time.monotonic() + 5)
+            assert r.status == STATUS_OK, r.message
+            assert (r.seq, r.layer) == (100 + i, layer)
+            assert r.output.dtype == dtype and tuple(r.output.shape) == (n, HIDDEN)
+            ref = reference(layer, f.hidden, f.experts, f.weights, dtype=dtype)
+            if dtype == torch.float32:
+                torch.testing.assert_close(r.output, ref, rtol=1e-5, atol=1e-6)
+            else:
+                torch.testing.assert_close(r.output.float(), ref.float(), rtol=2e-2, atol=2e-2)
+        c.close()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("kind", ["unix", "tcp"])
+def test_protocol_misuse_raises_frame_error(kind, tmp_path):
+    srv = start_server(_endpoint(kind, tmp_path))
+    try:
+        with pytest.raises(FrameError, match="hidden size"):
+            connect(srv.endpoint, "s-test", hidden_size=HIDDEN + 1, dtype=torch.float32)
+        c = connect(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
+        with pytest.raises(FrameError, match="dtype"):
+            c.send(_frame(2, 1, dtype=torch.bfloat16))
+        with pytest.raises(FrameError, match="recv without"):
+            c.recv(time.monotonic() + 1)
+        c.send(_frame(2, 1))
+        with pytest.raises(FrameError, match="in flight"):
+            c.send(_frame(2, 1))
+        assert c.recv(time.monotonic() + 5).status == STATUS_OK
+        c.close()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("kind", ["unix", "tcp"])
+def test_connect_to_nothing_is_peer_dead(kind, tmp_path):
+    ep = f"unix:{tmp_path}/none.sock" if kind == "unix" else "tcp://127.0.0.1:1"
+    t0 = time.monotonic()
+    with pytest.raises(PeerDeadError):
+        connect(ep, "nobody", hidden_size=HIDDEN, dtype=torch.float32, connect_timeout=2)
+    assert time.monotonic() - t0 < 1.0
+
+
+@pytest.mark.parametrize("kind", ["unix", "tcp"])
+def test_server_sigkill_mid_request_gives_peer_dead_fast(kind, tmp_path):
+    srv = start_server(_endpoint(kind, tmp_path))
+    c = connect(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
+    c.send(_frame(2, 1))
+    assert c.recv(time.monotonic() + 5).status == STATUS_OK
+    os.kill(srv.pid, signal.SIGSTOP)  # the next request is surely in flight when it dies
+    c.send(_frame(3, 1))
+    os.kill(srv.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(PeerDeadError):
+        c.recv(time.monotonic() + 10)
+    assert time.monotonic() - t0 < 1.0
+    with pytest.raises(PeerDeadError):
+        c.send(_frame(1, 1)) if not c._outstanding else c.recv(time.monotonic() + 1)  # noqa: SLF001
+    c.close()
+    srv.kill()
+
+
+@pytest.mark.parametrize("kind", ["unix", "tcp"])
+def test_stopped_server_hits_deadline_then_recovers(kind, tmp_path):
+    srv = start_server(_endpoint(kind, tmp_path))
+    try:
+        c = connect(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
+        os.kill(srv.pid, signal.SIGSTOP)
+        f = _frame(4, 2)
+        c.send(f)
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            c.recv(t0 + 0.3)
+        assert 0.25 < time.monotonic() - t0 < 1.0
+        os.kill(srv.pid, signal.SIGCONT)
+        r = c.recv(time.monotonic() + 5)  # the late answer is still delivered
+        assert r.status == STATUS_OK
+        torch.testing.assert_close(r.output, reference(1, f.hidden, f.experts, f.weights), rtol=1e-5, atol=1e-6)
+        c.close()
+    finally:
+        srv.stop()
+
+
+def _doomed_client(endpoint, ready):
+    c = connect(endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
+    c.send(_frame(8, 2))
+    ready.set()
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("kind", ["unix", "tcp"])
+def test_client_sigkill_does_not_disturb_server(kind, tmp_path):
+    before = shm_entries()
+    srv = start_server(_endpoint(kind, tmp_path))
+    try:
+        ctx = mp.get_context("fork")
+        for _ in range(2):
+            ready = ctx.Event()
+            p = ctx.Process(target=_doomed_client, args=(srv.endpoint, ready), daemon=True)
+            p.start()
+            assert ready.wait(20)
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(5)
+        c = connect(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
+        for i in range(5):
+            f = _frame(3, 2, seq=i)
+            c.send(f)
+            r = c.recv(time.monotonic() + 5)
+            assert r.status == STATUS_OK and r.seq == i
+        c.close()
+        assert srv.proc.is_alive()
+    finally:
+        stats = srv.stop()
+    assert stats is not None and stats["errors"] == 0
+    assert wait_until(lambda: shm_entries() <= before, 2.0), shm_entries() - before
+
+
+def test_no_shm_files_even_after_sigkill(tmp_path):
+    """memfd slots leave nothing in /dev/shm, whoever dies."""
+    before = shm_entries()
+    srv = start_server(_endpoint("unix", tmp_path))
+    c = connect(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32, max_tokens=2)
+    c.send(_frame(50, 3))  # grows the slot: a second memfd
+    assert c.recv(time.monotonic() + 5).status == STATUS_OK
+    assert shm_entries() <= before
+    srv.kill()
+    c.close()
+    assert shm_entries() <= before
+    # the stale socket file left by SIGKILL is replaced by the next server on the same path
+    srv2 = start_server(srv.endpoint)
+    c = connect(srv2.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
+    c.send(_frame(1, 1))
+    assert c.recv(time.monotonic() + 5).status == STATUS_OK
+    c.close()
+    srv2.stop()
+    assert not os.path.exists(srv.endpoint[len("unix:"):])
+    assert shm_entries() <= before
