@@ -1,0 +1,537 @@
+"""CRDs ``ExpertPool`` and ``AttentionFleet`` (group ``eaas.io``, version ``v1alpha1``).
+
+One source of truth: the pydantic models below. They serve twice:
+
+* :func:`render_crds` turns them into CustomResourceDefinition manifests (structural OpenAPI v3
+  schemas with defaults, bounds, enums and CEL rules) — ``eaas crds --out deploy/crds`` writes them
+  to ``deploy/crds/*.yaml`` and into the Helm chart's ``crds/`` folder.
+* The operator parses ``spec`` with :meth:`ExpertPoolSpec.model_validate` (the API server has
+  already applied the defaults and validated the rules; parsing gives typed access).
+
+Per-field ``description`` texts become the CRD's ``description`` (shown by ``kubectl explain``).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from eaas.runtime.placement import POLICIES
+
+PlacementPolicy = Literal["round-robin", "load-balanced"]
+assert set(PlacementPolicy.__args__) == set(POLICIES), "CRD enum out of sync with eaas.runtime.placement"
+
+GROUP = "eaas.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+#: Label/annotation keys the operator writes. Pods: all labels; ConfigMap: the annotation.
+LABEL_POOL = "eaas.io/pool"
+LABEL_FLEET = "eaas.io/fleet"
+LABEL_ROLE = "eaas.io/role"
+LABEL_SERVER_INDEX = "eaas.io/server-index"
+LABEL_PLACEMENT_REVISION = "eaas.io/placement-revision"
+ANNOTATION_EXPERTS = "eaas.io/experts"
+ANNOTATION_SPEC_HASH = "eaas.io/spec-hash"
+ANNOTATION_TABLE_VERSION = "eaas.io/routing-table-version"
+RDMA_NODE_LABEL = "eaas.io/rdma"
+
+_K8S_OBJECT = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+
+
+class _Model(BaseModel):
+    """Base: camelCase wire names, snake_case attributes; unknown fields ignored when parsing."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+# ---------------------------------------------------------------------------------------------
+# ExpertPool
+# ---------------------------------------------------------------------------------------------
+class ModelSpec(_Model):
+    """The MoE model whose routed experts the pool serves. The operator does not open the
+    checkpoint: give the architecture facts (for a Hugging Face DeepSeek-V3 checkpoint they are in
+    config.json: firstMoeLayer = first_k_dense_replace, numMoeLayers = num_hidden_layers -
+    first_k_dense_replace, numExperts = n_routed_experts, topK = num_experts_per_tok)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.topK <= self.numExperts",
+                    "message": "spec.model.topK must not exceed spec.model.numExperts",
+                    "fieldPath": ".topK",
+                }
+            ]
+        }
+    )
+
+    uri: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="Checkpoint location as the expert-server process sees it (a path inside the "
+        "pod, e.g. a mounted volume); passed as `--model`.",
+    )
+    first_moe_layer: int = Field(
+        default=0, ge=0, le=1024, description="Index of the first MoE layer (layers before it are dense)."
+    )
+    num_moe_layers: int = Field(
+        ge=1, le=1024, description="Number of consecutive MoE layers starting at firstMoeLayer."
+    )
+    num_experts: int = Field(ge=1, le=65536, description="Routed (logical) experts per MoE layer.")
+    top_k: int = Field(ge=1, le=1024, description="Experts each token is routed to per MoE layer.")
+    hidden_size: int = Field(ge=1, le=1048576, description="Model hidden size (activation width).")
+
+    def layers(self) -> list[int]:
+        """MoE layer indices, ascending."""
+        return list(range(self.first_moe_layer, self.first_moe_layer + self.num_moe_layers))
+
+
+class PlacementSpec(_Model):
+    """How logical experts are spread over expert servers."""
+
+    policy: PlacementPolicy = Field(
+        default="round-robin",
+        description="round-robin: deal replicas to servers in turn; load-balanced: greedy "
+        "longest-processing-time on expert load.",
+    )
+
+
+class FailureDetectionSpec(_Model):
+    """Timing of the data plane's failure detection (handed to pods as environment variables)."""
+
+    dispatch_timeout_ms: int = Field(
+        default=500,
+        ge=1,
+        le=600000,
+        description="Deadline for an expert server's answer before the client re-sends the tokens "
+        "to another replica (milliseconds).",
+    )
+    suspect_after_ms: int = Field(
+        default=200,
+        ge=1,
+        le=600000,
+        description="How long a server may stay unresponsive before clients mark it suspect and "
+        "report it (milliseconds).",
+    )
+
+
+def _default_tolerations() -> list[dict[str, Any]]:
+    return [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
+
+class ExpertPoolSpec(_Model):
+    """Desired state of an ExpertPool: `replicas` stateless expert servers (one pod each) that
+    together host every logical expert `redundancy` times, on distinct servers."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.redundancy <= self.replicas",
+                    "message": "spec.redundancy must not exceed spec.replicas",
+                    "fieldPath": ".redundancy",
+                }
+            ]
+        }
+    )
+
+    model: ModelSpec = Field(description="The MoE model served by the pool.")
+    replicas: int = Field(
+        ge=1, le=4096, description="Number of expert servers (one pod each). Any value >= redundancy."
+    )
+    gpus_per_server: int = Field(default=1, ge=1, le=16, description="GPUs per expert-server pod.")
+    redundancy: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="Replicas of every logical expert, each on a distinct server; redundancy - 1 "
+        "servers may die without any expert losing its last replica.",
+    )
+    placement: PlacementSpec = Field(default_factory=PlacementSpec, description="Placement policy.")
+    image: str = Field(default="eaas:latest", min_length=1, description="Container image with the `eaas` CLI.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="Image pull policy of the expert-server container."
+    )
+    resources: Optional[dict[str, Any]] = Field(
+        default=None,
+        json_schema_extra=_K8S_OBJECT,
+        description="Extra container resources (core/v1 ResourceRequirements); the operator adds "
+        "`nvidia.com/gpu: gpusPerServer` and `<rdmaResource>: 1` to requests and limits.",
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=lambda: {RDMA_NODE_LABEL: "true"},
+        description="Node selector of expert-server pods (default: RDMA-capable nodes).",
+    )
+    affinity: Optional[dict[str, Any]] = Field(
+        default=None, json_schema_extra=_K8S_OBJECT, description="core/v1 Affinity of expert-server pods."
+    )
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=_default_tolerations,
+        json_schema_extra={"items": _K8S_OBJECT},
+        description="core/v1 Tolerations of expert-server pods (default: tolerate the GPU taint).",
+    )
+    rdma_resource: str = Field(
+        default="rdma/ib",
+        max_length=253,
+        description="Extended resource naming one RDMA device; each server requests 1. Empty: none.",
+    )
+    port: int = Field(default=9000, ge=1, le=65535, description="Port the expert server listens on.")
+    failure_detection: FailureDetectionSpec = Field(
+        default_factory=FailureDetectionSpec, description="Failure-detection timing."
+    )
+
+
+class Condition(_Model):
+    """A standard Kubernetes condition."""
+
+    type: str = Field(description="Ready, Progressing or Degraded.")
+    status: Literal["True", "False", "Unknown"] = Field(description="Condition status.")
+    reason: str = Field(default="", description="CamelCase reason.")
+    message: str = Field(default="", description="Human-readable detail.")
+    last_transition_time: Optional[str] = Field(default=None, description="When status last changed (RFC 3339).")
+    observed_generation: Optional[int] = Field(default=None, description="Generation the condition is about.")
+
+
+class PlacementSummary(_Model):
+    """Summary of the current placement and of live coverage."""
+
+    experts_per_server_min: int = Field(default=0, description="Fewest (layer, expert) replicas on one server.")
+    experts_per_server_max: int = Field(default=0, description="Most (layer, expert) replicas on one server.")
+    experts_below_redundancy: int = Field(
+        default=0, description="Logical experts with fewer than `redundancy` live replicas in the routing table."
+    )
+    uncovered_experts: int = Field(default=0, description="Logical experts with no live replica at all.")
+    logical_experts: int = Field(default=0, description="Logical experts in total (MoE layers x experts).")
+
+
+class ExpertPoolStatus(_Model):
+    """Observed state of an ExpertPool."""
+
+    replicas: int = Field(default=0, description="Expert-server pods that exist (not terminating).")
+    ready_replicas: int = Field(default=0, description="Expert-server pods that are Ready with a pod IP.")
+    updated_replicas: int = Field(default=0, description="Pods matching the current placement revision and spec.")
+    selector: str = Field(default="", description="Label selector of the pool's pods (string form, for `scale`).")
+    observed_generation: int = Field(default=0, description="metadata.generation last acted on.")
+    conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing, Degraded.")
+    routing_table_version: int = Field(default=0, description="Version of the published routing table.")
+    placement: PlacementSummary = Field(default_factory=PlacementSummary, description="Placement summary.")
+    placement_revision: str = Field(default="", description="Hash of the current placement's inputs.")
+
+
+# ---------------------------------------------------------------------------------------------
+# AttentionFleet
+# ---------------------------------------------------------------------------------------------
+class ExpertPoolRef(_Model):
+    """Reference to an ExpertPool in the fleet's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, description="Name of the ExpertPool.")
+
+
+class FleetModelSpec(_Model):
+    """The model the attention clients load (the same checkpoint as the pool's)."""
+
+    uri: str = Field(min_length=1, max_length=1024, description="Checkpoint path inside the pod; `--model`.")
+
+
+class AttentionFleetSpec(_Model):
+    """Desired state of an AttentionFleet: stateful attention clients (a Deployment and a Service)
+    that use the routing table of one ExpertPool."""
+
+    expert_pool_ref: ExpertPoolRef = Field(description="The ExpertPool whose routing table the clients use.")
+    replicas: int = Field(default=1, ge=0, le=4096, description="Number of attention-client pods.")
+    model: FleetModelSpec = Field(description="The model the clients load.")
+    image: str = Field(default="eaas:latest", min_length=1, description="Container image with the `eaas` CLI.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="Image pull policy of the client container."
+    )
+    resources: Optional[dict[str, Any]] = Field(
+        default=None, json_schema_extra=_K8S_OBJECT, description="core/v1 ResourceRequirements of a client."
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node selector of client pods.")
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list, json_schema_extra={"items": _K8S_OBJECT}, description="Tolerations of client pods."
+    )
+    port: int = Field(default=8000, ge=1, le=65535, description="OpenAI-compatible API port (container and Service).")
+
+
+class AttentionFleetStatus(_Model):
+    """Observed state of an AttentionFleet."""
+
+    replicas: int = Field(default=0, description="Client pods (from the Deployment).")
+    ready_replicas: int = Field(default=0, description="Ready client pods.")
+    selector: str = Field(default="", description="Label selector of the client pods (string form).")
+    observed_generation: int = Field(default=0, description="metadata.generation last acted on.")
+    conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing, Degraded.")
+    routing_table_version: int = Field(default=0, description="Version of the pool's routing table the clients mount.")
+
+
+# ---------------------------------------------------------------------------------------------
+# pydantic JSON Schema -> structural OpenAPI v3 schema
+# ---------------------------------------------------------------------------------------------
+def _structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """Rewrite one pydantic JSON-Schema node into a Kubernetes structural schema node.
+
+    Inlines ``$ref``, turns ``Optional[X]`` (``anyOf [X, null]``) into ``X``, drops ``title`` and
+    ``additionalProperties: false``, keeps defaults, bounds, enums, descriptions and ``x-`` keys.
+
+    Raises:
+        ValueError: a construct that has no structural form (a non-Optional union).
+    """
+    node = dict(schema)
+    if "$ref" in node:
+        target = defs[node.pop("$ref").split("/")[-1]]
+        merged = {**_structural(target, defs), **{k: v for k, v in node.items()}}
+        # a field-level description wins over the class docstring
+        return _structural_keys(merged, defs)
+    if "anyOf" in node:
+        options = [o for o in node.pop("anyOf") if o.get("type") != "null"]
+        if len(options) != 1:
+            raise ValueError(f"non-optional union has no structural schema: {schema}")
+        inner = _structural(options[0], defs)
+        if node.get("default", ...) is None:
+            node.pop("default")
+        return _structural_keys({**inner, **node}, defs)
+    return _structural_keys(node, defs)
+
+
+def _structural_keys(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in ("title", "$defs"):
+            continue
+        if key == "properties":
+            out[key] = {k: _structural(v, defs) for k, v in value.items()}
+        elif key == "items":
+            out[key] = _structural(value, defs)
+        elif key == "additionalProperties":
+            if isinstance(value, dict):
+                out[key] = _structural(value, defs)
+        else:
+            out[key] = value
+    if "x-kubernetes-preserve-unknown-fields" in out:
+        out.pop("additionalProperties", None)
+    if out.get("default", ...) is None:
+        out.pop("default")
+    if "enum" in out and "type" not in out:
+        out["type"] = "string"
+    return out
+
+
+def _model_type(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model class inside ``annotation`` (``X`` or ``Optional[X]``), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                return arg
+    return None
+
+
+def _finish(model: type[BaseModel], node: dict[str, Any]) -> None:
+    """Add what pydantic leaves out: defaults of ``default_factory`` fields (``{}`` for nested
+    models, so the API server then fills their own defaults) and one-line descriptions."""
+    if "description" in node:
+        node["description"] = " ".join(node["description"].split())
+    props = node.get("properties", {})
+    for name, field in model.model_fields.items():
+        prop = props[field.alias or name]
+        sub = _model_type(field.annotation)
+        if field.default_factory is not None:
+            value = field.default_factory()  # type: ignore[call-arg]
+            prop["default"] = {} if isinstance(value, BaseModel) else value
+        if sub is not None:
+            _finish(sub, prop)
+        elif typing.get_origin(field.annotation) is list:
+            item = _model_type(typing.get_args(field.annotation)[0])
+            if item is not None:
+                _finish(item, prop["items"])
+        if "description" in prop:
+            prop["description"] = " ".join(prop["description"].split())
+
+
+def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """Structural OpenAPI v3 schema of ``model`` (camelCase property names)."""
+    raw = model.model_json_schema(by_alias=True, mode="serialization")
+    defs = raw.get("$defs", {})
+    out = _structural(raw, defs)
+    _finish(model, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# CRD manifests
+# ---------------------------------------------------------------------------------------------
+def _crd(
+    *,
+    kind: str,
+    plural: str,
+    singular: str,
+    short: str,
+    spec_model: type[BaseModel],
+    status_model: type[BaseModel],
+    description: str,
+    columns: list[dict[str, Any]],
+    scale: dict[str, str] | None,
+) -> dict[str, Any]:
+    spec_schema = openapi_schema(spec_model)
+    status_schema = openapi_schema(status_model)
+    root = {
+        "type": "object",
+        "description": description,
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema,
+            "status": status_schema,
+        },
+        "x-kubernetes-validations": [
+            {
+                "rule": "size(self.metadata.name) <= 52",
+                "message": "metadata.name must be at most 52 characters (pod and ConfigMap names derive from it)",
+            }
+        ],
+    }
+    subresources: dict[str, Any] = {"status": {}}
+    if scale:
+        subresources["scale"] = scale
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{GROUP}"},
+        "spec": {
+            "group": GROUP,
+            "names": {
+                "kind": kind,
+                "listKind": f"{kind}List",
+                "plural": plural,
+                "singular": singular,
+                "shortNames": [short],
+                "categories": ["eaas"],
+            },
+            "scope": "Namespaced",
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": root},
+                    "subresources": subresources,
+                    "additionalPrinterColumns": columns,
+                }
+            ],
+        },
+    }
+
+
+_READY_COL = {"name": "Status", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'}
+_AGE_COL = {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}
+
+
+def expertpool_crd() -> dict[str, Any]:
+    """The ExpertPool CRD manifest."""
+    return _crd(
+        kind="ExpertPool",
+        plural="expertpools",
+        singular="expertpool",
+        short="ep",
+        spec_model=ExpertPoolSpec,
+        status_model=ExpertPoolStatus,
+        description="A pool of stateless expert servers hosting every routed expert of one MoE model.",
+        columns=[
+            {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
+            {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+            {"name": "Redundancy", "type": "integer", "jsonPath": ".spec.redundancy"},
+            {"name": "Policy", "type": "string", "jsonPath": ".spec.placement.policy", "priority": 1},
+            {"name": "Table", "type": "integer", "jsonPath": ".status.routingTableVersion",
+             "description": "Routing table version"},
+            {"name": "Below-Redundancy", "type": "integer",
+             "jsonPath": ".status.placement.expertsBelowRedundancy", "priority": 1},
+            {"name": "Revision", "type": "string", "jsonPath": ".status.placementRevision", "priority": 1},
+            _READY_COL,
+            _AGE_COL,
+        ],
+        scale={
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
+    )
+
+
+def attentionfleet_crd() -> dict[str, Any]:
+    """The AttentionFleet CRD manifest."""
+    return _crd(
+        kind="AttentionFleet",
+        plural="attentionfleets",
+        singular="attentionfleet",
+        short="af",
+        spec_model=AttentionFleetSpec,
+        status_model=AttentionFleetStatus,
+        description="Stateful attention clients (Deployment + Service) using one ExpertPool's routing table.",
+        columns=[
+            {"name": "Pool", "type": "string", "jsonPath": ".spec.expertPoolRef.name"},
+            {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
+            {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+            {"name": "Table", "type": "integer", "jsonPath": ".status.routingTableVersion",
+             "description": "Routing table version"},
+            _READY_COL,
+            _AGE_COL,
+        ],
+        scale={
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
+    )
+
+
+HEADER = "# Generated by `eaas crds` from operator/crd.py — do not edit by hand.\n"
+
+
+def render_crds() -> dict[str, str]:
+    """File name -> YAML text of every CRD (deterministic: same models, same bytes)."""
+    out = {}
+    for fname, crd in (("expertpool.yaml", expertpool_crd()), ("attentionfleet.yaml", attentionfleet_crd())):
+        out[fname] = HEADER + yaml.safe_dump(copy.deepcopy(crd), sort_keys=False, width=100)
+    return out
+
+
+def write_crds(out_dirs: list[Path]) -> list[Path]:
+    """Write :func:`render_crds` into each directory (created if needed); returns written paths."""
+    written = []
+    for d in out_dirs:
+        d.mkdir(parents=True, exist_ok=True)
+        for fname, text in render_crds().items():
+            p = d / fname
+            p.write_text(text)
+            written.append(p)
+    return written
+
+
+#: Where the committed copies live, relative to the repository root.
+CRD_DIRS = ("deploy/crds", "deploy/helm/eaas-operator/crds")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m eaas.operator.crd [REPO_ROOT]``: regenerate the committed CRD files."""
+    argv = sys.argv[1:] if argv is None else argv
+    root = Path(argv[0]) if argv else Path.cwd()
+    for p in write_crds([root / d for d in CRD_DIRS]):
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,420 @@
+"""kopf handlers: thin I/O around :mod:`eaas.operator.desired`.
+
+Run with ``eaas operator`` or ``kopf run -m eaas.operator.handlers --all-namespaces``.
+
+Shape (per object, kopf's layering):
+
+* ``ExpertPool`` — a daemon per pool runs :func:`reconcile_pool` every ``RESYNC_S`` seconds and
+  whenever woken: by the pool's create/update/resume handlers (spec changes, e.g.
+  ``kubectl scale``) and by watch events of the pool's pods (readiness changes, deletions).
+  One daemon per pool means reconciles of one pool never overlap.
+* ``AttentionFleet`` — same pattern with :func:`reconcile_fleet`.
+
+Nothing is kept in memory between steps: every step lists pods by label and reads the
+routing-table ConfigMap, so a killed and restarted operator continues exactly where it was
+(names are deterministic; creations of an existing name fail with 409 and are ignored; the table
+version continues from ``max(ConfigMap, status)``). kopf's own progress and diff-base are stored
+in annotations (``eaas.io/…``), never in ``status`` (the structural schema would prune them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import logging
+import os
+from typing import Any
+
+import kopf
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.rest import ApiException
+from pydantic import ValidationError
+
+from eaas.operator.crd import (
+    ANNOTATION_SPEC_HASH,
+    ANNOTATION_TABLE_VERSION,
+    GROUP,
+    LABEL_PLACEMENT_REVISION,
+    LABEL_POOL,
+    LABEL_ROLE,
+    VERSION,
+    AttentionFleetSpec,
+    ExpertPoolSpec,
+)
+from eaas.operator.desired import (
+    SERVER_ROLE,
+    TABLE_KEY,
+    ObservedPod,
+    Owner,
+    compute_placement,
+    desired_server_pods,
+    fleet_deployment,
+    fleet_service,
+    fleet_status,
+    invalid_spec_status,
+    next_routing_table,
+    placement_revision,
+    plan_pods,
+    pool_status,
+    routing_table_configmap,
+    selector_string,
+    server_labels,
+    table_configmap_name,
+)
+from eaas.runtime.placement import PlacementError
+from eaas.runtime.routing import RoutingTable, RoutingTableError
+
+#: Periodic resync of every pool/fleet (seconds), on top of event-driven wakeups.
+RESYNC_S = float(os.environ.get("EAAS_OPERATOR_RESYNC_S", "2.0"))
+POOLS = "expertpools"
+FLEETS = "attentionfleets"
+
+log = logging.getLogger("eaas.operator")
+
+
+# ---------------------------------------------------------------------------------------------
+# API clients (built lazily: importing this module must not need a cluster)
+# ---------------------------------------------------------------------------------------------
+_api: k8s.ApiClient | None = None
+
+
+def api() -> k8s.ApiClient:
+    """Shared kubernetes ApiClient from the in-cluster config or the current kubeconfig."""
+    global _api
+    if _api is None:
+        try:
+            k8s_config.load_incluster_config()
+        except k8s_config.ConfigException:
+            k8s_config.load_kube_config()
+        _api = k8s.ApiClient()
+    return _api
+
+
+def _plain(obj: Any) -> Any:
+    """Kubernetes model object -> camelCase dict, as the API returns it."""
+    return api().sanitize_for_serialization(obj)
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# ---------------------------------------------------------------------------------------------
+# wakeups: asyncio events keyed by (namespace, name), set from watch handlers
+# ---------------------------------------------------------------------------------------------
+_wakeups: dict[tuple[str, str, str], asyncio.Event] = {}
+
+
+def _wake_event(kind: str, namespace: str, name: str) -> asyncio.Event:
+    return _wakeups.setdefault((kind, namespace, name), asyncio.Event())
+
+
+def wake(kind: str, namespace: str, name: str) -> None:
+    """Make the daemon of that object reconcile now (from the event loop's thread)."""
+    _wake_event(kind, namespace, name).set()
+
+
+async def _loop(kind: str, namespace: str, name: str, stopped: Any, step: Any, logger: logging.Logger) -> None:
+    event = _wake_event(kind, namespace, name)
+    try:
+        while not stopped:
+            try:
+                await asyncio.to_thread(step, namespace, name, logger)
+            except ApiException as exc:
+                if exc.status == 409:
+                    logger.debug("conflict during reconcile of %s/%s; retrying", namespace, name)
+                else:
+                    logger.warning("API error during reconcile of %s/%s: %s %s", namespace, name, exc.status,
+                                   exc.reason)
+            except Exception:  # a bug must not kill the daemon: log it and retry on the next step
+                logger.exception("reconcile of %s/%s failed", namespace, name)
+            try:
+                await asyncio.wait_for(event.wait(), timeout=RESYNC_S)
+            except asyncio.TimeoutError:
+                pass
+            event.clear()
+    finally:
+        _wakeups.pop((kind, namespace, name), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# settings
+# ---------------------------------------------------------------------------------------------
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    """Operator-wide kopf settings: annotation-based persistence, standalone, quick watches."""
+    settings.peering.standalone = True
+    settings.posting.level = logging.INFO  # only explicit kopf.info/warn calls post Events
+    settings.watching.server_timeout = int(os.environ.get("EAAS_OPERATOR_WATCH_TIMEOUT_S", "60"))
+    settings.watching.client_timeout = settings.watching.server_timeout + 10
+    settings.watching.label_selectors["v1", "pods"] = LABEL_POOL
+    settings.persistence.finalizer = "eaas.io/operator"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="eaas.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="eaas.io", key="last-handled-configuration"
+    )
+    settings.execution.max_workers = 32
+    settings.background.cancellation_polling = 1
+    api()
+
+
+# ---------------------------------------------------------------------------------------------
+# ExpertPool
+# ---------------------------------------------------------------------------------------------
+@kopf.on.create(GROUP, VERSION, POOLS)
+@kopf.on.update(GROUP, VERSION, POOLS, field="spec")
+@kopf.on.resume(GROUP, VERSION, POOLS)
+async def pool_spec_changed(body: kopf.Body, namespace: str, name: str, reason: str, **_: Any) -> None:
+    """Announce the placement for the new spec (as an Event) and wake the pool's daemon."""
+    try:
+        spec = ExpertPoolSpec.model_validate(dict(body["spec"]))
+        placement = compute_placement(spec)
+    except (ValidationError, PlacementError) as exc:
+        kopf.warn(body, reason="InvalidSpec", message=str(exc).splitlines()[0])
+    else:
+        eps = placement.experts_per_server()
+        if reason != "resume":
+            kopf.info(
+                body,
+                reason="PlacementComputed",
+                message=f"revision {placement_revision(spec)}: {spec.replicas} servers, redundancy "
+                f"{spec.redundancy}, {min(eps)}-{max(eps)} experts per server ({spec.placement.policy})",
+            )
+    wake("pool", namespace, name)
+
+
+@kopf.daemon(GROUP, VERSION, POOLS, cancellation_timeout=5)
+async def pool_daemon(namespace: str, name: str, stopped: Any, logger: logging.Logger, **_: Any) -> None:
+    """Reconcile the pool now, on every wakeup and every ``RESYNC_S`` seconds."""
+    await _loop("pool", namespace, name, stopped, reconcile_pool, logger)
+
+
+@kopf.on.event("", "v1", "pods", labels={LABEL_POOL: kopf.PRESENT, LABEL_ROLE: SERVER_ROLE})
+async def server_pod_event(namespace: str, labels: kopf.Labels, **_: Any) -> None:
+    """Any change of an expert-server pod (readiness, IP, deletion) wakes its pool."""
+    wake("pool", namespace, labels[LABEL_POOL])
+
+
+def _event(body: dict[str, Any], reason: str, message: str, warning: bool = False) -> None:
+    (kopf.warn if warning else kopf.info)(body, reason=reason, message=message)
+
+
+def reconcile_pool(namespace: str, name: str, logger: logging.Logger) -> None:
+    """One reconcile step of ExpertPool ``namespace/name``.
+
+    Reads the pool, its pods and its routing-table ConfigMap; creates/deletes/relabels pods as
+    :func:`plan_pods` decides; publishes a new routing table when the live set changed; writes
+    the status when it changed.
+
+    Raises:
+        ApiException: any API error but 404/409 on create/delete (the daemon logs and retries).
+    """
+    custom = k8s.CustomObjectsApi(api())
+    core = k8s.CoreV1Api(api())
+    try:
+        body = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, POOLS, name)
+    except ApiException as exc:
+        if exc.status == 404:
+            return
+        raise
+    if body["metadata"].get("deletionTimestamp"):
+        return
+    owner = Owner.from_body(body)
+    old_status = body.get("status") or {}
+    old_conditions = old_status.get("conditions") or []
+    try:
+        spec = ExpertPoolSpec.model_validate(body["spec"])
+        placement = compute_placement(spec)
+    except (ValidationError, PlacementError) as exc:
+        status = invalid_spec_status(owner, str(exc).splitlines()[0], old_conditions, _now(), old_status)
+        _write_status(custom, namespace, name, old_status, status)
+        return
+    revision = placement_revision(spec)
+    desired = desired_server_pods(owner, spec, placement, revision)
+
+    pods = core.list_namespaced_pod(namespace, label_selector=selector_string(server_labels(name))).items
+    observed = [ObservedPod.from_pod(_plain(p)) for p in pods]
+    observed = [p for p in observed if p.owner_uid == owner.uid]  # a same-named older pool's pods: GC's job
+    plan = plan_pods(desired, observed, max_unavailable=max(1, spec.redundancy - 1))
+
+    for manifest in plan.create:
+        try:
+            core.create_namespaced_pod(namespace, manifest)
+            logger.info("created expert server %s", manifest["metadata"]["name"])
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+    if plan.create:
+        _event(body, "ServersCreated", f"created {', '.join(m['metadata']['name'] for m in plan.create)}")
+    for pod_name, uid, why in plan.delete:
+        try:
+            core.delete_namespaced_pod(
+                pod_name, namespace, body=k8s.V1DeleteOptions(preconditions=k8s.V1Preconditions(uid=uid))
+            )
+            logger.info("deleted expert server %s (%s)", pod_name, why)
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                raise
+    if plan.delete:
+        msg = "deleted " + ", ".join(f"{n} ({why})" for n, _, why in plan.delete)
+        if plan.forced:
+            msg += "; forced: some experts lose their last live replica until replacements are Ready"
+        _event(body, "ServersDeleted", msg, warning=plan.forced or any(w == "failed" for _, _, w in plan.delete))
+    for pod_name, rev in plan.relabel:
+        try:
+            core.patch_namespaced_pod(pod_name, namespace, {"metadata": {"labels": {LABEL_PLACEMENT_REVISION: rev}}})
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    deleted = {n for n, _, _ in plan.delete}
+    live = [p for p in observed if p.live and p.name not in deleted]
+    table = _publish_table(core, body, owner, spec, live, old_status, logger)
+
+    status = pool_status(
+        owner=owner, spec=spec, placement=placement, revision=revision, observed=observed, plan=plan,
+        table=table, old_conditions=old_conditions, now=_now(),
+    )
+    if _write_status(custom, namespace, name, old_status, status):
+        was = {c.get("type"): c.get("status") for c in old_conditions}
+        now = {c["type"]: c for c in status["conditions"]}
+        if was.get("Ready") != "True" and now["Ready"]["status"] == "True":
+            _event(body, "PoolReady", now["Ready"]["message"])
+        if was.get("Degraded") != now["Degraded"]["status"] and now["Degraded"]["status"] == "True" \
+                and now["Degraded"]["reason"] == "ExpertsUncovered":
+            _event(body, "ExpertsUncovered", now["Degraded"]["message"], warning=True)
+
+
+def _publish_table(core: k8s.CoreV1Api, body: dict[str, Any], owner: Owner, spec: ExpertPoolSpec,
+                   live: list[ObservedPod], old_status: dict[str, Any], logger: logging.Logger) -> RoutingTable:
+    """Create or update the routing-table ConfigMap if the live set changed; return the table in force."""
+    cm_name = table_configmap_name(owner.name)
+    try:
+        cm = core.read_namespaced_config_map(cm_name, owner.namespace)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        cm = None
+    previous = None
+    floor = int(old_status.get("routingTableVersion") or 0)
+    if cm is not None:
+        floor = max(floor, int((cm.metadata.annotations or {}).get(ANNOTATION_TABLE_VERSION, "0") or 0))
+        try:
+            previous = RoutingTable.from_json((cm.data or {}).get(TABLE_KEY, ""))
+        except RoutingTableError:
+            logger.warning("ConfigMap %s holds no valid routing table; rewriting it", cm_name)
+    table, changed = next_routing_table(spec, live, previous, floor)
+    if not changed and cm is not None:
+        return table
+    manifest = routing_table_configmap(owner, table)
+    if cm is None:
+        core.create_namespaced_config_map(owner.namespace, manifest)
+    else:
+        manifest["metadata"]["resourceVersion"] = cm.metadata.resource_version  # optimistic concurrency
+        core.replace_namespaced_config_map(cm_name, owner.namespace, manifest)
+    _event(body, "RoutingTablePublished",
+           f"routing table version {table.version}: {len(table.servers)} live servers, "
+           f"{len(table.uncovered())} uncovered experts")
+    return table
+
+
+def _write_status(custom: k8s.CustomObjectsApi, namespace: str, name: str, old: dict[str, Any],
+                  new: dict[str, Any], plural: str = POOLS) -> bool:
+    """Merge-patch ``status`` if it changed; True if written."""
+    if all(old.get(k) == v for k, v in new.items()):
+        return False
+    custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, plural, name, {"status": new})
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# AttentionFleet
+# ---------------------------------------------------------------------------------------------
+@kopf.on.create(GROUP, VERSION, FLEETS)
+@kopf.on.update(GROUP, VERSION, FLEETS, field="spec")
+@kopf.on.resume(GROUP, VERSION, FLEETS)
+async def fleet_spec_changed(namespace: str, name: str, **_: Any) -> None:
+    """Wake the fleet's daemon on spec changes."""
+    wake("fleet", namespace, name)
+
+
+@kopf.daemon(GROUP, VERSION, FLEETS, cancellation_timeout=5)
+async def fleet_daemon(namespace: str, name: str, stopped: Any, logger: logging.Logger, **_: Any) -> None:
+    """Reconcile the fleet now, on every wakeup and every ``RESYNC_S`` seconds."""
+    await _loop("fleet", namespace, name, stopped, reconcile_fleet, logger)
+
+
+def reconcile_fleet(namespace: str, name: str, logger: logging.Logger) -> None:
+    """One reconcile step of AttentionFleet ``namespace/name``: apply its Deployment and Service,
+    then write the status (clients' readiness, the pool's routing-table version)."""
+    custom = k8s.CustomObjectsApi(api())
+    core = k8s.CoreV1Api(api())
+    apps = k8s.AppsV1Api(api())
+    try:
+        body = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, FLEETS, name)
+    except ApiException as exc:
+        if exc.status == 404:
+            return
+        raise
+    if body["metadata"].get("deletionTimestamp"):
+        return
+    owner = Owner.from_body(body)
+    spec = AttentionFleetSpec.model_validate(body["spec"])
+    pool_name = spec.expert_pool_ref.name
+    try:
+        pool_body = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, POOLS, pool_name)
+        pool = ExpertPoolSpec.model_validate(pool_body["spec"])
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        pool = None
+    except ValidationError:
+        pool = None
+
+    dep = _apply(
+        fleet_deployment(owner, spec, pool),
+        read=lambda: apps.read_namespaced_deployment(name, namespace),
+        create=lambda m: apps.create_namespaced_deployment(namespace, m),
+        patch=lambda m: apps.patch_namespaced_deployment(name, namespace, m),
+    )
+    _apply(
+        fleet_service(owner, spec),
+        read=lambda: core.read_namespaced_service(name, namespace),
+        create=lambda m: core.create_namespaced_service(namespace, m),
+        patch=lambda m: core.patch_namespaced_service(name, namespace, m),
+    )
+    table_version = 0
+    try:
+        cm = core.read_namespaced_config_map(table_configmap_name(pool_name), namespace)
+        table_version = int((cm.metadata.annotations or {}).get(ANNOTATION_TABLE_VERSION, "0") or 0)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+    old_status = body.get("status") or {}
+    status = fleet_status(
+        owner=owner, spec=spec, deployment_status=(_plain(dep) or {}).get("status") if dep else None,
+        pool_found=pool is not None, table_version=table_version,
+        old_conditions=old_status.get("conditions") or [], now=_now(),
+    )
+    _write_status(custom, namespace, name, old_status, status, plural=FLEETS)
+
+
+def _apply(manifest: dict[str, Any], *, read: Any, create: Any, patch: Any) -> Any:
+    """Create ``manifest`` or, if the live object's ``eaas.io/spec-hash`` differs, patch it.
+    Returns the live object."""
+    try:
+        live = read()
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        try:
+            return create(manifest)
+        except ApiException as exc2:
+            if exc2.status != 409:
+                raise
+            live = read()
+    want = manifest["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
+    if (live.metadata.annotations or {}).get(ANNOTATION_SPEC_HASH) != want:
+        return patch(manifest)
+    return live

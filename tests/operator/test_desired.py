@@ -1,0 +1,327 @@
+"""Pure desired-state logic: pods, placement coverage, pod plans, routing tables, status."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from eaas.operator.crd import ANNOTATION_EXPERTS, ANNOTATION_SPEC_HASH, AttentionFleetSpec, ExpertPoolSpec
+from eaas.operator.desired import (
+    ObservedPod,
+    Owner,
+    PodPlan,
+    build_routing_table,
+    compute_placement,
+    coverage,
+    desired_server_pods,
+    fleet_deployment,
+    fleet_service,
+    fleet_status,
+    next_routing_table,
+    placement_revision,
+    plan_pods,
+    pool_status,
+    server_name,
+)
+from eaas.runtime.placement import parse_expert_spec
+
+OWNER = Owner(kind="ExpertPool", name="tiny", namespace="ns", uid="uid-1", generation=3)
+
+
+def make_spec(**over):
+    base = {
+        "model": {"uri": "/models/tiny", "firstMoeLayer": 1, "numMoeLayers": 3, "numExperts": 32,
+                  "topK": 4, "hiddenSize": 256},
+        "replicas": 4,
+    }
+    base.update(over)
+    return ExpertPoolSpec.model_validate(base)
+
+
+def desired_for(spec, owner=OWNER):
+    p = compute_placement(spec)
+    return p, desired_server_pods(owner, spec, p, placement_revision(spec))
+
+
+# ---- pods --------------------------------------------------------------------------------------
+def test_server_pod_shape():
+    spec = make_spec(gpusPerServer=2)
+    placement, pods = desired_for(spec)
+    assert list(pods) == ["tiny-0", "tiny-1", "tiny-2", "tiny-3"]
+    pod = pods["tiny-2"]
+    meta = pod["metadata"]
+    assert meta["labels"]["eaas.io/pool"] == "tiny"
+    assert meta["labels"]["eaas.io/server-index"] == "2"
+    assert meta["labels"]["eaas.io/role"] == "expert-server"
+    assert meta["labels"]["eaas.io/placement-revision"] == placement_revision(spec)
+    (ref,) = meta["ownerReferences"]
+    assert ref == {"apiVersion": "eaas.io/v1alpha1", "kind": "ExpertPool", "name": "tiny", "uid": "uid-1",
+                   "controller": True, "blockOwnerDeletion": True}
+    (c,) = pod["spec"]["containers"]
+    cmd = c["command"]
+    assert cmd[:2] == ["eaas", "expert-server"]
+    flags = dict(zip(cmd[2::2], cmd[3::2]))
+    assert flags == {"--model": "/models/tiny", "--server-id": "tiny-2",
+                     "--experts": meta["annotations"][ANNOTATION_EXPERTS], "--listen": "tcp://0.0.0.0:9000"}
+    assert parse_expert_spec(flags["--experts"]) == list(placement.servers[2])
+    for part in ("requests", "limits"):
+        assert c["resources"][part]["nvidia.com/gpu"] == "2"
+        assert c["resources"][part]["rdma/ib"] == "1"
+    assert pod["spec"]["nodeSelector"] == {"eaas.io/rdma": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["spec"]["tolerations"]
+
+
+def test_server_pod_merges_user_resources_and_custom_rdma():
+    spec = make_spec(resources={"requests": {"cpu": "2"}, "limits": {"memory": "4Gi"}}, rdmaResource="rdma/roce",
+                     nodeSelector={"pool": "a"}, affinity={"nodeAffinity": {}})
+    _, pods = desired_for(spec)
+    c = pods["tiny-0"]["spec"]["containers"][0]
+    assert c["resources"]["requests"] == {"cpu": "2", "nvidia.com/gpu": "1", "rdma/roce": "1"}
+    assert c["resources"]["limits"] == {"memory": "4Gi", "nvidia.com/gpu": "1", "rdma/roce": "1"}
+    assert pods["tiny-0"]["spec"]["nodeSelector"] == {"pool": "a"}
+    assert pods["tiny-0"]["spec"]["affinity"] == {"nodeAffinity": {}}
+    no_rdma = desired_for(make_spec(rdmaResource=""))[1]["tiny-0"]["spec"]["containers"][0]["resources"]
+    assert no_rdma["limits"] == {"nvidia.com/gpu": "1"}
+
+
+def test_revision_and_hash_track_the_right_inputs():
+    a = make_spec()
+    assert placement_revision(a) == placement_revision(make_spec(image="other:1"))
+    assert placement_revision(a) != placement_revision(make_spec(replicas=5))
+    assert placement_revision(a) != placement_revision(make_spec(redundancy=3))
+    assert placement_revision(a) != placement_revision(make_spec(placement={"policy": "load-balanced"}))
+    h = lambda s: desired_for(s)[1]["tiny-0"]["metadata"]["annotations"][ANNOTATION_SPEC_HASH]  # noqa: E731
+    assert h(a) == h(make_spec())
+    assert h(a) != h(make_spec(image="other:1"))
+
+
+# ---- placement coverage ----------------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["round-robin", "load-balanced"])
+@pytest.mark.parametrize("servers,redundancy", [
+    (s, r) for s, r in itertools.product([1, 2, 3, 5, 6, 7, 9, 13, 31, 33, 40], [1, 2, 3]) if r <= s
+])
+def test_every_expert_on_redundancy_distinct_servers(policy, servers, redundancy):
+    spec = make_spec(replicas=servers, redundancy=redundancy, placement={"policy": policy})
+    placement, pods = desired_for(spec)
+    live = [ObservedPod(name=n, index=i, experts=tuple(parse_expert_spec(m["metadata"]["annotations"][ANNOTATION_EXPERTS])),
+                        ready=True, ip=f"127.0.0.{i + 1}", phase="Running")
+            for i, (n, m) in enumerate(pods.items())]
+    table = build_routing_table(spec, live, 1)
+    for layer in (1, 2, 3):
+        for e in range(32):
+            reps = table.replicas(layer, e)
+            assert len(reps) == redundancy and len(set(reps)) == redundancy, (layer, e, reps)
+    assert coverage(table, redundancy) == (96, 0, 0)
+    eps = placement.experts_per_server()
+    assert sum(eps) == 96 * redundancy
+    # per layer every server holds floor or ceil of E*R/N: spread at most one per layer
+    assert max(eps) - min(eps) <= 3
+
+
+def test_deepseek_v3_on_40_servers():
+    spec = ExpertPoolSpec.model_validate({
+        "model": {"uri": "/m", "firstMoeLayer": 3, "numMoeLayers": 58, "numExperts": 256, "topK": 8,
+                  "hiddenSize": 7168},
+        "replicas": 40, "redundancy": 2})
+    p = compute_placement(spec)
+    assert p.num_servers == 40 and p.experts_below_redundancy() == 0
+    assert (min(p.experts_per_server()), max(p.experts_per_server())) == (742, 743)
+    # any single server may die: no expert loses its last replica
+    for dead in range(40):
+        assert p.experts_below_redundancy(alive=[s for s in range(40) if s != dead]) <= 256 * 58
+        reps = p.replicas()
+        assert all(set(v) - {dead} for v in reps.values())
+
+
+# ---- pod plans ---------------------------------------------------------------------------------
+def observed_from(pods, live=True, **over):
+    out = []
+    for name, m in pods.items():
+        meta = m["metadata"]
+        out.append(ObservedPod(
+            name=name, uid=f"u-{name}", index=int(meta["labels"]["eaas.io/server-index"]),
+            spec_hash=meta["annotations"][ANNOTATION_SPEC_HASH],
+            revision=meta["labels"]["eaas.io/placement-revision"],
+            experts=tuple(parse_expert_spec(meta["annotations"][ANNOTATION_EXPERTS])),
+            ready=live, ip=f"127.0.0.{int(meta['labels']['eaas.io/server-index']) + 1}" if live else "",
+            phase="Running" if live else "Pending", owner_uid=OWNER.uid, **over))
+    return out
+
+
+def test_plan_fresh_pool_creates_everything():
+    spec = make_spec()
+    _, pods = desired_for(spec)
+    plan = plan_pods(pods, [], max_unavailable=1)
+    assert [m["metadata"]["name"] for m in plan.create] == list(pods)
+    assert not plan.delete and not plan.forced
+
+
+def test_plan_converged_pool_is_idle():
+    _, pods = desired_for(make_spec())
+    plan = plan_pods(pods, observed_from(pods), max_unavailable=1)
+    assert plan.idle and not plan.outdated and not plan.excess
+
+
+def test_plan_replaces_failed_and_waits_for_terminating():
+    _, pods = desired_for(make_spec())
+    obs = observed_from(pods)
+    obs[1] = ObservedPod(**{**obs[1].__dict__, "phase": "Failed", "ready": False})
+    obs[2] = ObservedPod(**{**obs[2].__dict__, "terminating": True})
+    del obs[3]
+    plan = plan_pods(pods, obs, max_unavailable=1)
+    assert [m["metadata"]["name"] for m in plan.create] == ["tiny-3"]
+    assert plan.delete == [("tiny-1", "u-tiny-1", "failed")]
+    assert plan.waiting == ["tiny-2"]
+
+
+def test_plan_relabels_unchanged_pods_after_revision_change():
+    spec = make_spec(replicas=4, redundancy=1)
+    _, pods = desired_for(spec)
+    obs = [ObservedPod(**{**p.__dict__, "revision": "old"}) for p in observed_from(pods)]
+    plan = plan_pods(pods, obs, max_unavailable=1)
+    assert sorted(plan.relabel) == sorted((n, placement_revision(spec)) for n in pods)
+    assert not plan.delete
+
+
+def simulate(old_spec, new_spec, max_steps=200):
+    """Drive plan_pods like the operator does, pods becoming live one step after creation.
+    Returns (steps, gaps, forced): gaps counts non-forced steps that left more experts without a
+    live replica than before; forced counts forced steps."""
+    _, old = desired_for(old_spec)
+    state = {p.name: p for p in observed_from(old)}
+    _, desired = desired_for(new_spec)
+    gaps = forced = prev_uncovered = 0
+    for step in range(max_steps):
+        obs = list(state.values())
+        plan = plan_pods(desired, obs, max_unavailable=max(1, new_spec.redundancy - 1))
+        if plan.idle and not plan.outdated and not plan.excess and all(p.live for p in obs):
+            return step, gaps, forced
+        # pods created last step become live; deleted ones vanish
+        state = {n: (p if p.live else ObservedPod(**{**p.__dict__, "ready": True, "phase": "Running",
+                                                       "ip": f"127.0.0.{p.index + 1}"}))
+                 for n, p in state.items()}
+        for name, _, _ in plan.delete:
+            state.pop(name, None)
+        for m in plan.create:
+            state[m["metadata"]["name"]] = observed_from({m["metadata"]["name"]: m}, live=False)[0]
+        live = [p for p in state.values() if p.live]
+        uncovered = coverage(build_routing_table(new_spec, live, 1), 1)[2]
+        forced += plan.forced
+        if uncovered > prev_uncovered and not plan.forced:
+            gaps += 1
+        prev_uncovered = uncovered
+    raise AssertionError("did not converge")
+
+
+@pytest.mark.parametrize("old,new,r", [(4, 6, 2), (4, 5, 2), (6, 3, 2), (5, 7, 3), (7, 2, 2), (3, 13, 2), (4, 4, 1),
+                                       (2, 3, 2), (3, 2, 2), (9, 8, 2), (32, 33, 2)])
+def test_rescale_converges_to_exact_placement(old, new, r):
+    old_spec = make_spec(replicas=old, redundancy=min(r, old))
+    new_spec = make_spec(replicas=new, redundancy=min(r, new))
+    steps, gaps, forced = simulate(old_spec, new_spec)
+    assert steps <= 4 * max(old, new) + 2  # ~one delete, one create, one ready step per replaced server
+    assert gaps == 0
+    assert forced <= 2, "forced deletions should be rare"
+
+
+def test_plan_scale_down_removes_excess_only_when_safe():
+    _, old = desired_for(make_spec(replicas=6))
+    spec = make_spec(replicas=6)
+    _, desired = desired_for(spec)
+    obs = observed_from(old)
+    # pretend the desired set is only 0..4 while pod 5 is still live and up to date
+    desired.pop("tiny-5")
+    plan = plan_pods(desired, obs, max_unavailable=1)
+    assert ("tiny-5", "u-tiny-5", "excess") in plan.delete
+    assert plan.excess == ["tiny-5"]
+
+
+# ---- routing table -------------------------------------------------------------------------------
+def test_routing_table_versions_strictly_increase():
+    spec = make_spec()
+    _, pods = desired_for(spec)
+    live = observed_from(pods)
+    t1, changed = next_routing_table(spec, live, None)
+    assert changed and t1.version == 1
+    same, changed = next_routing_table(spec, live, t1, floor_version=1)
+    assert not changed and same is t1
+    t2, changed = next_routing_table(spec, live[1:], t1)
+    assert changed and t2.version == 2 and "tiny-0" not in t2.servers
+    t3, changed = next_routing_table(spec, live, t2, floor_version=9)  # status remembered 9
+    assert changed and t3.version == 10
+    assert t3.servers["tiny-0"] == "tcp://127.0.0.1:9000"
+
+
+def test_routing_table_ignores_unknown_layers():
+    spec = make_spec()
+    pod = ObservedPod(name="x-0", index=0, experts=((1, 0), (7, 3)), ready=True, ip="127.0.0.9", phase="Running")
+    t = build_routing_table(spec, [pod], 1)
+    assert set(t.layers) == {1, 2, 3} and t.replicas(1, 0) == ("x-0",)
+
+
+# ---- status ------------------------------------------------------------------------------------
+def test_status_ready_and_transition_times():
+    spec = make_spec()
+    placement, pods = desired_for(spec)
+    live = observed_from(pods)
+    table, _ = next_routing_table(spec, live, None)
+    st = pool_status(owner=OWNER, spec=spec, placement=placement, revision=placement_revision(spec),
+                     observed=live, plan=PodPlan(), table=table, old_conditions=[], now="T1")
+    cond = {c["type"]: c for c in st["conditions"]}
+    assert cond["Ready"]["status"] == "True" and cond["Ready"]["lastTransitionTime"] == "T1"
+    assert cond["Progressing"]["status"] == "False" and cond["Degraded"]["status"] == "False"
+    assert st["readyReplicas"] == 4 and st["replicas"] == 4 and st["updatedReplicas"] == 4
+    assert st["selector"] == "eaas.io/pool=tiny,eaas.io/role=expert-server"
+    assert st["routingTableVersion"] == 1 and st["observedGeneration"] == 3
+    assert st["placement"]["expertsBelowRedundancy"] == 0 and st["placement"]["logicalExperts"] == 96
+    assert st["placement"]["expertsPerServerMin"] == st["placement"]["expertsPerServerMax"] == 48
+    # unchanged status keeps the old transition time; a flip takes the new one
+    st2 = pool_status(owner=OWNER, spec=spec, placement=placement, revision=placement_revision(spec),
+                      observed=live[:3], plan=plan_pods(pods, live[:3], 1), table=build_routing_table(spec, live[:3], 2),
+                      old_conditions=st["conditions"], now="T2")
+    c2 = {c["type"]: c for c in st2["conditions"]}
+    assert c2["Ready"]["status"] == "False" and c2["Ready"]["lastTransitionTime"] == "T2"
+    assert c2["Progressing"]["reason"] == "ScalingUp"
+    assert c2["Degraded"]["status"] == "True" and c2["Degraded"]["reason"] == "BelowRedundancy"
+    assert "spec" not in c2["Degraded"]["message"]
+    assert st2["readyReplicas"] == 3 and st2["placement"]["expertsBelowRedundancy"] > 0
+
+
+def test_status_uncovered_when_nothing_is_live():
+    spec = make_spec()
+    placement, pods = desired_for(spec)
+    table, _ = next_routing_table(spec, [], None)
+    st = pool_status(owner=OWNER, spec=spec, placement=placement, revision="r", observed=[],
+                     plan=plan_pods(pods, [], 1), table=table, old_conditions=[], now="T")
+    cond = {c["type"]: c for c in st["conditions"]}
+    assert cond["Ready"]["reason"] == "ExpertsUncovered"
+    assert cond["Degraded"]["reason"] == "ExpertsUncovered"
+    assert st["placement"]["uncoveredExperts"] == 96
+
+
+# ---- attention fleet ---------------------------------------------------------------------------
+def test_fleet_deployment_and_service():
+    owner = Owner("AttentionFleet", "clients", "ns", "fu", 1)
+    spec = AttentionFleetSpec.model_validate({"expertPoolRef": {"name": "tiny"}, "replicas": 3,
+                                              "model": {"uri": "/models/tiny"}})
+    dep = fleet_deployment(owner, spec, make_spec())
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == ["eaas", "attention-client", "--model", "/models/tiny", "--routing-table",
+                            "/etc/eaas/routing-table.json", "--port", "8000"]
+    assert c["volumeMounts"][0]["mountPath"] == "/etc/eaas"
+    vol = dep["spec"]["template"]["spec"]["volumes"][0]
+    assert vol["configMap"]["name"] == "tiny-routing-table"
+    assert dep["spec"]["replicas"] == 3
+    assert dep["metadata"]["ownerReferences"][0]["uid"] == "fu"
+    assert "eaas.io/pool" not in dep["spec"]["template"]["metadata"]["labels"]  # not mistaken for servers
+    svc = fleet_service(owner, spec)
+    assert svc["spec"]["ports"][0]["port"] == 8000
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    st = fleet_status(owner=owner, spec=spec, deployment_status={"replicas": 3, "readyReplicas": 3,
+                      "updatedReplicas": 3}, pool_found=True, table_version=4, old_conditions=[], now="T")
+    assert {c["type"]: c["status"] for c in st["conditions"]} == {"Ready": "True", "Progressing": "False",
+                                                                  "Degraded": "False"}
+    st = fleet_status(owner=owner, spec=spec, deployment_status=None, pool_found=False, table_version=0,
+                      old_conditions=[], now="T")
+    assert {c["type"]: c["reason"] for c in st["conditions"]}["Degraded"] == "ExpertPoolNotFound"
