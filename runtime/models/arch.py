@@ -9,7 +9,8 @@ Supported Hugging Face architectures (``config.json`` ``architectures[0]``):
     technical report, arXiv:2412.19437 section 2.1.2.
 ``Qwen3MoeForCausalLM``
     MoE layers are ``l not in mlp_only_layers`` with ``(l + 1) % decoder_sparse_step == 0``
-    (transformers' ``Qwen3MoeDecoderLayer``). Experts: ``num_experts``.
+    (transformers' ``Qwen3MoeDecoderLayer``). Experts: ``num_experts`` (transformers 5 writes
+    ``num_local_experts``; both accepted).
 ``MixtralForCausalLM``
     Every layer is an MoE layer. Experts: ``num_local_experts``.
 """
@@ -77,6 +78,14 @@ def _req_int(cfg: dict, key: str, path: Path, minimum: int = 0) -> int:
     return v
 
 
+def _req_int_any(cfg: dict, keys: tuple[str, ...], path: Path, minimum: int = 0) -> int:
+    """First of ``keys`` present (aliases: real checkpoints vs transformers 5 ``save_pretrained``)."""
+    for k in keys:
+        if cfg.get(k) is not None:
+            return _req_int(cfg, k, path, minimum)
+    raise ValueError(f"{path}: config field {keys[0]!r} is missing (also tried {list(keys[1:])})")
+
+
 def _dtype(cfg: dict, path: Path) -> torch.dtype:
     name = cfg.get("dtype", cfg.get("torch_dtype")) or "float32"
     if isinstance(name, str):
@@ -104,7 +113,7 @@ def model_info_from_config(cfg: dict, path: Path | str = "config.json") -> Model
         )
     n_layers = _req_int(cfg, "num_hidden_layers", path, 1)
     if arch == "DeepseekV3ForCausalLM":
-        num_experts = _req_int(cfg, "n_routed_experts", path, 1)
+        num_experts = _req_int_any(cfg, ("n_routed_experts", "num_local_experts"), path, 1)
         first_dense = int(cfg.get("first_k_dense_replace", 0) or 0)
         freq = int(cfg.get("moe_layer_freq", 1) or 1)
         if first_dense < 0:
@@ -113,14 +122,14 @@ def model_info_from_config(cfg: dict, path: Path | str = "config.json") -> Model
             raise ValueError(f"{path}: config field 'moe_layer_freq' must be >= 1")
         moe = tuple(l for l in range(n_layers) if l >= first_dense and l % freq == 0)
     elif arch == "Qwen3MoeForCausalLM":
-        num_experts = _req_int(cfg, "num_experts", path, 1)
+        num_experts = _req_int_any(cfg, ("num_experts", "num_local_experts"), path, 1)
         step = int(cfg.get("decoder_sparse_step", 1) or 1)
         if step < 1:
             raise ValueError(f"{path}: config field 'decoder_sparse_step' must be >= 1")
         mlp_only = set(cfg.get("mlp_only_layers") or [])
         moe = tuple(l for l in range(n_layers) if l not in mlp_only and (l + 1) % step == 0)
     else:  # MixtralForCausalLM
-        num_experts = _req_int(cfg, "num_local_experts", path, 1)
+        num_experts = _req_int_any(cfg, ("num_local_experts", "num_experts"), path, 1)
         moe = tuple(range(n_layers))
     if arch == "MixtralForCausalLM":
         inter = _req_int(cfg, "intermediate_size", path, 1)
