@@ -85,11 +85,77 @@ def expert_server(
     run(server, metrics_port)
 
 
-def attention_client() -> None:
-    """Run one attention client with the OpenAI-compatible API (the process a client pod runs)."""
-    raise NotImplementedError
+def attention_client(
+    model: str = typer.Option(None, "--model", help="Checkpoint directory (default: the built-in tiny model)."),
+    routing_table: str = typer.Option(
+        None, "--routing-table", help="Routing table JSON file; re-read when it changes (ConfigMap mount)."
+    ),
+    client_id: int = typer.Option(0, "--client-id", help="Id of this attention client (frames, metrics)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="API listen address."),
+    port: int = typer.Option(8000, "--port", help="API port (bound with SO_REUSEPORT: clients may share it)."),
+    dispatch_timeout: float = typer.Option(5.0, "--dispatch-timeout", help="Seconds to wait for expert servers per MoE layer round."),
+    local_experts: bool = typer.Option(
+        False, "--local-experts", help="No expert servers: run the untouched model in-process (single-process baseline)."
+    ),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    threads: int = typer.Option(1, "--threads", help="torch intra-op threads (0: torch default)."),
+    served_model_name: str = typer.Option(None, "--served-model-name", help="Model id in the API (default: directory name)."),
+    max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Decode batch size cap."),
+) -> None:
+    """Run one attention client with the OpenAI-compatible API (the process a client pod runs).
+
+    Prints ``attention-client <id> ready on http://HOST:PORT ...`` once serving.
+    """
+    from eaas.runtime.client.main import run_attention_client
+
+    if not local_experts and not routing_table:
+        raise typer.BadParameter("--routing-table is required unless --local-experts is given")
+    run_attention_client(
+        model_dir=model,
+        routing_table=routing_table,
+        client_id=client_id,
+        host=host,
+        port=port,
+        dispatch_timeout=dispatch_timeout,
+        local_experts=local_experts,
+        dtype=dtype,
+        threads=threads,
+        served_model_name=served_model_name,
+        max_num_seqs=max_num_seqs,
+    )
 
 
-def serve() -> None:
+def serve(
+    expert_servers: int = typer.Option(4, "--expert-servers", help="Expert server processes (any count >= replicas)."),
+    replicas: int = typer.Option(2, "--replicas", help="Replicas of every logical expert, on distinct servers."),
+    attention_clients: int = typer.Option(1, "--attention-clients", help="Attention client processes sharing the API port."),
+    host: str = typer.Option("127.0.0.1", "--host", help="API listen address."),
+    port: int = typer.Option(8000, "--port", help="API port."),
+    model: str = typer.Option(None, "--model", help="Checkpoint directory (default: built-in tiny model, built on first use)."),
+    transport: str = typer.Option("shm", "--transport", help="shm (same-host shared memory) or tcp."),
+    dispatch_timeout: float = typer.Option(5.0, "--dispatch-timeout", help="Clients' deadline per MoE layer round (s)."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    client_threads: int = typer.Option(1, "--client-threads", help="torch threads per attention client."),
+    server_threads: int = typer.Option(1, "--server-threads", help="torch threads per expert server."),
+) -> None:
     """Start a whole deployment on this machine: expert servers + attention clients."""
-    raise NotImplementedError
+    from eaas.runtime.placement import PlacementError
+    from eaas.runtime.serve import serve as run_serve
+
+    try:
+        code = run_serve(
+            model_dir=model,
+            expert_servers=expert_servers,
+            replicas=replicas,
+            attention_clients=attention_clients,
+            host=host,
+            port=port,
+            transport=transport,
+            dispatch_timeout=dispatch_timeout,
+            dtype=dtype,
+            client_threads=client_threads,
+            server_threads=server_threads,
+        )
+    except (PlacementError, ValueError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    raise typer.Exit(code)

@@ -1,0 +1,136 @@
+"""``eaas attention-client``: one attention client process (what an attention-client pod runs).
+
+Start-up: load the model (without routed experts, which are replaced by
+:class:`~eaas.runtime.client.dispatch.RemoteExperts`; or the full local model with
+``--local-experts``), load the routing table, start the engine, bind the HTTP socket and serve the
+OpenAI-compatible API with uvicorn. Prints ``attention-client <id> ready on http://HOST:PORT``
+(stdout, flushed) once the socket accepts connections.
+
+Sharing one port between several clients (``eaas serve --attention-clients M``): the listening
+socket is bound here with ``SO_REUSEPORT`` and handed to uvicorn (``Server.serve(sockets=[s])``);
+the Linux kernel then spreads incoming TCP connections over all processes bound to that port
+(hash of the connection 4-tuple). Each HTTP connection stays with one client for its lifetime,
+so one keep-alive connection's requests all reach the same client; concurrent connections are
+spread. ``GET /health`` tells which client answered (``client_id``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+log = logging.getLogger("eaas.client")
+
+
+def bind_reuseport(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` with ``SO_REUSEPORT`` (several processes may bind).
+
+    Raises:
+        OSError: the address is taken by a socket without ``SO_REUSEPORT`` (or another user).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_attention_client(
+    *,
+    model_dir: str | None,
+    routing_table: str | None,
+    client_id: int,
+    host: str,
+    port: int,
+    dispatch_timeout: float,
+    local_experts: bool,
+    dtype: str,
+    threads: int,
+    served_model_name: str | None = None,
+    max_num_seqs: int = 64,
+    log_level: str = "warning",
+) -> None:
+    """Run one attention client until SIGINT/SIGTERM.
+
+    Raises:
+        ValueError: neither ``routing_table`` nor ``local_experts``, or a bad ``dtype``.
+        OSError / RoutingTableError: unreadable routing table at start-up, port in use.
+    """
+    import torch
+
+    from eaas.runtime.models.attention import load_attention_model
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s client-{client_id} %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if dtype not in dtypes:
+        raise ValueError(f"--dtype must be one of {sorted(dtypes)}, got {dtype!r}")
+    torch_dtype = dtypes[dtype]
+    if threads > 0:
+        torch.set_num_threads(threads)
+    if model_dir is None:
+        from eaas.runtime.models.tiny import default_model_dir
+
+        model_dir = str(default_model_dir())
+
+    dispatcher = watcher = None
+    if local_experts:
+        model, tokenizer, info = load_attention_model(model_dir, torch_dtype)
+    else:
+        if not routing_table:
+            raise ValueError("--routing-table is required unless --local-experts is given")
+        from eaas.runtime.client.dispatch import Dispatcher, RoutingTableWatcher, experts_factory
+        from eaas.runtime.models.arch import read_model_info
+
+        info = read_model_info(model_dir)
+        dispatcher = Dispatcher(client_id, info.hidden_size, torch_dtype, timeout=dispatch_timeout)
+        watcher = RoutingTableWatcher(routing_table, dispatcher)
+        watcher.load_now()
+        model, tokenizer, info = load_attention_model(model_dir, torch_dtype, experts_factory=experts_factory(dispatcher))
+        watcher.start()
+
+    from eaas.runtime.client.api import OpenAIServer, create_app
+    from eaas.runtime.client.engine import Engine
+
+    engine = Engine(model, tokenizer, client_id=str(client_id), max_num_seqs=max_num_seqs)
+    engine.start()
+
+    def health_extra() -> dict:
+        if dispatcher is None:
+            return {"mode": "local-experts"}
+        return {"mode": "disaggregated", **dispatcher.health()}
+
+    name = served_model_name or Path(model_dir).name
+    server = OpenAIServer(engine, tokenizer, name, info.max_position_embeddings, info.vocab_size, str(client_id), health_extra)
+    app = create_app(server)
+
+    import uvicorn
+
+    sock = bind_reuseport(host, port)
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=2, lifespan="off")
+    userver = uvicorn.Server(config)
+
+    async def main() -> None:
+        task = asyncio.create_task(userver.serve(sockets=[sock]))
+        while not userver.started and not task.done():
+            await asyncio.sleep(0.05)
+        if userver.started:
+            print(f"attention-client {client_id} ready on http://{host}:{port} (model {name}, "
+                  f"{'local experts' if local_experts else f'routing table v{dispatcher.version}'})", flush=True)
+        await task
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+        if watcher is not None:
+            watcher.stop()
+        if dispatcher is not None:
+            dispatcher.close()
+        sock.close()

@@ -1,0 +1,385 @@
+"""``eaas serve``: a whole EaaS deployment on one machine, one OS process per role.
+
+What it does:
+
+1. Reads the model's :class:`~eaas.runtime.models.arch.ModelInfo`, computes the placement
+   ``place_experts(info.moe_layers, info.num_experts, N, R)`` and writes routing table version 1
+   (``routing-table.json``) into a fresh run directory.
+2. Starts ``N`` expert servers and ``M`` attention clients, each as its own process running the
+   SAME entry point a Kubernetes pod runs (``python -m eaas expert-server ...`` /
+   ``python -m eaas attention-client ...``), so ``ps`` shows every process's role. Clients start
+   in parallel with the servers (they connect lazily). All children share one fresh
+   ``PROMETHEUS_MULTIPROC_DIR``, so ``GET /metrics`` on the API port carries every process's
+   series. All ``M`` clients bind the same API port with ``SO_REUSEPORT``.
+3. Waits for every child's ready line, then prints
+   ``serving <model> on http://HOST:PORT (N expert servers, R replicas, M clients)``.
+4. Acts as the local *monitor*: when an expert server exits, it logs it and publishes a new
+   routing table version without that server (clients fail over on their own before that and
+   hot-reload the new table). A dead attention client is logged; when none is left, serve exits.
+5. SIGINT/SIGTERM: terminate every child (clients first), SIGKILL after a grace period, remove
+   the run directory (Unix sockets, routing table, metrics files). Children get
+   ``PR_SET_PDEATHSIG=SIGKILL`` (set between fork and exec), so they die with serve even if serve
+   is SIGKILLed. Shared memory of the shm transport is memfd-based: nothing in ``/dev/shm``.
+
+Child output: each child's stdout lines are relayed to serve's stdout prefixed with its name;
+stderr is inherited.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eaas.runtime.placement import format_expert_spec, place_experts
+from eaas.runtime.routing import RoutingTable
+
+PR_SET_PDEATHSIG = 1
+
+
+class ServeError(RuntimeError):
+    """A child failed to start (message names it and its exit code)."""
+
+
+def _log(msg: str) -> None:
+    print(f"[eaas serve] {msg}", flush=True)
+
+
+def _pdeathsig_preexec(parent: int):
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def fn() -> None:  # runs in the child between fork and exec: no Python threads exist in serve
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # parent died before prctl took effect
+            os._exit(1)
+
+    return fn
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    """A currently free TCP port on ``host`` (racy by nature; fine for local runs/tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Child:
+    name: str
+    role: str  # "expert-server" | "attention-client"
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    ready: bool = False
+    buf: bytes = b""
+    server_id: str | None = None
+    exit_logged: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def write_table(path: Path, table: RoutingTable) -> None:
+    """Atomically replace ``path`` with ``table`` (write a temp file, then rename)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(table.to_json(), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class Deployment:
+    """All processes of one local deployment (see the module docstring).
+
+    Args:
+        model_dir: checkpoint (None: the built-in tiny model, built on first use).
+        expert_servers: ``N`` (>= replicas).
+        replicas: ``R``, replicas per logical expert on distinct servers.
+        attention_clients: ``M``.
+        host, port: API address shared by all clients.
+        transport: ``"shm"`` (Unix socket + memfd shared memory) or ``"tcp"``.
+        dispatch_timeout: clients' per-round deadline in seconds.
+        dtype: activation/weight dtype of every process.
+        client_threads / server_threads: torch intra-op threads per process.
+    """
+
+    def __init__(
+        self,
+        *,
+        model_dir: str | None = None,
+        expert_servers: int = 4,
+        replicas: int = 2,
+        attention_clients: int = 1,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        transport: str = "shm",
+        dispatch_timeout: float = 5.0,
+        dtype: str = "float32",
+        client_threads: int = 1,
+        server_threads: int = 1,
+        ready_timeout: float = 300.0,
+    ) -> None:
+        if transport not in ("shm", "tcp"):
+            raise ValueError(f"--transport must be shm or tcp, got {transport!r}")
+        if attention_clients < 1:
+            raise ValueError("--attention-clients must be >= 1")
+        if model_dir is None:
+            from eaas.runtime.models.tiny import default_model_dir
+
+            model_dir = str(default_model_dir())
+        from eaas.runtime.models.arch import read_model_info
+
+        self.model_dir = str(model_dir)
+        self.info = read_model_info(self.model_dir)
+        self.placement = place_experts(self.info.moe_layers, self.info.num_experts, expert_servers, replicas)
+        self.n, self.r, self.m = expert_servers, replicas, attention_clients
+        self.host, self.port = host, port
+        self.transport = transport
+        self.dispatch_timeout = dispatch_timeout
+        self.dtype = dtype
+        self.client_threads, self.server_threads = client_threads, server_threads
+        self.ready_timeout = ready_timeout
+        self.children: list[Child] = []
+        self.run_dir: Path | None = None
+        self.table: RoutingTable | None = None
+        self.table_path: Path | None = None
+        self._sel = selectors.DefaultSelector()
+        self._stop = False
+
+    # ---- start ----------------------------------------------------------------------------
+    def _env(self) -> dict:
+        env = dict(os.environ)
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(self.run_dir / "metrics")
+        env["PYTHONUNBUFFERED"] = "1"
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        return env
+
+    def _spawn(self, child: Child, env: dict) -> None:
+        child.proc = subprocess.Popen(
+            child.argv,
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            preexec_fn=_pdeathsig_preexec(os.getpid()),
+            close_fds=True,
+        )
+        os.set_blocking(child.proc.stdout.fileno(), False)
+        self._sel.register(child.proc.stdout, selectors.EVENT_READ, child)
+        self.children.append(child)
+
+    def start(self) -> None:
+        """Write the routing table, start all children, wait until all are ready.
+
+        Raises:
+            ServeError: a child exited during start-up or not all were ready in time (all
+                children are stopped and the run directory removed before raising).
+        """
+        self.run_dir = Path(tempfile.mkdtemp(prefix="eaas-serve-"))
+        (self.run_dir / "metrics").mkdir()
+        ids = [f"expert-{i}" for i in range(self.n)]
+        if self.transport == "shm":
+            endpoints = [f"unix:{self.run_dir / f'{sid}.sock'}" for sid in ids]
+        else:
+            endpoints = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in ids]
+        self.table = RoutingTable.from_placement(self.placement, ids, endpoints, version=1)
+        self.table_path = self.run_dir / "routing-table.json"
+        write_table(self.table_path, self.table)
+        env = self._env()
+        py = [sys.executable, "-m", "eaas"]
+        try:
+            for s, (sid, ep) in enumerate(zip(ids, endpoints)):
+                argv = py + [
+                    "expert-server", "--model", self.model_dir, "--server-id", sid,
+                    "--experts", format_expert_spec(self.placement.servers[s]), "--listen", ep,
+                    "--dtype", self.dtype, "--threads", str(self.server_threads),
+                ]
+                self._spawn(Child(sid, "expert-server", argv, server_id=sid), env)
+            for c in range(self.m):
+                argv = py + [
+                    "attention-client", "--model", self.model_dir, "--routing-table", str(self.table_path),
+                    "--client-id", str(c), "--host", self.host, "--port", str(self.port),
+                    "--dispatch-timeout", str(self.dispatch_timeout), "--dtype", self.dtype,
+                    "--threads", str(self.client_threads),
+                ]
+                self._spawn(Child(f"attention-client-{c}", "attention-client", argv), env)
+            deadline = time.monotonic() + self.ready_timeout
+            while not all(ch.ready for ch in self.children):
+                if self._stop:
+                    raise ServeError("interrupted during start-up")
+                if time.monotonic() > deadline:
+                    late = [ch.name for ch in self.children if not ch.ready]
+                    raise ServeError(f"not ready after {self.ready_timeout:.0f} s: {', '.join(late)}")
+                self._pump(0.2)
+                for ch in self.children:
+                    rc = ch.proc.poll()
+                    if rc is not None:
+                        raise ServeError(f"{ch.name} exited with code {rc} during start-up")
+        except BaseException:
+            self.stop()
+            raise
+
+    # ---- child output / liveness ----------------------------------------------------------
+    def _pump(self, timeout: float) -> None:
+        """Relay ready output lines of children (and detect ready lines) for up to ``timeout``."""
+        for key, _ in self._sel.select(timeout):
+            child: Child = key.data
+            try:
+                data = os.read(key.fd, 65536)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                self._sel.unregister(key.fileobj)
+                if child.buf:
+                    self._line(child, child.buf)
+                    child.buf = b""
+                continue
+            child.buf += data
+            while b"\n" in child.buf:
+                line, child.buf = child.buf.split(b"\n", 1)
+                self._line(child, line)
+
+    def _line(self, child: Child, raw: bytes) -> None:
+        line = raw.decode("utf-8", "replace").rstrip()
+        if not child.ready and " ready on " in line and line.startswith(child.role):
+            child.ready = True
+        print(f"[{child.name}] {line}", flush=True)
+
+    def _check_children(self) -> None:
+        for ch in self.children:
+            rc = ch.proc.poll()
+            if rc is None or ch.exit_logged:
+                continue
+            ch.exit_logged = True
+            self._mark_dead_metrics(ch.proc.pid)
+            if ch.role == "expert-server":
+                _log(f"expert server {ch.name} (pid {ch.proc.pid}) exited with code {rc}; clients fail over to other replicas")
+                self.table = self.table.without_servers([ch.server_id])
+                write_table(self.table_path, self.table)
+                unc = self.table.uncovered()
+                _log(
+                    f"published routing table version {self.table.version} without {ch.name}"
+                    + (f" ({len(unc)} experts have no replica left: requests needing them fail with 503)" if unc else "")
+                )
+            else:
+                _log(f"attention client {ch.name} (pid {ch.proc.pid}) exited with code {rc}")
+
+    def _mark_dead_metrics(self, pid: int) -> None:
+        try:
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(pid, str(self.run_dir / "metrics"))
+        except Exception:  # noqa: BLE001
+            pass
+
+    def serve_forever(self) -> int:
+        """Relay output and watch children until a stop signal or all clients are gone.
+
+        Returns the process exit code (0 on a signal, 1 when every attention client died).
+        """
+        while not self._stop:
+            self._pump(0.2)
+            self._check_children()
+            if all(ch.proc.poll() is not None for ch in self.children if ch.role == "attention-client"):
+                _log("no attention client left; shutting down")
+                return 1
+        return 0
+
+    def request_stop(self, *_args) -> None:
+        self._stop = True
+
+    # ---- stop -----------------------------------------------------------------------------
+    def stop(self, grace: float = 8.0) -> None:
+        """Terminate clients then servers (SIGTERM), SIGKILL leftovers, remove the run dir."""
+        for role in ("attention-client", "expert-server"):
+            for ch in self.children:
+                if ch.role == role and ch.proc and ch.proc.poll() is None:
+                    try:
+                        ch.proc.terminate()
+                    except ProcessLookupError:
+                        pass
+        deadline = time.monotonic() + grace
+        for ch in self.children:
+            if ch.proc is None:
+                continue
+            try:
+                ch.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _log(f"{ch.name} did not exit within {grace:.0f} s; killing it")
+                ch.proc.kill()
+                ch.proc.wait()
+        try:
+            self._pump(0)
+        except Exception:  # noqa: BLE001
+            pass
+        for ch in self.children:
+            if ch.proc is not None and ch.proc.stdout is not None:
+                try:
+                    self._sel.unregister(ch.proc.stdout)
+                except (KeyError, ValueError):
+                    pass
+                ch.proc.stdout.close()
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            self.run_dir = None
+
+
+def serve(
+    *,
+    model_dir: str | None = None,
+    expert_servers: int = 4,
+    replicas: int = 2,
+    attention_clients: int = 1,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    transport: str = "shm",
+    dispatch_timeout: float = 5.0,
+    dtype: str = "float32",
+    client_threads: int = 1,
+    server_threads: int = 1,
+) -> int:
+    """Run a deployment until SIGINT/SIGTERM; returns the exit code (see :class:`Deployment`)."""
+    dep = Deployment(
+        model_dir=model_dir,
+        expert_servers=expert_servers,
+        replicas=replicas,
+        attention_clients=attention_clients,
+        host=host,
+        port=port,
+        transport=transport,
+        dispatch_timeout=dispatch_timeout,
+        dtype=dtype,
+        client_threads=client_threads,
+        server_threads=server_threads,
+    )
+    signal.signal(signal.SIGTERM, dep.request_stop)
+    signal.signal(signal.SIGINT, dep.request_stop)
+    _log(
+        f"placement: {len(dep.info.moe_layers)} MoE layers x {dep.info.num_experts} experts, "
+        f"{replicas} replicas on {expert_servers} servers ({dep.placement.experts_per_server()} experts per server)"
+    )
+    try:
+        dep.start()
+    except ServeError as exc:
+        _log(f"start-up failed: {exc}")
+        return 1
+    try:
+        name = Path(dep.model_dir).name
+        _log(f"routing table version {dep.table.version}: {dep.table_path}")
+        print(
+            f"serving {name} on http://{host}:{port} ({expert_servers} expert servers, {replicas} replicas, "
+            f"{attention_clients} clients)",
+            flush=True,
+        )
+        return dep.serve_forever()
+    finally:
+        _log("stopping")
+        dep.stop()
+        _log("stopped")
