@@ -238,6 +238,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.steps = 0
+        self.stats = {"prefills": 0, "decode_steps": 0, "max_batch": 0, "cancelled": 0, "failed": 0}
         self._running_gauge = metrics.RUNNING_SEQS.labels(client_id=self.client_id)
         self._running_gauge.set(0)
 
@@ -331,6 +332,7 @@ class Engine:
         for r in [r for r in self._waiting if r.cancelled]:
             self._waiting.remove(r)
             r.finish_reason = "cancelled"
+            self.stats["cancelled"] += 1
         if any(s.cancelled for s in self._batch.seqs):
             rows = []
             for i, s in enumerate(self._batch.seqs):
@@ -338,6 +340,7 @@ class Engine:
                     s.finish_reason = "cancelled"
                 else:
                     rows.append(i)
+            self.stats["cancelled"] += len(self._batch) - len(rows)
             self._batch.keep(rows)
             self._running_gauge.set(len(self._batch))
         if self._waiting and len(self._batch) < self.max_num_seqs:
@@ -363,6 +366,7 @@ class Engine:
         from transformers import DynamicCache
 
         n = len(req.prompt_ids)
+        self.stats["prefills"] += 1
         ids = torch.tensor([req.prompt_ids], dtype=torch.long)
         try:
             logits, cache = self._forward(ids, torch.ones(1, n, dtype=torch.long), torch.arange(n).unsqueeze(0), DynamicCache())
@@ -379,6 +383,8 @@ class Engine:
         from transformers import DynamicCache
 
         b = self._batch
+        self.stats["decode_steps"] += 1
+        self.stats["max_batch"] = max(self.stats["max_batch"], len(b))
         ids = torch.tensor(b.next_tokens, dtype=torch.long).unsqueeze(1)  # [B, 1]
         pos = torch.tensor(b.lengths, dtype=torch.long).unsqueeze(1)  # [B, 1]
         mask = torch.cat([b.mask, torch.ones(len(b), 1, dtype=torch.long)], dim=1)  # [B, L+1]
@@ -399,6 +405,7 @@ class Engine:
 
     def _fail(self, reqs: list[GenerationRequest], exc: BaseException) -> None:
         log.warning("forward failed for %d request(s): %s: %s", len(reqs), type(exc).__name__, exc)
+        self.stats["failed"] += len(reqs)
         for r in reqs:
             r.finish_reason = "error"
             try:
