@@ -259,6 +259,24 @@ def test_load_expert_weights_other_experts_absent_sharded(tiny, tmp_path):
         load_expert_weights(tmp_path, [(1, 8)], progress=False)
 
 
+def test_load_expert_weights_dequantizes_fp8_blocks(tmp_path):
+    """DeepSeek-V3's released FP8 layout: float8_e4m3fn weight + per-128x128-block weight_scale_inv."""
+    g = torch.Generator().manual_seed(0)
+    shapes = {"gate_proj": (130, 260), "up_proj": (130, 260), "down_proj": (260, 130)}
+    tensors, want = {}, {}
+    for p, (r, c) in shapes.items():
+        w = torch.randn(r, c, generator=g)
+        scale = torch.rand((r + 127) // 128, (c + 127) // 128, generator=g) + 0.5  # (ceil(r/128), ceil(c/128))
+        full_scale = scale.repeat_interleave(128, 0)[:r].repeat_interleave(128, 1)[:, :c]
+        q = (w / full_scale).to(torch.float8_e4m3fn)
+        name = f"model.layers.3.mlp.experts.0.{p}.weight"
+        tensors[name], tensors[name + "_scale_inv"] = q, scale
+        want[p] = q.float() * full_scale
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    w = load_expert_weights(tmp_path, [(3, 0)], progress=False)[(3, 0)]
+    assert torch.equal(w.gate, want["gate_proj"]) and torch.equal(w.up, want["up_proj"]) and torch.equal(w.down, want["down_proj"])
+
+
 def test_mixtral_expert_keys(mixtral):
     from transformers import AutoModelForCausalLM
 
@@ -334,10 +352,30 @@ def test_factory_must_return_module(tiny):
 def test_greedy_generate_matches_reference(tiny):
     model, tok, info = load_attention_model(tiny, experts_factory=local_experts_factory(tiny))
     prompts = [tok("Hello! How are you")["input_ids"], tok("The capital of France")["input_ids"]]
-    ref = reference_generate(tiny, prompts, max_new_tokens=8)
-    assert all(len(r) == 8 for r in ref)
+    ref = reference_generate(tiny, prompts, max_new_tokens=6)
+    assert all(len(r) == 6 for r in ref) and ref[0] != ref[1]
     for p, r in zip(prompts, ref):
         x = torch.tensor([p])
         with torch.no_grad():
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False)
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False)
         assert y[0, len(p):].tolist() == r
+
+
+def test_bfloat16_seam_dtypes(tiny):
+    """bf16 model: the router stays float32 and DeepSeek's gate weights reach the module as float32."""
+    seen = {}
+
+    class Probe(nn.Module):
+        def forward(self, h, idx, w):
+            seen.update(h=h.dtype, idx=idx.dtype, w=w.dtype, wsum=w.sum(-1))
+            return torch.zeros_like(h)
+
+    model, tok, info = load_attention_model(tiny, dtype=torch.bfloat16, experts_factory=lambda l, i: Probe())
+    assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    assert model.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+    assert model.model.layers[1].mlp.shared_experts.up_proj.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        model(torch.tensor([tok("Hello")["input_ids"]]))
+    assert (seen["h"], seen["idx"], seen["w"]) == (torch.bfloat16, torch.int64, torch.float32)
+    # normalized top-k weights scaled by routed_scaling_factor
+    torch.testing.assert_close(seen["wsum"], torch.full_like(seen["wsum"], 2.5))
