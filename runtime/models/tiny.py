@@ -236,6 +236,8 @@ def write_tiny_model(out_dir: str | Path) -> Path:
         },
     )
     _json(out / "special_tokens_map.json", {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD})
+    for f in out.iterdir():
+        os.chmod(f, 0o644)  # save_file creates 0600
     return out
 
 
@@ -264,6 +266,7 @@ def default_model_dir() -> Path:
             tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}.", dir=final.parent))
             try:
                 write_tiny_model(tmp)
+                os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
                 if final.exists():  # a broken earlier attempt
                     shutil.rmtree(final)
                 os.rename(tmp, final)

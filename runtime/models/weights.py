@@ -193,9 +193,9 @@ def group_by_layer(weights: dict[LayerExpert, ExpertWeights]) -> dict[int, dict[
     return dict(out)
 
 
-def expert_nbytes(info_hidden: int, intermediate: int, dtype: torch.dtype) -> int:
+def expert_nbytes(hidden: int, intermediate: int, dtype: torch.dtype) -> int:
     """Bytes one expert occupies in ``dtype``: ``3 * H * I * itemsize``."""
-    return 3 * info_hidden * intermediate * torch.empty((), dtype=dtype).element_size()
+    return 3 * hidden * intermediate * torch.empty((), dtype=dtype).element_size()
 
 
 __all__ = ["load_expert_weights", "checkpoint_weight_map", "group_by_layer", "expert_nbytes", "LayerExpert"]
