@@ -647,9 +647,10 @@ def invalid_spec_status(owner: Owner, message: str, old_conditions: Sequence[Map
 # ---------------------------------------------------------------------------------------------
 # attention fleet
 # ---------------------------------------------------------------------------------------------
-def client_command(spec: AttentionFleetSpec) -> list[str]:
-    """The attention client's command line."""
-    return [
+def client_command(spec: AttentionFleetSpec, pool: ExpertPoolSpec | None = None) -> list[str]:
+    """The attention client's command line: serve the API on all interfaces (the Service reaches
+    it through the pod IP); with the pool known, its dispatch deadline (seconds)."""
+    cmd = [
         "eaas",
         "attention-client",
         "--model",
@@ -658,7 +659,12 @@ def client_command(spec: AttentionFleetSpec) -> list[str]:
         f"{TABLE_MOUNT_DIR}/{TABLE_KEY}",
         "--port",
         str(spec.port),
+        "--host",
+        "0.0.0.0",
     ]
+    if pool is not None:
+        cmd += ["--dispatch-timeout", f"{pool.failure_detection.dispatch_timeout_ms / 1000:g}"]
+    return cmd
 
 
 def fleet_deployment(owner: Owner, spec: AttentionFleetSpec, pool: ExpertPoolSpec | None) -> dict[str, Any]:
@@ -676,7 +682,7 @@ def fleet_deployment(owner: Owner, spec: AttentionFleetSpec, pool: ExpertPoolSpe
         "name": CLIENT_ROLE,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": client_command(spec),
+        "command": client_command(spec, pool),
         "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
         "env": env,
         "volumeMounts": [{"name": "routing-table", "mountPath": TABLE_MOUNT_DIR, "readOnly": True}],

@@ -308,7 +308,8 @@ def test_fleet_deployment_and_service():
     dep = fleet_deployment(owner, spec, make_spec())
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert c["command"] == ["eaas", "attention-client", "--model", "/models/tiny", "--routing-table",
-                            "/etc/eaas/routing-table.json", "--port", "8000"]
+                            "/etc/eaas/routing-table.json", "--port", "8000", "--host", "0.0.0.0",
+                            "--dispatch-timeout", "0.5"]
     assert c["volumeMounts"][0]["mountPath"] == "/etc/eaas"
     vol = dep["spec"]["template"]["spec"]["volumes"][0]
     assert vol["configMap"]["name"] == "tiny-routing-table"
