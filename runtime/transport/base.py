@@ -103,8 +103,16 @@ class ClientConnection(abc.ABC):
     endpoint: str
 
     @abc.abstractmethod
-    def send(self, frame: RequestFrame) -> None:
-        """Write ``frame`` to the server. Raises :class:`PeerDeadError` or :class:`FrameError`."""
+    def send(self, frame: RequestFrame, deadline: float | None = None) -> None:
+        """Write ``frame`` to the server.
+
+        One request in flight per connection: call :meth:`recv` before the next ``send``.
+        ``deadline`` (``time.monotonic()`` seconds, optional) bounds a write that blocks on a
+        full socket buffer (TCP); the shm transport never blocks on the data path.
+
+        Raises :class:`PeerDeadError`, :class:`FrameError` (shapes/dtype/limits, or a request
+        already in flight) or :class:`DeadlineExceeded` (peer not reading).
+        """
 
     @abc.abstractmethod
     def recv(self, deadline: float) -> ResponseFrame:

@@ -294,8 +294,9 @@ class ShmClientConnection(ClientConnection):
                 return status, data[_ACK.size :].decode("utf-8", "replace")
 
     # -- data path ----------------------------------------------------------------------
-    def send(self, frame: RequestFrame) -> None:
-        """Write ``frame`` into the request slot and ring the doorbell.
+    def send(self, frame: RequestFrame, deadline: float | None = None) -> None:
+        """Write ``frame`` into the request slot and ring the doorbell (never blocks;
+        ``deadline`` is accepted for interface compatibility).
 
         Args:
             frame: ``hidden`` ``[n, H]`` in this connection's dtype; ``experts`` ``[n, k]`` int
