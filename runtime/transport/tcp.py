@@ -19,7 +19,9 @@ Tensors are written straight from their storage (``tensor.view(torch.uint8).nump
 bfloat16 too) and read with ``recv_into`` into a preallocated, grow-on-demand buffer. Both ends
 set ``TCP_NODELAY``. The server multiplexes all clients with ``selectors``; reads are incremental
 (non-blocking), so a slow client never blocks the others. Responses are written with a bounded
-``sendall`` (``send_timeout``); a client that does not read within it is dropped.
+non-blocking writes: what the socket does not take at once is queued and flushed from
+``poll`` when the socket turns writable, so a stopped or slow client never stalls the server
+loop; a client whose queued response is not drained within ``send_timeout`` is dropped.
 
 Liveness: EOF / reset = peer gone (:class:`PeerDeadError` on the client; dropped on the server).
 A SIGSTOPped peer keeps the connection open, so the client's ``recv`` deadline catches it.
@@ -202,7 +204,7 @@ class TcpClientConnection(ClientConnection):
         dtype: torch.dtype,
         client_id: int | None = None,
         connect_timeout: float = 5.0,
-        send_timeout: float = 10.0,
+        send_timeout: float = 5.0,
         max_tokens: int = 0,
         max_k: int = 0,
         spin_us: float = 0.0,
@@ -342,7 +344,7 @@ class TcpClientConnection(ClientConnection):
 
 
 class _TcpConn:
-    __slots__ = ("sock", "reader", "client_id", "ready", "in_flight", "fileno", "pending")
+    __slots__ = ("sock", "reader", "client_id", "ready", "in_flight", "fileno", "pending", "outq", "out_deadline")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -352,6 +354,8 @@ class _TcpConn:
         self.ready = False
         self.in_flight = False
         self.pending: tuple | None = None  # complete REQ not yet returned by poll
+        self.outq: list[memoryview] = []  # response bytes the socket has not taken yet
+        self.out_deadline = 0.0
 
 
 class TcpServerListener(ServerListener):
@@ -410,16 +414,49 @@ class TcpServerListener(ServerListener):
         conn.ready = False
 
     def _send(self, conn: _TcpConn, bufs: list) -> bool:
-        try:
-            _sendall_vec(conn.sock, bufs, time.monotonic() + self.send_timeout)
-            return True
-        except (PeerDeadError, DeadlineExceeded):
-            self._drop(conn)
+        """Queue ``bufs`` and write what the socket takes now; the rest is flushed from ``poll``.
+        Returns False (and drops ``conn``) when the client is gone."""
+        was_empty = not conn.outq
+        conn.outq.extend(memoryview(b).cast("B") for b in bufs if len(b))
+        if was_empty:
+            conn.out_deadline = time.monotonic() + self.send_timeout
+        if not self._flush(conn):
             return False
+        if conn.outq and was_empty:
+            self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+        return True
+
+    def _flush(self, conn: _TcpConn) -> bool:
+        q = conn.outq
+        while q:
+            try:
+                sent = conn.sock.sendmsg(q)
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError:
+                self._drop(conn)
+                return False
+            while sent and q:
+                if sent >= len(q[0]):
+                    sent -= len(q[0])
+                    q.pop(0)
+                else:
+                    q[0] = q[0][sent:]
+                    sent = 0
+        return True
+
+    def _on_writable(self, conn: _TcpConn) -> None:
+        if self._flush(conn) and not conn.outq:
+            self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+
+    def _expire_writes(self) -> None:
+        now = time.monotonic()
+        for conn in [c for c in self._conns.values() if c.outq and now > c.out_deadline]:
+            self._drop(conn)  # the client does not read its responses (stopped or wedged)
 
     def _read(self, conn: _TcpConn) -> None:
-        if conn.in_flight or conn.pending is not None:
-            return  # one request at a time; do not overwrite the buffer a frame aliases
+        if conn.in_flight or conn.pending is not None or conn.outq:
+            return  # one request at a time; do not overwrite the buffer a frame/response aliases
         try:
             msg = conn.reader.feed(conn.sock)
         except (PeerDeadError, FrameError):
@@ -483,17 +520,26 @@ class TcpServerListener(ServerListener):
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            for key, _ in self._sel.select(remaining):
+            if any(c.outq for c in self._conns.values()):
+                remaining = self.send_timeout if remaining is None else min(remaining, self.send_timeout)
+            for key, events in self._sel.select(remaining):
                 if key.data is None:
                     self._accept()
-                else:
-                    self._read(key.data)
+                    continue
+                conn = key.data
+                if events & selectors.EVENT_WRITE and conn.fileno in self._conns:
+                    self._on_writable(conn)
+                if events & selectors.EVENT_READ and conn.fileno in self._conns:
+                    self._read(conn)
+            self._expire_writes()
             frames = self._collect()
             if frames or (deadline is not None and time.monotonic() >= deadline):
                 return frames
 
     def respond(self, conn: object, frame: ResponseFrame) -> None:
-        """Send ``frame`` on ``conn`` (bounded by ``send_timeout``); a dead client is dropped."""
+        """Send ``frame`` on ``conn`` without blocking (unsent bytes are queued and flushed by
+        ``poll``); a dead client is dropped. The output bytes are referenced, not copied, until
+        sent: do not modify ``frame.output`` afterwards."""
         assert isinstance(conn, _TcpConn)
         conn.in_flight = False
         if conn.fileno not in self._conns:

@@ -1,7 +1,8 @@
 """Helpers for transport / expert-server tests: real server processes with random weights.
 
 Servers run in forked processes (fast: no second torch import), each with its own sockets and
-``torch.set_num_threads(1)``. ``start_server`` waits for the listener to accept before returning.
+``torch.set_num_threads(1)`` set first thing (forked children must not use the parent's OpenMP
+pool). ``start_server`` waits for the listener to accept before returning.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ SPEC = "1:0-3;2:0-1"
 
 
 def _serve(endpoint, spec, hidden, inter, seed, dtype, metrics_port, window_us, pipe):
+    # First thing in a forked child: the parent's OpenMP pool does not survive fork; one thread
+    # keeps torch from entering a parallel region (which can hang after fork).
+    torch.set_num_threads(1)
     if metrics_port:
         from prometheus_client import start_http_server
 

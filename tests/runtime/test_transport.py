@@ -133,6 +133,7 @@ def test_stopped_server_hits_deadline_then_recovers(kind, tmp_path):
 
 
 def _doomed_client(endpoint, ready):
+    torch.set_num_threads(1)  # forked child: keep out of the parent's OpenMP pool
     c = connect(endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
     c.send(_frame(8, 2))
     ready.set()
@@ -186,3 +187,37 @@ def test_no_shm_files_even_after_sigkill(tmp_path):
     srv2.stop()
     assert not os.path.exists(srv.endpoint[len("unix:"):])
     assert shm_entries() <= before
+
+
+def _lazy_client(endpoint, hidden, ready):
+    """Sends a huge frame and never reads the answer (a wedged/stopped client)."""
+    torch.set_num_threads(1)  # forked child: keep out of the parent's OpenMP pool
+    c = connect(endpoint, "s-test", hidden_size=hidden, dtype=torch.float32)
+    n = 4096
+    c.send(RequestFrame(5, 1, 1, 0, torch.randn(n, hidden), torch.zeros(n, 1, dtype=torch.int32), torch.ones(n, 1)))
+    ready.set()
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("kind", ["unix", "tcp"])
+def test_client_not_reading_does_not_stall_others(kind, tmp_path):
+    hidden = 1024  # 4096 tokens x 4 KiB = 16 MiB response, more than the socket buffers hold
+    srv = start_server(_endpoint(kind, tmp_path), hidden=hidden)
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    p = ctx.Process(target=_lazy_client, args=(srv.endpoint, hidden, ready), daemon=True)
+    p.start()
+    try:
+        assert ready.wait(20)
+        c = connect(srv.endpoint, "s-test", hidden_size=hidden, dtype=torch.float32)
+        for i in range(3):
+            t0 = time.monotonic()
+            c.send(RequestFrame(1, 1, 1, i, torch.randn(2, hidden), torch.zeros(2, 1, dtype=torch.int32),
+                                torch.ones(2, 1)))
+            r = c.recv(t0 + 5)
+            assert r.status == STATUS_OK and time.monotonic() - t0 < 1.0
+        c.close()
+    finally:
+        p.kill()
+        p.join(5)
+        srv.stop()
