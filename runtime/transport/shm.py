@@ -98,6 +98,9 @@ _KIND_ACK = b"A"
 _DOORBELL = b"D"
 
 
+_yield = os.sched_yield  # spin politely: let the peer run when cores are oversubscribed
+
+
 def _align(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
@@ -405,6 +408,7 @@ class ShmClientConnection(ClientConnection):
         while time.monotonic() < spin_end:
             if hdr[0] == want:
                 return self._response()
+            _yield()
         while True:
             self._drain()
             if hdr[0] == want:
@@ -644,6 +648,7 @@ class ShmServerListener(ServerListener):
             frames = self._collect()
             if frames:
                 return frames
+            _yield()
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             for key, _ in self._sel.select(remaining):
