@@ -168,7 +168,7 @@ class OpenAIServer:
         if m != self.model_name:
             raise APIError(400, f"The model '{m}' does not exist; this server serves '{self.model_name}'", param="model", code="model_not_found")
 
-    def _common(self, body: dict, prompt_ids: list[int], max_tokens_key: str, default_max: int | None) -> _Prepared:
+    def _common(self, body: dict, prompt_ids: list[int], max_tokens_key: str, default_max: int | None, prompt_param: str) -> _Prepared:
         n = _int(body, "n", 1, 1)
         if n != 1:
             raise APIError(400, "only n=1 is supported", param="n", code="invalid_value")
@@ -183,7 +183,7 @@ class OpenAIServer:
             raise APIError(
                 400,
                 f"This model's maximum context length is {self.max_context} tokens; the prompt has {len(prompt_ids)} tokens",
-                param="prompt" if max_tokens_key != "max_completion_tokens" else "messages",
+                param=prompt_param,
                 code="context_length_exceeded",
             )
         if max_tokens is None:
@@ -235,7 +235,7 @@ class OpenAIServer:
             raise APIError(400, f"'prompt' must be a string or a list of token ids, got {type(p).__name__}", param="prompt", code="invalid_type")
         if not ids:
             raise APIError(400, "'prompt' tokenizes to zero tokens", param="prompt", code="invalid_value")
-        return self._common(body, ids, "max_tokens", 16)
+        return self._common(body, ids, "max_tokens", 16, "prompt")
 
     def prepare_chat(self, body: dict) -> _Prepared:
         self._check_model(body)
@@ -266,7 +266,7 @@ class OpenAIServer:
                 raise APIError(400, f"'messages[{i}].content' must be a string or a list of text parts", param=f"messages[{i}].content", code="invalid_type")
             norm.append({"role": role, "content": content})
         ids = self.render_chat(norm)
-        return self._common(body, ids, "max_completion_tokens", None)
+        return self._common(body, ids, "max_completion_tokens", None, "messages")
 
     def render_chat(self, messages: list[dict]) -> list[int]:
         tok = self.tokenizer
@@ -370,7 +370,10 @@ def create_app(server: OpenAIServer) -> FastAPI:
                         raise _ClientGone()
 
         try:
-            first = await next_event(True)
+            # Streams must not read the ASGI receive channel here: StreamingResponse listens on it
+            # for the disconnect (reading it here may swallow uvicorn's state). Non-streaming
+            # requests poll it to notice a client that went away.
+            first = await next_event(not prep.stream)
         except BaseException as exc:
             req.cancel()
             metrics.REQUESTS.labels(client_id=label, status="cancelled").inc()

@@ -1,0 +1,21 @@
+"""Fixtures for end-to-end tests (helpers in ``e2e_helpers``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from eaas.runtime.models.tiny import default_model_dir
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    return str(default_model_dir())
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+

@@ -1,0 +1,179 @@
+"""Helpers for end-to-end tests: real ``eaas serve`` / ``eaas expert-server`` processes on loopback."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """``{pid: cmdline}`` of every live descendant of ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(d))
+    out: dict[int, str] = {}
+    todo = [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out[c] = cmdline(c)
+            todo.append(c)
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def alive(pid: int, cmd: str) -> bool:
+    """Process ``pid`` still exists (not a zombie) with the same command line."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z" and cmdline(pid) == cmd
+
+
+def shm_files() -> set[str]:
+    try:
+        return {f for f in os.listdir("/dev/shm") if f.startswith("eaas")}
+    except FileNotFoundError:
+        return set()
+
+
+class ServeProcess:
+    """``python -m eaas serve`` as a subprocess; output goes to ``log_path``."""
+
+    def __init__(self, args: list[str], log_path: Path, port: int):
+        self.args = args
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.run_dir: Path | None = None
+        self.children: dict[int, str] = {}
+        self.stopped = False
+
+    def start(self, timeout: float = 240.0) -> None:
+        env = dict(os.environ)
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "eaas", "serve", "--port", str(self.port), *self.args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.log()
+            if re.search(r"^serving \S+ on http://", text, re.M):
+                break
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"eaas serve exited with {self.proc.returncode}:\n{text[-4000:]}")
+            if time.monotonic() > deadline:
+                self.stop(check=False)
+                raise RuntimeError(f"eaas serve not ready after {timeout} s:\n{text[-4000:]}")
+            time.sleep(0.25)
+        m = re.search(r"routing table version 1: (\S+)/routing-table\.json", text)
+        assert m, text[-2000:]
+        self.run_dir = Path(m.group(1))
+        self.children = descendants(self.proc.pid)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def pid_of(self, fragment: str) -> int:
+        """Pid of the child whose command line contains ``fragment`` (e.g. '--server-id expert-1')."""
+        for pid, cmd in descendants(self.proc.pid).items():
+            if fragment in cmd:
+                return pid
+        raise LookupError(f"no child with {fragment!r}")
+
+    def stop(self, check: bool = True) -> None:
+        """SIGTERM serve; with ``check``, assert a clean exit, no orphans, no leftovers."""
+        if self.stopped or self.proc is None:
+            return
+        self.stopped = True
+        kids = descendants(self.proc.pid)
+        kids.update({p: c for p, c in self.children.items() if p not in kids})
+        shm_before = shm_files()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+            for p in kids:
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except OSError:
+                    pass
+            if check:
+                raise AssertionError("eaas serve did not exit within 60 s of SIGTERM")
+        self._log.close()
+        if not check:
+            return
+        assert rc == 0, f"eaas serve exit code {rc}:\n{self.log()[-3000:]}"
+        time.sleep(0.2)
+        left = {p: c for p, c in kids.items() if alive(p, c)}
+        for p in left:
+            os.kill(p, signal.SIGKILL)
+        assert not left, f"orphaned children after SIGTERM: {left}"
+        assert self.run_dir is not None and not self.run_dir.exists(), f"run dir {self.run_dir} left behind"
+        assert not (shm_files() - shm_before), f"leaked /dev/shm files: {shm_files() - shm_before}"
+        assert not {f for f in shm_files() if f.startswith("eaas")}, "eaas shared memory in /dev/shm"
+
+
+def start_serve(tmp_path_factory, name: str, args: list[str]) -> ServeProcess:
+    log = tmp_path_factory.mktemp(name) / "serve.log"
+    sp = ServeProcess(args, log, free_port())
+    sp.start()
+    return sp
+
+
+def metric_values(base_url: str) -> dict[tuple[str, tuple], float]:
+    """Samples of GET /metrics as ``{(name, sorted label items): value}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(f"{base_url}/metrics", timeout=10)
+    r.raise_for_status()
+    out = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def metric_sum(values: dict, name: str, **labels) -> float:
+    return sum(
+        v for (n, lab), v in values.items() if n == name and all(dict(lab).get(k) == str(x) for k, x in labels.items())
+    )

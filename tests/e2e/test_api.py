@@ -1,0 +1,288 @@
+"""End to end through ``eaas serve`` (4 expert servers, 2 replicas, 2 attention clients sharing
+the servers and the API port) with the official ``openai`` client.
+
+Exactness: greedy tokens from the live deployment must equal transformers' ``generate`` on the
+same checkpoint (:func:`reference_generate`). Responses carry the generated ids in the
+non-standard ``token_ids`` field of each choice.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from eaas.runtime.models.reference import reference_generate
+from eaas.runtime.routing import RoutingTable
+from eaas.runtime.serve import write_table
+
+from e2e_helpers import metric_sum, metric_values, start_serve
+
+pytestmark = pytest.mark.e2e
+
+TEXTS = [
+    "Hello world",
+    "The expert server hosts a set of experts and",
+    "Kubernetes schedules pods on nodes",
+    "def main(): print",
+    "A routing table maps every logical expert to its live replicas",
+    "Mixture of experts models route each token",
+]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    sp = start_serve(tmp_path_factory, "serve-api", ["--expert-servers", "4", "--replicas", "2", "--attention-clients", "2"])
+    yield sp
+    sp.stop(check=True)
+
+
+@pytest.fixture(scope="module")
+def model_name(deployment):
+    return httpx.get(f"{deployment.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [tokenizer(t)["input_ids"] for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def references(model_dir, prompts):
+    return reference_generate(model_dir, prompts, MAX_TOKENS)
+
+
+def client(deployment, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{deployment.base_url}/v1", api_key="unused", max_retries=0, timeout=120, **kw)
+
+
+def complete_ids(deployment, model_name, prompt_ids, max_tokens=MAX_TOKENS):
+    c = client(deployment)
+    try:
+        r = c.completions.create(model=model_name, prompt=prompt_ids, max_tokens=max_tokens, temperature=0)
+    finally:
+        c.close()
+    return r
+
+
+def test_models_and_health(deployment, model_dir):
+    models = httpx.get(f"{deployment.base_url}/v1/models", timeout=10).json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [model_dir.rstrip("/").split("/")[-1]]
+    h = httpx.get(f"{deployment.base_url}/health", timeout=10).json()
+    assert h["status"] == "ok" and h["mode"] == "disaggregated"
+    assert h["routing_table_version"] == 1
+    assert sorted(h["servers"]) == [f"expert-{i}" for i in range(4)]
+
+
+def test_greedy_tokens_match_reference(deployment, model_name, prompts, references, tokenizer):
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        results = list(ex.map(lambda p: complete_ids(deployment, model_name, p), prompts))
+    for r, ref in zip(results, references):
+        ch = r.choices[0]
+        assert ch.model_extra["token_ids"] == ref
+        assert ch.text == tokenizer.decode(ref, skip_special_tokens=True)
+        assert ch.finish_reason == ("length" if len(ref) == MAX_TOKENS else "stop")
+        assert r.usage.completion_tokens == len(ref)
+
+
+def test_two_clients_share_the_servers(deployment, model_name, prompts, references):
+    """Many concurrent requests, each on its own connection: both attention clients serve some
+    (``eaas_requests_total{client_id}``), all answers exact, every expert server was used."""
+    before = metric_values(deployment.base_url)
+    jobs = [i % len(prompts) for i in range(16)]
+    with ThreadPoolExecutor(8) as ex:  # a fresh openai client (new TCP connection) per request
+        results = list(ex.map(lambda i: complete_ids(deployment, model_name, prompts[i]), jobs))
+    for i, r in zip(jobs, results):
+        assert r.choices[0].model_extra["token_ids"] == references[i]
+    after = metric_values(deployment.base_url)
+    served = {
+        c: metric_sum(after, "eaas_requests_total", client_id=c, status="200")
+        - metric_sum(before, "eaas_requests_total", client_id=c, status="200")
+        for c in ("0", "1")
+    }
+    assert served["0"] + served["1"] == len(jobs)
+    assert served["0"] > 0 and served["1"] > 0, served
+    tokens = metric_sum(after, "eaas_expert_tokens_total") - metric_sum(before, "eaas_expert_tokens_total")
+    assert tokens > 0
+    assert metric_sum(after, "eaas_failovers_total") == 0
+
+
+def test_openai_completion_text_prompt(deployment, model_name, tokenizer, model_dir):
+    c = client(deployment)
+    r = c.completions.create(model=model_name, prompt="Hello world", max_tokens=8, temperature=0)
+    ref = reference_generate(model_dir, [tokenizer("Hello world")["input_ids"]], 8)[0]
+    assert r.object == "text_completion"
+    assert r.choices[0].model_extra["token_ids"] == ref
+    assert r.choices[0].text == tokenizer.decode(ref, skip_special_tokens=True)
+    assert r.usage.prompt_tokens == len(tokenizer("Hello world")["input_ids"])
+
+
+def _chat_prompt_ids(tokenizer, messages):
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_openai_chat(deployment, model_name, tokenizer, model_dir):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name an expert."}]
+    c = client(deployment)
+    r = c.chat.completions.create(model=model_name, messages=messages, max_tokens=10, temperature=0)
+    pids = _chat_prompt_ids(tokenizer, messages)
+    ref = reference_generate(model_dir, [pids], 10)[0]
+    assert r.object == "chat.completion"
+    msg = r.choices[0].message
+    assert msg.role == "assistant"
+    assert r.choices[0].model_extra["token_ids"] == ref
+    assert msg.content == tokenizer.decode(ref, skip_special_tokens=True)
+    assert r.usage.prompt_tokens == len(pids)
+
+
+def test_streaming_completion(deployment, model_name, prompts, references, tokenizer):
+    c = client(deployment)
+    stream = c.completions.create(model=model_name, prompt=prompts[1], max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    texts, ids, finishes = [], [], []
+    for chunk in stream:
+        ch = chunk.choices[0]
+        texts.append(ch.text)
+        ids.extend(ch.model_extra["token_ids"])
+        finishes.append(ch.finish_reason)
+    assert ids == references[1]
+    assert "".join(texts) == tokenizer.decode(references[1], skip_special_tokens=True)
+    assert finishes[-1] in ("length", "stop") and all(f is None for f in finishes[:-1])
+    assert len(texts) == len(references[1])  # one chunk per token: really streamed
+
+
+def test_streaming_chat(deployment, model_name, tokenizer, model_dir):
+    messages = [{"role": "user", "content": "Stream me some tokens"}]
+    ref = reference_generate(model_dir, [_chat_prompt_ids(tokenizer, messages)], 12)[0]
+    c = client(deployment)
+    stream = c.chat.completions.create(model=model_name, messages=messages, max_tokens=12, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    ids = [t for ch in chunks for t in ch.choices[0].model_extra["token_ids"]]
+    assert ids == ref
+    assert content == tokenizer.decode(ref, skip_special_tokens=True)
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_sse_wire_format_ends_with_done(deployment, model_name):
+    with httpx.stream(
+        "POST",
+        f"{deployment.base_url}/v1/completions",
+        json={"model": model_name, "prompt": "Hi", "max_tokens": 3, "temperature": 0, "stream": True},
+        timeout=60,
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert all(p["object"] == "text_completion" for p in payloads)
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+
+
+# ---- bad requests: OpenAI-style 400 and the server keeps serving --------------------------
+BAD = {
+    "empty_prompt": ("/v1/completions", {"prompt": "", "max_tokens": 4}, "prompt"),
+    "empty_messages": ("/v1/chat/completions", {"messages": [], "max_tokens": 4}, "messages"),
+    "beyond_context": ("/v1/completions", {"prompt": "Hello world", "max_tokens": 2048}, "max_tokens"),
+    "max_tokens_zero": ("/v1/completions", {"prompt": "Hello", "max_tokens": 0}, "max_tokens"),
+    "max_tokens_negative": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, "max_tokens"),
+    "max_tokens_string": ("/v1/completions", {"prompt": "Hello", "max_tokens": "ten"}, "max_tokens"),
+    "messages_not_list": ("/v1/chat/completions", {"messages": "hello", "max_tokens": 4}, "messages"),
+    "unknown_model": ("/v1/completions", {"model": "gpt-17", "prompt": "Hello", "max_tokens": 4}, "model"),
+    "malformed_json": ("/v1/completions", '{"prompt": "Hello", "max_tokens": 4', None),
+    "missing_prompt": ("/v1/completions", {"max_tokens": 4}, "prompt"),
+    "temperature_type": ("/v1/completions", {"prompt": "Hello", "temperature": "hot"}, "temperature"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_request_is_400_and_server_keeps_serving(deployment, model_name, case):
+    path, body, param = BAD[case]
+    if isinstance(body, dict) and case != "unknown_model":
+        body = {"model": model_name, **body}
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{deployment.base_url}{path}", content=content, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert err["message"]
+    assert err["param"] == param
+    if case == "unknown_model":
+        assert err["code"] == "model_not_found"
+    if case == "beyond_context":
+        assert err["code"] == "context_length_exceeded" and "2048" in err["message"]
+    # the server keeps serving
+    ok = httpx.post(
+        f"{deployment.base_url}/v1/completions",
+        json={"model": model_name, "prompt": "Hello", "max_tokens": 2, "temperature": 0},
+        timeout=60,
+    )
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) >= 1
+
+
+def test_openai_client_raises_bad_request(deployment, model_name):
+    c = client(deployment)
+    with pytest.raises(openai.BadRequestError) as ei:
+        c.completions.create(model=model_name, prompt="Hello", max_tokens=0)
+    assert ei.value.status_code == 400
+
+
+def test_stream_disconnect_stops_decode_within_1s(deployment, model_name):
+    def running() -> float:
+        return metric_sum(metric_values(deployment.base_url), "eaas_running_sequences")
+
+    assert running() == 0
+    with httpx.stream(
+        "POST",
+        f"{deployment.base_url}/v1/completions",
+        json={"model": model_name, "prompt": "Tell a long story", "max_tokens": 1500, "temperature": 0, "stream": True, "ignore_eos": True},
+        timeout=60,
+    ) as r:
+        assert r.status_code == 200, r.read()
+        # Pull lines from one iterator without `break`: leaving an httpx line iterator closes the
+        # response, which would be the disconnect already.
+        lines = r.iter_lines()
+        n = 0
+        while n < 3:
+            n += next(lines).startswith("data: ")
+        assert running() == 1, metric_values(deployment.base_url)
+        t0 = time.monotonic()
+    # leaving the block closed the connection
+    while running() != 0 and time.monotonic() - t0 < 5:
+        time.sleep(0.02)
+    elapsed = time.monotonic() - t0
+    assert running() == 0
+    assert elapsed < 1.0, f"decode stopped {elapsed:.2f} s after the disconnect"
+
+
+def test_routing_table_hot_reload_and_ack(deployment, model_name, prompts, references):
+    """A newer table is picked up and acknowledged by both clients; an older one is rejected."""
+    path = deployment.run_dir / "routing-table.json"
+    t1 = RoutingTable.from_json(path.read_text())
+    assert t1.version == 1
+    t2 = RoutingTable(version=2, num_experts=t1.num_experts, servers=t1.servers, layers=t1.layers)
+    write_table(path, t2)
+
+    def versions() -> dict[str, float]:
+        v = metric_values(deployment.base_url)
+        return {c: metric_sum(v, "eaas_routing_table_version", client_id=c) for c in ("0", "1")}
+
+    deadline = time.monotonic() + 10
+    while versions() != {"0": 2, "1": 2} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert versions() == {"0": 2, "1": 2}
+    write_table(path, t1)  # older: must be rejected
+    time.sleep(1.5)
+    assert versions() == {"0": 2, "1": 2}
+    assert httpx.get(f"{deployment.base_url}/health", timeout=10).json()["routing_table_version"] == 2
+    r = complete_ids(deployment, model_name, prompts[0])
+    assert r.choices[0].model_extra["token_ids"] == references[0]
