@@ -296,7 +296,7 @@ class Deployment:
         self._stop = True
 
     # ---- stop -----------------------------------------------------------------------------
-    def stop(self, grace: float = 8.0) -> None:
+    def stop(self, grace: float = 15.0) -> None:
         """Terminate clients then servers (SIGTERM), SIGKILL leftovers, remove the run dir."""
         for role in ("attention-client", "expert-server"):
             for ch in self.children:

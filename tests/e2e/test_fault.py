@@ -1,0 +1,150 @@
+"""Fault tolerance through ``eaas serve`` (4 expert servers, 2 replicas, 1 attention client).
+
+Order matters inside this module (one deployment, degraded step by step):
+1. SIGKILL one expert server while several requests stream: every request completes with the
+   reference tokens, failovers are counted, serve keeps running and publishes a routing table
+   without the dead server (acknowledged by the client).
+2. Kill a second server so that some experts have no replica left: requests fail fast with an
+   OpenAI-style 503 (never hang), and the client keeps answering /health.
+3. SIGTERM to serve: no child process survives, no /dev/shm/eaas* files, run dir removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from eaas.runtime.models.reference import reference_generate
+from eaas.runtime.routing import RoutingTable
+
+from e2e_helpers import metric_sum, metric_values, start_serve
+
+pytestmark = pytest.mark.e2e
+
+TEXTS = [
+    "The expert server hosts a set of experts and",
+    "Kubernetes schedules pods on nodes",
+    "A routing table maps every logical expert",
+    "Hello world",
+]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    sp = start_serve(tmp_path_factory, "serve-fault", ["--expert-servers", "4", "--replicas", "2", "--dispatch-timeout", "5"])
+    yield sp
+    sp.stop(check=True)  # no-op when test_sigterm_cleans_up already stopped it
+
+
+@pytest.fixture(scope="module")
+def model_name(deployment):
+    return httpx.get(f"{deployment.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def _stream(base_url, model_name, prompt_ids, out: dict, started: threading.Event):
+    ids, times = [], []
+    try:
+        with httpx.stream(
+            "POST",
+            f"{base_url}/v1/completions",
+            json={"model": model_name, "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True},
+            timeout=120,
+        ) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                payload = json.loads(line[6:])
+                if "error" in payload:
+                    out["error"] = payload["error"]
+                    continue
+                ch = payload["choices"][0]
+                ids.extend(ch["token_ids"])
+                times.append(time.monotonic())
+                if len(ids) >= 2:
+                    started.set()
+                if ch["finish_reason"]:
+                    out["finish"] = ch["finish_reason"]
+    except Exception as exc:  # noqa: BLE001
+        out["exception"] = repr(exc)
+    out["ids"], out["times"] = ids, times
+
+
+def test_kill_expert_server_while_streaming(deployment, model_name, tokenizer, model_dir):
+    prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
+    refs = reference_generate(model_dir, prompts, MAX_TOKENS)
+    outs = [{} for _ in prompts]
+    starts = [threading.Event() for _ in prompts]
+    threads = [
+        threading.Thread(target=_stream, args=(deployment.base_url, model_name, p, o, s), daemon=True)
+        for p, o, s in zip(prompts, outs, starts)
+    ]
+    for t in threads:
+        t.start()
+    for s in starts:
+        assert s.wait(120), outs
+    victim = deployment.pid_of("--server-id expert-1")
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    for t in threads:
+        t.join(180)
+        assert not t.is_alive()
+    for o, ref in zip(outs, refs):
+        assert "error" not in o and "exception" not in o, o
+        assert o["status"] == 200
+        assert o["ids"] == ref
+        assert o["finish"] == ("length" if len(ref) == MAX_TOKENS else "stop")
+    # the kill really happened mid-stream
+    assert any(any(t > killed_at for t in o["times"]) for o in outs)
+    m = metric_values(deployment.base_url)
+    assert metric_sum(m, "eaas_failovers_total") > 0
+    assert metric_sum(m, "eaas_server_marked_down_total", server="expert-1") >= 1
+    # serve (the local monitor) published a table without expert-1; the client acknowledges it
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        h = httpx.get(f"{deployment.base_url}/health", timeout=10).json()
+        if h["routing_table_version"] == 2:
+            break
+        time.sleep(0.1)
+    assert h["routing_table_version"] == 2 and "expert-1" not in h["servers"]
+    assert "expert server expert-1" in deployment.log() and "exited" in deployment.log()
+    # a fresh request after the failure is still exact
+    r = httpx.post(
+        f"{deployment.base_url}/v1/completions",
+        json={"model": model_name, "prompt": prompts[3], "max_tokens": 8, "temperature": 0},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == refs[3][:8]
+
+
+def test_no_live_replica_is_503_not_a_hang(deployment, model_name):
+    table = RoutingTable.from_json((deployment.run_dir / "routing-table.json").read_text())
+    # expert-0 now holds the last replica of some experts (their other replica was on expert-1)
+    orphaned = [(l, e) for l, e in table.hosted_by("expert-0") if table.replicas(l, e) == ("expert-0",)]
+    assert orphaned
+    os.kill(deployment.pid_of("--server-id expert-0"), signal.SIGKILL)
+    body = {"model": model_name, "prompt": "Mixture of experts models route each token to a few experts", "max_tokens": 8, "temperature": 0}
+    t0 = time.monotonic()
+    r = httpx.post(f"{deployment.base_url}/v1/completions", json=body, timeout=60)
+    assert time.monotonic() - t0 < 15
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert err["type"] == "service_unavailable" and "no live replica" in err["message"]
+    # streaming requests get the same answer (the error comes before the first token)
+    with httpx.stream("POST", f"{deployment.base_url}/v1/completions", json={**body, "stream": True}, timeout=60) as rs:
+        assert rs.status_code == 503
+        assert json.loads(rs.read())["error"]["type"] == "service_unavailable"
+    # the client itself is fine
+    h = httpx.get(f"{deployment.base_url}/health", timeout=10)
+    assert h.status_code == 200 and h.json()["status"] == "ok"
+
+
+def test_sigterm_cleans_up(deployment):
+    deployment.stop(check=True)  # asserts exit code 0, no orphans, no /dev/shm/eaas*, run dir removed
