@@ -281,8 +281,8 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger) -> None:
         now = {c["type"]: c for c in status["conditions"]}
         if was.get("Ready") != "True" and now["Ready"]["status"] == "True":
             _event(body, "PoolReady", now["Ready"]["message"])
-        if was.get("Degraded") != now["Degraded"]["status"] and now["Degraded"]["status"] == "True" \
-                and now["Degraded"]["reason"] == "ExpertsUncovered":
+        was_reason = {c.get("type"): c.get("reason") for c in old_conditions}.get("Degraded")
+        if was_reason not in (None, "ExpertsUncovered") and now["Degraded"]["reason"] == "ExpertsUncovered":
             _event(body, "ExpertsUncovered", now["Degraded"]["message"], warning=True)
 
 

@@ -62,7 +62,7 @@ def _prop(crd, dotted):
 
 def test_expertpool_defaults_bounds_enums():
     crd = expertpool_crd()
-    assert crd["spec"]["names"]["shortNames"] == ["ep"]
+    assert crd["spec"]["names"]["shortNames"][0] == "ep"
     assert crd["spec"]["group"] == "eaas.io"
     assert _prop(crd, "spec.replicas")["minimum"] == 1
     assert "default" not in _prop(crd, "spec.replicas")

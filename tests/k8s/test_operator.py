@@ -1,0 +1,403 @@
+"""The operator against a real API server (testbed: kube-apiserver, etcd, controller-manager,
+scheduler, kwok nodes). The operator runs as a real process (``eaas operator``); the tests drive
+it with ``kubectl`` like a user would and check what lands in the API server.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eaas.runtime.placement import parse_expert_spec
+from eaas.runtime.routing import RoutingTable
+
+pytestmark = pytest.mark.k8s
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = yaml.safe_load((ROOT / "deploy/examples/tiny-pool.yaml").read_text())
+FLEET = yaml.safe_load((ROOT / "deploy/examples/tiny-fleet.yaml").read_text())
+TINY_LAYERS = [1, 2, 3]
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def kubectl(*args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(["kubectl", *args], input=input, capture_output=True, text=True, timeout=60)
+    if check and r.returncode != 0:
+        raise AssertionError(f"kubectl {' '.join(args)} failed: {r.stderr}")
+    return r
+
+
+def get(kind: str, name: str, ns: str) -> dict | None:
+    r = kubectl("get", kind, name, "-n", ns, "-o", "json", check=False)
+    return json.loads(r.stdout) if r.returncode == 0 else None
+
+
+def wait_for(what: str, fn, timeout: float = 60.0, interval: float = 0.2):
+    end = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < end:
+        last = fn()
+        if last:
+            return last
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}; last: {str(last)[:2000]}")
+
+
+def pods(ns: str, pool: str) -> list[dict]:
+    out = kubectl("get", "pods", "-n", ns, "-l", f"eaas.io/pool={pool},eaas.io/role=expert-server",
+                  "-o", "json").stdout
+    return json.loads(out)["items"]
+
+
+def table(ns: str, pool: str) -> RoutingTable | None:
+    cm = get("configmap", f"{pool}-routing-table", ns)
+    return RoutingTable.from_json(cm["data"]["routing-table.json"]) if cm else None
+
+
+def pool_manifest(name: str, **spec) -> dict:
+    m = json.loads(json.dumps(TINY))
+    m["metadata"]["name"] = name
+    m["spec"].update(spec)
+    return m
+
+
+def apply(obj: dict, ns: str, check: bool = True) -> subprocess.CompletedProcess:
+    return kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(obj), check=check)
+
+
+def converged(ns: str, name: str) -> dict | None:
+    """The pool when status, pods and routing table all agree on a Ready pool; else None.
+
+    Checks: Ready condition True for the current generation; exactly ``<name>-0..N-1`` exist,
+    all Running+Ready with an IP; the ConfigMap table lists exactly those pods with their
+    endpoints, covers every (layer, expert) with ``redundancy`` distinct live servers, each of
+    which really hosts it (its ``--experts``); status.routingTableVersion == table version.
+    """
+    pool = get("expertpool", name, ns)
+    if not pool:
+        return None
+    st = pool.get("status") or {}
+    if st.get("observedGeneration") != pool["metadata"]["generation"]:
+        return None
+    if not any(c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions", [])):
+        return None
+    n, r, port = pool["spec"]["replicas"], pool["spec"]["redundancy"], pool["spec"]["port"]
+    ps = [p for p in pods(ns, name) if not p["metadata"].get("deletionTimestamp")]
+    names = sorted(p["metadata"]["name"] for p in ps)
+    if names != sorted(f"{name}-{i}" for i in range(n)):
+        return None
+    hosted = {}
+    for p in ps:
+        if p["status"].get("phase") != "Running" or not p["status"].get("podIP"):
+            return None
+        cmd = p["spec"]["containers"][0]["command"]
+        hosted[p["metadata"]["name"]] = (set(parse_expert_spec(cmd[cmd.index("--experts") + 1])),
+                                         f"tcp://{p['status']['podIP']}:{port}")
+    t = table(ns, name)
+    if t is None or st.get("routingTableVersion") != t.version:
+        return None
+    if dict(t.servers) != {k: v[1] for k, v in hosted.items()}:
+        return None
+    model = pool["spec"]["model"]
+    layers = range(model["firstMoeLayer"], model["firstMoeLayer"] + model["numMoeLayers"])
+    assert sorted(t.layers) == list(layers)
+    for layer in layers:
+        for e in range(model["numExperts"]):
+            reps = t.replicas(layer, e)
+            assert len(set(reps)) == len(reps) >= r, f"expert ({layer},{e}) has replicas {reps}, want {r}"
+            for s in reps:
+                assert (layer, e) in hosted[s][0], f"table says {s} hosts ({layer},{e}) but it does not"
+    assert st["readyReplicas"] == n and st["replicas"] == n
+    assert st["placement"]["expertsBelowRedundancy"] == 0 and st["placement"]["uncoveredExperts"] == 0
+    return {"pool": pool, "pods": ps, "table": t}
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures
+# ---------------------------------------------------------------------------------------------
+class Operator:
+    """``eaas operator`` as a child process; logs go to ``log_path``."""
+
+    def __init__(self, log_path: Path):
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = open(self.log_path, "a")
+        env = {**os.environ, "EAAS_OPERATOR_RESYNC_S": "1", "EAAS_OPERATOR_WATCH_TIMEOUT_S": "30"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "eaas.cli", "operator", "--verbose"],
+                                     stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def alive(self) -> bool:
+        return bool(self.proc) and self.proc.poll() is None
+
+
+@pytest.fixture(scope="module")
+def crds(testbed):
+    kubectl("apply", "-f", str(ROOT / "deploy/crds"))
+    for crd in ("expertpools.eaas.io", "attentionfleets.eaas.io"):
+        kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+
+
+@pytest.fixture(scope="module")
+def operator(crds, tmp_path_factory):
+    op = Operator(tmp_path_factory.mktemp("operator") / "operator.log")
+    op.start()
+    yield op
+    op.stop()
+
+
+@pytest.fixture
+def ns(operator):
+    """A fresh namespace per test, deleted (with everything in it) while the operator still runs."""
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    kubectl("create", "namespace", name)
+    yield name
+    kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# tests
+# ---------------------------------------------------------------------------------------------
+def test_tiny_pool_from_examples(ns, operator):
+    t0 = time.monotonic()
+    kubectl("apply", "-n", ns, "-f", str(ROOT / "deploy/examples/tiny-pool.yaml"))
+    got = wait_for("tiny pool Ready", lambda: converged(ns, "tiny"), timeout=90)
+    elapsed = time.monotonic() - t0
+    print(f"\n[measure] tiny pool (3 MoE layers x 32 experts, 4 servers): apply -> Ready {elapsed:.2f}s")
+
+    nodes = {n["metadata"]["name"]: n for n in json.loads(kubectl("get", "nodes", "-o", "json").stdout)["items"]}
+    pool = got["pool"]
+    for p in got["pods"]:
+        node = nodes[p["spec"]["nodeName"]]
+        assert node["metadata"]["labels"].get("eaas.io/rdma") == "true", f"{p['metadata']['name']} on {node}"
+        c = p["spec"]["containers"][0]
+        cmd = c["command"]
+        assert cmd[:2] == ["eaas", "expert-server"]
+        assert cmd[cmd.index("--model") + 1] == "/models/tiny"
+        assert cmd[cmd.index("--server-id") + 1] == p["metadata"]["name"]
+        assert cmd[cmd.index("--listen") + 1] == "tcp://0.0.0.0:9000"
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "1" and c["resources"]["limits"]["rdma/ib"] == "1"
+        (ref,) = p["metadata"]["ownerReferences"]
+        assert ref["uid"] == pool["metadata"]["uid"] and ref["controller"] and ref["blockOwnerDeletion"]
+        assert p["metadata"]["labels"]["eaas.io/placement-revision"] == pool["status"]["placementRevision"]
+    # scale subresource and printer columns
+    scale = json.loads(kubectl("get", "--raw", f"/apis/eaas.io/v1alpha1/namespaces/{ns}/expertpools/tiny/scale").stdout)
+    assert scale["spec"]["replicas"] == 4 and scale["status"]["replicas"] == 4
+    assert scale["status"]["selector"] == "eaas.io/pool=tiny,eaas.io/role=expert-server"
+    row = kubectl("get", "epool", "tiny", "-n", ns).stdout
+    assert "REDUNDANCY" in row and "TABLE" in row
+    # the routing table ConfigMap is owned by the pool; Events were posted
+    cm = get("configmap", "tiny-routing-table", ns)
+    assert cm["metadata"]["ownerReferences"][0]["uid"] == pool["metadata"]["uid"]
+    assert cm["metadata"]["annotations"]["eaas.io/routing-table-version"] == str(got["table"].version)
+    reasons = wait_for("events", lambda: {e["reason"] for e in json.loads(kubectl(
+        "get", "events", "-n", ns, "--field-selector", "involvedObject.kind=ExpertPool", "-o", "json").stdout)["items"]}
+        >= {"PlacementComputed", "ServersCreated", "RoutingTablePublished", "PoolReady"} or None, timeout=30)
+    assert reasons
+
+
+def test_no_pod_on_cpu_node(ns, operator):
+    apply(pool_manifest("wide", replicas=12), ns)
+    got = wait_for("12 servers Ready", lambda: converged(ns, "wide"), timeout=90)
+    used = {p["spec"]["nodeName"] for p in got["pods"]}
+    assert all(n.startswith("gpu-node-") for n in used), used
+    assert len(used) > 1, "topology spread should use several GPU nodes"
+
+
+def test_scale_up_and_down(ns, operator):
+    apply(pool_manifest("sc"), ns)
+    v = wait_for("pool Ready", lambda: converged(ns, "sc"), timeout=90)["table"].version
+    for k in (6, 5, 7, 3, 2):  # none of these divides 32 except 2
+        kubectl("scale", "expertpool/sc", "-n", ns, f"--replicas={k}")
+        got = wait_for(f"Ready at {k} servers", lambda: converged(ns, "sc")
+                       if get("expertpool", "sc", ns)["spec"]["replicas"] == k else None, timeout=120)
+        assert len(got["pods"]) == k
+        assert got["table"].version > v, "routing table version must increase on every change"
+        v = got["table"].version
+        st = got["pool"]["status"]
+        assert {p["metadata"]["labels"]["eaas.io/placement-revision"] for p in got["pods"]} == {st["placementRevision"]}
+
+
+def test_scale_below_redundancy_rejected(ns, operator):
+    apply(pool_manifest("low", replicas=2, redundancy=2), ns)
+    wait_for("pool Ready", lambda: converged(ns, "low"), timeout=90)
+    r = kubectl("scale", "expertpool/low", "-n", ns, "--replicas=1", check=False)
+    assert r.returncode != 0 and "spec.redundancy must not exceed spec.replicas" in r.stderr, r.stderr
+    assert get("expertpool", "low", ns)["spec"]["replicas"] == 2
+
+
+def test_deleted_pod_is_replaced(ns, operator):
+    apply(pool_manifest("heal"), ns)
+    before = wait_for("pool Ready", lambda: converged(ns, "heal"), timeout=90)
+    victim = next(p for p in before["pods"] if p["metadata"]["name"] == "heal-1")
+    kubectl("delete", "pod", "heal-1", "-n", ns, "--wait=false")
+    # the table drops the dead server first (a version without heal-1 or with fewer servers) ...
+    wait_for("table without the deleted server", lambda: (t := table(ns, "heal")) and (
+        "heal-1" not in t.servers or t.servers["heal-1"] != before["table"].servers["heal-1"]), timeout=30)
+    after = wait_for("pool Ready again", lambda: converged(ns, "heal"), timeout=90)
+    new = next(p for p in after["pods"] if p["metadata"]["name"] == "heal-1")
+    assert new["metadata"]["uid"] != victim["metadata"]["uid"]
+    assert after["table"].version >= before["table"].version + 2  # removed, then re-added
+    # the other servers were left alone
+    old_uids = {p["metadata"]["uid"] for p in before["pods"] if p["metadata"]["name"] != "heal-1"}
+    assert old_uids <= {p["metadata"]["uid"] for p in after["pods"]}
+
+
+@pytest.mark.parametrize("mutate,field", [
+    (lambda s: s.update(replicas=0), "spec.replicas"),
+    (lambda s: s.update(replicas=-3), "spec.replicas"),
+    (lambda s: s.update(replicas=3, redundancy=4), "spec.redundancy must not exceed spec.replicas"),
+    (lambda s: s.update(placement={"policy": "random"}), "spec.placement.policy"),
+    (lambda s: s.pop("model"), "spec.model"),
+    (lambda s: s["model"].pop("uri"), "spec.model.uri"),
+    (lambda s: s["model"].update(topK=64), "spec.model.topK must not exceed spec.model.numExperts"),
+    (lambda s: s.update(redundancy=0), "spec.redundancy"),
+    (lambda s: s.update(port=70000), "spec.port"),
+], ids=["replicas0", "replicasNeg", "redundancy>replicas", "policy", "noModel", "noUri", "topK", "redundancy0",
+        "port"])
+def test_invalid_specs_rejected(ns, operator, mutate, field):
+    m = pool_manifest("bad")
+    mutate(m["spec"])
+    r = apply(m, ns, check=False)
+    assert r.returncode != 0, "API server accepted an invalid spec"
+    assert field in r.stderr, r.stderr
+    assert get("expertpool", "bad", ns) is None
+    assert pods(ns, "bad") == []
+
+
+def test_operator_killed_mid_reconcile(ns, operator):
+    apply(pool_manifest("crash", replicas=16), ns)
+    wait_for("some pods created", lambda: len(pods(ns, "crash")) > 0, timeout=30, interval=0.02)
+    operator.kill()
+    created_before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(ns, "crash")}
+    v_before = (table(ns, "crash").version if table(ns, "crash") else 0)
+    operator.start()
+    got = wait_for("pool Ready after restart", lambda: converged(ns, "crash"), timeout=120)
+    names = [p["metadata"]["name"] for p in got["pods"]]
+    assert len(names) == len(set(names)) == 16
+    all_pods = pods(ns, "crash")
+    assert len(all_pods) == 16, "duplicates or leftovers after the restart"
+    for name, uid in created_before.items():  # pods made before the kill were kept, not recreated
+        assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in all_pods}[name] == uid
+    assert got["table"].version >= v_before
+
+    # kill again in the middle of a re-placement and check the version keeps rising
+    v1 = got["table"].version
+    kubectl("scale", "expertpool/crash", "-n", ns, "--replicas=11")
+    wait_for("re-placement under way", lambda: len([p for p in pods(ns, "crash")
+                                                     if p["metadata"].get("deletionTimestamp")]) > 0 or
+             len(pods(ns, "crash")) < 16, timeout=30, interval=0.02)
+    operator.kill()
+    time.sleep(0.5)
+    operator.start()
+    got = wait_for("Ready at 11 after restart", lambda: converged(ns, "crash"), timeout=180)
+    assert len(pods(ns, "crash")) == 11 and got["table"].version > v1
+
+
+def test_delete_pool_garbage_collects(ns, operator):
+    apply(pool_manifest("gc"), ns)
+    wait_for("pool Ready", lambda: converged(ns, "gc"), timeout=90)
+    kubectl("delete", "expertpool", "gc", "-n", ns, "--wait=false")
+    wait_for("pool gone", lambda: get("expertpool", "gc", ns) is None, timeout=60)
+    wait_for("pods gone", lambda: pods(ns, "gc") == [], timeout=60)
+    wait_for("routing table gone", lambda: get("configmap", "gc-routing-table", ns) is None, timeout=60)
+
+
+def test_attention_fleet(ns, operator):
+    kubectl("apply", "-n", ns, "-f", str(ROOT / "deploy/examples/tiny-pool.yaml"),
+            "-f", str(ROOT / "deploy/examples/tiny-fleet.yaml"))
+    pool = wait_for("pool Ready", lambda: converged(ns, "tiny"), timeout=90)
+    dep = wait_for("deployment", lambda: get("deployment", "tiny-clients", ns), timeout=30)
+    pod_spec = dep["spec"]["template"]["spec"]
+    c = pod_spec["containers"][0]
+    assert c["command"][:8] == ["eaas", "attention-client", "--model", "/models/tiny", "--routing-table",
+                                "/etc/eaas/routing-table.json", "--port", "8000"]
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/etc/eaas")
+    vol = next(v for v in pod_spec["volumes"] if v["name"] == mount["name"])
+    assert vol["configMap"]["name"] == "tiny-routing-table"
+    assert dep["spec"]["replicas"] == 2
+    svc = get("service", "tiny-clients", ns)
+    assert svc["spec"]["ports"][0]["port"] == 8000
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+
+    def fleet_ready():
+        f = get("attentionfleet", "tiny-clients", ns)
+        st = (f or {}).get("status") or {}
+        ok = any(c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions", []))
+        return f if ok and st.get("readyReplicas") == 2 else None
+
+    fleet = wait_for("fleet Ready", fleet_ready, timeout=90)
+    assert fleet["status"]["routingTableVersion"] == table(ns, "tiny").version >= pool["table"].version
+    # client pods are not mistaken for expert servers
+    assert len(pods(ns, "tiny")) == 4
+    # scaling the fleet goes through to the Deployment
+    kubectl("scale", "attentionfleet/tiny-clients", "-n", ns, "--replicas=3")
+    wait_for("deployment scaled", lambda: get("deployment", "tiny-clients", ns)["spec"]["replicas"] == 3, timeout=30)
+
+
+def test_ready_times(operator):
+    """Measure apply -> Ready for the tiny pool and a DeepSeek-V3-sized pool (40 servers)."""
+    spec = importlib.util.spec_from_file_location("operator_ready", ROOT / "bench/operator_ready.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = bench.measure(f"bench-{uuid.uuid4().hex[:6]}", out=lambda m: print(f"\n[measure] {m}"))
+    assert len(results) == 2
+    assert all(v < 120 for v in results.values()), results
+
+
+def test_helm_chart(testbed, crds):
+    chart = str(ROOT / "deploy/helm/eaas-operator")
+    r = subprocess.run(["helm", "lint", chart], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run(["helm", "template", "eaas", chart, "--namespace", "eaas-system", "--include-crds",
+                        "--set", "watchNamespaces={a,b}"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert ("CustomResourceDefinition", "expertpools.eaas.io") in kinds
+    assert ("CustomResourceDefinition", "attentionfleets.eaas.io") in kinds
+    assert {k for k, _ in kinds} >= {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment"}
+    crd = next(d for d in docs if d["metadata"]["name"] == "expertpools.eaas.io")
+    assert crd == yaml.safe_load((ROOT / "deploy/crds/expertpool.yaml").read_text())
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[:2] == ["eaas", "operator"] and "--namespace=a" in cmd and "--namespace=b" in cmd
+    role = next(d for d in docs if d["kind"] == "ClusterRole")
+    granted = {(g, res) for rule in role["rules"] for g in rule["apiGroups"] for res in rule["resources"]}
+    for need in [("eaas.io", "expertpools"), ("eaas.io", "expertpools/status"), ("eaas.io", "attentionfleets"),
+                 ("", "pods"), ("", "configmaps"), ("apps", "deployments"), ("", "services"), ("", "events")]:
+        assert need in granted, need
+    # the real API server accepts the rendered objects
+    kubectl("create", "namespace", "eaas-helm-test", check=False)
+    try:
+        r = subprocess.run(["helm", "template", "eaas", chart, "--namespace", "eaas-helm-test"],
+                           capture_output=True, text=True, timeout=120)
+        kubectl("apply", "--dry-run=server", "-n", "eaas-helm-test", "-f", "-", input=r.stdout)
+    finally:
+        kubectl("delete", "namespace", "eaas-helm-test", "--wait=false", check=False)
