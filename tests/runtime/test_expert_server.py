@@ -200,7 +200,7 @@ def test_cli_expert_server_with_tiny_model(tmp_path):
     p = subprocess.Popen(
         [sys.executable, "-m", "eaas", "expert-server", "--model", str(model), "--server-id", "cli-0",
          "--experts", f"{layer}:0-3", "--listen", f"unix:{sock}", "--metrics-port", str(port)],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": ""},
+        stdout=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"},
     )
     try:
         line = p.stdout.readline().strip()
