@@ -1,0 +1,498 @@
+"""Start and stop the local Kubernetes testbed: a real control plane with simulated nodes.
+
+What runs (all on 127.0.0.1, detached from the calling process, one log file each under
+``<state-dir>/logs/``):
+
+* etcd — the store.
+* kube-apiserver — client-certificate auth, RBAC, default admission plugins, service-account
+  token signing, ``--service-cluster-ip-range`` 10.96.0.0/16 (virtual; there is no kube-proxy).
+* kube-controller-manager — Deployments/ReplicaSets, garbage collection of owned objects, the
+  ``default`` ServiceAccount, node lifecycle (NotReady taints, eviction).
+* kube-scheduler — the real scheduler, so extended resources (``nvidia.com/gpu``,
+  ``rdma/ib``), node selectors and affinity are enforced as in a real cluster.
+* kwok — the kwok *controller* alone (not kwokctl): it keeps the fake Node objects Ready
+  (leases + status heartbeats) and moves pods bound to them to Running/Ready with pod IPs
+  taken from each node's ``spec.podCIDR`` (127.1.<i>.0/24, so pod IPs are loopback addresses).
+  Stages are the kwok defaults (``kwok-stages.yaml``). Docs: https://kwok.sigs.k8s.io/docs/
+  (user/kwok-in-cluster, user/kwok-manage-nodes-and-pods, user/stages-configuration).
+
+No kubelet, no container runtime: pods never run a process. The testbed is for exercising the
+control plane side (the operator, RBAC, scheduling, garbage collection, helm charts), in the same
+spirit as envtest (https://book.kubebuilder.io/reference/envtest), plus a scheduler, a
+controller-manager and node/pod simulation.
+
+State (``<state-dir>/testbed.json``): pids, ports, paths. ``down`` stops the recorded processes
+(SIGTERM, then SIGKILL) and removes the state dir. Default state dir:
+``~/.cache/eaas/testbed/run``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import binaries as _build
+from . import pki as _pki
+
+SERVICE_CIDR = "10.96.0.0/16"
+SERVICE_IP = "10.96.0.1"  # first IP of SERVICE_CIDR: the in-cluster `kubernetes` Service
+KWOK_ANNOTATION = "kwok.x-k8s.io/node"
+GPU_LABELS = {"eaas.io/rdma": "true", "nvidia.com/gpu.present": "true",
+              "eaas.io/node-kind": "gpu"}
+CPU_LABELS = {"eaas.io/node-kind": "cpu"}
+GPU_ALLOCATABLE = {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": "8",
+                   "rdma/ib": "8", "ephemeral-storage": "1Ti"}
+CPU_ALLOCATABLE = {"cpu": "32", "memory": "128Gi", "pods": "110", "ephemeral-storage": "500Gi"}
+STATE_FILE = "testbed.json"
+# Start order; `down` stops in reverse.
+COMPONENTS = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"]
+
+
+class TestbedError(RuntimeError):
+    """The testbed failed to start, or a component died; the message names the log file."""
+
+    __test__ = False  # not a pytest test class
+
+
+@dataclass
+class Testbed:
+    """A running testbed, as recorded in ``<state_dir>/testbed.json``."""
+
+    __test__ = False
+
+    state_dir: Path
+    bin_dir: Path
+    kubeconfig: Path
+    apiserver_url: str
+    ports: dict = field(default_factory=dict)
+    pids: dict = field(default_factory=dict)
+    gpu_nodes: list = field(default_factory=list)
+    cpu_nodes: list = field(default_factory=list)
+
+    def env(self, base: dict | None = None) -> dict:
+        """A copy of ``base`` (default ``os.environ``) with KUBECONFIG and PATH pointing here."""
+        env = dict(os.environ if base is None else base)
+        env["KUBECONFIG"] = str(self.kubeconfig)
+        env["PATH"] = f"{self.bin_dir}{os.pathsep}{env.get('PATH', '')}"
+        return env
+
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
+                timeout: float = 60) -> subprocess.CompletedProcess:
+        """Run this testbed's kubectl; returns the CompletedProcess (text mode)."""
+        return subprocess.run([str(self.bin_dir / "kubectl"), *args], env=self.env(),
+                              input=input, capture_output=True, text=True, check=check,
+                              timeout=timeout)
+
+    def to_json(self) -> dict:
+        return {"state_dir": str(self.state_dir), "bin_dir": str(self.bin_dir),
+                "kubeconfig": str(self.kubeconfig), "apiserver_url": self.apiserver_url,
+                "ports": self.ports, "pids": self.pids, "gpu_nodes": self.gpu_nodes,
+                "cpu_nodes": self.cpu_nodes}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Testbed":
+        return cls(state_dir=Path(d["state_dir"]), bin_dir=Path(d["bin_dir"]),
+                   kubeconfig=Path(d["kubeconfig"]), apiserver_url=d["apiserver_url"],
+                   ports=d["ports"], pids=d["pids"], gpu_nodes=d.get("gpu_nodes", []),
+                   cpu_nodes=d.get("cpu_nodes", []))
+
+
+def default_state_dir() -> Path:
+    """``~/.cache/eaas/testbed/run`` (or under ``$EAAS_CACHE_DIR``)."""
+    return _build.cache_root() / "run"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pid_alive(pid: int, binary: str | None = None) -> bool:
+    """True if ``pid`` runs and (when given) its executable is ``binary`` (guards pid reuse)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split(")")[-1].split()[0] == "Z":  # zombie: our own dead child
+                return False
+        if binary is not None:
+            exe = os.readlink(f"/proc/{pid}/exe")
+            return os.path.basename(exe.removesuffix(" (deleted)")) == binary
+    except OSError:
+        pass
+    return True
+
+
+def load(state_dir: Path | None = None) -> Testbed | None:
+    """The testbed recorded in ``state_dir``, or None if there is no record."""
+    p = Path(state_dir or default_state_dir()) / STATE_FILE
+    if not p.is_file():
+        return None
+    return Testbed.from_json(json.loads(p.read_text()))
+
+
+def _ssl_context(pki_dir: Path) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(pki_dir / "ca.crt"))
+    ctx.load_cert_chain(str(pki_dir / "admin.crt"), str(pki_dir / "admin.key"))
+    return ctx
+
+
+def api(tb: Testbed, method: str, path: str, body: dict | None = None,
+        timeout: float = 10) -> tuple[int, dict | str]:
+    """One HTTPS request to the testbed apiserver as admin. Returns (status, parsed body)."""
+    ctx = _ssl_context(tb.state_dir / "pki")
+    conn = http.client.HTTPSConnection("127.0.0.1", tb.ports["apiserver"], context=ctx,
+                                       timeout=timeout)
+    try:
+        data = json.dumps(body).encode() if body is not None else None
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read().decode()
+        try:
+            return resp.status, json.loads(raw)
+        except ValueError:
+            return resp.status, raw
+    finally:
+        conn.close()
+
+
+def healthy(tb: Testbed) -> bool:
+    """All recorded processes alive and the apiserver answers ``/readyz`` with 200."""
+    if not all(_pid_alive(pid, name) for name, pid in tb.pids.items()):
+        return False
+    try:
+        status, _ = api(tb, "GET", "/readyz", timeout=5)
+    except OSError:
+        return False
+    return status == 200
+
+
+def _write_kubeconfig(path: Path, server: str, pki: dict) -> None:
+    import base64
+
+    def b64(p: Path) -> str:
+        return base64.b64encode(p.read_bytes()).decode()
+
+    cfg = {
+        "apiVersion": "v1", "kind": "Config", "current-context": "eaas-testbed",
+        "clusters": [{"name": "eaas-testbed", "cluster": {
+            "server": server, "certificate-authority-data": b64(pki["ca_crt"])}}],
+        "users": [{"name": "eaas-testbed-admin", "user": {
+            "client-certificate-data": b64(pki["admin_crt"]),
+            "client-key-data": b64(pki["admin_key"])}}],
+        "contexts": [{"name": "eaas-testbed", "context": {
+            "cluster": "eaas-testbed", "user": "eaas-testbed-admin", "namespace": "default"}}],
+        "preferences": {},
+    }
+    path.write_text(json.dumps(cfg, indent=2))  # JSON is valid YAML
+    path.chmod(0o600)
+
+
+def _start(tb: Testbed, name: str, args: list[str]) -> None:
+    log = tb.state_dir / "logs" / f"{name}.log"
+    with open(log, "ab") as f:
+        proc = subprocess.Popen([str(tb.bin_dir / name), *args], stdin=subprocess.DEVNULL,
+                                stdout=f, stderr=subprocess.STDOUT, cwd=tb.state_dir,
+                                start_new_session=True, close_fds=True)
+    tb.pids[name] = proc.pid
+    (tb.state_dir / STATE_FILE).write_text(json.dumps(tb.to_json(), indent=2))
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def _wait(tb: Testbed, what: str, check, deadline: float, watch: list[str]) -> None:
+    while True:
+        for name in watch:
+            if not _pid_alive(tb.pids[name], name):
+                log = tb.state_dir / "logs" / f"{name}.log"
+                raise TestbedError(f"{name} exited while waiting for {what}; log {log}:\n"
+                                   f"{_tail(log)}")
+        try:
+            if check():
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TestbedError(f"timed out waiting for {what}; logs in {tb.state_dir/'logs'}")
+        time.sleep(0.5)
+
+
+def _https_ok(port: int, path: str, ctx: ssl.SSLContext) -> bool:
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=3)
+    try:
+        conn.request("GET", path)
+        r = conn.getresponse()
+        r.read()
+        return r.status == 200
+    finally:
+        conn.close()
+
+
+def _node(name: str, index: int, labels: dict, allocatable: dict) -> dict:
+    return {
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": {KWOK_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
+            "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+                       "kubernetes.io/arch": "amd64", "type": "kwok", **labels},
+        },
+        # kwok hands out pod IPs from spec.podCIDR: loopback addresses, one /24 per node.
+        "spec": {"podCIDR": f"127.1.{index}.0/24", "podCIDRs": [f"127.1.{index}.0/24"]},
+        "status": {"allocatable": dict(allocatable), "capacity": dict(allocatable)},
+    }
+
+
+def up(state_dir: Path | None = None, gpu_nodes: int = 4, cpu_nodes: int = 1,
+       timeout: float = 300, echo=print) -> Testbed:
+    """Build (if needed) and start the testbed; return it once nodes are Ready.
+
+    Idempotent: if a healthy testbed is already recorded in ``state_dir`` it is returned as
+    is (``echo`` says so). A stale record (some process dead) is cleaned up first.
+
+    Node names: ``gpu-node-<i>`` (``nvidia.com/gpu: 8``, ``rdma/ib: 8``, labels
+    ``eaas.io/rdma=true``, ``nvidia.com/gpu.present=true``) and ``cpu-node-<i>`` (no GPU/RDMA).
+
+    Raises:
+        TestbedError: a component exited or did not become ready within ``timeout`` seconds
+            (everything started is stopped again).
+        build.BuildError: building the binaries failed.
+    """
+    state_dir = Path(state_dir or default_state_dir()).absolute()
+    old = load(state_dir)
+    if old is not None:
+        if healthy(old):
+            echo(f"testbed already up (state {state_dir}, apiserver {old.apiserver_url})")
+            return old
+        echo(f"found a stale testbed record in {state_dir}; cleaning up")
+        down(state_dir, echo=lambda *_: None)
+    if gpu_nodes + cpu_nodes < 1:
+        raise ValueError("need at least one node")
+    bin_dir = _build.build(echo=echo)
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    if state_dir.exists() and any(state_dir.iterdir()):
+        raise TestbedError(f"state dir {state_dir} exists and is not empty; "
+                           "remove it or pick another --state-dir")
+    (state_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (state_dir / "etcd").mkdir(mode=0o700, exist_ok=True)
+    pki_dir = state_dir / "pki"
+    pki = _pki.make_pki(pki_dir, SERVICE_IP)
+    ports = {"etcd": _free_port(), "etcd_peer": _free_port(), "apiserver": _free_port(),
+             "controller_manager": _free_port(), "scheduler": _free_port()}
+    url = f"https://127.0.0.1:{ports['apiserver']}"
+    kubeconfig = state_dir / "kubeconfig"
+    _write_kubeconfig(kubeconfig, url, pki)
+    tb = Testbed(state_dir=state_dir, bin_dir=bin_dir, kubeconfig=kubeconfig,
+                 apiserver_url=url, ports=ports)
+    tb.gpu_nodes = [f"gpu-node-{i}" for i in range(gpu_nodes)]
+    tb.cpu_nodes = [f"cpu-node-{i}" for i in range(cpu_nodes)]
+    try:
+        _up(tb, pki, deadline, echo)
+    except BaseException:
+        down(state_dir, echo=lambda *_: None, remove=False)
+        raise
+    echo(f"testbed up in {time.monotonic() - t0:.1f}s: {url}; "
+         f"{gpu_nodes} GPU + {cpu_nodes} CPU nodes; state {state_dir}")
+    return tb
+
+
+def _up(tb: Testbed, pki: dict, deadline: float, echo) -> None:
+    ports = tb.ports
+    etcd_url = f"http://127.0.0.1:{ports['etcd']}"
+    peer_url = f"http://127.0.0.1:{ports['etcd_peer']}"
+    echo("starting etcd")
+    _start(tb, "etcd", [
+        "--name=testbed", f"--data-dir={tb.state_dir / 'etcd'}",
+        f"--listen-client-urls={etcd_url}", f"--advertise-client-urls={etcd_url}",
+        f"--listen-peer-urls={peer_url}", f"--initial-advertise-peer-urls={peer_url}",
+        f"--initial-cluster=testbed={peer_url}", "--initial-cluster-state=new",
+        "--unsafe-no-fsync=true", "--log-level=warn", "--quota-backend-bytes=2147483648",
+    ])
+
+    def etcd_ok() -> bool:
+        conn = http.client.HTTPConnection("127.0.0.1", ports["etcd"], timeout=3)
+        try:
+            conn.request("GET", "/health")
+            r = conn.getresponse()
+            return r.status == 200 and b'"true"' in r.read()
+        finally:
+            conn.close()
+
+    _wait(tb, "etcd /health", etcd_ok, deadline, ["etcd"])
+    echo("starting kube-apiserver")
+    _start(tb, "kube-apiserver", [
+        f"--etcd-servers={etcd_url}",
+        "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+        f"--secure-port={ports['apiserver']}",
+        f"--tls-cert-file={pki['apiserver_crt']}", f"--tls-private-key-file={pki['apiserver_key']}",
+        f"--client-ca-file={pki['ca_crt']}",
+        # Fills kube-system/extension-apiserver-authentication completely, so the delegated
+        # authn of the controller-manager and scheduler does not log missing-CA errors.
+        f"--requestheader-client-ca-file={pki['ca_crt']}",
+        "--requestheader-allowed-names=front-proxy-client",
+        "--requestheader-username-headers=X-Remote-User",
+        "--requestheader-group-headers=X-Remote-Group",
+        "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+        "--authorization-mode=RBAC",
+        f"--service-cluster-ip-range={SERVICE_CIDR}",
+        "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+        f"--service-account-key-file={pki['sa_pub']}",
+        f"--service-account-signing-key-file={pki['sa_key']}",
+        "--allow-privileged=true",
+        # Endpoints of the `kubernetes` Service may not hold loopback IPs (validation), so the
+        # default lease reconciler would log an error every 10s; there is nothing to reach it.
+        "--endpoint-reconciler-type=none",
+        "--profiling=false",
+        "--v=1",
+    ])
+    ctx = _ssl_context(tb.state_dir / "pki")
+    _wait(tb, "kube-apiserver /readyz", lambda: _https_ok(ports["apiserver"], "/readyz", ctx),
+          deadline, ["etcd", "kube-apiserver"])
+    kc = str(tb.kubeconfig)
+    echo("starting kube-controller-manager, kube-scheduler, kwok")
+    _start(tb, "kube-controller-manager", [
+        f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}",
+        f"--authorization-kubeconfig={kc}",
+        "--bind-address=127.0.0.1", f"--secure-port={ports['controller_manager']}",
+        "--leader-elect=false",
+        f"--service-account-private-key-file={pki['sa_key']}",
+        f"--root-ca-file={pki['ca_crt']}",
+        f"--service-cluster-ip-range={SERVICE_CIDR}",
+        "--controllers=*",
+        "--profiling=false",
+        "--v=1",
+    ])
+    _start(tb, "kube-scheduler", [
+        f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}",
+        f"--authorization-kubeconfig={kc}",
+        "--bind-address=127.0.0.1", f"--secure-port={ports['scheduler']}",
+        "--leader-elect=false", "--profiling=false", "--v=1",
+    ])
+    stages = Path(__file__).with_name("kwok-stages.yaml")
+    _start(tb, "kwok", [
+        f"--kubeconfig={kc}", f"--config={stages}",
+        "--manage-all-nodes=false",
+        f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake",
+        "--node-ip=127.0.0.1", "--cidr=127.1.255.0/24",
+        "--node-lease-duration-seconds=40",
+    ])
+    # Nodes: created by us, kept alive by kwok.
+    nodes = [_node(n, i, GPU_LABELS, GPU_ALLOCATABLE) for i, n in enumerate(tb.gpu_nodes)]
+    nodes += [_node(n, len(tb.gpu_nodes) + i, CPU_LABELS, CPU_ALLOCATABLE)
+              for i, n in enumerate(tb.cpu_nodes)]
+    for node in nodes:
+        status, body = api(tb, "POST", "/api/v1/nodes", node)
+        if status not in (200, 201):
+            raise TestbedError(f"creating node {node['metadata']['name']} failed: {status} {body}")
+    all_components = list(tb.pids)
+    insecure = ssl.create_default_context()
+    insecure.check_hostname = False
+    insecure.verify_mode = ssl.CERT_NONE  # self-signed serving certs of KCM/scheduler
+    _wait(tb, "kube-controller-manager /healthz",
+          lambda: _https_ok(ports["controller_manager"], "/healthz", insecure), deadline,
+          all_components)
+    _wait(tb, "kube-scheduler /readyz",
+          lambda: _https_ok(ports["scheduler"], "/readyz", insecure), deadline, all_components)
+    names = {n["metadata"]["name"] for n in nodes}
+
+    def nodes_ready() -> bool:
+        status, body = api(tb, "GET", "/api/v1/nodes")
+        if status != 200:
+            return False
+        ready = set()
+        for n in body.get("items", []):
+            conds = {c["type"]: c["status"] for c in n.get("status", {}).get("conditions", [])}
+            taints = {t["key"] for t in n.get("spec", {}).get("taints", []) or []}
+            # node lifecycle taints (not-ready / unreachable) must be gone as well
+            if conds.get("Ready") == "True" and not any(
+                    t.startswith("node.kubernetes.io/") for t in taints):
+                ready.add(n["metadata"]["name"])
+        return names <= ready
+
+    _wait(tb, f"{len(names)} nodes Ready", nodes_ready, deadline, all_components)
+    # The ServiceAccount admission plugin rejects pods until the `default` SA exists.
+    _wait(tb, "ServiceAccount default/default",
+          lambda: api(tb, "GET", "/api/v1/namespaces/default/serviceaccounts/default")[0] == 200,
+          deadline, all_components)
+    (tb.state_dir / STATE_FILE).write_text(json.dumps(tb.to_json(), indent=2))
+
+
+def down(state_dir: Path | None = None, echo=print, remove: bool = True,
+         timeout: float = 15) -> bool:
+    """Stop every recorded component, in reverse start order (SIGTERM, then SIGKILL after
+    ``timeout`` s each).
+
+    Removes the state dir when ``remove`` (only a dir holding a testbed record, or one that
+    ``up`` created). Returns False if nothing was recorded there.
+    """
+    state_dir = Path(state_dir or default_state_dir()).absolute()
+    tb = load(state_dir)
+    if tb is None:
+        echo(f"no testbed recorded in {state_dir}")
+        return False
+    # One at a time, clients first, so that the apiserver can still reach etcd while it
+    # shuts down (and nothing logs a storm of connection errors).
+    for name in reversed(COMPONENTS):
+        pid = tb.pids.get(name)
+        if not pid or not _pid_alive(pid, name):
+            continue
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            continue
+        end = time.monotonic() + timeout
+        while _pid_alive(pid, name) and time.monotonic() < end:
+            _reap(pid)
+            time.sleep(0.05)
+        if _pid_alive(pid, name):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            time.sleep(0.1)
+        _reap(pid)
+    if remove:
+        shutil.rmtree(state_dir, ignore_errors=True)
+    echo(f"testbed stopped (state {state_dir}{' removed' if remove else ''})")
+    return True
+
+
+def _reap(pid: int) -> None:
+    """Collect the exit status if ``pid`` is our child (tests start it in-process)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def env_lines(state_dir: Path | None = None) -> str:
+    """Shell lines exporting KUBECONFIG and PATH for the testbed in ``state_dir``.
+
+    Raises:
+        TestbedError: no testbed is recorded there.
+    """
+    tb = load(state_dir)
+    if tb is None:
+        raise TestbedError(f"no testbed in {state_dir or default_state_dir()}; "
+                           "run `eaas testbed up` first")
+    import shlex
+    return (f"export KUBECONFIG={shlex.quote(str(tb.kubeconfig))}\n"
+            f"export PATH={shlex.quote(str(tb.bin_dir))}:\"$PATH\"\n")
