@@ -200,12 +200,21 @@ def _write_kubeconfig(path: Path, server: str, pki: dict) -> None:
     path.chmod(0o600)
 
 
-def _start(tb: Testbed, name: str, args: list[str]) -> None:
+def _die_with_parent() -> None:
+    """preexec_fn: ask Linux to SIGKILL the child when the process that started it exits
+    (prctl PR_SET_PDEATHSIG), so a killed pytest run leaves no control plane behind."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+
+
+def _start(tb: Testbed, name: str, args: list[str], attached: bool = False) -> None:
     log = tb.state_dir / "logs" / f"{name}.log"
     with open(log, "ab") as f:
         proc = subprocess.Popen([str(tb.bin_dir / name), *args], stdin=subprocess.DEVNULL,
                                 stdout=f, stderr=subprocess.STDOUT, cwd=tb.state_dir,
-                                start_new_session=True, close_fds=True)
+                                start_new_session=True, close_fds=True,
+                                preexec_fn=_die_with_parent if attached else None)
     tb.pids[name] = proc.pid
     (tb.state_dir / STATE_FILE).write_text(json.dumps(tb.to_json(), indent=2))
 
@@ -261,11 +270,15 @@ def _node(name: str, index: int, labels: dict, allocatable: dict) -> dict:
 
 
 def up(state_dir: Path | None = None, gpu_nodes: int = 4, cpu_nodes: int = 1,
-       timeout: float = 300, echo=print) -> Testbed:
+       timeout: float = 300, echo=print, attached: bool = False) -> Testbed:
     """Build (if needed) and start the testbed; return it once nodes are Ready.
 
     Idempotent: if a healthy testbed is already recorded in ``state_dir`` it is returned as
     is (``echo`` says so). A stale record (some process dead) is cleaned up first.
+
+    ``attached=False`` (the CLI) detaches the components: they outlive the caller until
+    ``down``. ``attached=True`` (the pytest fixture) makes Linux kill them when the calling
+    process dies, even by SIGKILL, so an aborted test run leaks nothing.
 
     Node names: ``gpu-node-<i>`` (``nvidia.com/gpu: 8``, ``rdma/ib: 8``, labels
     ``eaas.io/rdma=true``, ``nvidia.com/gpu.present=true``) and ``cpu-node-<i>`` (no GPU/RDMA).
@@ -305,7 +318,7 @@ def up(state_dir: Path | None = None, gpu_nodes: int = 4, cpu_nodes: int = 1,
     tb.gpu_nodes = [f"gpu-node-{i}" for i in range(gpu_nodes)]
     tb.cpu_nodes = [f"cpu-node-{i}" for i in range(cpu_nodes)]
     try:
-        _up(tb, pki, deadline, echo)
+        _up(tb, pki, deadline, echo, attached)
     except BaseException:
         down(state_dir, echo=lambda *_: None, remove=False)
         raise
@@ -314,7 +327,7 @@ def up(state_dir: Path | None = None, gpu_nodes: int = 4, cpu_nodes: int = 1,
     return tb
 
 
-def _up(tb: Testbed, pki: dict, deadline: float, echo) -> None:
+def _up(tb: Testbed, pki: dict, deadline: float, echo, attached: bool) -> None:
     ports = tb.ports
     etcd_url = f"http://127.0.0.1:{ports['etcd']}"
     peer_url = f"http://127.0.0.1:{ports['etcd_peer']}"
@@ -325,7 +338,7 @@ def _up(tb: Testbed, pki: dict, deadline: float, echo) -> None:
         f"--listen-peer-urls={peer_url}", f"--initial-advertise-peer-urls={peer_url}",
         f"--initial-cluster=testbed={peer_url}", "--initial-cluster-state=new",
         "--unsafe-no-fsync=true", "--log-level=warn", "--quota-backend-bytes=2147483648",
-    ])
+    ], attached=attached)
 
     def etcd_ok() -> bool:
         conn = http.client.HTTPConnection("127.0.0.1", ports["etcd"], timeout=3)
@@ -362,7 +375,7 @@ def _up(tb: Testbed, pki: dict, deadline: float, echo) -> None:
         "--endpoint-reconciler-type=none",
         "--profiling=false",
         "--v=1",
-    ])
+    ], attached=attached)
     ctx = _ssl_context(tb.state_dir / "pki")
     _wait(tb, "kube-apiserver /readyz", lambda: _https_ok(ports["apiserver"], "/readyz", ctx),
           deadline, ["etcd", "kube-apiserver"])
@@ -379,13 +392,13 @@ def _up(tb: Testbed, pki: dict, deadline: float, echo) -> None:
         "--controllers=*",
         "--profiling=false",
         "--v=1",
-    ])
+    ], attached=attached)
     _start(tb, "kube-scheduler", [
         f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}",
         f"--authorization-kubeconfig={kc}",
         "--bind-address=127.0.0.1", f"--secure-port={ports['scheduler']}",
         "--leader-elect=false", "--profiling=false", "--v=1",
-    ])
+    ], attached=attached)
     stages = Path(__file__).with_name("kwok-stages.yaml")
     _start(tb, "kwok", [
         f"--kubeconfig={kc}", f"--config={stages}",
@@ -393,7 +406,7 @@ def _up(tb: Testbed, pki: dict, deadline: float, echo) -> None:
         f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake",
         "--node-ip=127.0.0.1", "--cidr=127.1.255.0/24",
         "--node-lease-duration-seconds=40",
-    ])
+    ], attached=attached)
     # Nodes: created by us, kept alive by kwok.
     nodes = [_node(n, i, GPU_LABELS, GPU_ALLOCATABLE) for i, n in enumerate(tb.gpu_nodes)]
     nodes += [_node(n, len(tb.gpu_nodes) + i, CPU_LABELS, CPU_ALLOCATABLE)

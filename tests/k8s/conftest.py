@@ -3,7 +3,8 @@
 ``testbed`` (session scope) starts etcd, kube-apiserver, kube-controller-manager,
 kube-scheduler and kwok on loopback in a private temp state dir (so it never clashes with a
 user's ``eaas testbed up``), with 4 fake GPU/RDMA nodes and 1 CPU node, and stops it at the end
-of the session. It sets ``KUBECONFIG`` and prepends the testbed bin dir to ``PATH`` in
+of the session (the components get PR_SET_PDEATHSIG, so even a SIGKILLed pytest leaves
+nothing running). It sets ``KUBECONFIG`` and prepends the testbed bin dir to ``PATH`` in
 ``os.environ`` for the whole session, so ``kubectl``, ``helm`` and the kubernetes Python client
 in tests and in subprocesses talk to the testbed.
 
@@ -30,7 +31,7 @@ def testbed(tmp_path_factory):
         except tbmod.BuildError as e:
             pytest.skip(f"testbed binaries unavailable: {e}")
     state_dir = tmp_path_factory.mktemp("testbed") / "state"
-    tb = tbmod.up(state_dir=state_dir, gpu_nodes=4, cpu_nodes=1, timeout=300)
+    tb = tbmod.up(state_dir=state_dir, gpu_nodes=4, cpu_nodes=1, timeout=300, attached=True)
     saved = {k: os.environ.get(k) for k in ("KUBECONFIG", "PATH")}
     os.environ.update({k: tb.env()[k] for k in ("KUBECONFIG", "PATH")})
     try:
