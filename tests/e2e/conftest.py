@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from eaas.runtime.models.tiny import default_model_dir
+
+# The test process computes references next to many server/client processes on few cores: more
+# than one intra-op thread only adds contention (measured: 4x slower reference_generate).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
