@@ -13,6 +13,7 @@ Names (deterministic, so a restarted operator finds what it made before):
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -495,7 +496,7 @@ def next_routing_table(
     if previous is not None and _content(previous) == _content(candidate):
         return previous, False
     version = max(previous.version if previous else 0, floor_version) + 1
-    return build_routing_table(spec, live, version), True
+    return dataclasses.replace(candidate, version=version), True
 
 
 def routing_table_configmap(owner: Owner, table: RoutingTable) -> dict[str, Any]:
