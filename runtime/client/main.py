@@ -112,9 +112,27 @@ def run_attention_client(
 
     import uvicorn
 
+    import contextlib
+    import signal
+
+    class _Server(uvicorn.Server):
+        # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown (the process then dies by
+        # the signal, skipping our cleanup); we handle the signals ourselves and exit with 0.
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
     sock = bind_reuseport(host, port)
     config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=2, lifespan="off")
-    userver = uvicorn.Server(config)
+    userver = _Server(config)
+
+    def _on_signal(signum, _frame) -> None:
+        if userver.should_exit and signum == signal.SIGINT:
+            userver.force_exit = True
+        userver.should_exit = True
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
 
     async def main() -> None:
         task = asyncio.create_task(userver.serve(sockets=[sock]))

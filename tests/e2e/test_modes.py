@@ -1,0 +1,87 @@
+"""Other ways to run: the single-process baseline (``eaas attention-client --local-experts``) and
+``eaas serve --transport tcp``. Both must produce the reference greedy tokens. Also: children of a
+SIGKILLed ``eaas serve`` die with it (PR_SET_PDEATHSIG)."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from eaas.runtime.models.reference import reference_generate
+
+from e2e_helpers import ServeProcess, alive, descendants, free_port
+
+pytestmark = pytest.mark.e2e
+
+TEXTS = ["Hello world", "Kubernetes schedules pods on nodes", "def main(): print"]
+MAX_TOKENS = 12
+
+
+def _check_exact(base_url, tokenizer, model_dir):
+    prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
+    refs = reference_generate(model_dir, prompts, MAX_TOKENS)
+    for p, ref in zip(prompts, refs):
+        r = httpx.post(f"{base_url}/v1/completions", json={"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == ref
+
+
+def test_local_experts_baseline(tokenizer, model_dir, tmp_path):
+    port = free_port()
+    log = open(tmp_path / "client.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eaas", "attention-client", "--local-experts", "--port", str(port), "--client-id", "7"],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert "attention-client 7 ready on" in line, (line, (tmp_path / "client.log").read_text()[-2000:])
+        base = f"http://127.0.0.1:{port}"
+        h = httpx.get(f"{base}/health", timeout=10).json()
+        assert h["mode"] == "local-experts" and h["client_id"] == "7"
+        _check_exact(base, tokenizer, model_dir)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        proc.stdout.close()
+        log.close()
+    assert rc == 0
+
+
+def test_serve_over_tcp(tokenizer, model_dir, tmp_path):
+    sp = ServeProcess(["--transport", "tcp", "--expert-servers", "3", "--replicas", "2"], tmp_path / "serve.log", free_port())
+    sp.start()
+    try:
+        h = httpx.get(f"{sp.base_url}/health", timeout=10).json()
+        assert all(s["endpoint"].startswith("tcp://127.0.0.1:") for s in h["servers"].values())
+        assert len(h["servers"]) == 3
+        _check_exact(sp.base_url, tokenizer, model_dir)
+        assert "serving" in sp.log() and "(3 expert servers, 2 replicas, 1 clients)" in sp.log()
+        # serve itself is SIGKILLed (no cleanup code runs): PR_SET_PDEATHSIG takes every child down
+        kids = descendants(sp.proc.pid)
+        assert len(kids) == 4, kids
+        sp.proc.kill()
+        sp.proc.wait()
+        sp.stopped = True
+        sp._log.close()
+        deadline = time.monotonic() + 20
+        while any(alive(p, c) for p, c in kids.items()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not {p: c for p, c in kids.items() if alive(p, c)}, "children outlived a SIGKILLed serve"
+    finally:
+        if not sp.stopped:
+            sp.stop(check=True)
+        elif sp.run_dir is not None:
+            shutil.rmtree(sp.run_dir, ignore_errors=True)  # serve had no chance to remove it
