@@ -270,6 +270,9 @@ class ObservedPod:
         terminating: ``deletionTimestamp`` is set.
         phase: ``status.phase`` (Pending, Running, Succeeded, Failed, Unknown).
         owner_uid: uid of its controller ownerReference, or "".
+        node: ``spec.nodeName``, or "".
+        node_ready: False when its node is known NotReady/Unknown (a dead node's pods still
+            look Ready until the node controller evicts them, minutes later).
     """
 
     name: str
@@ -283,6 +286,8 @@ class ObservedPod:
     terminating: bool = False
     phase: str = "Pending"
     owner_uid: str = ""
+    node: str = ""
+    node_ready: bool = True
 
     @property
     def finished(self) -> bool:
@@ -291,12 +296,14 @@ class ObservedPod:
 
     @property
     def live(self) -> bool:
-        """Usable by clients: Ready, has an IP, Running, not terminating."""
-        return self.ready and bool(self.ip) and not self.terminating and self.phase == "Running"
+        """Usable by clients: Ready, has an IP, Running, not terminating, its node Ready."""
+        return (self.ready and bool(self.ip) and not self.terminating and self.phase == "Running"
+                and self.node_ready)
 
     @classmethod
-    def from_pod(cls, pod: Mapping[str, Any]) -> "ObservedPod":
-        """Parse a pod as returned by the API (camelCase dict, e.g. ``ApiClient.sanitize_for_serialization``)."""
+    def from_pod(cls, pod: Mapping[str, Any], ready_nodes: Mapping[str, bool] | None = None) -> "ObservedPod":
+        """Parse a pod as returned by the API (camelCase JSON dict). ``ready_nodes``: node name ->
+        Ready; nodes not in it count as Ready."""
         meta = pod.get("metadata") or {}
         status = pod.get("status") or {}
         labels = meta.get("labels") or {}
@@ -327,6 +334,8 @@ class ObservedPod:
             terminating=bool(meta.get("deletionTimestamp")),
             phase=status.get("phase") or "Pending",
             owner_uid=owner_uid,
+            node=(pod.get("spec") or {}).get("nodeName") or "",
+            node_ready=(ready_nodes or {}).get((pod.get("spec") or {}).get("nodeName") or "", True),
         )
 
 

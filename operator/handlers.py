@@ -243,6 +243,25 @@ def _parse_table(namespace: str, cm: dict[str, Any]) -> RoutingTable:
     return table
 
 
+#: node name -> its Ready condition is True, from the node watch below.
+_node_ready: dict[str, bool] = {}
+
+
+@kopf.on.event("", "v1", "nodes")
+async def node_event(name: str, status: kopf.Status, type: str | None, **_: Any) -> None:
+    """Track node readiness. A node going NotReady (or Unknown: its kubelet stopped reporting)
+    takes its expert servers out of the routing tables at once, long before their pods are
+    evicted; every pool is woken when a node's readiness flips."""
+    ready = type != "DELETED" and any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in (status.get("conditions") or [])
+    )
+    if _node_ready.get(name) != ready:
+        _node_ready[name] = ready
+        for kind, namespace, pool in list(_wakeups):
+            if kind == "pool":
+                wake(kind, namespace, pool)
+
+
 def _event(body: dict[str, Any], reason: str, message: str, warning: bool = False) -> None:
     (kopf.warn if warning else kopf.info)(body, reason=reason, message=message)
 
@@ -292,7 +311,7 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger) -> None:
     desired = desired_server_pods(owner, spec, placement, revision)
 
     pods = _raw(core.list_namespaced_pod, namespace, label_selector=selector_string(server_labels(name)))["items"]
-    observed = [ObservedPod.from_pod(p) for p in pods]
+    observed = [ObservedPod.from_pod(p, _node_ready) for p in pods]
     observed = [p for p in observed if p.owner_uid == owner.uid]  # a same-named older pool's pods: GC's job
     plan = plan_pods(desired, observed, max_unavailable=max(1, spec.redundancy - 1))
 

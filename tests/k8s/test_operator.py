@@ -298,6 +298,45 @@ def test_deleted_pod_is_replaced(ns, operator):
     assert old_uids <= {p["metadata"]["uid"] for p in after["pods"]}
 
 
+def test_dead_node_leaves_the_routing_table(ns, operator):
+    """A node whose kubelet stops reporting keeps its pods "Ready" in the API for minutes; the
+    operator must drop them from the routing table as soon as the node is NotReady."""
+    apply(pool_manifest("nodes", replicas=8), ns)
+    before = wait_for("pool Ready", lambda: converged(ns, "nodes"), timeout=90)
+    victim_node = before["pods"][0]["spec"]["nodeName"]
+    on_node = {p["metadata"]["name"] for p in before["pods"] if p["spec"]["nodeName"] == victim_node}
+    kwok_annotation = "kwok.x-k8s.io/node"
+    ready = {"type": "Ready", "status": "False", "reason": "KubeletStopped", "message": "test: node lost",
+             "lastHeartbeatTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+             "lastTransitionTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+        kubectl("annotate", "node", victim_node, f"{kwok_annotation}-")  # kwok stops heartbeating it
+        kubectl("patch", "node", victim_node, "--subresource=status", "--type=strategic",
+                "-p", json.dumps({"status": {"conditions": [ready]}}))
+        t0 = time.monotonic()
+        t = wait_for("servers on the dead node out of the table",
+                     lambda: (t := table(ns, "nodes")) and not (on_node & set(t.servers)) and t, timeout=20)
+        print(f"\n[measure] node NotReady -> routing table without its {len(on_node)} server(s): "
+              f"{time.monotonic() - t0:.2f}s")
+        assert t.version > before["table"].version
+        assert not t.uncovered(), "redundancy 2 on distinct servers: other replicas remain"
+        pool = get("expertpool", "nodes", ns)
+        cond = {c["type"]: c for c in pool["status"]["conditions"]}
+        assert cond["Ready"]["status"] == "False"
+        assert cond["Degraded"]["status"] == "True" and cond["Degraded"]["reason"] == "BelowRedundancy"
+        # the pods themselves still claim to be Ready: only the node says otherwise
+        still = {p["metadata"]["name"]: p for p in pods(ns, "nodes")}
+        assert all(any(c["type"] == "Ready" and c["status"] == "True" for c in still[n]["status"]["conditions"])
+                   for n in on_node)
+    finally:
+        kubectl("annotate", "node", victim_node, f"{kwok_annotation}=fake", "--overwrite")
+    wait_for("node Ready again", lambda: any(
+        c["type"] == "Ready" and c["status"] == "True" for c in get("node", victim_node, "")["status"]["conditions"]),
+        timeout=60)
+    after = wait_for("pool Ready again", lambda: converged(ns, "nodes"), timeout=60)
+    assert on_node <= set(after["table"].servers)
+
+
 @pytest.mark.parametrize("mutate,field", [
     (lambda s: s.update(replicas=0), "spec.replicas"),
     (lambda s: s.update(replicas=-3), "spec.replicas"),

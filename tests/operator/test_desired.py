@@ -326,3 +326,21 @@ def test_fleet_deployment_and_service():
     st = fleet_status(owner=owner, spec=spec, deployment_status=None, pool_found=False, table_version=0,
                       old_conditions=[], now="T")
     assert {c["type"]: c["reason"] for c in st["conditions"]}["Degraded"] == "ExpertPoolNotFound"
+
+
+def test_pods_on_a_dead_node_leave_the_table():
+    spec = make_spec()
+    _, pods = desired_for(spec)
+    raw = {"metadata": {"name": "tiny-0", "labels": {"eaas.io/server-index": "0"},
+                        "annotations": {ANNOTATION_EXPERTS: "1:0-3"}},
+           "spec": {"nodeName": "gpu-node-1"},
+           "status": {"phase": "Running", "podIP": "127.1.1.5", "conditions": [{"type": "Ready", "status": "True"}]}}
+    assert ObservedPod.from_pod(raw).live
+    assert ObservedPod.from_pod(raw, {"gpu-node-0": False}).live
+    dead = ObservedPod.from_pod(raw, {"gpu-node-1": False})
+    assert dead.node == "gpu-node-1" and not dead.live
+    live = [dead] + observed_from(pods)[1:]
+    t = build_routing_table(spec, [p for p in live if p.live], 2)
+    assert "tiny-0" not in t.servers
+    plan = plan_pods(pods, live, max_unavailable=1)
+    assert not plan.delete and not plan.create  # not replaced: the node may come back
