@@ -298,6 +298,31 @@ def test_deleted_pod_is_replaced(ns, operator):
     assert old_uids <= {p["metadata"]["uid"] for p in after["pods"]}
 
 
+def test_image_change_rolls_servers(ns, operator):
+    apply(pool_manifest("roll", replicas=5), ns)
+    before = wait_for("pool Ready", lambda: converged(ns, "roll"), timeout=90)
+    kubectl("patch", "expertpool", "roll", "-n", ns, "--type=merge", "-p", '{"spec":{"image":"eaas:v2"}}')
+    after = wait_for("rolled to eaas:v2", lambda: (got := converged(ns, "roll")) and all(
+        p["spec"]["containers"][0]["image"] == "eaas:v2" for p in got["pods"]) and got, timeout=120)
+    assert not ({p["metadata"]["uid"] for p in before["pods"]} & {p["metadata"]["uid"] for p in after["pods"]})
+    # same placement: the experts of every server are unchanged
+    assert after["pool"]["status"]["placementRevision"] == before["pool"]["status"]["placementRevision"]
+    assert after["table"].layers == before["table"].layers
+    # replaced one at a time (redundancy 2 -> at most one server down): never an uncovered expert
+    events = json.loads(kubectl("get", "events", "-n", ns, "--field-selector", "reason=ServersDeleted",
+                                "-o", "json").stdout)["items"]
+    assert events and all(e["type"] == "Normal" for e in events), [e["message"] for e in events]
+
+
+def test_routing_table_configmap_recreated_with_higher_version(ns, operator):
+    apply(pool_manifest("cm"), ns)
+    before = wait_for("pool Ready", lambda: converged(ns, "cm"), timeout=90)
+    kubectl("delete", "configmap", "cm-routing-table", "-n", ns)
+    after = wait_for("table back", lambda: (t := table(ns, "cm")) and t, timeout=30)
+    assert after.version > before["table"].version, "a recreated table must not reuse an old version"
+    wait_for("pool Ready", lambda: converged(ns, "cm"), timeout=30)
+
+
 def test_dead_node_leaves_the_routing_table(ns, operator):
     """A node whose kubelet stops reporting keeps its pods "Ready" in the API for minutes; the
     operator must drop them from the routing table as soon as the node is NotReady."""
