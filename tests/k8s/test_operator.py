@@ -384,6 +384,12 @@ def test_invalid_specs_rejected(ns, operator, mutate, field):
     assert pods(ns, "bad") == []
 
 
+def test_overlong_name_rejected(ns, operator):
+    r = apply(pool_manifest("p" * 53), ns, check=False)
+    assert r.returncode != 0 and "metadata.name must be at most 52 characters" in r.stderr, r.stderr
+    assert apply(pool_manifest("p" * 52, replicas=2), ns).returncode == 0
+
+
 def test_operator_killed_mid_reconcile(ns, operator):
     apply(pool_manifest("crash", replicas=16), ns)
     wait_for("some pods created", lambda: len(pods(ns, "crash")) > 0, timeout=30, interval=0.02)
