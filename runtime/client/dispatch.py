@@ -236,21 +236,43 @@ class Dispatcher:
         return s.conn
 
     # ---- dispatch / combine --------------------------------------------------------------
-    def _pick(self, layer: int, expert: int, load: dict[str, int], exclude: set[str], now: float) -> str:
+    def _assign(
+        self,
+        layer: int,
+        groups: dict[int, list[tuple[int, int]]],
+        assign: list[list[int]],
+        load: list[int],
+        index: dict[str, int],
+        exclude: set[str],
+        now: float,
+    ) -> None:
+        """Pick one live replica per ``(token, slot)`` pair; writes server indices into ``assign``.
+
+        ``groups``: expert id -> its ``(t, j)`` positions in ``top_k_index``. Least outstanding
+        tokens in this call (``load``, indexed like ``index``) wins; ties go to the replica that
+        comes first in a per-``(layer, expert)`` rotation advanced once per call (round-robin).
+
+        Raises:
+            NoLiveReplicaError: an expert with no usable replica outside ``exclude``.
+        """
         table = self._table
-        try:
-            reps = table.replicas(layer, expert)
-        except (KeyError, IndexError):
-            raise NoLiveReplicaError(layer, expert, f"not in routing table version {table.version}") from None
-        live = [r for r in reps if r not in exclude and self._usable(r, now)]
-        if not live:
-            raise NoLiveReplicaError(layer, expert, f"replicas {list(reps)} all down")
-        key = (layer, expert)
-        start = self._rr.get(key, 0)
-        self._rr[key] = start + 1
-        n = len(live)
-        best = min(range(n), key=lambda i: (load.get(live[(start + i) % n], 0), i))
-        return live[(start + best) % n]
+        for e, pairs in groups.items():
+            try:
+                reps = table.replicas(layer, e)
+            except (KeyError, IndexError):
+                raise NoLiveReplicaError(layer, e, f"not in routing table version {table.version}") from None
+            live = [index[r] for r in reps if r not in exclude and self._usable(r, now)]
+            if not live:
+                raise NoLiveReplicaError(layer, e, f"replicas {list(reps)} all down")
+            key = (layer, e)
+            start = self._rr.get(key, 0)
+            self._rr[key] = start + 1
+            m = len(live)
+            order = [live[(start + i) % m] for i in range(m)]
+            for t, j in pairs:
+                best = min(order, key=load.__getitem__)  # first minimum = rotation order on ties
+                load[best] += 1
+                assign[t][j] = best
 
     def dispatch(
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -271,99 +293,106 @@ class Dispatcher:
             RuntimeError: no routing table yet.
         """
         t0 = time.perf_counter()
+        in_dtype = hidden.dtype
         T, H = hidden.shape
-        k = top_k_index.shape[1]
+        k = int(top_k_index.shape[1])
         hidden = hidden.to(self.dtype).contiguous()
+        idx64 = top_k_index.to(torch.int64)
+        w32 = top_k_weights.to(torch.float32)
         out = torch.zeros(T, H, dtype=self.dtype)
-        idx_l = top_k_index.tolist()
-        w_l = top_k_weights.float().tolist()
+        idx_l = idx64.tolist()
         with self._lock:
             if self._table is None:
                 raise RuntimeError("no routing table loaded")
-            now = time.monotonic()
-            load: dict[str, int] = {}
-            # server -> token -> [(expert, weight)]
-            todo: dict[str, dict[int, list[tuple[int, float]]]] = {}
-            for t in range(T):
-                for j in range(k):
-                    e = idx_l[t][j]
-                    if e < 0:
-                        continue
-                    s = self._pick(layer, e, load, set(), now)
-                    load[s] = load.get(s, 0) + 1
-                    todo.setdefault(s, {}).setdefault(t, []).append((e, w_l[t][j]))
+            sids = list(self._servers)
+            index = {s: i for i, s in enumerate(sids)}
+            load = [0] * len(sids)
+            assign = [[-1] * k for _ in range(T)]
+            groups: dict[int, list[tuple[int, int]]] = {}
+            for t, row in enumerate(idx_l):
+                for j, e in enumerate(row):
+                    if e >= 0:
+                        groups.setdefault(e, []).append((t, j))
+            self._assign(layer, groups, assign, load, index, set(), time.monotonic())
+            A = torch.tensor(assign, dtype=torch.int64).view(T, k)  # server index per pair, -1 = none
+            pending = A >= 0
             failed_here: set[str] = set()
-            while todo:
-                failed = self._round(layer, hidden, k, todo, out)
-                todo = {}
-                for sid, toks in failed.items():
-                    failed_here.add(sid)
+            while bool(pending.any()):
+                failed = self._round(layer, hidden, idx64, w32, A, pending, sids, out)
+                if not failed:
+                    break
+                redo = torch.zeros_like(pending)
+                for si in failed:
+                    redo |= pending & (A == si)
+                    failed_here.add(sids[si])
                     metrics.FAILOVERS.inc()
-                    now = time.monotonic()
-                    for t, pairs in toks.items():
-                        for e, w in pairs:
-                            s = self._pick(layer, e, load, failed_here, now)
-                            load[s] = load.get(s, 0) + 1
-                            todo.setdefault(s, {}).setdefault(t, []).append((e, w))
-                    log.info("client %d: layer %d: re-sent %d tokens of server %s", self.client_id, layer, len(toks), sid)
+                groups = {}
+                for t, j in redo.nonzero().tolist():
+                    groups.setdefault(idx_l[t][j], []).append((t, j))
+                self._assign(layer, groups, assign, load, index, failed_here, time.monotonic())
+                A = torch.tensor(assign, dtype=torch.int64).view(T, k)
+                pending = redo
+                log.info(
+                    "client %d: layer %d: re-sent %d token-expert pairs of server(s) %s",
+                    self.client_id, layer, int(redo.sum()), ", ".join(sids[si] for si in failed),
+                )
         metrics.DISPATCH_SECONDS.observe(time.perf_counter() - t0)
-        return out.to(hidden.dtype)
+        return out.to(in_dtype)
 
     def _round(
         self,
         layer: int,
         hidden: torch.Tensor,
-        k: int,
-        todo: dict[str, dict[int, list[tuple[int, float]]]],
+        idx64: torch.Tensor,
+        w32: torch.Tensor,
+        A: torch.Tensor,
+        pending: torch.Tensor,
+        sids: list[str],
         out: torch.Tensor,
-    ) -> dict[str, dict[int, list[tuple[int, float]]]]:
-        """Send one frame per server in ``todo``, wait for all, add outputs into ``out``.
+    ) -> list[int]:
+        """Send one frame per server holding ``pending`` pairs, wait for all, add into ``out``.
 
-        Returns the entries of ``todo`` whose server failed (those servers are marked down).
+        A frame carries each of its tokens' hidden row once and the token's ``[k]`` expert ids /
+        weights with pairs of other servers masked to ``-1`` / ``0``. Returns the indices (into
+        ``sids``) of servers that failed; they are marked down.
         """
-        failed: dict[str, dict[int, list[tuple[int, float]]]] = {}
-        sent: list[tuple[_Server, torch.Tensor, int]] = []
+        failed: list[int] = []
+        sent: list[tuple[_Server, int, torch.Tensor, int]] = []
         version = self._table.version
-        for sid, toks in todo.items():
-            s = self._servers[sid]
-            rows = sorted(toks)
-            ex = torch.full((len(rows), k), -1, dtype=torch.int32)
-            wt = torch.zeros(len(rows), k, dtype=torch.float32)
-            for i, t in enumerate(rows):
-                for j, (e, w) in enumerate(toks[t]):
-                    ex[i, j] = e
-                    wt[i, j] = w
-            rows_t = torch.tensor(rows, dtype=torch.long)
+        for si in torch.unique(A[pending]).tolist():
+            s = self._servers[sids[si]]
+            m = pending & (A == si)  # [T, k]
+            rows = m.any(dim=1).nonzero().squeeze(1)  # [n]
             s.seq += 1
             frame = RequestFrame(
                 client_id=self.client_id,
                 layer=layer,
                 table_version=version,
                 seq=s.seq,
-                hidden=hidden.index_select(0, rows_t).contiguous(),
-                experts=ex,
-                weights=wt,
+                hidden=hidden.index_select(0, rows),
+                experts=torch.where(m, idx64, -1).index_select(0, rows).to(torch.int32),
+                weights=torch.where(m, w32, 0.0).index_select(0, rows),
             )
             try:
                 self._ensure_conn(s).send(frame)
             except Exception as exc:  # noqa: BLE001  (PeerDeadError, FrameError, OSError, ...)
                 self._mark_down(s, f"send: {type(exc).__name__}: {exc}")
-                failed[sid] = toks
+                failed.append(si)
                 continue
-            sent.append((s, rows_t, s.seq))
+            sent.append((s, si, rows, s.seq))
         deadline = time.monotonic() + self.timeout
-        for s, rows_t, seq in sent:
+        for s, si, rows, seq in sent:
             try:
                 resp = s.conn.recv(deadline)
                 if resp.seq != seq:
                     raise RuntimeError(f"response seq {resp.seq} != request seq {seq}")
                 if resp.status != STATUS_OK:
                     raise RuntimeError(f"error status {resp.status}: {resp.message}")
-                out.index_add_(0, rows_t, resp.output.to(out.dtype))
-                s.tokens_sent += len(rows_t)
+                out.index_add_(0, rows, resp.output.to(out.dtype))
+                s.tokens_sent += int(rows.numel())
             except Exception as exc:  # noqa: BLE001
                 self._mark_down(s, f"recv: {type(exc).__name__}: {exc}")
-                failed[s.server_id] = todo[s.server_id]
+                failed.append(si)
         return failed
 
 

@@ -16,20 +16,24 @@ def table(version=1, servers=3, redundancy=2, experts=4):
     return RoutingTable.from_placement(pl, ids, [f"unix:/nonexistent/{i}.sock" for i in ids], version=version)
 
 
+def pick(d: Dispatcher, layer: int, expert: int, n: int, exclude=frozenset(), now: float = 0.0) -> list[str]:
+    """Servers chosen for ``n`` tokens that all selected ``expert`` (one Dispatcher call)."""
+    sids = list(d._servers)
+    index = {s: i for i, s in enumerate(sids)}
+    assign = [[-1] for _ in range(n)]
+    d._assign(layer, {expert: [(t, 0) for t in range(n)]}, assign, [0] * len(sids), index, set(exclude), now)
+    return [sids[a[0]] for a in assign]
+
+
 def test_least_loaded_with_round_robin_ties():
     t = table()
     d = Dispatcher(0, 8, torch.float32, t)
     reps = t.replicas(1, 0)
-    load: dict[str, int] = {}
-    picks = []
-    for _ in range(10):  # ten tokens choosing the same expert
-        s = d._pick(1, 0, load, set(), now=0.0)
-        load[s] = load.get(s, 0) + 1
-        picks.append(s)
+    picks = pick(d, 1, 0, 10)  # ten tokens choosing the same expert
     assert set(picks) == set(reps)
-    assert abs(load[reps[0]] - load[reps[1]]) <= 1  # balanced
+    assert abs(picks.count(reps[0]) - picks.count(reps[1])) <= 1  # balanced
     # equal load -> the rotation moves the first choice between calls
-    firsts = {d._pick(1, 0, {}, set(), now=0.0) for _ in range(4)}
+    firsts = {pick(d, 1, 0, 1)[0] for _ in range(4)}
     assert firsts == set(reps)
 
 
@@ -37,13 +41,13 @@ def test_excluded_and_down_replicas_are_skipped():
     t = table()
     d = Dispatcher(0, 8, torch.float32, t, retry_down_s=60)
     a, b = t.replicas(2, 3)
-    assert {d._pick(2, 3, {}, {a}, now=0.0) for _ in range(3)} == {b}
+    assert set(pick(d, 2, 3, 3, exclude={a})) == {b}
     d._mark_down(d._servers[b], "test")
     with pytest.raises(NoLiveReplicaError) as ei:
-        d._pick(2, 3, {}, {a}, now=0.0)
+        pick(d, 2, 3, 1, exclude={a})
     assert ei.value.layer == 2 and ei.value.expert == 3
     # a down server becomes eligible again after retry_down_s
-    assert d._pick(2, 3, {}, {a}, now=d._servers[b].retry_at + 1) == b
+    assert pick(d, 2, 3, 1, exclude={a}, now=d._servers[b].retry_at + 1) == [b]
 
 
 def test_only_newer_tables_are_accepted():
