@@ -12,8 +12,9 @@ connection per expert server. Per MoE layer call (:meth:`Dispatcher.dispatch`):
    ties broken round-robin (a rotating start per ``(layer, expert)``). A pair is never sent to two
    servers.
 2. **Dispatch.** One :class:`RequestFrame` per target server: each token's hidden row once, plus
-   its ``[k]`` list of ``(expert id, weight)`` padded with ``-1`` / ``0``; send to all targets,
-   then wait for all of them with one deadline (``timeout`` seconds).
+   its ``[k]`` expert ids / weights in which the pairs assigned to other servers are padded with
+   ``-1`` / ``0``; send to all targets, then wait for all of them with one deadline
+   (``timeout`` seconds).
 3. **Failover.** A server that raises :class:`PeerDeadError` / :class:`DeadlineExceeded` /
    another transport error, or answers an error status, is marked down (``eaas_server_marked_down``
    metric, a log line, connection closed); ONLY its pairs are re-assigned to other live replicas
