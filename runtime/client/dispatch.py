@@ -20,8 +20,9 @@ connection per expert server. Per MoE layer call (:meth:`Dispatcher.dispatch`):
    metric, a log line, connection closed); ONLY its pairs are re-assigned to other live replicas
    and sent again (``eaas_failovers_total`` += 1 per failed server batch); repeat. If some
    expert has no live replica left, :class:`NoLiveReplicaError` is raised (retryable; the API
-   answers 503). A down server is retried (reconnected) after ``retry_down_s``, and immediately
-   when a newer routing table lists it again.
+   answers 503). A down server is retried (reconnected, with a connect timeout of at most 2 s)
+   after ``retry_down_s``, doubling per consecutive failure up to 30 s, and immediately when a
+   newer routing table lists it again.
 4. **Combine.** The per-server partial sums are added into one ``[T, H]`` tensor.
 
 Routing table updates: :meth:`Dispatcher.set_table` (thread safe; waits for a layer call in
@@ -75,6 +76,7 @@ class _Server:
     seq: int = 0
     tokens_sent: int = 0
     failures: int = 0
+    consecutive: int = 0  # failures since the last successful response (reconnect back-off)
     last_error: str = ""
 
 
@@ -215,8 +217,10 @@ class Dispatcher:
     def _mark_down(self, s: _Server, why: str) -> None:
         self._close(s)
         s.failures += 1
+        s.consecutive += 1
         s.last_error = why
-        s.retry_at = time.monotonic() + self.retry_down_s
+        # exponential back-off between reconnect attempts: retry_down_s, 2x, 4x, ... (max 30 s)
+        s.retry_at = time.monotonic() + min(self.retry_down_s * 2 ** (s.consecutive - 1), max(30.0, self.retry_down_s))
         if not s.down:
             s.down = True
             metrics.SERVER_DOWN.labels(server=s.server_id).inc()
@@ -230,7 +234,14 @@ class Dispatcher:
 
     def _ensure_conn(self, s: _Server) -> ClientConnection:
         if s.conn is None:
-            s.conn = self._connect(s.endpoint, s.server_id, hidden_size=self.hidden_size, dtype=self.dtype, client_id=self.client_id)
+            s.conn = self._connect(
+                s.endpoint,
+                s.server_id,
+                hidden_size=self.hidden_size,
+                dtype=self.dtype,
+                client_id=self.client_id,
+                connect_timeout=min(self.timeout, 2.0),  # a hung server must not stall us long
+            )
             if s.down:
                 log.info("client %d: reconnected to expert server %s", self.client_id, s.server_id)
             s.down = False
@@ -391,6 +402,7 @@ class Dispatcher:
                     raise RuntimeError(f"error status {resp.status}: {resp.message}")
                 out.index_add_(0, rows, resp.output.to(out.dtype))
                 s.tokens_sent += int(rows.numel())
+                s.consecutive = 0
             except Exception as exc:  # noqa: BLE001
                 self._mark_down(s, f"recv: {type(exc).__name__}: {exc}")
                 failed.append(si)
