@@ -189,9 +189,7 @@ def test_sigterm_is_graceful(tmp_path):
 
 def test_cli_expert_server_with_tiny_model(tmp_path):
     """``eaas expert-server`` on the built-in tiny model: ready line, exact results, metrics, SIGTERM."""
-    tiny = pytest.importorskip("eaas.runtime.models.tiny")
-    weights = pytest.importorskip("eaas.runtime.models.weights")
-    arch = pytest.importorskip("eaas.runtime.models.arch")
+    from eaas.runtime.models import arch, tiny, weights
     model = tiny.default_model_dir()
     info = arch.read_model_info(model)
     layer = info.moe_layers[0]
