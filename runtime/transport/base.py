@@ -42,6 +42,12 @@ class FrameError(TransportError):
     """A frame that violates the protocol (size limits, dtype, shapes)."""
 
 
+# Wire dtype codes and hard frame limits (shared by every transport).
+DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+MAX_TOKENS_HARD = 1 << 16
+MAX_K_HARD = 1024
+
 # Response status codes.
 STATUS_OK = 0
 STATUS_NOT_HOSTED = 1  # an expert in the frame is not hosted by this server
@@ -94,6 +100,40 @@ class ResponseFrame:
     status: int
     output: torch.Tensor | None
     message: str = ""
+
+
+def check_request(
+    frame: "RequestFrame", *, hidden_size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate a request frame's tensors and bring them to wire form.
+
+    Args:
+        frame: ``hidden`` ``[n, hidden_size]`` in ``dtype``; ``experts`` and ``weights`` ``[n, k]``
+            (or ``[n]`` for k = 1), any int / float dtype.
+        hidden_size, dtype: what the connection was opened with.
+
+    Returns:
+        ``(hidden [n, H], experts [n, k] int32, weights [n, k] float32)``.
+
+    Raises:
+        FrameError: wrong shapes or dtype, or ``n``/``k`` above ``MAX_TOKENS_HARD``/``MAX_K_HARD``.
+    """
+    h, ex, w = frame.hidden, frame.experts, frame.weights
+    if h.dim() != 2 or h.shape[1] != hidden_size:
+        raise FrameError(f"hidden must be [n, {hidden_size}], got {tuple(h.shape)}")
+    if h.dtype != dtype:
+        raise FrameError(f"hidden dtype {h.dtype} != connection dtype {dtype}")
+    n = int(h.shape[0])
+    if ex.dim() == 1:
+        ex = ex.unsqueeze(1)
+    if w.dim() == 1:
+        w = w.unsqueeze(1)
+    if ex.shape[0] != n or w.shape != ex.shape:
+        raise FrameError(f"experts {tuple(ex.shape)} / weights {tuple(w.shape)} must both be [{n}, k]")
+    k = int(ex.shape[1])
+    if n > MAX_TOKENS_HARD or k > MAX_K_HARD:
+        raise FrameError(f"frame of {n} tokens x k={k} exceeds the limit {MAX_TOKENS_HARD} x {MAX_K_HARD}")
+    return h, ex.to(torch.int32), w.to(torch.float32)
 
 
 class ClientConnection(abc.ABC):

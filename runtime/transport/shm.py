@@ -68,6 +68,10 @@ import numpy as np
 import torch
 
 from eaas.runtime.transport.base import (
+    CODE_DTYPES,
+    DTYPE_CODES,
+    MAX_K_HARD,
+    MAX_TOKENS_HARD,
     STATUS_BAD_FRAME,
     STATUS_OK,
     ClientConnection,
@@ -77,13 +81,9 @@ from eaas.runtime.transport.base import (
     RequestFrame,
     ResponseFrame,
     ServerListener,
+    check_request,
 )
 
-DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
-
-MAX_TOKENS_HARD = 1 << 16
-MAX_K_HARD = 1024
 DEFAULT_SPIN_US = 80.0
 _PAGE = mmap.PAGESIZE
 _HDR_BYTES = 64
@@ -315,21 +315,8 @@ class ShmClientConnection(ClientConnection):
             raise PeerDeadError(f"connection to {self.server_id} is closed")
         if self._outstanding:
             raise FrameError(f"connection to {self.server_id}: a request is already in flight (one at a time)")
-        h, ex, w = frame.hidden, frame.experts, frame.weights
-        if h.dim() != 2 or h.shape[1] != self.hidden_size:
-            raise FrameError(f"hidden must be [n, {self.hidden_size}], got {tuple(h.shape)}")
-        if h.dtype != self.dtype:
-            raise FrameError(f"hidden dtype {h.dtype} != connection dtype {self.dtype}")
-        n = int(h.shape[0])
-        if ex.dim() == 1:
-            ex = ex.unsqueeze(1)
-        if w.dim() == 1:
-            w = w.unsqueeze(1)
-        if ex.shape[0] != n or w.shape != ex.shape:
-            raise FrameError(f"experts {tuple(ex.shape)} / weights {tuple(w.shape)} must both be [{n}, k]")
-        k = int(ex.shape[1])
-        if n > MAX_TOKENS_HARD or k > MAX_K_HARD:
-            raise FrameError(f"frame of {n} tokens x k={k} exceeds the limit {MAX_TOKENS_HARD} x {MAX_K_HARD}")
+        h, ex, w = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
+        n, k = int(h.shape[0]), int(ex.shape[1])
         s = self._slots
         if n > s.cap_tokens or k > s.cap_k:
             cap_t = s.cap_tokens

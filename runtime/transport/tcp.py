@@ -36,10 +36,13 @@ import struct
 import time
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from eaas.runtime.transport.base import (
+    CODE_DTYPES,
+    DTYPE_CODES,
+    MAX_K_HARD,
+    MAX_TOKENS_HARD,
     STATUS_BAD_FRAME,
     STATUS_OK,
     ClientConnection,
@@ -49,8 +52,8 @@ from eaas.runtime.transport.base import (
     RequestFrame,
     ResponseFrame,
     ServerListener,
+    check_request,
 )
-from eaas.runtime.transport.shm import CODE_DTYPES, DTYPE_CODES, MAX_K_HARD, MAX_TOKENS_HARD
 
 MAGIC = b"EAAS"
 HDR = struct.Struct("<4sIqqqiiiiiI")
@@ -280,23 +283,8 @@ class TcpClientConnection(ClientConnection):
             raise PeerDeadError(f"connection to {self.server_id} is closed")
         if self._outstanding:
             raise FrameError(f"connection to {self.server_id}: a request is already in flight (one at a time)")
-        h, ex, w = frame.hidden, frame.experts, frame.weights
-        if h.dim() != 2 or h.shape[1] != self.hidden_size:
-            raise FrameError(f"hidden must be [n, {self.hidden_size}], got {tuple(h.shape)}")
-        if h.dtype != self.dtype:
-            raise FrameError(f"hidden dtype {h.dtype} != connection dtype {self.dtype}")
-        n = int(h.shape[0])
-        if ex.dim() == 1:
-            ex = ex.unsqueeze(1)
-        if w.dim() == 1:
-            w = w.unsqueeze(1)
-        if ex.shape[0] != n or w.shape != ex.shape:
-            raise FrameError(f"experts {tuple(ex.shape)} / weights {tuple(w.shape)} must both be [{n}, k]")
-        k = int(ex.shape[1])
-        if n > MAX_TOKENS_HARD or k > MAX_K_HARD:
-            raise FrameError(f"frame of {n} tokens x k={k} exceeds the limit {MAX_TOKENS_HARD} x {MAX_K_HARD}")
-        ex = ex.to(torch.int32)
-        w = w.to(torch.float32)
+        h, ex, w = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
+        n, k = int(h.shape[0]), int(ex.shape[1])
         payload = [_as_bytes(h), _as_bytes(ex), _as_bytes(w)]
         nbytes = sum(len(p) for p in payload)
         hdr = HDR.pack(MAGIC, KIND_REQ, self.client_id, frame.table_version, frame.seq, frame.layer, n, k,
