@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eaas.runtime import metrics
-from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams, TokenEvent
+from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams
 
 log = logging.getLogger("eaas.client.api")
 

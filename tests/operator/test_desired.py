@@ -22,7 +22,6 @@ from eaas.operator.desired import (
     placement_revision,
     plan_pods,
     pool_status,
-    server_name,
 )
 from eaas.runtime.placement import parse_expert_spec
 
