@@ -331,39 +331,20 @@ class Deployment:
             self.run_dir = None
 
 
-def serve(
-    *,
-    model_dir: str | None = None,
-    expert_servers: int = 4,
-    replicas: int = 2,
-    attention_clients: int = 1,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    transport: str = "shm",
-    dispatch_timeout: float = 5.0,
-    dtype: str = "float32",
-    client_threads: int = 1,
-    server_threads: int = 1,
-) -> int:
-    """Run a deployment until SIGINT/SIGTERM; returns the exit code (see :class:`Deployment`)."""
-    dep = Deployment(
-        model_dir=model_dir,
-        expert_servers=expert_servers,
-        replicas=replicas,
-        attention_clients=attention_clients,
-        host=host,
-        port=port,
-        transport=transport,
-        dispatch_timeout=dispatch_timeout,
-        dtype=dtype,
-        client_threads=client_threads,
-        server_threads=server_threads,
-    )
+def serve(**options) -> int:
+    """Run a deployment until SIGINT/SIGTERM; returns the exit code.
+
+    ``options`` are :class:`Deployment`'s keyword arguments.
+
+    Raises:
+        ValueError, PlacementError: invalid options (before any process starts).
+    """
+    dep = Deployment(**options)
     signal.signal(signal.SIGTERM, dep.request_stop)
     signal.signal(signal.SIGINT, dep.request_stop)
     _log(
         f"placement: {len(dep.info.moe_layers)} MoE layers x {dep.info.num_experts} experts, "
-        f"{replicas} replicas on {expert_servers} servers ({dep.placement.experts_per_server()} experts per server)"
+        f"{dep.r} replicas on {dep.n} servers ({dep.placement.experts_per_server()} experts per server)"
     )
     try:
         dep.start()
@@ -374,8 +355,8 @@ def serve(
         name = Path(dep.model_dir).name
         _log(f"routing table version {dep.table.version}: {dep.table_path}")
         print(
-            f"serving {name} on http://{host}:{port} ({expert_servers} expert servers, {replicas} replicas, "
-            f"{attention_clients} clients)",
+            f"serving {name} on http://{dep.host}:{dep.port} ({dep.n} expert servers, {dep.r} replicas, "
+            f"{dep.m} clients)",
             flush=True,
         )
         return dep.serve_forever()
