@@ -92,7 +92,10 @@ def attention_client(
     ),
     client_id: int = typer.Option(0, "--client-id", help="Id of this attention client (frames, metrics)."),
     host: str = typer.Option("127.0.0.1", "--host", help="API listen address."),
-    port: int = typer.Option(8000, "--port", help="API port (bound with SO_REUSEPORT: clients may share it)."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="API port."),
+    reuse_port: bool = typer.Option(
+        False, "--reuse-port", help="Bind the API port with SO_REUSEPORT so several clients share it (eaas serve sets it)."
+    ),
     dispatch_timeout: float = typer.Option(5.0, "--dispatch-timeout", help="Seconds to wait for expert servers per MoE layer round."),
     local_experts: bool = typer.Option(
         False, "--local-experts", help="No expert servers: run the untouched model in-process (single-process baseline)."
@@ -122,6 +125,7 @@ def attention_client(
         threads=threads,
         served_model_name=served_model_name,
         max_num_seqs=max_num_seqs,
+        reuse_port=reuse_port,
     )
 
 
@@ -130,7 +134,7 @@ def serve(
     replicas: int = typer.Option(2, "--replicas", help="Replicas of every logical expert, on distinct servers."),
     attention_clients: int = typer.Option(1, "--attention-clients", help="Attention client processes sharing the API port."),
     host: str = typer.Option("127.0.0.1", "--host", help="API listen address."),
-    port: int = typer.Option(8000, "--port", help="API port."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="API port."),
     model: str = typer.Option(None, "--model", help="Checkpoint directory (default: built-in tiny model, built on first use)."),
     transport: str = typer.Option("shm", "--transport", help="shm (same-host shared memory) or tcp."),
     dispatch_timeout: float = typer.Option(5.0, "--dispatch-timeout", help="Clients' deadline per MoE layer round (s)."),
@@ -156,6 +160,6 @@ def serve(
             client_threads=client_threads,
             server_threads=server_threads,
         )
-    except (PlacementError, ValueError) as exc:
+    except (PlacementError, ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from None
     raise typer.Exit(code)

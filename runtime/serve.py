@@ -50,6 +50,21 @@ class ServeError(RuntimeError):
     """A child failed to start (message names it and its exit code)."""
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Fail fast when ``host:port`` is taken (also by another ``eaas serve``: its clients bind with
+    ``SO_REUSEPORT``, so without this check a second deployment would silently share the port).
+
+    Raises:
+        ValueError: the port cannot be bound (message names it and the OS reason).
+    """
+    from eaas.runtime.client.main import bind_listener
+
+    try:
+        bind_listener(host, port).close()
+    except OSError as exc:
+        raise ValueError(f"--port {port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def _log(msg: str) -> None:
     print(f"[eaas serve] {msg}", flush=True)
 
@@ -127,6 +142,11 @@ class Deployment:
             raise ValueError(f"--transport must be shm or tcp, got {transport!r}")
         if attention_clients < 1:
             raise ValueError("--attention-clients must be >= 1")
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
+        if not 1 <= port <= 65535:
+            raise ValueError(f"--port must be in 1..65535, got {port}")
+        _check_port_free(host, port)
         if model_dir is None:
             from eaas.runtime.models.tiny import default_model_dir
 
@@ -204,7 +224,7 @@ class Deployment:
                 argv = py + [
                     "attention-client", "--model", self.model_dir, "--routing-table", str(self.table_path),
                     "--client-id", str(c), "--host", self.host, "--port", str(self.port),
-                    "--dispatch-timeout", str(self.dispatch_timeout), "--dtype", self.dtype,
+                    "--dispatch-timeout", str(self.dispatch_timeout), "--dtype", self.dtype, "--reuse-port",
                     "--threads", str(self.client_threads),
                 ]
                 self._spawn(Child(f"attention-client-{c}", "attention-client", argv), env)
@@ -355,8 +375,8 @@ def serve(**options) -> int:
         name = Path(dep.model_dir).name
         _log(f"routing table version {dep.table.version}: {dep.table_path}")
         print(
-            f"serving {name} on http://{dep.host}:{dep.port} ({dep.n} expert servers, {dep.r} replicas, "
-            f"{dep.m} clients)",
+            f"serving {name} on http://{dep.host}:{dep.port} ({dep.n} expert server{'s' if dep.n != 1 else ''}, {dep.r} replicas, "
+            f"{dep.m} client{'s' if dep.m != 1 else ''})",
             flush=True,
         )
         return dep.serve_forever()

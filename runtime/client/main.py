@@ -7,7 +7,8 @@ OpenAI-compatible API with uvicorn. Prints ``attention-client <id> ready on http
 (stdout, flushed) once the socket accepts connections.
 
 Sharing one port between several clients (``eaas serve --attention-clients M``): the listening
-socket is bound here with ``SO_REUSEPORT`` and handed to uvicorn (``Server.serve(sockets=[s])``);
+socket is bound here with ``SO_REUSEPORT`` (``--reuse-port``, which ``eaas serve`` passes after
+checking that the port is free; a lone client without it fails on a taken port) and handed to uvicorn (``Server.serve(sockets=[s])``);
 the Linux kernel then spreads incoming TCP connections over all processes bound to that port
 (hash of the connection 4-tuple). Each HTTP connection stays with one client for its lifetime,
 so one keep-alive connection's requests all reach the same client; concurrent connections are
@@ -25,16 +26,22 @@ from pathlib import Path
 log = logging.getLogger("eaas.client")
 
 
-def bind_reuseport(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` with ``SO_REUSEPORT`` (several processes may bind).
+def bind_listener(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A listening TCP socket on ``host:port``.
+
+    Args:
+        reuse_port: set ``SO_REUSEPORT`` so several attention clients can share the port (the
+            kernel spreads connections over them); ``eaas serve`` sets it for its clients after
+            checking the port is free. Without it a taken port fails loudly.
 
     Raises:
-        OSError: the address is taken by a socket without ``SO_REUSEPORT`` (or another user).
+        OSError: the address is taken (``EADDRINUSE``) or not bindable.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     sock.listen(1024)
     sock.set_inheritable(True)
@@ -54,6 +61,7 @@ def run_attention_client(
     threads: int,
     served_model_name: str | None = None,
     max_num_seqs: int = 64,
+    reuse_port: bool = False,
     log_level: str = "warning",
 ) -> None:
     """Run one attention client until SIGINT/SIGTERM.
@@ -121,7 +129,7 @@ def run_attention_client(
         def capture_signals(self):
             yield
 
-    sock = bind_reuseport(host, port)
+    sock = bind_listener(host, port, reuse_port)
     config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=2, lifespan="off")
     userver = _Server(config)
 

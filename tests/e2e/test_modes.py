@@ -68,7 +68,7 @@ def test_serve_over_tcp(tokenizer, model_dir, tmp_path):
         assert all(s["endpoint"].startswith("tcp://127.0.0.1:") for s in h["servers"].values())
         assert len(h["servers"]) == 3
         _check_exact(sp.base_url, tokenizer, model_dir)
-        assert "serving" in sp.log() and "(3 expert servers, 2 replicas, 1 clients)" in sp.log()
+        assert "serving" in sp.log() and "(3 expert servers, 2 replicas, 1 client)" in sp.log()
         # serve itself is SIGKILLed (no cleanup code runs): PR_SET_PDEATHSIG takes every child down
         kids = descendants(sp.proc.pid)
         assert len(kids) == 4, kids
@@ -85,3 +85,41 @@ def test_serve_over_tcp(tokenizer, model_dir, tmp_path):
             sp.stop(check=True)
         elif sp.run_dir is not None:
             shutil.rmtree(sp.run_dir, ignore_errors=True)  # serve had no chance to remove it
+
+
+def _taken_port():
+    """A port held the way an attention client of another ``eaas serve`` holds it (SO_REUSEPORT)."""
+    import socket
+
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)
+    return s
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--port", "TAKEN"], "cannot listen on 127.0.0.1"),
+        (["--model", "/nonexistent"], "/nonexistent/config.json"),
+        (["--dtype", "float16"], "--dtype must be float32 or bfloat16"),
+        (["--port", "70000"], "less than or equal to 65535"),
+        (["--replicas", "5", "--expert-servers", "2"], "redundancy (5) cannot exceed"),
+    ],
+)
+def test_serve_rejects_bad_options_before_starting_anything(args, message):
+    """Bad options: exit code 2, one clear message naming the problem, no traceback, no child
+    started -- in particular a port taken by another deployment (whose clients bind with
+    SO_REUSEPORT) is refused instead of silently shared."""
+    held = _taken_port()
+    try:
+        args = [str(held.getsockname()[1]) if a == "TAKEN" else a for a in args]
+        r = subprocess.run([sys.executable, "-m", "eaas", "serve", *args], capture_output=True, text=True, timeout=120)
+    finally:
+        held.close()
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out
+    assert message in " ".join(out.split()), out
+    assert "Traceback" not in out, out
+    assert "expert-server" not in r.stdout, out  # nothing was spawned
