@@ -21,8 +21,11 @@ connection per expert server. Per MoE layer call (:meth:`Dispatcher.dispatch`):
    and sent again (``eaas_failovers_total`` += 1 per failed server batch); repeat. If some
    expert has no live replica left, :class:`NoLiveReplicaError` is raised (retryable; the API
    answers 503). A down server is retried (reconnected, with a connect timeout of at most 2 s)
-   after ``retry_down_s``, doubling per consecutive failure up to 30 s, and immediately when a
-   newer routing table lists it again.
+   after ``retry_down_s``, doubling per consecutive failure up to 30 s (on the next dispatch
+   that needs it, or by :class:`RoutingTableWatcher` calling :meth:`Dispatcher.reconnect_down`,
+   so it also happens without traffic), and immediately when a newer routing table lists it
+   again. :meth:`Dispatcher.uncovered` lists the experts without a live replica (GET /health
+   answers 503 while there are any).
 4. **Combine.** The per-server partial sums are added into one ``[T, H]`` tensor.
 
 Routing table updates: :meth:`Dispatcher.set_table` (thread safe; waits for a layer call in
@@ -49,6 +52,9 @@ from eaas.runtime.routing import RoutingTable, RoutingTableError
 from eaas.runtime.transport.base import STATUS_OK, ClientConnection, RequestFrame
 
 log = logging.getLogger("eaas.client.dispatch")
+
+
+HEALTH_MAX_UNCOVERED = 32  # uncovered (layer, expert) pairs listed in health()
 
 
 class NoLiveReplicaError(RuntimeError):
@@ -182,10 +188,46 @@ class Dispatcher:
             )
             return True
 
-    def health(self) -> dict:
-        """JSON-able view: table version, per-server state."""
+    def uncovered(self) -> list[dict]:
+        """``(layer, expert)`` pairs without a live replica: none in the routing table, or all of
+        its replicas marked down. Items: ``{"layer", "expert", "reason", "replicas"}``."""
         with self._lock:
+            table = self._table
+            if table is None:
+                return []
+            out = []
+            for layer, experts in sorted(table.layers.items()):
+                for e, reps in enumerate(experts):
+                    if not reps:
+                        out.append({"layer": layer, "expert": e, "reason": f"no replica in routing table version {table.version}", "replicas": []})
+                    elif all(self._servers.get(r) is None or self._servers[r].down for r in reps):
+                        out.append({"layer": layer, "expert": e, "reason": "all replicas down", "replicas": list(reps)})
+            return out
+
+    def reconnect_down(self) -> int:
+        """Try to reconnect every down server whose back-off has expired (without this, a client
+        that gets no traffic -- e.g. taken out of a Service by its readiness probe -- would never
+        notice a recovered server). Returns how many came back."""
+        back = 0
+        with self._lock:
+            now = time.monotonic()
+            for s in self._servers.values():
+                if s.down and now >= s.retry_at:
+                    try:
+                        self._ensure_conn(s)
+                        back += 1
+                    except Exception as exc:  # noqa: BLE001
+                        self._mark_down(s, f"reconnect: {type(exc).__name__}: {exc}")
+        return back
+
+    def health(self) -> dict:
+        """JSON-able view: table version, per-server state, experts without a live replica
+        (``uncovered_experts`` = how many, ``uncovered`` = the first :data:`HEALTH_MAX_UNCOVERED`)."""
+        with self._lock:
+            uncovered = self.uncovered()
             return {
+                "uncovered_experts": len(uncovered),
+                "uncovered": uncovered[:HEALTH_MAX_UNCOVERED],
                 "routing_table_version": self.version,
                 "servers": {
                     s.server_id: {
@@ -272,10 +314,12 @@ class Dispatcher:
             try:
                 reps = table.replicas(layer, e)
             except (KeyError, IndexError):
-                raise NoLiveReplicaError(layer, e, f"not in routing table version {table.version}") from None
+                reps = ()
+            if not reps:
+                raise NoLiveReplicaError(layer, e, f"no replica of layer {layer} expert {e} in routing table version {table.version}")
             live = [index[r] for r in reps if r not in exclude and self._usable(r, now)]
             if not live:
-                raise NoLiveReplicaError(layer, e, f"replicas {list(reps)} all down")
+                raise NoLiveReplicaError(layer, e, f"all replicas of layer {layer} expert {e} are down: {list(reps)}")
             key = (layer, e)
             start = self._rr.get(key, 0)
             self._rr[key] = start + 1
@@ -488,6 +532,7 @@ class RoutingTableWatcher:
         while not self._stop.wait(self.interval):
             try:
                 self.load_now()
+                self.dispatcher.reconnect_down()
             except Exception:  # noqa: BLE001
                 log.exception("routing table poll failed")
 

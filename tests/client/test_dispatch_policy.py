@@ -71,3 +71,54 @@ def test_dispatch_without_any_live_replica_raises_fast():
     with pytest.raises(NoLiveReplicaError):
         d.dispatch(1, hidden, idx, w)
     assert all(s["state"] == "down" for s in d.health()["servers"].values())
+
+
+def test_uncovered_experts_and_messages():
+    t = table()
+    d = Dispatcher(0, 8, torch.float32, t, retry_down_s=60)
+    assert d.uncovered() == [] and d.health()["uncovered_experts"] == 0
+    # all replicas of (2, 3) marked down -> uncovered, and the 503 message says so
+    a, b = t.replicas(2, 3)
+    d._mark_down(d._servers[a], "test")
+    d._mark_down(d._servers[b], "test")
+    down = [u for u in d.uncovered() if u["reason"] == "all replicas down"]
+    assert {"layer": 2, "expert": 3, "reason": "all replicas down", "replicas": [a, b]} in down
+    assert all(set(u["replicas"]) <= {a, b} for u in down)
+    h = d.health()
+    assert h["uncovered_experts"] == len(down) and h["uncovered"] == down[: len(h["uncovered"])]
+    with pytest.raises(NoLiveReplicaError) as ei:
+        pick(d, 2, 3, 1)
+    assert f"all replicas of layer 2 expert 3 are down: {[a, b]}" in str(ei.value)
+    # a table without any replica of layer 1 expert 0: reported as such, not as "replicas [] all down"
+    layers = dict(t.layers)
+    layers[1] = ((),) + layers[1][1:]
+    d2 = Dispatcher(0, 8, torch.float32, RoutingTable(version=7, num_experts=t.num_experts, servers=t.servers, layers=layers))
+    assert d2.uncovered() == [{"layer": 1, "expert": 0, "reason": "no replica in routing table version 7", "replicas": []}]
+    with pytest.raises(NoLiveReplicaError) as ei:
+        pick(d2, 1, 0, 1)
+    assert "no replica of layer 1 expert 0 in routing table version 7" in str(ei.value)
+    assert "[]" not in str(ei.value)
+
+
+def test_reconnect_down_after_back_off():
+    t = table()
+    conns = []
+
+    class FakeConn:
+        def close(self):
+            pass
+
+    def connect(endpoint, server_id, **kw):
+        if server_id == "s0" and not conns:
+            conns.append(server_id)
+            raise ConnectionRefusedError("still down")
+        return FakeConn()
+
+    d = Dispatcher(0, 8, torch.float32, t, retry_down_s=0.0, connect=connect)
+    d._mark_down(d._servers["s0"], "test")
+    assert d.reconnect_down() == 0  # first attempt refused: stays down, back-off grows
+    assert d._servers["s0"].down and d._servers["s0"].failures == 2
+    assert d.reconnect_down() == 1
+    assert not d._servers["s0"].down and d.health()["servers"]["s0"]["state"] == "connected"
+    # servers that are not down are left alone (no connection opened)
+    assert d.health()["servers"]["s1"]["state"] == "idle"
