@@ -10,17 +10,21 @@ Endpoints:
   ``max_tokens`` / ``max_completion_tokens`` (default: the rest of the context).
 * ``stream: true`` answers Server-Sent Events in OpenAI's chunk format ending with
   ``data: [DONE]``. A client that disconnects cancels its sequence (it leaves the decode batch at
-  the next engine step).
+  the next engine step); non-streaming requests poll for the disconnect every
+  ``DISCONNECT_POLL_S`` while decoding.
 * ``GET /v1/models``, ``GET /health`` (JSON: model, client id, routing table version in use =
-  acknowledgement, running/waiting sequences, per-expert-server state), ``GET /metrics``
-  (Prometheus; merged over all processes under ``eaas serve``).
+  acknowledgement, running/waiting sequences, per-expert-server state, ``uncovered_experts``;
+  503 with ``status: "degraded"`` while some (layer, expert) has no live replica, so readiness
+  probes route elsewhere), ``GET /metrics`` (Prometheus; merged over all processes under
+  ``eaas serve``).
 
 Non-standard additions: every choice carries ``token_ids`` (the generated token ids; in streamed
 chunks the ids of that chunk), so exact-token comparisons need no re-tokenization.
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``:
-400 ``invalid_request_error`` for malformed JSON, wrong types, empty prompt/messages,
-``max_tokens <= 0``, prompt + max_tokens beyond the context window, unknown model (code
+400 ``invalid_request_error`` for malformed JSON, wrong types, empty prompt/messages, missing or
+null ``content`` of a non-assistant message, non-finite ``temperature`` / ``top_p``, ``seed``
+outside the 64-bit range, ``max_tokens <= 0``, prompt + max_tokens beyond the context window, unknown model (code
 ``model_not_found``); FastAPI's 422 validation errors are mapped to 400 as well. 503
 ``service_unavailable`` when an expert has no live replica (retryable); 500 otherwise.
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -46,6 +51,8 @@ from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams
 log = logging.getLogger("eaas.client.api")
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+# torch.Generator.manual_seed takes signed or unsigned 64-bit seeds
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class APIError(Exception):
@@ -96,6 +103,8 @@ def _num(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bo
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise APIError(400, f"'{key}' must be a number, got {type(v).__name__} {v!r}", param=key, code="invalid_type")
+    if not math.isfinite(v):  # Python's json accepts NaN / Infinity / -Infinity
+        raise APIError(400, f"'{key}' must be a finite number, got {v}", param=key, code="invalid_value")
     if v > hi or v < lo or (lo_open and v <= lo):
         raise APIError(400, f"'{key}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", param=key, code="invalid_value")
     return float(v)
@@ -125,6 +134,10 @@ def _stop(body: dict) -> list[str]:
 
 class _ClientGone(Exception):
     """The HTTP client disconnected before the answer was ready."""
+
+
+_GONE = object()  # queued by the disconnect watcher of a non-streaming request
+DISCONNECT_POLL_S = 0.1
 
 
 @dataclass
@@ -198,6 +211,8 @@ class OpenAIServer:
                 code="context_length_exceeded",
             )
         seed = _int(body, "seed", None)
+        if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+            raise APIError(400, f"'seed' must be in [{SEED_MIN}, {SEED_MAX}] (64 bit), got {seed}", param="seed", code="invalid_value")
         so = body.get("stream_options")
         if so is not None and not isinstance(so, dict):
             raise APIError(400, "'stream_options' must be an object", param="stream_options", code="invalid_type")
@@ -261,6 +276,10 @@ class OpenAIServer:
                     parts.append(part["text"])
                 content = "".join(parts)
             elif content is None:
+                # OpenAI allows a null/missing content only on assistant messages (tool calls)
+                if role != "assistant":
+                    missing = "missing" if "content" not in m else "null"
+                    raise APIError(400, f"'messages[{i}].content' is {missing}; {role} messages need a string or a list of text parts", param=f"messages[{i}].content", code="invalid_value" if missing == "null" else "missing_required_parameter")
                 content = ""
             elif not isinstance(content, str):
                 raise APIError(400, f"'messages[{i}].content' must be a string or a list of text parts", param=f"messages[{i}].content", code="invalid_type")
@@ -329,7 +348,13 @@ def create_app(server: OpenAIServer) -> FastAPI:
             "routing_table_version": None,
         }
         if server.health_extra is not None:
-            out.update(server.health_extra())
+            # off the event loop: the dispatcher's lock is held while a layer call waits on servers
+            out.update(await asyncio.to_thread(server.health_extra))
+        if out.get("uncovered_experts"):
+            # some (layer, expert) has no live replica: requests needing it get 503, so tell a
+            # readiness probe to route elsewhere until coverage returns
+            out["status"] = "degraded"
+            return JSONResponse(status_code=503, content=out)
         return out
 
     @app.get("/metrics")
@@ -360,27 +385,41 @@ def create_app(server: OpenAIServer) -> FastAPI:
         created = int(time.time())
         label = server.client_id
 
-        async def next_event(poll_disconnect: bool):
-            while True:
-                try:
-                    return await asyncio.wait_for(q.get(), 0.25)
-                except asyncio.TimeoutError:
-                    if poll_disconnect and await request.is_disconnected():
-                        req.cancel()
-                        raise _ClientGone()
+        async def watch_disconnect() -> None:
+            # Polled on its own clock: while tokens keep arriving the event queue never idles,
+            # so polling only when it is empty would never notice the client leaving.
+            try:
+                while not await request.is_disconnected():
+                    await asyncio.sleep(DISCONNECT_POLL_S)
+            except Exception:  # noqa: BLE001  (receive channel unusable: stop watching)
+                log.debug("disconnect watcher stopped", exc_info=True)
+                return
+            req.cancel()
+            q.put_nowait(_GONE)
 
+        async def next_event():
+            ev = await q.get()
+            if ev is _GONE:
+                raise _ClientGone()
+            return ev
+
+        # Streams must not read the ASGI receive channel here: StreamingResponse listens on it for
+        # the disconnect (reading it here may swallow uvicorn's state). Non-streaming requests
+        # poll it until the answer is complete to notice a client that went away.
+        watcher = None if prep.stream else asyncio.create_task(watch_disconnect())
         try:
-            # Streams must not read the ASGI receive channel here: StreamingResponse listens on it
-            # for the disconnect (reading it here may swallow uvicorn's state). Non-streaming
-            # requests poll it to notice a client that went away.
-            first = await next_event(not prep.stream)
+            first = await next_event()
         except BaseException as exc:
+            if watcher is not None:
+                watcher.cancel()
             req.cancel()
             metrics.REQUESTS.labels(client_id=label, status="cancelled").inc()
             if isinstance(exc, _ClientGone):
                 return Response(status_code=499)
             raise
         if isinstance(first, ErrorEvent):
+            if watcher is not None:
+                watcher.cancel()
             err = _exc_error(first.error)
             metrics.REQUESTS.labels(client_id=label, status=str(err.status)).inc()
             return err.response()
@@ -395,7 +434,7 @@ def create_app(server: OpenAIServer) -> FastAPI:
             ev = first
             try:
                 while ev.finish_reason is None:
-                    ev = await next_event(True)
+                    ev = await next_event()
                     if isinstance(ev, ErrorEvent):
                         err = _exc_error(ev.error)
                         metrics.REQUESTS.labels(client_id=label, status=str(err.status)).inc()
@@ -406,6 +445,8 @@ def create_app(server: OpenAIServer) -> FastAPI:
                 if isinstance(exc, _ClientGone):
                     return Response(status_code=499)
                 raise
+            finally:
+                watcher.cancel()
             metrics.REQUESTS.labels(client_id=label, status="200").inc()
             if chat:
                 choice = {"index": 0, "message": {"role": "assistant", "content": req.text}, "logprobs": None, "finish_reason": req.finish_reason, "token_ids": list(req.output_ids)}
@@ -453,7 +494,7 @@ def create_app(server: OpenAIServer) -> FastAPI:
                     yield chunk(ev.text, [ev.token_id], ev.finish_reason)
                     if ev.finish_reason is not None:
                         break
-                    ev = await next_event(False)
+                    ev = await next_event()
                 if prep.include_usage:
                     payload = {"id": rid, "object": obj, "created": created, "model": server.model_name, "choices": [], "usage": usage()}
                     yield f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"

@@ -9,6 +9,7 @@ non-standard ``token_ids`` field of each choice.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -201,6 +202,34 @@ BAD = {
     "malformed_json": ("/v1/completions", '{"prompt": "Hello", "max_tokens": 4', None),
     "missing_prompt": ("/v1/completions", {"max_tokens": 4}, "prompt"),
     "temperature_type": ("/v1/completions", {"prompt": "Hello", "temperature": "hot"}, "temperature"),
+    # seeds outside torch's range (signed or unsigned 64 bit) must not reach the engine (was 500)
+    "seed_too_big": ("/v1/completions", {"prompt": "Hello", "temperature": 1, "seed": 99999999999999999999999}, "seed"),
+    "seed_2_pow_64": ("/v1/completions", {"prompt": "Hello", "temperature": 1, "seed": 2**64}, "seed"),
+    "seed_too_negative": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": 1, "seed": -(2**63) - 1}, "seed"),
+    # Python's json (and json.dumps below) speaks NaN / Infinity; they must be 400, not 500
+    "temperature_nan": ("/v1/completions", {"prompt": "Hello", "temperature": float("nan")}, "temperature"),
+    "temperature_inf": ("/v1/completions", {"prompt": "Hello", "temperature": float("inf")}, "temperature"),
+    "top_p_nan": ("/v1/completions", {"prompt": "Hello", "temperature": 1, "top_p": float("nan")}, "top_p"),
+    "top_p_neg_inf": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": float("-inf")}, "top_p"),
+    # system/user messages need content (OpenAI allows null only for assistant tool calls)
+    "user_content_missing": ("/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": 4}, "messages[0].content"),
+    "user_content_null": ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}], "max_tokens": 4}, "messages[0].content"),
+    "system_content_null": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "system", "content": None}, {"role": "user", "content": "x"}], "max_tokens": 4},
+        "messages[0].content",
+    ),
+    "second_user_content_missing": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user"}], "max_tokens": 4},
+        "messages[1].content",
+    ),
+}
+# expected error code per case (others: any code)
+BAD_CODES = {
+    "unknown_model": "model_not_found",
+    "beyond_context": "context_length_exceeded",
+    **{c: "invalid_value" for c in BAD if c.startswith(("seed_", "temperature_nan", "temperature_inf", "top_p_"))},
 }
 
 
@@ -216,10 +245,10 @@ def test_bad_request_is_400_and_server_keeps_serving(deployment, model_name, cas
     assert err["type"] == "invalid_request_error"
     assert err["message"]
     assert err["param"] == param
-    if case == "unknown_model":
-        assert err["code"] == "model_not_found"
+    if case in BAD_CODES:
+        assert err["code"] == BAD_CODES[case], err
     if case == "beyond_context":
-        assert err["code"] == "context_length_exceeded" and "2048" in err["message"]
+        assert "2048" in err["message"]
     # the server keeps serving
     ok = httpx.post(
         f"{deployment.base_url}/v1/completions",
@@ -227,6 +256,20 @@ def test_bad_request_is_400_and_server_keeps_serving(deployment, model_name, cas
         timeout=60,
     )
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) >= 1
+
+
+@pytest.mark.parametrize("seed", [0, -1, -(2**63), 2**63, 2**64 - 1])
+def test_seed_edges_of_the_64_bit_range_are_accepted(deployment, model_name, seed):
+    body = {"model": model_name, "prompt": "Hello", "max_tokens": 2, "temperature": 1, "seed": seed}
+    r = [httpx.post(f"{deployment.base_url}/v1/completions", json=body, timeout=60) for _ in range(2)]
+    assert r[0].status_code == 200, r[0].text
+    assert r[0].json()["choices"][0]["token_ids"] == r[1].json()["choices"][0]["token_ids"]  # seeded = reproducible
+
+
+def test_assistant_message_without_content_is_accepted(deployment, model_name):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": "Again"}]
+    r = httpx.post(f"{deployment.base_url}/v1/chat/completions", json={"model": model_name, "messages": messages, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_openai_client_raises_bad_request(deployment, model_name):
@@ -264,6 +307,38 @@ def test_stream_disconnect_stops_decode_within_1s(deployment, model_name):
     assert elapsed < 1.0, f"decode stopped {elapsed:.2f} s after the disconnect"
 
 
+def test_non_streaming_disconnect_stops_decode_within_1s(deployment, model_name):
+    """A non-streaming client that gives up (read timeout) cancels its sequence like a stream."""
+
+    def running() -> float:
+        return metric_sum(metric_values(deployment.base_url), "eaas_running_sequences")
+
+    assert running() == 0
+    body = {"model": model_name, "prompt": "Tell a long story", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    outcome: list[BaseException] = []
+
+    def post() -> None:
+        try:
+            httpx.post(f"{deployment.base_url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=2.0))
+        except BaseException as exc:  # noqa: BLE001
+            outcome.append(exc)
+
+    t = threading.Thread(target=post)
+    t.start()
+    deadline = time.monotonic() + 2
+    while running() != 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert running() == 1, "the request should be decoding before the client gives up"
+    t.join(30)
+    t0 = time.monotonic()  # the client closed its connection when it raised
+    assert len(outcome) == 1 and isinstance(outcome[0], httpx.ReadTimeout), outcome
+    while running() != 0 and time.monotonic() - t0 < 5:
+        time.sleep(0.02)
+    elapsed = time.monotonic() - t0
+    assert running() == 0
+    assert elapsed < 1.0, f"decode stopped {elapsed:.2f} s after the disconnect"
+
+
 def test_routing_table_hot_reload_and_ack(deployment, model_name, prompts, references):
     """A newer table is picked up and acknowledged by both clients; an older one is rejected."""
     path = deployment.run_dir / "routing-table.json"
@@ -284,5 +359,52 @@ def test_routing_table_hot_reload_and_ack(deployment, model_name, prompts, refer
     time.sleep(1.5)
     assert versions() == {"0": 2, "1": 2}
     assert httpx.get(f"{deployment.base_url}/health", timeout=10).json()["routing_table_version"] == 2
+    r = complete_ids(deployment, model_name, prompts[0])
+    assert r.choices[0].model_extra["token_ids"] == references[0]
+
+
+def test_health_is_503_while_an_expert_has_no_replica(deployment, model_name, prompts, references):
+    """A table leaving every expert of one MoE layer without replica: /health answers 503
+    ``degraded`` naming them (readiness probes stop routing here), requests get the 503
+    ``no_live_replica`` error; a newer complete table brings back 200 and exact answers."""
+    path = deployment.run_dir / "routing-table.json"
+    cur = RoutingTable.from_json(path.read_text())  # may be older than the version in use
+    in_use = httpx.get(f"{deployment.base_url}/health", timeout=10).json()["routing_table_version"]
+    layer = min(cur.layers)
+    holes = RoutingTable(
+        version=max(cur.version, in_use) + 1, num_experts=cur.num_experts, servers=cur.servers,
+        layers={**cur.layers, layer: tuple(() for _ in range(cur.num_experts))},
+    )
+
+    def health_until(pred):
+        deadline = time.monotonic() + 10
+        while True:  # both clients answer on the port: wait until several answers agree
+            hs = [httpx.get(f"{deployment.base_url}/health", timeout=10) for _ in range(6)]
+            if all(pred(h) for h in hs) or time.monotonic() > deadline:
+                return hs
+            time.sleep(0.1)
+
+    write_table(path, holes)
+    hs = health_until(lambda h: h.json()["routing_table_version"] == holes.version)
+    for h in hs:
+        assert h.status_code == 503, h.text
+        body = h.json()
+        assert body["status"] == "degraded"
+        assert body["uncovered_experts"] == cur.num_experts
+        assert body["uncovered"][0] == {"layer": layer, "expert": 0, "reason": f"no replica in routing table version {holes.version}", "replicas": []}
+        assert body["client_id"] in ("0", "1") and body["routing_table_version"] == holes.version and "running" in body
+    r = httpx.post(f"{deployment.base_url}/v1/completions", json={"model": model_name, "prompt": prompts[0], "max_tokens": 4, "temperature": 0}, timeout=60)
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert err["code"] == "no_live_replica"
+    assert f"no replica of layer {layer} expert" in err["message"] and f"in routing table version {holes.version}" in err["message"]
+    assert "[]" not in err["message"]
+
+    fixed = RoutingTable(version=holes.version + 1, num_experts=cur.num_experts, servers=cur.servers, layers=cur.layers)
+    write_table(path, fixed)
+    hs = health_until(lambda h: h.json()["routing_table_version"] == fixed.version)
+    for h in hs:
+        assert h.status_code == 200, h.text
+        assert h.json()["status"] == "ok" and h.json()["uncovered_experts"] == 0
     r = complete_ids(deployment, model_name, prompts[0])
     assert r.choices[0].model_extra["token_ids"] == references[0]

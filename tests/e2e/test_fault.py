@@ -5,7 +5,7 @@ Order matters inside this module (one deployment, degraded step by step):
    reference tokens, failovers are counted, serve keeps running and publishes a routing table
    without the dead server (acknowledged by the client).
 2. Kill a second server so that some experts have no replica left: requests fail fast with an
-   OpenAI-style 503 (never hang), and the client keeps answering /health.
+   OpenAI-style 503 (never hang), and the client keeps answering /health (503 "degraded").
 3. SIGTERM to serve: no child process survives, no /dev/shm/eaas* files, run dir removed.
 """
 
@@ -141,9 +141,14 @@ def test_no_live_replica_is_503_not_a_hang(deployment, model_name):
     with httpx.stream("POST", f"{deployment.base_url}/v1/completions", json={**body, "stream": True}, timeout=60) as rs:
         assert rs.status_code == 503
         assert json.loads(rs.read())["error"]["type"] == "service_unavailable"
-    # the client itself is fine
+    # the client itself keeps answering /health, but as not ready: 503 "degraded", naming the
+    # experts without a live replica (all replicas down, or none left in the routing table)
     h = httpx.get(f"{deployment.base_url}/health", timeout=10)
-    assert h.status_code == 200 and h.json()["status"] == "ok"
+    assert h.status_code == 503, h.text
+    body = h.json()
+    assert body["status"] == "degraded" and body["client_id"] == "0"
+    assert body["uncovered_experts"] >= len(orphaned)
+    assert {(u["layer"], u["expert"]) for u in body["uncovered"]} & set(orphaned)
 
 
 def test_sigterm_cleans_up(deployment):
