@@ -207,17 +207,37 @@ class Dispatcher:
     def reconnect_down(self) -> int:
         """Try to reconnect every down server whose back-off has expired (without this, a client
         that gets no traffic -- e.g. taken out of a Service by its readiness probe -- would never
-        notice a recovered server). Returns how many came back."""
-        back = 0
+        notice a recovered server). Returns how many came back.
+
+        Connecting (up to ``min(timeout, 2 s)`` against a dead pod IP) happens outside the
+        dispatch lock, so MoE layer calls never wait on it.
+        """
+        connect_timeout = min(self.timeout, 2.0)
         with self._lock:
             now = time.monotonic()
-            for s in self._servers.values():
-                if s.down and now >= s.retry_at:
-                    try:
-                        self._ensure_conn(s)
-                        back += 1
-                    except Exception as exc:  # noqa: BLE001
+            due = [s for s in self._servers.values() if s.down and now >= s.retry_at]
+            for s in due:  # keep the dispatch path off these servers while we try them
+                s.retry_at = now + connect_timeout + 1.0
+        back = 0
+        for s in due:
+            try:
+                conn = self._connect(
+                    s.endpoint, s.server_id, hidden_size=self.hidden_size, dtype=self.dtype,
+                    client_id=self.client_id, connect_timeout=connect_timeout,
+                )
+            except Exception as exc:  # noqa: BLE001
+                with self._lock:
+                    if self._servers.get(s.server_id) is s and s.down:
                         self._mark_down(s, f"reconnect: {type(exc).__name__}: {exc}")
+                continue
+            with self._lock:
+                if self._servers.get(s.server_id) is s and s.down and s.conn is None:
+                    s.conn, s.down = conn, False
+                    log.info("client %d: reconnected to expert server %s", self.client_id, s.server_id)
+                    back += 1
+                    conn = None
+            if conn is not None:  # the table changed meanwhile, or the dispatch path got there first
+                conn.close()
         return back
 
     def health(self) -> dict:
