@@ -24,6 +24,8 @@ import yaml
 from eaas.runtime.placement import parse_expert_spec
 from eaas.runtime.routing import RoutingTable
 
+from k8s_helpers import kubectl, wait_for
+
 pytestmark = pytest.mark.k8s
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,27 +37,9 @@ TINY_LAYERS = [1, 2, 3]
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
-def kubectl(*args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run(["kubectl", *args], input=input, capture_output=True, text=True, timeout=60)
-    if check and r.returncode != 0:
-        raise AssertionError(f"kubectl {' '.join(args)} failed: {r.stderr}")
-    return r
-
-
 def get(kind: str, name: str, ns: str) -> dict | None:
     r = kubectl("get", kind, name, "-n", ns, "-o", "json", check=False)
     return json.loads(r.stdout) if r.returncode == 0 else None
-
-
-def wait_for(what: str, fn, timeout: float = 60.0, interval: float = 0.2):
-    end = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < end:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}; last: {str(last)[:2000]}")
 
 
 def pods(ns: str, pool: str) -> list[dict]:

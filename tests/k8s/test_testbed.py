@@ -16,29 +16,9 @@ import uuid
 
 import pytest
 
+from k8s_helpers import get_json, kubectl, wait_for
+
 pytestmark = pytest.mark.k8s
-
-
-def kubectl(*args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    # Resolved via PATH and KUBECONFIG, which the `testbed` fixture points at the testbed.
-    return subprocess.run(["kubectl", *args], input=input, capture_output=True, text=True,
-                          check=check, timeout=60)
-
-
-def get_json(*args: str) -> dict:
-    return json.loads(kubectl("get", *args, "-o", "json").stdout)
-
-
-def wait_for(what: str, fn, timeout: float = 60.0, interval: float = 0.5):
-    """Poll ``fn`` until it returns a truthy value; fail with ``what`` after ``timeout`` s."""
-    end = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < end:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
 
 
 def apply(obj: dict) -> None:
