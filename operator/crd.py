@@ -437,6 +437,12 @@ def _crd(
 
 _READY_COL = {"name": "Status", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'}
 _AGE_COL = {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}
+# scale subresource of both kinds (HPA/KEDA; selector written by the operator as a string)
+_SCALE = {
+    "specReplicasPath": ".spec.replicas",
+    "statusReplicasPath": ".status.replicas",
+    "labelSelectorPath": ".status.selector",
+}
 
 
 def expertpool_crd() -> dict[str, Any]:
@@ -463,11 +469,7 @@ def expertpool_crd() -> dict[str, Any]:
             _READY_COL,
             _AGE_COL,
         ],
-        scale={
-            "specReplicasPath": ".spec.replicas",
-            "statusReplicasPath": ".status.replicas",
-            "labelSelectorPath": ".status.selector",
-        },
+        scale=_SCALE,
     )
 
 
@@ -490,11 +492,7 @@ def attentionfleet_crd() -> dict[str, Any]:
             _READY_COL,
             _AGE_COL,
         ],
-        scale={
-            "specReplicasPath": ".spec.replicas",
-            "statusReplicasPath": ".status.replicas",
-            "labelSelectorPath": ".status.selector",
-        },
+        scale=_SCALE,
     )
 
 

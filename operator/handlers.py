@@ -277,6 +277,21 @@ def _pool_executor() -> concurrent.futures.ThreadPoolExecutor:
     return _executor
 
 
+def _get_live(custom: k8s.CustomObjectsApi, namespace: str, plural: str, name: str) -> dict[str, Any] | None:
+    """The custom object, or None when it is gone or being deleted (nothing left to reconcile).
+
+    Raises:
+        ApiException: any API error but 404.
+    """
+    try:
+        body = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, plural, name)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return None if body["metadata"].get("deletionTimestamp") else body
+
+
 def reconcile_pool(namespace: str, name: str, logger: logging.Logger) -> None:
     """One reconcile step of ExpertPool ``namespace/name``.
 
@@ -289,13 +304,8 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger) -> None:
     """
     custom = k8s.CustomObjectsApi(api())
     core = k8s.CoreV1Api(api())
-    try:
-        body = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, POOLS, name)
-    except ApiException as exc:
-        if exc.status == 404:
-            return
-        raise
-    if body["metadata"].get("deletionTimestamp"):
+    body = _get_live(custom, namespace, POOLS, name)
+    if body is None:
         return
     owner = Owner.from_body(body)
     old_status = body.get("status") or {}
@@ -432,13 +442,8 @@ def reconcile_fleet(namespace: str, name: str, logger: logging.Logger) -> None:
     custom = k8s.CustomObjectsApi(api())
     core = k8s.CoreV1Api(api())
     apps = k8s.AppsV1Api(api())
-    try:
-        body = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, FLEETS, name)
-    except ApiException as exc:
-        if exc.status == 404:
-            return
-        raise
-    if body["metadata"].get("deletionTimestamp"):
+    body = _get_live(custom, namespace, FLEETS, name)
+    if body is None:
         return
     owner = Owner.from_body(body)
     spec = AttentionFleetSpec.model_validate(body["spec"])
