@@ -102,7 +102,9 @@ def make_workload(n: int, seed: int, length_scale: float, max_context: int) -> l
     return out
 
 
-async def run_one(client: httpx.AsyncClient, url: str, model: str, spec: RequestSpec) -> RequestResult:
+async def run_one(
+    client: httpx.AsyncClient, url: str, model: str, spec: RequestSpec
+) -> RequestResult:
     body = {
         "model": model,
         "prompt": spec.prompt,
@@ -150,7 +152,9 @@ async def run_one(client: httpx.AsyncClient, url: str, model: str, spec: Request
     return res
 
 
-async def run_load(url: str, model: str, workload: list[RequestSpec], concurrency: int, label: str) -> dict:
+async def run_load(
+    url: str, model: str, workload: list[RequestSpec], concurrency: int, label: str
+) -> dict:
     queue: asyncio.Queue[RequestSpec] = asyncio.Queue()
     for spec in workload:
         queue.put_nowait(spec)
@@ -169,7 +173,9 @@ async def run_load(url: str, model: str, workload: list[RequestSpec], concurrenc
                 bar.update(1)
 
     t0 = time.perf_counter()
-    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+    async with httpx.AsyncClient(
+        timeout=timeout, limits=httpx.Limits(max_connections=concurrency + 4)
+    ) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
     wall = time.perf_counter() - t0
     if bar:
@@ -244,14 +250,20 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def run_server(cmd: list[str], port: int, workload, concurrency: int, label: str, warmup: int) -> dict:
+def run_server(
+    cmd: list[str], port: int, workload, concurrency: int, label: str, warmup: int
+) -> dict:
     url = f"http://127.0.0.1:{port}"
     print(f"[{label}] $ {' '.join(cmd)}", flush=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         model = wait_ready(url, proc)
         if warmup:
-            asyncio.run(run_load(url, model, workload[:warmup], min(concurrency, warmup), f"{label} warmup"))
+            asyncio.run(
+                run_load(url, model, workload[:warmup], min(concurrency, warmup), f"{label} warmup")
+            )
         return asyncio.run(run_load(url, model, workload, concurrency, label))
     finally:
         stop(proc)
@@ -265,7 +277,11 @@ def plot(results: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     labels = [r["label"] for r in results]
-    axes[0].bar(labels, [r["output_tokens_per_s"] for r in results], color=["tab:blue", "tab:gray"][: len(results)])
+    axes[0].bar(
+        labels,
+        [r["output_tokens_per_s"] for r in results],
+        color=["tab:blue", "tab:gray"][: len(results)],
+    )
     axes[0].set_title("output tokens/s (higher is better)")
     for ax, key, title in ((axes[1], "ttfts", "TTFT CDF"), (axes[2], "itls", "ITL CDF")):
         for r in results:
@@ -285,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--length-scale", type=float, default=0.1, help="multiply sampled lengths (1.0 = ShareGPT)")
+    ap.add_argument(
+        "--length-scale", type=float, default=0.1, help="multiply sampled lengths (1.0 = ShareGPT)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-context", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=2, help="requests sent before measuring")
@@ -314,22 +332,52 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         results.append(
             run_server(
-                eaas + ["serve", "--port", str(port), "--expert-servers", str(args.expert_servers),
-                        "--replicas", str(args.replicas), "--transport", args.transport] + model_args,
-                port, workload, args.concurrency, "eaas", args.warmup,
+                eaas
+                + [
+                    "serve",
+                    "--port",
+                    str(port),
+                    "--expert-servers",
+                    str(args.expert_servers),
+                    "--replicas",
+                    str(args.replicas),
+                    "--transport",
+                    args.transport,
+                ]
+                + model_args,
+                port,
+                workload,
+                args.concurrency,
+                "eaas",
+                args.warmup,
             )
         )
         port = free_port()
         results.append(
             run_server(
                 eaas + ["attention-client", "--local-experts", "--port", str(port)] + model_args,
-                port, workload, args.concurrency, "baseline", args.warmup,
+                port,
+                workload,
+                args.concurrency,
+                "baseline",
+                args.warmup,
             )
         )
 
-    keys = ["output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "failed"]
+    keys = [
+        "output_tokens_per_s",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "itl_p50_ms",
+        "itl_p99_ms",
+        "failed",
+    ]
     print()
-    print(f"{'metric':<22}" + "".join(f"{r['label']:>14}" for r in results) + ("   ratio eaas/baseline" if len(results) == 2 else ""))
+    print(
+        f"{'metric':<22}"
+        + "".join(f"{r['label']:>14}" for r in results)
+        + ("   ratio eaas/baseline" if len(results) == 2 else "")
+    )
     for k in keys:
         row = f"{k:<22}" + "".join(f"{r[k]:>14.1f}" for r in results)
         if len(results) == 2 and results[1][k]:

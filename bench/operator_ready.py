@@ -32,9 +32,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def kubectl(*args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["kubectl", *args], input=input, capture_output=True, text=True, check=check,
-                          timeout=120)
+def kubectl(
+    *args: str, input: str | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["kubectl", *args], input=input, capture_output=True, text=True, check=check, timeout=120
+    )
 
 
 def load_example(name: str) -> dict:
@@ -42,7 +45,9 @@ def load_example(name: str) -> dict:
 
 
 def gpu_capacity() -> int:
-    nodes = json.loads(kubectl("get", "nodes", "-l", "eaas.io/rdma=true", "-o", "json").stdout)["items"]
+    nodes = json.loads(kubectl("get", "nodes", "-l", "eaas.io/rdma=true", "-o", "json").stdout)[
+        "items"
+    ]
     return sum(int(n["status"].get("allocatable", {}).get("nvidia.com/gpu", "0")) for n in nodes)
 
 
@@ -55,10 +60,18 @@ def add_gpu_nodes(count: int, first_index: int = 200) -> list[str]:
         idx = first_index + i
         name = f"bench-gpu-node-{idx}"
         node = {
-            "apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": name, "annotations": {KWOK_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
-                         "labels": {"kubernetes.io/hostname": name, "type": "kwok", "eaas.io/bench": "true",
-                                    **GPU_LABELS}},
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": name,
+                "annotations": {KWOK_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
+                "labels": {
+                    "kubernetes.io/hostname": name,
+                    "type": "kwok",
+                    "eaas.io/bench": "true",
+                    **GPU_LABELS,
+                },
+            },
             "spec": {"podCIDR": f"127.1.{idx}.0/24", "podCIDRs": [f"127.1.{idx}.0/24"]},
             "status": {"allocatable": dict(GPU_ALLOCATABLE), "capacity": dict(GPU_ALLOCATABLE)},
         }
@@ -66,8 +79,14 @@ def add_gpu_nodes(count: int, first_index: int = 200) -> list[str]:
         names.append(name)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        out = kubectl("get", "nodes", "-l", "eaas.io/bench=true", "-o",
-                      "jsonpath={range .items[*]}{.status.conditions[?(@.type==\"Ready\")].status}{\"\\n\"}{end}").stdout
+        out = kubectl(
+            "get",
+            "nodes",
+            "-l",
+            "eaas.io/bench=true",
+            "-o",
+            'jsonpath={range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{"\\n"}{end}',
+        ).stdout
         if out.split().count("True") >= count:
             return names
         time.sleep(0.5)
@@ -86,8 +105,11 @@ def pool_ready(namespace: str, name: str) -> dict | None:
     pool = json.loads(r.stdout)
     st = pool.get("status") or {}
     ready = any(c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions", []))
-    if ready and st.get("readyReplicas") == pool["spec"]["replicas"] \
-            and st.get("observedGeneration") == pool["metadata"]["generation"]:
+    if (
+        ready
+        and st.get("readyReplicas") == pool["spec"]["replicas"]
+        and st.get("observedGeneration") == pool["metadata"]["generation"]
+    ):
         return pool
     return None
 
@@ -132,8 +154,12 @@ def measure(namespace: str, out=print) -> dict[str, float]:
         if added:
             # nodes go once the namespace's pods are gone
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and kubectl(
-                    "get", "pods", "-n", namespace, "-o", "name", check=False).stdout.strip():
+            while (
+                time.monotonic() < deadline
+                and kubectl(
+                    "get", "pods", "-n", namespace, "-o", "name", check=False
+                ).stdout.strip()
+            ):
                 time.sleep(0.5)
             remove_bench_nodes()
     for k, v in results.items():
@@ -142,16 +168,24 @@ def measure(namespace: str, out=print) -> dict[str, float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--namespace", default="bench-operator")
-    ap.add_argument("--start-operator", action="store_true", help="run `eaas operator` for the duration")
+    ap.add_argument(
+        "--start-operator", action="store_true", help="run `eaas operator` for the duration"
+    )
     args = ap.parse_args()
     kubectl("apply", "-f", str(ROOT / "deploy/crds"))
     kubectl("wait", "--for=condition=Established", "crd/expertpools.eaas.io", "--timeout=60s")
     op = None
     if args.start_operator:
-        op = subprocess.Popen([sys.executable, "-m", "eaas.cli", "operator"], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, env=os.environ.copy())
+        op = subprocess.Popen(
+            [sys.executable, "-m", "eaas.cli", "operator"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=os.environ.copy(),
+        )
     try:
         measure(args.namespace)
     finally:

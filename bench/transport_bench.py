@@ -44,9 +44,20 @@ def serve(endpoint: str, hidden: int, dtype: str, spin_us: float) -> None:
 
 def _start(endpoint: str, hidden: int, dtype: str, spin_us: float) -> tuple[subprocess.Popen, str]:
     p = subprocess.Popen(
-        [sys.executable, __file__, "--serve", endpoint, "--hidden", str(hidden), "--dtype", dtype,
-         "--spin-us", str(spin_us)],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            __file__,
+            "--serve",
+            endpoint,
+            "--hidden",
+            str(hidden),
+            "--dtype",
+            dtype,
+            "--spin-us",
+            str(spin_us),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     line = p.stdout.readline().split()
     if not line or line[0] != "ready":
@@ -55,11 +66,28 @@ def _start(endpoint: str, hidden: int, dtype: str, spin_us: float) -> tuple[subp
     return p, line[1]
 
 
-def measure(endpoint: str, tokens: int, hidden: int, dtype: torch.dtype, k: int, iters: int, warmup: int,
-            bar, spin_us: float) -> list[float]:
+def measure(
+    endpoint: str,
+    tokens: int,
+    hidden: int,
+    dtype: torch.dtype,
+    k: int,
+    iters: int,
+    warmup: int,
+    bar,
+    spin_us: float,
+) -> list[float]:
     from eaas.runtime.transport.base import RequestFrame, connect
 
-    c = connect(endpoint, "echo", hidden_size=hidden, dtype=dtype, max_tokens=tokens, max_k=k, spin_us=spin_us)
+    c = connect(
+        endpoint,
+        "echo",
+        hidden_size=hidden,
+        dtype=dtype,
+        max_tokens=tokens,
+        max_k=k,
+        spin_us=spin_us,
+    )
     h = torch.randn(tokens, hidden).to(dtype)
     ex = torch.zeros(tokens, k, dtype=torch.int32)
     w = torch.ones(tokens, k)
@@ -89,12 +117,17 @@ def main() -> None:
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--hidden", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
-    ap.add_argument("--payload", action="append",
-                    help="TOKENSxHIDDEN:DTYPE (repeatable); default 1x256:float32, 128x7168:bfloat16")
+    ap.add_argument(
+        "--payload",
+        action="append",
+        help="TOKENSxHIDDEN:DTYPE (repeatable); default 1x256:float32, 128x7168:bfloat16",
+    )
     ap.add_argument("--k", type=int, default=8, help="expert entries per token in the frame")
     ap.add_argument("--iters", type=int, default=1000)
     ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--spin-us", type=float, default=80.0, help="busy-poll before blocking (both sides)")
+    ap.add_argument(
+        "--spin-us", type=float, default=80.0, help="busy-poll before blocking (both sides)"
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads in the client (copies)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -118,23 +151,30 @@ def main() -> None:
                 ep = f"unix:{tmp}/echo.sock" if kind == "shm" else "tcp://127.0.0.1:0"
                 p, ep = _start(ep, hdim, dt, a.spin_us)
                 try:
-                    results[(n, hdim, dt, kind)] = measure(ep, n, hdim, DTYPES[dt], a.k, a.iters, a.warmup, bar,
-                                                           a.spin_us)
+                    results[(n, hdim, dt, kind)] = measure(
+                        ep, n, hdim, DTYPES[dt], a.k, a.iters, a.warmup, bar, a.spin_us
+                    )
                 finally:
                     p.terminate()
                     p.wait(10)
     os.rmdir(tmp) if not os.listdir(tmp) else None
     print()
-    print(f"{'payload':<24}{'MB/way':>8}{'transport':>11}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}")
+    print(
+        f"{'payload':<24}{'MB/way':>8}{'transport':>11}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}"
+    )
     for n, hdim, dt in payloads:
         mb = n * hdim * torch.empty((), dtype=DTYPES[dt]).element_size() / 1e6
         for kind in ("shm", "tcp"):
             lat = results[(n, hdim, dt, kind)]
-            print(f"{f'{n}x{hdim} {dt}':<24}{mb:>8.3f}{kind:>11}{_pct(lat, .5) * 1e6:>10.1f}"
-                  f"{_pct(lat, .99) * 1e6:>10.1f}{sum(lat) / len(lat) * 1e6:>10.1f}")
+            print(
+                f"{f'{n}x{hdim} {dt}':<24}{mb:>8.3f}{kind:>11}{_pct(lat, 0.5) * 1e6:>10.1f}"
+                f"{_pct(lat, 0.99) * 1e6:>10.1f}{sum(lat) / len(lat) * 1e6:>10.1f}"
+            )
         s, t = results[(n, hdim, dt, "shm")], results[(n, hdim, dt, "tcp")]
-        print(f"{'':<24}{'':>8}{'tcp/shm':>11}{_pct(t, .5) / _pct(s, .5):>10.2f}{_pct(t, .99) / _pct(s, .99):>10.2f}"
-              f"{sum(t) / sum(s):>10.2f}")
+        print(
+            f"{'':<24}{'':>8}{'tcp/shm':>11}{_pct(t, 0.5) / _pct(s, 0.5):>10.2f}{_pct(t, 0.99) / _pct(s, 0.99):>10.2f}"
+            f"{sum(t) / sum(s):>10.2f}"
+        )
 
 
 if __name__ == "__main__":

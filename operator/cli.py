@@ -8,7 +8,9 @@ import typer
 def register(app: typer.Typer) -> None:
     app.command("operator")(run_operator)
     app.command("crds")(write_crds)
-    testbed = typer.Typer(help="Local Kubernetes control plane for tests and demos (kube-apiserver, etcd, kwok).")
+    testbed = typer.Typer(
+        help="Local Kubernetes control plane for tests and demos (kube-apiserver, etcd, kwok)."
+    )
     testbed.command("build")(testbed_build)
     testbed.command("up")(testbed_up)
     testbed.command("down")(testbed_down)
@@ -18,7 +20,10 @@ def register(app: typer.Typer) -> None:
 
 def run_operator(
     namespace: list[str] = typer.Option(
-        [], "--namespace", "-n", help="Watch only these namespaces (repeatable; globs allowed). Default: all."
+        [],
+        "--namespace",
+        "-n",
+        help="Watch only these namespaces (repeatable; globs allowed). Default: all.",
     ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
     liveness: str = typer.Option(
@@ -30,9 +35,8 @@ def run_operator(
     Reconciles ExpertPool (expert-server pods, routing-table ConfigMap) and AttentionFleet
     (Deployment + Service). Same as ``kopf run -m eaas.operator.handlers --all-namespaces``.
     """
-    import kopf
-
     import eaas.operator.handlers  # noqa: F401  (registers the handlers)
+    import kopf
 
     kopf.configure(verbose=verbose)
     kopf.run(
@@ -45,14 +49,17 @@ def run_operator(
 
 def write_crds(
     out: list[str] = typer.Option(
-        [], "--out", help="Output directory (repeatable). Default: deploy/crds and the Helm chart's crds/."
+        [],
+        "--out",
+        help="Output directory (repeatable). Default: deploy/crds and the Helm chart's crds/.",
     ),
     root: str = typer.Option(".", "--root", help="Repository root for the default outputs."),
 ) -> None:
     """Regenerate the ExpertPool and AttentionFleet CRD manifests from operator/crd.py."""
     from pathlib import Path
 
-    from eaas.operator.crd import CRD_DIRS, write_crds as _write
+    from eaas.operator.crd import CRD_DIRS
+    from eaas.operator.crd import write_crds as _write
 
     dirs = [Path(d) for d in out] or [Path(root) / d for d in CRD_DIRS]
     for p in _write(dirs):
@@ -69,12 +76,14 @@ def testbed_build(
         bin_dir = build(force=force, echo=lambda m: typer.echo(m, err=True))
     except BuildError as e:
         typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     typer.echo(str(bin_dir))
 
 
 def testbed_up(
-    gpu_nodes: int = typer.Option(4, "--gpu-nodes", help="Fake GPU nodes: nvidia.com/gpu=8, rdma/ib=8."),
+    gpu_nodes: int = typer.Option(
+        4, "--gpu-nodes", help="Fake GPU nodes: nvidia.com/gpu=8, rdma/ib=8."
+    ),
     cpu_nodes: int = typer.Option(1, "--cpu-nodes", help="Fake CPU-only nodes."),
     state_dir: str = typer.Option(None, "--state-dir", help="Default: ~/.cache/eaas/testbed/run."),
     timeout: float = typer.Option(300, "--timeout", help="Seconds to wait for readiness."),
@@ -83,13 +92,22 @@ def testbed_up(
     from eaas.operator.testbed import BuildError, TestbedError, up
 
     try:
-        tb = up(state_dir=state_dir, gpu_nodes=gpu_nodes, cpu_nodes=cpu_nodes, timeout=timeout,
-                echo=lambda m: typer.echo(m, err=True))
+        tb = up(
+            state_dir=state_dir,
+            gpu_nodes=gpu_nodes,
+            cpu_nodes=cpu_nodes,
+            timeout=timeout,
+            echo=lambda m: typer.echo(m, err=True),
+        )
     except (BuildError, TestbedError) as e:
         typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1)
-    typer.echo(f'kubeconfig: {tb.kubeconfig}\nuse it: eval "$(eaas testbed env'
-               + (f" --state-dir {tb.state_dir}" if state_dir else "") + ')"', err=True)
+        raise typer.Exit(1) from None
+    typer.echo(
+        f'kubeconfig: {tb.kubeconfig}\nuse it: eval "$(eaas testbed env'
+        + (f" --state-dir {tb.state_dir}" if state_dir else "")
+        + ')"',
+        err=True,
+    )
 
 
 def testbed_down(
@@ -111,4 +129,4 @@ def testbed_env(
         typer.echo(env_lines(state_dir), nl=False)
     except TestbedError as e:
         typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None

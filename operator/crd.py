@@ -18,16 +18,17 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
+from eaas.runtime.placement import POLICIES
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from eaas.runtime.placement import POLICIES
-
 PlacementPolicy = Literal["round-robin", "load-balanced"]
-assert set(PlacementPolicy.__args__) == set(POLICIES), "CRD enum out of sync with eaas.runtime.placement"
+assert set(PlacementPolicy.__args__) == set(POLICIES), (
+    "CRD enum out of sync with eaas.runtime.placement"
+)
 
 GROUP = "eaas.io"
 VERSION = "v1alpha1"
@@ -81,7 +82,10 @@ class ModelSpec(_Model):
         "pod, e.g. a mounted volume); passed as `--model`.",
     )
     first_moe_layer: int = Field(
-        default=0, ge=0, le=1024, description="Index of the first MoE layer (layers before it are dense)."
+        default=0,
+        ge=0,
+        le=1024,
+        description="Index of the first MoE layer (layers before it are dense).",
     )
     num_moe_layers: int = Field(
         ge=1, le=1024, description="Number of consecutive MoE layers starting at firstMoeLayer."
@@ -146,7 +150,9 @@ class ExpertPoolSpec(_Model):
 
     model: ModelSpec = Field(description="The MoE model served by the pool.")
     replicas: int = Field(
-        ge=1, le=4096, description="Number of expert servers (one pod each). Any value >= redundancy."
+        ge=1,
+        le=4096,
+        description="Number of expert servers (one pod each). Any value >= redundancy.",
     )
     gpus_per_server: int = Field(default=1, ge=1, le=16, description="GPUs per expert-server pod.")
     redundancy: int = Field(
@@ -157,11 +163,13 @@ class ExpertPoolSpec(_Model):
         "servers may die without any expert losing its last replica.",
     )
     placement: PlacementSpec = Field(default_factory=PlacementSpec, description="Placement policy.")
-    image: str = Field(default="eaas:latest", min_length=1, description="Container image with the `eaas` CLI.")
+    image: str = Field(
+        default="eaas:latest", min_length=1, description="Container image with the `eaas` CLI."
+    )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="Image pull policy of the expert-server container."
     )
-    resources: Optional[dict[str, Any]] = Field(
+    resources: dict[str, Any] | None = Field(
         default=None,
         json_schema_extra=_K8S_OBJECT,
         description="Extra container resources (core/v1 ResourceRequirements); the operator adds "
@@ -171,8 +179,10 @@ class ExpertPoolSpec(_Model):
         default_factory=lambda: {RDMA_NODE_LABEL: "true"},
         description="Node selector of expert-server pods (default: RDMA-capable nodes).",
     )
-    affinity: Optional[dict[str, Any]] = Field(
-        default=None, json_schema_extra=_K8S_OBJECT, description="core/v1 Affinity of expert-server pods."
+    affinity: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra=_K8S_OBJECT,
+        description="core/v1 Affinity of expert-server pods.",
     )
     tolerations: list[dict[str, Any]] = Field(
         default_factory=_default_tolerations,
@@ -184,7 +194,9 @@ class ExpertPoolSpec(_Model):
         max_length=253,
         description="Extended resource naming one RDMA device; each server requests 1. Empty: none.",
     )
-    port: int = Field(default=9000, ge=1, le=65535, description="Port the expert server listens on.")
+    port: int = Field(
+        default=9000, ge=1, le=65535, description="Port the expert server listens on."
+    )
     failure_detection: FailureDetectionSpec = Field(
         default_factory=FailureDetectionSpec, description="Failure-detection timing."
     )
@@ -197,34 +209,61 @@ class Condition(_Model):
     status: Literal["True", "False", "Unknown"] = Field(description="Condition status.")
     reason: str = Field(default="", description="CamelCase reason.")
     message: str = Field(default="", description="Human-readable detail.")
-    last_transition_time: Optional[str] = Field(default=None, description="When status last changed (RFC 3339).")
-    observed_generation: Optional[int] = Field(default=None, description="Generation the condition is about.")
+    last_transition_time: str | None = Field(
+        default=None, description="When status last changed (RFC 3339)."
+    )
+    observed_generation: int | None = Field(
+        default=None, description="Generation the condition is about."
+    )
 
 
 class PlacementSummary(_Model):
     """Summary of the current placement and of live coverage."""
 
-    experts_per_server_min: int = Field(default=0, description="Fewest (layer, expert) replicas on one server.")
-    experts_per_server_max: int = Field(default=0, description="Most (layer, expert) replicas on one server.")
-    experts_below_redundancy: int = Field(
-        default=0, description="Logical experts with fewer than `redundancy` live replicas in the routing table."
+    experts_per_server_min: int = Field(
+        default=0, description="Fewest (layer, expert) replicas on one server."
     )
-    uncovered_experts: int = Field(default=0, description="Logical experts with no live replica at all.")
-    logical_experts: int = Field(default=0, description="Logical experts in total (MoE layers x experts).")
+    experts_per_server_max: int = Field(
+        default=0, description="Most (layer, expert) replicas on one server."
+    )
+    experts_below_redundancy: int = Field(
+        default=0,
+        description="Logical experts with fewer than `redundancy` live replicas in the routing table.",
+    )
+    uncovered_experts: int = Field(
+        default=0, description="Logical experts with no live replica at all."
+    )
+    logical_experts: int = Field(
+        default=0, description="Logical experts in total (MoE layers x experts)."
+    )
 
 
 class ExpertPoolStatus(_Model):
     """Observed state of an ExpertPool."""
 
     replicas: int = Field(default=0, description="Expert-server pods that exist (not terminating).")
-    ready_replicas: int = Field(default=0, description="Expert-server pods that are Ready with a pod IP.")
-    updated_replicas: int = Field(default=0, description="Pods matching the current placement revision and spec.")
-    selector: str = Field(default="", description="Label selector of the pool's pods (string form, for `scale`).")
+    ready_replicas: int = Field(
+        default=0, description="Expert-server pods that are Ready with a pod IP."
+    )
+    updated_replicas: int = Field(
+        default=0, description="Pods matching the current placement revision and spec."
+    )
+    selector: str = Field(
+        default="", description="Label selector of the pool's pods (string form, for `scale`)."
+    )
     observed_generation: int = Field(default=0, description="metadata.generation last acted on.")
-    conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing, Degraded.")
-    routing_table_version: int = Field(default=0, description="Version of the published routing table.")
-    placement: PlacementSummary = Field(default_factory=PlacementSummary, description="Placement summary.")
-    placement_revision: str = Field(default="", description="Hash of the current placement's inputs.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Ready, Progressing, Degraded."
+    )
+    routing_table_version: int = Field(
+        default=0, description="Version of the published routing table."
+    )
+    placement: PlacementSummary = Field(
+        default_factory=PlacementSummary, description="Placement summary."
+    )
+    placement_revision: str = Field(
+        default="", description="Hash of the current placement's inputs."
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,28 +278,45 @@ class ExpertPoolRef(_Model):
 class FleetModelSpec(_Model):
     """The model the attention clients load (the same checkpoint as the pool's)."""
 
-    uri: str = Field(min_length=1, max_length=1024, description="Checkpoint path inside the pod; `--model`.")
+    uri: str = Field(
+        min_length=1, max_length=1024, description="Checkpoint path inside the pod; `--model`."
+    )
 
 
 class AttentionFleetSpec(_Model):
     """Desired state of an AttentionFleet: stateful attention clients (a Deployment and a Service)
     that use the routing table of one ExpertPool."""
 
-    expert_pool_ref: ExpertPoolRef = Field(description="The ExpertPool whose routing table the clients use.")
+    expert_pool_ref: ExpertPoolRef = Field(
+        description="The ExpertPool whose routing table the clients use."
+    )
     replicas: int = Field(default=1, ge=0, le=4096, description="Number of attention-client pods.")
     model: FleetModelSpec = Field(description="The model the clients load.")
-    image: str = Field(default="eaas:latest", min_length=1, description="Container image with the `eaas` CLI.")
+    image: str = Field(
+        default="eaas:latest", min_length=1, description="Container image with the `eaas` CLI."
+    )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="Image pull policy of the client container."
     )
-    resources: Optional[dict[str, Any]] = Field(
-        default=None, json_schema_extra=_K8S_OBJECT, description="core/v1 ResourceRequirements of a client."
+    resources: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra=_K8S_OBJECT,
+        description="core/v1 ResourceRequirements of a client.",
     )
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Node selector of client pods.")
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node selector of client pods."
+    )
     tolerations: list[dict[str, Any]] = Field(
-        default_factory=list, json_schema_extra={"items": _K8S_OBJECT}, description="Tolerations of client pods."
+        default_factory=list,
+        json_schema_extra={"items": _K8S_OBJECT},
+        description="Tolerations of client pods.",
     )
-    port: int = Field(default=8000, ge=1, le=65535, description="OpenAI-compatible API port (container and Service).")
+    port: int = Field(
+        default=8000,
+        ge=1,
+        le=65535,
+        description="OpenAI-compatible API port (container and Service).",
+    )
 
 
 class AttentionFleetStatus(_Model):
@@ -268,10 +324,16 @@ class AttentionFleetStatus(_Model):
 
     replicas: int = Field(default=0, description="Client pods (from the Deployment).")
     ready_replicas: int = Field(default=0, description="Ready client pods.")
-    selector: str = Field(default="", description="Label selector of the client pods (string form).")
+    selector: str = Field(
+        default="", description="Label selector of the client pods (string form)."
+    )
     observed_generation: int = Field(default=0, description="metadata.generation last acted on.")
-    conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing, Degraded.")
-    routing_table_version: int = Field(default=0, description="Version of the pool's routing table the clients mount.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Ready, Progressing, Degraded."
+    )
+    routing_table_version: int = Field(
+        default=0, description="Version of the pool's routing table the clients mount."
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -435,7 +497,11 @@ def _crd(
     }
 
 
-_READY_COL = {"name": "Status", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'}
+_READY_COL = {
+    "name": "Status",
+    "type": "string",
+    "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
+}
 _AGE_COL = {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}
 # scale subresource of both kinds (HPA/KEDA; selector written by the operator as a string)
 _SCALE = {
@@ -460,12 +526,30 @@ def expertpool_crd() -> dict[str, Any]:
             {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
             {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
             {"name": "Redundancy", "type": "integer", "jsonPath": ".spec.redundancy"},
-            {"name": "Policy", "type": "string", "jsonPath": ".spec.placement.policy", "priority": 1},
-            {"name": "Table", "type": "integer", "jsonPath": ".status.routingTableVersion",
-             "description": "Routing table version"},
-            {"name": "Below-Redundancy", "type": "integer",
-             "jsonPath": ".status.placement.expertsBelowRedundancy", "priority": 1},
-            {"name": "Revision", "type": "string", "jsonPath": ".status.placementRevision", "priority": 1},
+            {
+                "name": "Policy",
+                "type": "string",
+                "jsonPath": ".spec.placement.policy",
+                "priority": 1,
+            },
+            {
+                "name": "Table",
+                "type": "integer",
+                "jsonPath": ".status.routingTableVersion",
+                "description": "Routing table version",
+            },
+            {
+                "name": "Below-Redundancy",
+                "type": "integer",
+                "jsonPath": ".status.placement.expertsBelowRedundancy",
+                "priority": 1,
+            },
+            {
+                "name": "Revision",
+                "type": "string",
+                "jsonPath": ".status.placementRevision",
+                "priority": 1,
+            },
             _READY_COL,
             _AGE_COL,
         ],
@@ -487,8 +571,12 @@ def attentionfleet_crd() -> dict[str, Any]:
             {"name": "Pool", "type": "string", "jsonPath": ".spec.expertPoolRef.name"},
             {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
             {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
-            {"name": "Table", "type": "integer", "jsonPath": ".status.routingTableVersion",
-             "description": "Routing table version"},
+            {
+                "name": "Table",
+                "type": "integer",
+                "jsonPath": ".status.routingTableVersion",
+                "description": "Routing table version",
+            },
             _READY_COL,
             _AGE_COL,
         ],
@@ -502,7 +590,10 @@ HEADER = "# Generated by `eaas crds` from operator/crd.py — do not edit by han
 def render_crds() -> dict[str, str]:
     """File name -> YAML text of every CRD (deterministic: same models, same bytes)."""
     out = {}
-    for fname, crd in (("expertpool.yaml", expertpool_crd()), ("attentionfleet.yaml", attentionfleet_crd())):
+    for fname, crd in (
+        ("expertpool.yaml", expertpool_crd()),
+        ("attentionfleet.yaml", attentionfleet_crd()),
+    ):
         out[fname] = HEADER + yaml.safe_dump(copy.deepcopy(crd), sort_keys=False, width=100)
     return out
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from eaas.operator.crd import (
     ANNOTATION_EXPERTS,
@@ -35,7 +36,13 @@ from eaas.operator.crd import (
     ExpertPoolStatus,
     PlacementSummary,
 )
-from eaas.runtime.placement import LayerExpert, Placement, format_expert_spec, parse_expert_spec, place_experts
+from eaas.runtime.placement import (
+    LayerExpert,
+    Placement,
+    format_expert_spec,
+    parse_expert_spec,
+    place_experts,
+)
 from eaas.runtime.routing import RoutingTable
 
 SERVER_ROLE = "expert-server"
@@ -66,7 +73,7 @@ class Owner:
     generation: int = 0
 
     @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> "Owner":
+    def from_body(cls, body: Mapping[str, Any]) -> Owner:
         meta = body["metadata"]
         return cls(
             kind=body["kind"],
@@ -114,13 +121,17 @@ def selector_string(labels: Mapping[str, str]) -> str:
 
 
 def _hash(obj: Any, n: int = 10) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:n]
+    return hashlib.sha256(
+        json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()[:n]
 
 
 # ---------------------------------------------------------------------------------------------
 # placement
 # ---------------------------------------------------------------------------------------------
-def compute_placement(spec: ExpertPoolSpec, expert_load: Mapping[LayerExpert, float] | None = None) -> Placement:
+def compute_placement(
+    spec: ExpertPoolSpec, expert_load: Mapping[LayerExpert, float] | None = None
+) -> Placement:
     """Placement of every (MoE layer, logical expert) on ``spec.replicas`` servers.
 
     Raises:
@@ -153,7 +164,9 @@ def placement_revision(spec: ExpertPoolSpec) -> str:
 # ---------------------------------------------------------------------------------------------
 # expert-server pods
 # ---------------------------------------------------------------------------------------------
-def server_command(spec: ExpertPoolSpec, pod_name: str, experts: Sequence[LayerExpert]) -> list[str]:
+def server_command(
+    spec: ExpertPoolSpec, pod_name: str, experts: Sequence[LayerExpert]
+) -> list[str]:
     """The expert server's command line (flag names fixed by the runtime)."""
     return [
         "eaas",
@@ -212,11 +225,21 @@ def server_pod(
                 "ports": [{"name": "experts", "containerPort": spec.port, "protocol": "TCP"}],
                 "env": [
                     {"name": "EAAS_POOL", "value": owner.name},
-                    {"name": "EAAS_DISPATCH_TIMEOUT_MS", "value": str(spec.failure_detection.dispatch_timeout_ms)},
-                    {"name": "EAAS_SUSPECT_AFTER_MS", "value": str(spec.failure_detection.suspect_after_ms)},
+                    {
+                        "name": "EAAS_DISPATCH_TIMEOUT_MS",
+                        "value": str(spec.failure_detection.dispatch_timeout_ms),
+                    },
+                    {
+                        "name": "EAAS_SUSPECT_AFTER_MS",
+                        "value": str(spec.failure_detection.suspect_after_ms),
+                    },
                 ],
                 "resources": server_resources(spec),
-                "readinessProbe": {"tcpSocket": {"port": spec.port}, "periodSeconds": 1, "failureThreshold": 2},
+                "readinessProbe": {
+                    "tcpSocket": {"port": spec.port},
+                    "periodSeconds": 1,
+                    "failureThreshold": 2,
+                },
             }
         ],
     }
@@ -237,7 +260,10 @@ def server_pod(
                 "app.kubernetes.io/component": SERVER_ROLE,
                 "app.kubernetes.io/managed-by": MANAGED_BY,
             },
-            "annotations": {ANNOTATION_EXPERTS: format_expert_spec(experts), ANNOTATION_SPEC_HASH: spec_hash},
+            "annotations": {
+                ANNOTATION_EXPERTS: format_expert_spec(experts),
+                ANNOTATION_SPEC_HASH: spec_hash,
+            },
             "ownerReferences": [owner.reference()],
         },
         "spec": pod_spec,
@@ -297,11 +323,18 @@ class ObservedPod:
     @property
     def live(self) -> bool:
         """Usable by clients: Ready, has an IP, Running, not terminating, its node Ready."""
-        return (self.ready and bool(self.ip) and not self.terminating and self.phase == "Running"
-                and self.node_ready)
+        return (
+            self.ready
+            and bool(self.ip)
+            and not self.terminating
+            and self.phase == "Running"
+            and self.node_ready
+        )
 
     @classmethod
-    def from_pod(cls, pod: Mapping[str, Any], ready_nodes: Mapping[str, bool] | None = None) -> "ObservedPod":
+    def from_pod(
+        cls, pod: Mapping[str, Any], ready_nodes: Mapping[str, bool] | None = None
+    ) -> ObservedPod:
         """Parse a pod as returned by the API (camelCase JSON dict). ``ready_nodes``: node name ->
         Ready; nodes not in it count as Ready."""
         meta = pod.get("metadata") or {}
@@ -317,10 +350,12 @@ class ObservedPod:
         except ValueError:
             experts = ()
         ready = any(
-            c.get("type") == "Ready" and c.get("status") == "True" for c in (status.get("conditions") or [])
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in (status.get("conditions") or [])
         )
         owner_uid = next(
-            (r.get("uid", "") for r in (meta.get("ownerReferences") or []) if r.get("controller")), ""
+            (r.get("uid", "") for r in (meta.get("ownerReferences") or []) if r.get("controller")),
+            "",
         )
         return cls(
             name=meta.get("name", ""),
@@ -464,7 +499,9 @@ def plan_pods(
 # ---------------------------------------------------------------------------------------------
 # routing table
 # ---------------------------------------------------------------------------------------------
-def build_routing_table(spec: ExpertPoolSpec, live: Sequence[ObservedPod], version: int) -> RoutingTable:
+def build_routing_table(
+    spec: ExpertPoolSpec, live: Sequence[ObservedPod], version: int
+) -> RoutingTable:
     """Routing table over the ``live`` pods: each (layer, expert) of the model lists the live
     pods whose ``eaas.io/experts`` names it, in server-index order; endpoints ``tcp://IP:port``.
     Experts outside the model's range (a pod from an older spec) are ignored."""
@@ -492,7 +529,10 @@ def _content(table: RoutingTable) -> dict[str, Any]:
 
 
 def next_routing_table(
-    spec: ExpertPoolSpec, live: Sequence[ObservedPod], previous: RoutingTable | None, floor_version: int = 0
+    spec: ExpertPoolSpec,
+    live: Sequence[ObservedPod],
+    previous: RoutingTable | None,
+    floor_version: int = 0,
 ) -> tuple[RoutingTable, bool]:
     """The table to publish and whether it differs from ``previous``.
 
@@ -538,13 +578,13 @@ def coverage(table: RoutingTable, redundancy: int) -> tuple[int, int, int]:
 # ---------------------------------------------------------------------------------------------
 # status
 # ---------------------------------------------------------------------------------------------
-def set_condition(
-    old: Sequence[Mapping[str, Any]], new: Condition, now: str
-) -> dict[str, Any]:
+def set_condition(old: Sequence[Mapping[str, Any]], new: Condition, now: str) -> dict[str, Any]:
     """``new`` as a dict, keeping ``lastTransitionTime`` from ``old`` when the status is unchanged."""
     prev = next((c for c in old if c.get("type") == new.type), None)
     ltt = prev.get("lastTransitionTime") if prev and prev.get("status") == new.status else None
-    return new.model_copy(update={"last_transition_time": ltt or now}).model_dump(by_alias=True, exclude_none=True)
+    return new.model_copy(update={"last_transition_time": ltt or now}).model_dump(
+        by_alias=True, exclude_none=True
+    )
 
 
 def pool_status(
@@ -584,39 +624,81 @@ def pool_status(
     gen = owner.generation
     all_ready = len(ready) == spec.replicas and below == 0 and not plan.excess
     if all_ready:
-        ready_c = Condition(type="Ready", status="True", reason="AllServersReady",
-                            message=f"{len(ready)}/{spec.replicas} expert servers ready; every expert has "
-                            f">= {spec.redundancy} live replicas", observed_generation=gen)
+        ready_c = Condition(
+            type="Ready",
+            status="True",
+            reason="AllServersReady",
+            message=f"{len(ready)}/{spec.replicas} expert servers ready; every expert has "
+            f">= {spec.redundancy} live replicas",
+            observed_generation=gen,
+        )
     elif uncovered:
-        ready_c = Condition(type="Ready", status="False", reason="ExpertsUncovered",
-                            message=f"{uncovered}/{total} logical experts have no live replica; "
-                            f"{len(ready)}/{spec.replicas} expert servers ready", observed_generation=gen)
+        ready_c = Condition(
+            type="Ready",
+            status="False",
+            reason="ExpertsUncovered",
+            message=f"{uncovered}/{total} logical experts have no live replica; "
+            f"{len(ready)}/{spec.replicas} expert servers ready",
+            observed_generation=gen,
+        )
     else:
-        ready_c = Condition(type="Ready", status="False", reason="ServersNotReady",
-                            message=f"{len(ready)}/{spec.replicas} expert servers ready and up to date",
-                            observed_generation=gen)
+        ready_c = Condition(
+            type="Ready",
+            status="False",
+            reason="ServersNotReady",
+            message=f"{len(ready)}/{spec.replicas} expert servers ready and up to date",
+            observed_generation=gen,
+        )
 
     if missing > 0:
         prog = ("True", "ScalingUp", f"creating {missing} expert server(s)")
     elif plan.excess:
         prog = ("True", "ScalingDown", f"removing {len(plan.excess)} expert server(s)")
     elif plan.outdated:
-        prog = ("True", "RePlacing", f"replacing {len(plan.outdated)} server(s) for placement revision {revision}")
+        prog = (
+            "True",
+            "RePlacing",
+            f"replacing {len(plan.outdated)} server(s) for placement revision {revision}",
+        )
     elif len(ready) < spec.replicas or plan.waiting:
-        prog = ("True", "WaitingForServers", f"{spec.replicas - len(ready)} expert server(s) not ready yet")
+        prog = (
+            "True",
+            "WaitingForServers",
+            f"{spec.replicas - len(ready)} expert server(s) not ready yet",
+        )
     else:
-        prog = ("False", "Reconciled", f"{spec.replicas} expert servers at placement revision {revision}")
-    prog_c = Condition(type="Progressing", status=prog[0], reason=prog[1], message=prog[2], observed_generation=gen)
+        prog = (
+            "False",
+            "Reconciled",
+            f"{spec.replicas} expert servers at placement revision {revision}",
+        )
+    prog_c = Condition(
+        type="Progressing", status=prog[0], reason=prog[1], message=prog[2], observed_generation=gen
+    )
 
     if uncovered:
-        deg = ("True", "ExpertsUncovered", f"{uncovered}/{total} logical experts have no live replica")
+        deg = (
+            "True",
+            "ExpertsUncovered",
+            f"{uncovered}/{total} logical experts have no live replica",
+        )
     elif failed:
         deg = ("True", "ServerFailed", f"expert server pod(s) failed: {', '.join(sorted(failed))}")
     elif below:
-        deg = ("True", "BelowRedundancy", f"{below}/{total} logical experts have fewer than {spec.redundancy} live replicas")
+        deg = (
+            "True",
+            "BelowRedundancy",
+            f"{below}/{total} logical experts have fewer than {spec.redundancy} live replicas",
+        )
     else:
-        deg = ("False", "AsExpected", f"every logical expert has >= {spec.redundancy} live replicas")
-    deg_c = Condition(type="Degraded", status=deg[0], reason=deg[1], message=deg[2], observed_generation=gen)
+        deg = (
+            "False",
+            "AsExpected",
+            f"every logical expert has >= {spec.redundancy} live replicas",
+        )
+    deg_c = Condition(
+        type="Degraded", status=deg[0], reason=deg[1], message=deg[2], observed_generation=gen
+    )
 
     status = ExpertPoolStatus(
         replicas=len(existing),
@@ -638,18 +720,50 @@ def pool_status(
     return status
 
 
-def invalid_spec_status(owner: Owner, message: str, old_conditions: Sequence[Mapping[str, Any]], now: str,
-                        old_status: Mapping[str, Any]) -> dict[str, Any]:
+def invalid_spec_status(
+    owner: Owner,
+    message: str,
+    old_conditions: Sequence[Mapping[str, Any]],
+    now: str,
+    old_status: Mapping[str, Any],
+) -> dict[str, Any]:
     """Status for a spec the operator cannot act on (passes the CRD rules but e.g. fails placement)."""
     status = dict(old_status)
     status["observedGeneration"] = owner.generation
     status["conditions"] = [
-        set_condition(old_conditions, Condition(type="Ready", status="False", reason="InvalidSpec",
-                                                message=message, observed_generation=owner.generation), now),
-        set_condition(old_conditions, Condition(type="Progressing", status="False", reason="InvalidSpec",
-                                                message=message, observed_generation=owner.generation), now),
-        set_condition(old_conditions, Condition(type="Degraded", status="True", reason="InvalidSpec",
-                                                message=message, observed_generation=owner.generation), now),
+        set_condition(
+            old_conditions,
+            Condition(
+                type="Ready",
+                status="False",
+                reason="InvalidSpec",
+                message=message,
+                observed_generation=owner.generation,
+            ),
+            now,
+        ),
+        set_condition(
+            old_conditions,
+            Condition(
+                type="Progressing",
+                status="False",
+                reason="InvalidSpec",
+                message=message,
+                observed_generation=owner.generation,
+            ),
+            now,
+        ),
+        set_condition(
+            old_conditions,
+            Condition(
+                type="Degraded",
+                status="True",
+                reason="InvalidSpec",
+                message=message,
+                observed_generation=owner.generation,
+            ),
+            now,
+        ),
     ]
     return status
 
@@ -677,7 +791,9 @@ def client_command(spec: AttentionFleetSpec, pool: ExpertPoolSpec | None = None)
     return cmd
 
 
-def fleet_deployment(owner: Owner, spec: AttentionFleetSpec, pool: ExpertPoolSpec | None) -> dict[str, Any]:
+def fleet_deployment(
+    owner: Owner, spec: AttentionFleetSpec, pool: ExpertPoolSpec | None
+) -> dict[str, Any]:
     """Deployment of attention clients mounting the pool's routing-table ConfigMap at
     ``/etc/eaas`` (a directory mount, so ConfigMap updates reach running pods). ``pool``, when
     known, supplies the failure-detection timing as environment variables."""
@@ -685,8 +801,14 @@ def fleet_deployment(owner: Owner, spec: AttentionFleetSpec, pool: ExpertPoolSpe
     env = [{"name": "EAAS_EXPERT_POOL", "value": spec.expert_pool_ref.name}]
     if pool is not None:
         env += [
-            {"name": "EAAS_DISPATCH_TIMEOUT_MS", "value": str(pool.failure_detection.dispatch_timeout_ms)},
-            {"name": "EAAS_SUSPECT_AFTER_MS", "value": str(pool.failure_detection.suspect_after_ms)},
+            {
+                "name": "EAAS_DISPATCH_TIMEOUT_MS",
+                "value": str(pool.failure_detection.dispatch_timeout_ms),
+            },
+            {
+                "name": "EAAS_SUSPECT_AFTER_MS",
+                "value": str(pool.failure_detection.suspect_after_ms),
+            },
         ]
     container: dict[str, Any] = {
         "name": CLIENT_ROLE,
@@ -719,8 +841,10 @@ def fleet_deployment(owner: Owner, spec: AttentionFleetSpec, pool: ExpertPoolSpe
     dep_spec = {
         "replicas": spec.replicas,
         "selector": {"matchLabels": labels},
-        "template": {"metadata": {"labels": {**labels, "app.kubernetes.io/component": CLIENT_ROLE}},
-                     "spec": pod_spec},
+        "template": {
+            "metadata": {"labels": {**labels, "app.kubernetes.io/component": CLIENT_ROLE}},
+            "spec": pod_spec,
+        },
     }
     return {
         "apiVersion": "apps/v1",
@@ -775,22 +899,45 @@ def fleet_status(
     gen = owner.generation
     pool = spec.expert_pool_ref.name
     if not pool_found:
-        deg = Condition(type="Degraded", status="True", reason="ExpertPoolNotFound",
-                        message=f"ExpertPool {pool!r} not found", observed_generation=gen)
+        deg = Condition(
+            type="Degraded",
+            status="True",
+            reason="ExpertPoolNotFound",
+            message=f"ExpertPool {pool!r} not found",
+            observed_generation=gen,
+        )
     elif table_version == 0:
-        deg = Condition(type="Degraded", status="True", reason="NoRoutingTable",
-                        message=f"ExpertPool {pool!r} has not published a routing table yet", observed_generation=gen)
+        deg = Condition(
+            type="Degraded",
+            status="True",
+            reason="NoRoutingTable",
+            message=f"ExpertPool {pool!r} has not published a routing table yet",
+            observed_generation=gen,
+        )
     else:
-        deg = Condition(type="Degraded", status="False", reason="AsExpected",
-                        message=f"using routing table version {table_version} of {pool!r}", observed_generation=gen)
+        deg = Condition(
+            type="Degraded",
+            status="False",
+            reason="AsExpected",
+            message=f"using routing table version {table_version} of {pool!r}",
+            observed_generation=gen,
+        )
     ok = ready >= spec.replicas and deg.status == "False"
-    ready_c = Condition(type="Ready", status="True" if ok else "False",
-                        reason="AllClientsReady" if ok else "ClientsNotReady",
-                        message=f"{ready}/{spec.replicas} attention clients ready", observed_generation=gen)
+    ready_c = Condition(
+        type="Ready",
+        status="True" if ok else "False",
+        reason="AllClientsReady" if ok else "ClientsNotReady",
+        message=f"{ready}/{spec.replicas} attention clients ready",
+        observed_generation=gen,
+    )
     busy = updated < spec.replicas or replicas != spec.replicas or ready < spec.replicas
-    prog_c = Condition(type="Progressing", status="True" if busy else "False",
-                       reason="RollingOut" if busy else "Reconciled",
-                       message=f"{updated}/{spec.replicas} clients updated", observed_generation=gen)
+    prog_c = Condition(
+        type="Progressing",
+        status="True" if busy else "False",
+        reason="RollingOut" if busy else "Reconciled",
+        message=f"{updated}/{spec.replicas} clients updated",
+        observed_generation=gen,
+    )
     return {
         "replicas": replicas,
         "readyReplicas": ready,

@@ -29,11 +29,6 @@ import os
 from typing import Any
 
 import kopf
-from kubernetes import client as k8s
-from kubernetes import config as k8s_config
-from kubernetes.client.rest import ApiException
-from pydantic import ValidationError
-
 from eaas.operator.crd import (
     ANNOTATION_SPEC_HASH,
     ANNOTATION_TABLE_VERSION,
@@ -67,6 +62,10 @@ from eaas.operator.desired import (
 )
 from eaas.runtime.placement import Placement, PlacementError
 from eaas.runtime.routing import RoutingTable, RoutingTableError
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.rest import ApiException
+from pydantic import ValidationError
 
 #: Periodic resync of every pool/fleet (seconds), on top of event-driven wakeups.
 RESYNC_S = float(os.environ.get("EAAS_OPERATOR_RESYNC_S", "2.0"))
@@ -125,7 +124,9 @@ def wake(kind: str, namespace: str, name: str) -> None:
     _wake_event(kind, namespace, name).set()
 
 
-async def _loop(kind: str, namespace: str, name: str, stopped: Any, step: Any, logger: logging.Logger) -> None:
+async def _loop(
+    kind: str, namespace: str, name: str, stopped: Any, step: Any, logger: logging.Logger
+) -> None:
     event = _wake_event(kind, namespace, name)
     try:
         while not stopped:
@@ -135,8 +136,13 @@ async def _loop(kind: str, namespace: str, name: str, stopped: Any, step: Any, l
                 if exc.status == 409:
                     logger.debug("conflict during reconcile of %s/%s; retrying", namespace, name)
                 else:
-                    logger.warning("API error during reconcile of %s/%s: %s %s", namespace, name, exc.status,
-                                   exc.reason)
+                    logger.warning(
+                        "API error during reconcile of %s/%s: %s %s",
+                        namespace,
+                        name,
+                        exc.status,
+                        exc.reason,
+                    )
             except Exception:  # a bug must not kill the daemon: log it and retry on the next step
                 logger.exception("reconcile of %s/%s failed", namespace, name)
             try:
@@ -175,7 +181,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 @kopf.on.create(GROUP, VERSION, POOLS)
 @kopf.on.update(GROUP, VERSION, POOLS, field="spec")
 @kopf.on.resume(GROUP, VERSION, POOLS)
-async def pool_spec_changed(body: kopf.Body, namespace: str, name: str, reason: str, **_: Any) -> None:
+async def pool_spec_changed(
+    body: kopf.Body, namespace: str, name: str, reason: str, **_: Any
+) -> None:
     """Announce the placement for the new spec (as an Event) and wake the pool's daemon."""
     try:
         spec = ExpertPoolSpec.model_validate(dict(body["spec"]))
@@ -195,7 +203,9 @@ async def pool_spec_changed(body: kopf.Body, namespace: str, name: str, reason: 
 
 
 @kopf.daemon(GROUP, VERSION, POOLS, cancellation_timeout=5)
-async def pool_daemon(namespace: str, name: str, stopped: Any, logger: logging.Logger, **_: Any) -> None:
+async def pool_daemon(
+    namespace: str, name: str, stopped: Any, logger: logging.Logger, **_: Any
+) -> None:
     """Reconcile the pool now, on every wakeup and every ``RESYNC_S`` seconds."""
     await _loop("pool", namespace, name, stopped, reconcile_pool, logger)
 
@@ -219,8 +229,12 @@ def placement_of(spec: ExpertPoolSpec) -> Placement:
         PlacementError: as :func:`compute_placement`.
     """
     key = ExpertPoolSpec.model_validate(
-        {"model": spec.model.model_dump(by_alias=True), "replicas": spec.replicas,
-         "redundancy": spec.redundancy, "placement": spec.placement.model_dump(by_alias=True)}
+        {
+            "model": spec.model.model_dump(by_alias=True),
+            "replicas": spec.replicas,
+            "redundancy": spec.redundancy,
+            "placement": spec.placement.model_dump(by_alias=True),
+        }
     ).model_dump_json(by_alias=True)
     return _placement_for(key)
 
@@ -253,7 +267,8 @@ async def node_event(name: str, status: kopf.Status, type: str | None, **_: Any)
     takes its expert servers out of the routing tables at once, long before their pods are
     evicted; every pool is woken when a node's readiness flips."""
     ready = type != "DELETED" and any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in (status.get("conditions") or [])
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (status.get("conditions") or [])
     )
     if _node_ready.get(name) != ready:
         _node_ready[name] = ready
@@ -273,11 +288,15 @@ def _pool_executor() -> concurrent.futures.ThreadPoolExecutor:
     """Threads for concurrent pod creations (a 40-server pool: 40 POSTs)."""
     global _executor
     if _executor is None:
-        _executor = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="eaas-create")
+        _executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=8, thread_name_prefix="eaas-create"
+        )
     return _executor
 
 
-def _get_live(custom: k8s.CustomObjectsApi, namespace: str, plural: str, name: str) -> dict[str, Any] | None:
+def _get_live(
+    custom: k8s.CustomObjectsApi, namespace: str, plural: str, name: str
+) -> dict[str, Any] | None:
     """The custom object, or None when it is gone or being deleted (nothing left to reconcile).
 
     Raises:
@@ -314,15 +333,21 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger) -> None:
         spec = ExpertPoolSpec.model_validate(body["spec"])
         placement = placement_of(spec)
     except (ValidationError, PlacementError) as exc:
-        status = invalid_spec_status(owner, str(exc).splitlines()[0], old_conditions, _now(), old_status)
+        status = invalid_spec_status(
+            owner, str(exc).splitlines()[0], old_conditions, _now(), old_status
+        )
         _write_status(custom, namespace, name, old_status, status)
         return
     revision = placement_revision(spec)
     desired = desired_server_pods(owner, spec, placement, revision)
 
-    pods = _raw(core.list_namespaced_pod, namespace, label_selector=selector_string(server_labels(name)))["items"]
+    pods = _raw(
+        core.list_namespaced_pod, namespace, label_selector=selector_string(server_labels(name))
+    )["items"]
     observed = [ObservedPod.from_pod(p, _node_ready) for p in pods]
-    observed = [p for p in observed if p.owner_uid == owner.uid]  # a same-named older pool's pods: GC's job
+    observed = [
+        p for p in observed if p.owner_uid == owner.uid
+    ]  # a same-named older pool's pods: GC's job
     plan = plan_pods(desired, observed, max_unavailable=max(1, spec.redundancy - 1))
 
     def create(manifest: dict[str, Any]) -> None:
@@ -336,11 +361,17 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger) -> None:
     # list() re-raises the first failure; the others were attempted anyway
     list(_pool_executor().map(create, plan.create))
     if plan.create:
-        _event(body, "ServersCreated", f"created {', '.join(m['metadata']['name'] for m in plan.create)}")
+        _event(
+            body,
+            "ServersCreated",
+            f"created {', '.join(m['metadata']['name'] for m in plan.create)}",
+        )
     for pod_name, uid, why in plan.delete:
         try:
             core.delete_namespaced_pod(
-                pod_name, namespace, body=k8s.V1DeleteOptions(preconditions=k8s.V1Preconditions(uid=uid))
+                pod_name,
+                namespace,
+                body=k8s.V1DeleteOptions(preconditions=k8s.V1Preconditions(uid=uid)),
             )
             logger.info("deleted expert server %s (%s)", pod_name, why)
         except ApiException as exc:
@@ -349,11 +380,20 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger) -> None:
     if plan.delete:
         msg = "deleted " + ", ".join(f"{n} ({why})" for n, _, why in plan.delete)
         if plan.forced:
-            msg += "; forced: some experts lose their last live replica until replacements are Ready"
-        _event(body, "ServersDeleted", msg, warning=plan.forced or any(w == "failed" for _, _, w in plan.delete))
+            msg += (
+                "; forced: some experts lose their last live replica until replacements are Ready"
+            )
+        _event(
+            body,
+            "ServersDeleted",
+            msg,
+            warning=plan.forced or any(w == "failed" for _, _, w in plan.delete),
+        )
     for pod_name, rev in plan.relabel:
         try:
-            core.patch_namespaced_pod(pod_name, namespace, {"metadata": {"labels": {LABEL_PLACEMENT_REVISION: rev}}})
+            core.patch_namespaced_pod(
+                pod_name, namespace, {"metadata": {"labels": {LABEL_PLACEMENT_REVISION: rev}}}
+            )
         except ApiException as exc:
             if exc.status != 404:
                 raise
@@ -363,8 +403,15 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger) -> None:
     table = _publish_table(core, body, owner, spec, live, old_status, logger)
 
     status = pool_status(
-        owner=owner, spec=spec, placement=placement, revision=revision, observed=observed, plan=plan,
-        table=table, old_conditions=old_conditions, now=_now(),
+        owner=owner,
+        spec=spec,
+        placement=placement,
+        revision=revision,
+        observed=observed,
+        plan=plan,
+        table=table,
+        old_conditions=old_conditions,
+        now=_now(),
     )
     if _write_status(custom, namespace, name, old_status, status):
         was = {c.get("type"): c.get("status") for c in old_conditions}
@@ -372,12 +419,22 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger) -> None:
         if was.get("Ready") != "True" and now["Ready"]["status"] == "True":
             _event(body, "PoolReady", now["Ready"]["message"])
         was_reason = {c.get("type"): c.get("reason") for c in old_conditions}.get("Degraded")
-        if was_reason not in (None, "ExpertsUncovered") and now["Degraded"]["reason"] == "ExpertsUncovered":
+        if (
+            was_reason not in (None, "ExpertsUncovered")
+            and now["Degraded"]["reason"] == "ExpertsUncovered"
+        ):
             _event(body, "ExpertsUncovered", now["Degraded"]["message"], warning=True)
 
 
-def _publish_table(core: k8s.CoreV1Api, body: dict[str, Any], owner: Owner, spec: ExpertPoolSpec,
-                   live: list[ObservedPod], old_status: dict[str, Any], logger: logging.Logger) -> RoutingTable:
+def _publish_table(
+    core: k8s.CoreV1Api,
+    body: dict[str, Any],
+    owner: Owner,
+    spec: ExpertPoolSpec,
+    live: list[ObservedPod],
+    old_status: dict[str, Any],
+    logger: logging.Logger,
+) -> RoutingTable:
     """Create or update the routing-table ConfigMap if the live set changed; return the table in force."""
     cm_name = table_configmap_name(owner.name)
     try:
@@ -389,7 +446,10 @@ def _publish_table(core: k8s.CoreV1Api, body: dict[str, Any], owner: Owner, spec
     previous = None
     floor = int(old_status.get("routingTableVersion") or 0)
     if cm is not None:
-        floor = max(floor, int((cm["metadata"].get("annotations") or {}).get(ANNOTATION_TABLE_VERSION, "0") or 0))
+        floor = max(
+            floor,
+            int((cm["metadata"].get("annotations") or {}).get(ANNOTATION_TABLE_VERSION, "0") or 0),
+        )
         try:
             previous = _parse_table(owner.namespace, cm)
         except RoutingTableError:
@@ -401,21 +461,34 @@ def _publish_table(core: k8s.CoreV1Api, body: dict[str, Any], owner: Owner, spec
     if cm is None:
         written = _raw(core.create_namespaced_config_map, owner.namespace, manifest)
     else:
-        manifest["metadata"]["resourceVersion"] = cm["metadata"]["resourceVersion"]  # optimistic concurrency
+        manifest["metadata"]["resourceVersion"] = cm["metadata"][
+            "resourceVersion"
+        ]  # optimistic concurrency
         written = _raw(core.replace_namespaced_config_map, cm_name, owner.namespace, manifest)
     _table_cache[(owner.namespace, cm_name)] = (written["metadata"]["resourceVersion"], table)
-    _event(body, "RoutingTablePublished",
-           f"routing table version {table.version}: {len(table.servers)} live servers, "
-           f"{len(table.uncovered())} uncovered experts")
+    _event(
+        body,
+        "RoutingTablePublished",
+        f"routing table version {table.version}: {len(table.servers)} live servers, "
+        f"{len(table.uncovered())} uncovered experts",
+    )
     return table
 
 
-def _write_status(custom: k8s.CustomObjectsApi, namespace: str, name: str, old: dict[str, Any],
-                  new: dict[str, Any], plural: str = POOLS) -> bool:
+def _write_status(
+    custom: k8s.CustomObjectsApi,
+    namespace: str,
+    name: str,
+    old: dict[str, Any],
+    new: dict[str, Any],
+    plural: str = POOLS,
+) -> bool:
     """Merge-patch ``status`` if it changed; True if written."""
     if all(old.get(k) == v for k, v in new.items()):
         return False
-    custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, plural, name, {"status": new})
+    custom.patch_namespaced_custom_object_status(
+        GROUP, VERSION, namespace, plural, name, {"status": new}
+    )
     return True
 
 
@@ -431,7 +504,9 @@ async def fleet_spec_changed(namespace: str, name: str, **_: Any) -> None:
 
 
 @kopf.daemon(GROUP, VERSION, FLEETS, cancellation_timeout=5)
-async def fleet_daemon(namespace: str, name: str, stopped: Any, logger: logging.Logger, **_: Any) -> None:
+async def fleet_daemon(
+    namespace: str, name: str, stopped: Any, logger: logging.Logger, **_: Any
+) -> None:
     """Reconcile the fleet now, on every wakeup and every ``RESYNC_S`` seconds."""
     await _loop("fleet", namespace, name, stopped, reconcile_fleet, logger)
 
@@ -479,9 +554,13 @@ def reconcile_fleet(namespace: str, name: str, logger: logging.Logger) -> None:
             raise
     old_status = body.get("status") or {}
     status = fleet_status(
-        owner=owner, spec=spec, deployment_status=(_plain(dep) or {}).get("status") if dep else None,
-        pool_found=pool is not None, table_version=table_version,
-        old_conditions=old_status.get("conditions") or [], now=_now(),
+        owner=owner,
+        spec=spec,
+        deployment_status=(_plain(dep) or {}).get("status") if dep else None,
+        pool_found=pool is not None,
+        table_version=table_version,
+        old_conditions=old_status.get("conditions") or [],
+        now=_now(),
     )
     _write_status(custom, namespace, name, old_status, status, plural=FLEETS)
 

@@ -15,7 +15,9 @@ def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
 
 
-def tiny_model(out_dir: str = typer.Argument(..., help="Directory to write the checkpoint into.")) -> None:
+def tiny_model(
+    out_dir: str = typer.Argument(..., help="Directory to write the checkpoint into."),
+) -> None:
     """Write the built-in tiny DeepSeek-V3-architecture checkpoint (random weights) to OUT_DIR."""
     from eaas.runtime.models.arch import read_model_info
     from eaas.runtime.models.tiny import write_tiny_model
@@ -29,16 +31,28 @@ def tiny_model(out_dir: str = typer.Argument(..., help="Directory to write the c
 
 
 def expert_server(
-    model: str = typer.Option(None, "--model", help="Checkpoint directory (default: the built-in tiny model)."),
-    server_id: str = typer.Option("expert-server-0", "--server-id", help="Id of this server (routing table, logs)."),
-    experts: str = typer.Option(
-        None, "--experts", help="Hosted experts, e.g. '1:0-3,7;2:5' (layer:experts; default: all of the model)."
+    model: str = typer.Option(
+        None, "--model", help="Checkpoint directory (default: the built-in tiny model)."
     ),
-    listen: str = typer.Option(..., "--listen", help="unix:/path.sock (same host, shared memory) or tcp://host:port."),
-    metrics_port: int = typer.Option(0, "--metrics-port", help="Serve Prometheus /metrics on this port (0: none)."),
+    server_id: str = typer.Option(
+        "expert-server-0", "--server-id", help="Id of this server (routing table, logs)."
+    ),
+    experts: str = typer.Option(
+        None,
+        "--experts",
+        help="Hosted experts, e.g. '1:0-3,7;2:5' (layer:experts; default: all of the model).",
+    ),
+    listen: str = typer.Option(
+        ..., "--listen", help="unix:/path.sock (same host, shared memory) or tcp://host:port."
+    ),
+    metrics_port: int = typer.Option(
+        0, "--metrics-port", help="Serve Prometheus /metrics on this port (0: none)."
+    ),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
     threads: int = typer.Option(1, "--threads", help="torch intra-op threads (default 1)."),
-    batch_window_us: float = typer.Option(0.0, "--batch-window-us", help="Extra gather time per dynamic batch."),
+    batch_window_us: float = typer.Option(
+        0.0, "--batch-window-us", help="Extra gather time per dynamic batch."
+    ),
 ) -> None:
     """Run one expert server (the process an expert-server pod runs).
 
@@ -49,7 +63,6 @@ def expert_server(
     process only writes its metric files.
     """
     import torch
-
     from eaas.runtime.expert_server import ExpertServer, run
     from eaas.runtime.placement import parse_expert_spec
 
@@ -69,7 +82,9 @@ def expert_server(
             pairs = parse_expert_spec(experts)
         except ValueError as e:
             raise typer.BadParameter(str(e)) from None
-        bad = [(l, e) for l, e in pairs if l not in info.moe_layers or not 0 <= e < info.num_experts]
+        bad = [
+            (l, e) for l, e in pairs if l not in info.moe_layers or not 0 <= e < info.num_experts
+        ]
         if bad:
             raise typer.BadParameter(
                 f"--experts names {bad[:8]} outside the model (MoE layers {list(info.moe_layers)}, "
@@ -79,30 +94,49 @@ def expert_server(
         pairs = [(l, e) for l in info.moe_layers for e in range(info.num_experts)]
     hosted = load_expert_weights(model, pairs, dtypes[dtype], progress=False)
     server = ExpertServer(
-        listen, hosted, info.hidden_size, dtypes[dtype], server_id, num_threads=threads,
+        listen,
+        hosted,
+        info.hidden_size,
+        dtypes[dtype],
+        server_id,
+        num_threads=threads,
         batch_window_us=batch_window_us,
     )
     run(server, metrics_port)
 
 
 def attention_client(
-    model: str = typer.Option(None, "--model", help="Checkpoint directory (default: the built-in tiny model)."),
-    routing_table: str = typer.Option(
-        None, "--routing-table", help="Routing table JSON file; re-read when it changes (ConfigMap mount)."
+    model: str = typer.Option(
+        None, "--model", help="Checkpoint directory (default: the built-in tiny model)."
     ),
-    client_id: int = typer.Option(0, "--client-id", help="Id of this attention client (frames, metrics)."),
+    routing_table: str = typer.Option(
+        None,
+        "--routing-table",
+        help="Routing table JSON file; re-read when it changes (ConfigMap mount).",
+    ),
+    client_id: int = typer.Option(
+        0, "--client-id", help="Id of this attention client (frames, metrics)."
+    ),
     host: str = typer.Option("127.0.0.1", "--host", help="API listen address."),
     port: int = typer.Option(8000, "--port", min=1, max=65535, help="API port."),
     reuse_port: bool = typer.Option(
-        False, "--reuse-port", help="Bind the API port with SO_REUSEPORT so several clients share it (eaas serve sets it)."
+        False,
+        "--reuse-port",
+        help="Bind the API port with SO_REUSEPORT so several clients share it (eaas serve sets it).",
     ),
-    dispatch_timeout: float = typer.Option(5.0, "--dispatch-timeout", help="Seconds to wait for expert servers per MoE layer round."),
+    dispatch_timeout: float = typer.Option(
+        5.0, "--dispatch-timeout", help="Seconds to wait for expert servers per MoE layer round."
+    ),
     local_experts: bool = typer.Option(
-        False, "--local-experts", help="No expert servers: run the untouched model in-process (single-process baseline)."
+        False,
+        "--local-experts",
+        help="No expert servers: run the untouched model in-process (single-process baseline).",
     ),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
     threads: int = typer.Option(1, "--threads", help="torch intra-op threads (0: torch default)."),
-    served_model_name: str = typer.Option(None, "--served-model-name", help="Model id in the API (default: directory name)."),
+    served_model_name: str = typer.Option(
+        None, "--served-model-name", help="Model id in the API (default: directory name)."
+    ),
     max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Decode batch size cap."),
 ) -> None:
     """Run one attention client with the OpenAI-compatible API (the process a client pod runs).
@@ -130,17 +164,35 @@ def attention_client(
 
 
 def serve(
-    expert_servers: int = typer.Option(4, "--expert-servers", help="Expert server processes (any count >= replicas)."),
-    replicas: int = typer.Option(2, "--replicas", help="Replicas of every logical expert, on distinct servers."),
-    attention_clients: int = typer.Option(1, "--attention-clients", help="Attention client processes sharing the API port."),
+    expert_servers: int = typer.Option(
+        4, "--expert-servers", help="Expert server processes (any count >= replicas)."
+    ),
+    replicas: int = typer.Option(
+        2, "--replicas", help="Replicas of every logical expert, on distinct servers."
+    ),
+    attention_clients: int = typer.Option(
+        1, "--attention-clients", help="Attention client processes sharing the API port."
+    ),
     host: str = typer.Option("127.0.0.1", "--host", help="API listen address."),
     port: int = typer.Option(8000, "--port", min=1, max=65535, help="API port."),
-    model: str = typer.Option(None, "--model", help="Checkpoint directory (default: built-in tiny model, built on first use)."),
-    transport: str = typer.Option("shm", "--transport", help="shm (same-host shared memory) or tcp."),
-    dispatch_timeout: float = typer.Option(5.0, "--dispatch-timeout", help="Clients' deadline per MoE layer round (s)."),
+    model: str = typer.Option(
+        None,
+        "--model",
+        help="Checkpoint directory (default: built-in tiny model, built on first use).",
+    ),
+    transport: str = typer.Option(
+        "shm", "--transport", help="shm (same-host shared memory) or tcp."
+    ),
+    dispatch_timeout: float = typer.Option(
+        5.0, "--dispatch-timeout", help="Clients' deadline per MoE layer round (s)."
+    ),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
-    client_threads: int = typer.Option(1, "--client-threads", help="torch threads per attention client."),
-    server_threads: int = typer.Option(1, "--server-threads", help="torch threads per expert server."),
+    client_threads: int = typer.Option(
+        1, "--client-threads", help="torch threads per attention client."
+    ),
+    server_threads: int = typer.Option(
+        1, "--server-threads", help="torch threads per expert server."
+    ),
 ) -> None:
     """Start a whole deployment on this machine: expert servers + attention clients."""
     from eaas.runtime.placement import PlacementError

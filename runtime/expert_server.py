@@ -29,10 +29,9 @@ import signal
 import sys
 import threading
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
-
 from eaas.runtime.experts import ExpertWeights, expert_forward
 from eaas.runtime.metrics import EXPERT_TOKENS, SERVER_BATCH_TOKENS, SERVER_FRAMES
 from eaas.runtime.transport.base import (
@@ -77,7 +76,7 @@ def grouped_expert_sum(
     wflat = weights.reshape(-1)
     loads: dict[int, int] = {}
     start = 0
-    for e, c in zip(uniq.tolist(), counts.tolist()):
+    for e, c in zip(uniq.tolist(), counts.tolist(), strict=False):
         idx = order[start : start + c]
         start += c
         if e < 0:
@@ -134,7 +133,13 @@ class ExpertServer:
         self.endpoint = self.listener.endpoint
         self._stop = threading.Event()
         # Plain counters for tests/introspection (also exported as Prometheus metrics).
-        self.stats = {"batches": 0, "frames": 0, "tokens": 0, "max_clients_per_batch": 0, "errors": 0}
+        self.stats = {
+            "batches": 0,
+            "frames": 0,
+            "tokens": 0,
+            "max_clients_per_batch": 0,
+            "errors": 0,
+        }
 
     # -- loop ---------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -180,11 +185,18 @@ class ExpertServer:
                 self.stats["errors"] += 1
                 for conn, f in group:
                     self.listener.respond(
-                        conn, ResponseFrame(f.seq, f.layer, STATUS_BAD_FRAME, None, f"server error: {e!r}")
+                        conn,
+                        ResponseFrame(
+                            f.seq, f.layer, STATUS_BAD_FRAME, None, f"server error: {e!r}"
+                        ),
                     )
 
     def _check(self, f: RequestFrame) -> tuple[int, str] | None:
-        if f.hidden.dtype != self.dtype or f.hidden.dim() != 2 or f.hidden.shape[1] != self.hidden_size:
+        if (
+            f.hidden.dtype != self.dtype
+            or f.hidden.dim() != 2
+            or f.hidden.shape[1] != self.hidden_size
+        ):
             return STATUS_BAD_FRAME, f"hidden must be [n, {self.hidden_size}] {self.dtype}"
         if f.experts.shape != f.weights.shape or f.experts.shape[0] != f.hidden.shape[0]:
             return STATUS_BAD_FRAME, "experts/weights must be [n, k] matching hidden"
@@ -204,12 +216,20 @@ class ExpertServer:
             kmax = max(int(f.experts.shape[1]) for _, f in group)
             hidden = torch.cat([f.hidden for _, f in group])
             experts = torch.cat(
-                [torch.nn.functional.pad(f.experts.to(torch.int32), (0, kmax - f.experts.shape[1]), value=-1)
-                 for _, f in group]
+                [
+                    torch.nn.functional.pad(
+                        f.experts.to(torch.int32), (0, kmax - f.experts.shape[1]), value=-1
+                    )
+                    for _, f in group
+                ]
             )
             weights = torch.cat(
-                [torch.nn.functional.pad(f.weights.to(torch.float32), (0, kmax - f.weights.shape[1]))
-                 for _, f in group]
+                [
+                    torch.nn.functional.pad(
+                        f.weights.to(torch.float32), (0, kmax - f.weights.shape[1])
+                    )
+                    for _, f in group
+                ]
             )
         out, loads = grouped_expert_sum(hidden, experts, weights, self.by_layer[layer])
         ntok = int(hidden.shape[0])
@@ -223,7 +243,9 @@ class ExpertServer:
         start = 0
         for conn, f in group:
             n = f.num_tokens
-            self.listener.respond(conn, ResponseFrame(f.seq, f.layer, STATUS_OK, out[start : start + n]))
+            self.listener.respond(
+                conn, ResponseFrame(f.seq, f.layer, STATUS_OK, out[start : start + n])
+            )
             start += n
 
     def ready_line(self) -> str:
@@ -290,8 +312,16 @@ def main(argv: list[str] | None = None) -> None:
     dtype = _DTYPES[a.dtype]
     hosted = random_experts(parse_expert_spec(a.experts), hidden, inter, dtype, seed)
     kw = {} if a.spin_us is None else {"spin_us": a.spin_us}
-    server = ExpertServer(a.listen, hosted, hidden, dtype, a.server_id, num_threads=a.threads,
-                          batch_window_us=a.batch_window_us, **kw)
+    server = ExpertServer(
+        a.listen,
+        hosted,
+        hidden,
+        dtype,
+        a.server_id,
+        num_threads=a.threads,
+        batch_window_us=a.batch_window_us,
+        **kw,
+    )
     run(server, a.metrics_port)
 
 

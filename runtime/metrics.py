@@ -19,32 +19,69 @@ from __future__ import annotations
 
 import os
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-export)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,  # noqa: F401  (re-export)
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 EXPERT_TOKENS = Counter(
-    "eaas_expert_tokens", "Tokens computed per (layer, logical expert) on expert servers", ["layer", "expert"]
+    "eaas_expert_tokens",
+    "Tokens computed per (layer, logical expert) on expert servers",
+    ["layer", "expert"],
 )
 SERVER_BATCH_TOKENS = Histogram(
-    "eaas_expert_server_batch_tokens", "Tokens per dynamic batch on an expert server", buckets=_TOKEN_BUCKETS
+    "eaas_expert_server_batch_tokens",
+    "Tokens per dynamic batch on an expert server",
+    buckets=_TOKEN_BUCKETS,
 )
 SERVER_FRAMES = Counter("eaas_expert_server_frames", "Request frames served by expert servers")
 DISPATCH_SECONDS = Histogram(
-    "eaas_dispatch_seconds", "Client-side round trip of one MoE layer call", buckets=_LATENCY_BUCKETS
+    "eaas_dispatch_seconds",
+    "Client-side round trip of one MoE layer call",
+    buckets=_LATENCY_BUCKETS,
 )
-FAILOVERS = Counter("eaas_failovers", "Token batches re-sent to another replica after a server failure")
-SERVER_DOWN = Counter("eaas_server_marked_down", "Expert servers marked down by attention clients", ["server"])
+FAILOVERS = Counter(
+    "eaas_failovers", "Token batches re-sent to another replica after a server failure"
+)
+SERVER_DOWN = Counter(
+    "eaas_server_marked_down", "Expert servers marked down by attention clients", ["server"]
+)
 TTFT_SECONDS = Histogram("eaas_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS)
 ITL_SECONDS = Histogram("eaas_itl_seconds", "Inter-token latency", buckets=_LATENCY_BUCKETS)
 REQUESTS = Counter("eaas_requests", "Completed API requests", ["client_id", "status"])
 RUNNING_SEQS = Gauge(
-    "eaas_running_sequences", "Sequences in the decode batch", ["client_id"], multiprocess_mode="livesum"
+    "eaas_running_sequences",
+    "Sequences in the decode batch",
+    ["client_id"],
+    multiprocess_mode="livesum",
 )
 ROUTING_TABLE_VERSION = Gauge(
-    "eaas_routing_table_version", "Routing table version in use", ["client_id"], multiprocess_mode="max"
+    "eaas_routing_table_version",
+    "Routing table version in use",
+    ["client_id"],
+    multiprocess_mode="max",
 )
 
 

@@ -34,8 +34,8 @@ Policies
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 POLICIES = ("round-robin", "load-balanced")
 
@@ -213,5 +213,7 @@ def parse_expert_spec(spec: str) -> list[LayerExpert]:
                 else:
                     out.append((layer, int(r)))
         except ValueError:
-            raise ValueError(f"malformed expert spec part {part!r} (expected 'layer:a-b,c')") from None
+            raise ValueError(
+                f"malformed expert spec part {part!r} (expected 'layer:a-b,c')"
+            ) from None
     return sorted(set(out))

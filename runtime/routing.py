@@ -21,8 +21,8 @@ Unix socket carries the memfd handshake and doorbells).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
 
 from eaas.runtime.placement import Placement
 
@@ -50,8 +50,12 @@ class RoutingTable:
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def from_placement(
-        cls, placement: Placement, server_ids: Sequence[str], endpoints: Sequence[str], version: int = 1
-    ) -> "RoutingTable":
+        cls,
+        placement: Placement,
+        server_ids: Sequence[str],
+        endpoints: Sequence[str],
+        version: int = 1,
+    ) -> RoutingTable:
         """Build a table from a placement; ``server_ids[s]``/``endpoints[s]`` name server ``s``."""
         if len(server_ids) != placement.num_servers or len(endpoints) != placement.num_servers:
             raise RoutingTableError(
@@ -61,18 +65,19 @@ class RoutingTable:
         reps = placement.replicas()
         layers = {
             layer: tuple(
-                tuple(server_ids[s] for s in reps.get((layer, e), ())) for e in range(placement.num_experts)
+                tuple(server_ids[s] for s in reps.get((layer, e), ()))
+                for e in range(placement.num_experts)
             )
             for layer in placement.layers
         }
         return cls(
             version=version,
             num_experts=placement.num_experts,
-            servers=dict(zip(server_ids, endpoints)),
+            servers=dict(zip(server_ids, endpoints, strict=False)),
             layers=layers,
         )
 
-    def without_servers(self, dead: Iterable[str]) -> "RoutingTable":
+    def without_servers(self, dead: Iterable[str]) -> RoutingTable:
         """A new table (version + 1) with ``dead`` servers removed from every replica list."""
         dead = set(dead)
         return RoutingTable(
@@ -100,7 +105,12 @@ class RoutingTable:
 
     def uncovered(self) -> list[tuple[int, int]]:
         """``(layer, expert)`` pairs with no replica at all."""
-        return [(layer, e) for layer, experts in sorted(self.layers.items()) for e, r in enumerate(experts) if not r]
+        return [
+            (layer, e)
+            for layer, experts in sorted(self.layers.items())
+            for e, r in enumerate(experts)
+            if not r
+        ]
 
     # ---- serialization ------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -108,14 +118,17 @@ class RoutingTable:
             "version": self.version,
             "num_experts": self.num_experts,
             "servers": dict(sorted(self.servers.items())),
-            "layers": {str(layer): [list(r) for r in experts] for layer, experts in sorted(self.layers.items())},
+            "layers": {
+                str(layer): [list(r) for r in experts]
+                for layer, experts in sorted(self.layers.items())
+            },
         }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "RoutingTable":
+    def from_dict(cls, d: Mapping) -> RoutingTable:
         try:
             version = int(d["version"])
             num_experts = int(d["num_experts"])
@@ -141,7 +154,7 @@ class RoutingTable:
         return cls(version=version, num_experts=num_experts, servers=servers, layers=layers)
 
     @classmethod
-    def from_json(cls, text: str) -> "RoutingTable":
+    def from_json(cls, text: str) -> RoutingTable:
         try:
             return cls.from_dict(json.loads(text))
         except json.JSONDecodeError as exc:

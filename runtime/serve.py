@@ -62,7 +62,9 @@ def _check_port_free(host: str, port: int) -> None:
     try:
         bind_listener(host, port).close()
     except OSError as exc:
-        raise ValueError(f"--port {port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise ValueError(
+            f"--port {port}: cannot listen on {host}:{port}: {exc.strerror or exc}"
+        ) from None
 
 
 def _log(msg: str) -> None:
@@ -155,7 +157,9 @@ class Deployment:
 
         self.model_dir = str(model_dir)
         self.info = read_model_info(self.model_dir)
-        self.placement = place_experts(self.info.moe_layers, self.info.num_experts, expert_servers, replicas)
+        self.placement = place_experts(
+            self.info.moe_layers, self.info.num_experts, expert_servers, replicas
+        )
         self.n, self.r, self.m = expert_servers, replicas, attention_clients
         self.host, self.port = host, port
         self.transport = transport
@@ -213,19 +217,43 @@ class Deployment:
         env = self._env()
         py = [sys.executable, "-m", "eaas"]
         try:
-            for s, (sid, ep) in enumerate(zip(ids, endpoints)):
+            for s, (sid, ep) in enumerate(zip(ids, endpoints, strict=False)):
                 argv = py + [
-                    "expert-server", "--model", self.model_dir, "--server-id", sid,
-                    "--experts", format_expert_spec(self.placement.servers[s]), "--listen", ep,
-                    "--dtype", self.dtype, "--threads", str(self.server_threads),
+                    "expert-server",
+                    "--model",
+                    self.model_dir,
+                    "--server-id",
+                    sid,
+                    "--experts",
+                    format_expert_spec(self.placement.servers[s]),
+                    "--listen",
+                    ep,
+                    "--dtype",
+                    self.dtype,
+                    "--threads",
+                    str(self.server_threads),
                 ]
                 self._spawn(Child(sid, "expert-server", argv, server_id=sid), env)
             for c in range(self.m):
                 argv = py + [
-                    "attention-client", "--model", self.model_dir, "--routing-table", str(self.table_path),
-                    "--client-id", str(c), "--host", self.host, "--port", str(self.port),
-                    "--dispatch-timeout", str(self.dispatch_timeout), "--dtype", self.dtype, "--reuse-port",
-                    "--threads", str(self.client_threads),
+                    "attention-client",
+                    "--model",
+                    self.model_dir,
+                    "--routing-table",
+                    str(self.table_path),
+                    "--client-id",
+                    str(c),
+                    "--host",
+                    self.host,
+                    "--port",
+                    str(self.port),
+                    "--dispatch-timeout",
+                    str(self.dispatch_timeout),
+                    "--dtype",
+                    self.dtype,
+                    "--reuse-port",
+                    "--threads",
+                    str(self.client_threads),
                 ]
                 self._spawn(Child(f"attention-client-{c}", "attention-client", argv), env)
             deadline = time.monotonic() + self.ready_timeout
@@ -234,7 +262,9 @@ class Deployment:
                     raise ServeError("interrupted during start-up")
                 if time.monotonic() > deadline:
                     late = [ch.name for ch in self.children if not ch.ready]
-                    raise ServeError(f"not ready after {self.ready_timeout:.0f} s: {', '.join(late)}")
+                    raise ServeError(
+                        f"not ready after {self.ready_timeout:.0f} s: {', '.join(late)}"
+                    )
                 self._pump(0.2)
                 for ch in self.children:
                     rc = ch.proc.poll()
@@ -280,13 +310,19 @@ class Deployment:
             ch.exit_logged = True
             self._mark_dead_metrics(ch.proc.pid)
             if ch.role == "expert-server":
-                _log(f"expert server {ch.name} (pid {ch.proc.pid}) exited with code {rc}; clients fail over to other replicas")
+                _log(
+                    f"expert server {ch.name} (pid {ch.proc.pid}) exited with code {rc}; clients fail over to other replicas"
+                )
                 self.table = self.table.without_servers([ch.server_id])
                 write_table(self.table_path, self.table)
                 unc = self.table.uncovered()
                 _log(
                     f"published routing table version {self.table.version} without {ch.name}"
-                    + (f" ({len(unc)} experts have no replica left: requests needing them fail with 503)" if unc else "")
+                    + (
+                        f" ({len(unc)} experts have no replica left: requests needing them fail with 503)"
+                        if unc
+                        else ""
+                    )
                 )
             else:
                 _log(f"attention client {ch.name} (pid {ch.proc.pid}) exited with code {rc}")
@@ -307,7 +343,9 @@ class Deployment:
         while not self._stop:
             self._pump(0.2)
             self._check_children()
-            if all(ch.proc.poll() is not None for ch in self.children if ch.role == "attention-client"):
+            if all(
+                ch.proc.poll() is not None for ch in self.children if ch.role == "attention-client"
+            ):
                 _log("no attention client left; shutting down")
                 return 1
         return 0

@@ -8,5 +8,16 @@ Entry points: ``eaas testbed build|up|down|env`` (see :mod:`.cluster` and :mod:`
 from .binaries import BINARIES, BuildError, build, find_bin_dir
 from .cluster import Testbed, TestbedError, default_state_dir, down, env_lines, load, up
 
-__all__ = ["BINARIES", "BuildError", "Testbed", "TestbedError", "build", "default_state_dir",
-           "down", "env_lines", "find_bin_dir", "load", "up"]
+__all__ = [
+    "BINARIES",
+    "BuildError",
+    "Testbed",
+    "TestbedError",
+    "build",
+    "default_state_dir",
+    "down",
+    "env_lines",
+    "find_bin_dir",
+    "load",
+    "up",
+]

@@ -45,18 +45,50 @@ HELM_VERSION = "v3.22.0"
 # k8s.io/kubernetes go.mod's replace block (./staging/src/k8s.io/*), minus sample-cli-plugin,
 # which is not published at v0.36.x and which nothing we build imports.
 _STAGING = [
-    "api", "apiextensions-apiserver", "apimachinery", "apiserver", "cli-runtime", "client-go",
-    "cloud-provider", "cluster-bootstrap", "code-generator", "component-base",
-    "component-helpers", "controller-manager", "cri-api", "cri-client", "cri-streaming",
-    "csi-translation-lib", "dynamic-resource-allocation", "endpointslice", "externaljwt", "kms",
-    "kube-aggregator", "kube-controller-manager", "kube-proxy", "kube-scheduler", "kubectl",
-    "kubelet", "metrics", "mount-utils", "pod-security-admission", "sample-apiserver",
-    "sample-controller", "streaming",
+    "api",
+    "apiextensions-apiserver",
+    "apimachinery",
+    "apiserver",
+    "cli-runtime",
+    "client-go",
+    "cloud-provider",
+    "cluster-bootstrap",
+    "code-generator",
+    "component-base",
+    "component-helpers",
+    "controller-manager",
+    "cri-api",
+    "cri-client",
+    "cri-streaming",
+    "csi-translation-lib",
+    "dynamic-resource-allocation",
+    "endpointslice",
+    "externaljwt",
+    "kms",
+    "kube-aggregator",
+    "kube-controller-manager",
+    "kube-proxy",
+    "kube-scheduler",
+    "kubectl",
+    "kubelet",
+    "metrics",
+    "mount-utils",
+    "pod-security-admission",
+    "sample-apiserver",
+    "sample-controller",
+    "streaming",
 ]
 
 #: Every binary the testbed needs.
-BINARIES = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl",
-            "kwok", "helm"]
+BINARIES = [
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubectl",
+    "kwok",
+    "helm",
+]
 
 
 def _staging_version(k8s_version: str) -> str:
@@ -79,8 +111,11 @@ def _k8s_gomod(k8s_version: str) -> str:
 def _k8s_ldflags(k8s_version: str) -> str:
     major, minor, _ = k8s_version.lstrip("v").split(".")
     pairs = {
-        "gitVersion": k8s_version, "gitMajor": major, "gitMinor": minor,
-        "gitTreeState": "clean", "buildDate": "1970-01-01T00:00:00Z",
+        "gitVersion": k8s_version,
+        "gitMajor": major,
+        "gitMinor": minor,
+        "gitTreeState": "clean",
+        "buildDate": "1970-01-01T00:00:00Z",
     }
     flags = []
     for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
@@ -111,11 +146,18 @@ def _etcd_gomod(etcd_version: str) -> str:
 #: The build recipe. Each entry is one ``go build`` (helper module) or ``go install``.
 RECIPE: list[dict] = [
     {
-        "name": "etcd", "kind": "module", "gomod": _etcd_gomod(ETCD_VERSION),
-        "files": {"main.go": _ETCD_MAIN}, "packages": {"etcd": "."}, "ldflags": "",
+        "name": "etcd",
+        "kind": "module",
+        "gomod": _etcd_gomod(ETCD_VERSION),
+        "files": {"main.go": _ETCD_MAIN},
+        "packages": {"etcd": "."},
+        "ldflags": "",
     },
     {
-        "name": "kubernetes", "kind": "module", "gomod": _k8s_gomod(K8S_VERSION), "files": {},
+        "name": "kubernetes",
+        "kind": "module",
+        "gomod": _k8s_gomod(K8S_VERSION),
+        "files": {},
         "packages": {
             "kube-apiserver": "k8s.io/kubernetes/cmd/kube-apiserver",
             "kube-controller-manager": "k8s.io/kubernetes/cmd/kube-controller-manager",
@@ -124,10 +166,18 @@ RECIPE: list[dict] = [
         },
         "ldflags": _k8s_ldflags(K8S_VERSION),
     },
-    {"name": "kwok", "kind": "install", "packages": {"kwok": f"sigs.k8s.io/kwok/cmd/kwok@{KWOK_VERSION}"},
-     "ldflags": ""},
-    {"name": "helm", "kind": "install", "packages": {"helm": f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}"},
-     "ldflags": f"-X helm.sh/helm/v3/internal/version.version={HELM_VERSION}"},
+    {
+        "name": "kwok",
+        "kind": "install",
+        "packages": {"kwok": f"sigs.k8s.io/kwok/cmd/kwok@{KWOK_VERSION}"},
+        "ldflags": "",
+    },
+    {
+        "name": "helm",
+        "kind": "install",
+        "packages": {"helm": f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}"},
+        "ldflags": f"-X helm.sh/helm/v3/internal/version.version={HELM_VERSION}",
+    },
 ]
 
 
@@ -144,13 +194,16 @@ def go_binary() -> str:
     for cand in (os.environ.get("GO"), shutil.which("go"), "/usr/local/go/bin/go"):
         if cand and Path(cand).is_file() and os.access(cand, os.X_OK):
             return cand
-    raise BuildError("no Go toolchain found (set $GO or put `go` on PATH); "
-                     "or point KUBEBUILDER_ASSETS at prebuilt binaries")
+    raise BuildError(
+        "no Go toolchain found (set $GO or put `go` on PATH); "
+        "or point KUBEBUILDER_ASSETS at prebuilt binaries"
+    )
 
 
 def _go_version(go: str) -> str:
-    return subprocess.run([go, "env", "GOVERSION"], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+        [go, "env", "GOVERSION"], capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def recipe_hash(go: str | None = None) -> str:
@@ -190,8 +243,7 @@ def _run(cmd: list[str], cwd: Path, env: dict, log) -> None:
     log.flush()
     proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
-        raise BuildError(f"{' '.join(cmd[:3])} ... failed (exit {proc.returncode}); "
-                         f"see {log.name}")
+        raise BuildError(f"{' '.join(cmd[:3])} ... failed (exit {proc.returncode}); see {log.name}")
 
 
 def build(force: bool = False, echo=print) -> Path:
@@ -218,8 +270,12 @@ def build(force: bool = False, echo=print) -> Path:
     env.setdefault("CGO_ENABLED", "0")
     env["GOFLAGS"] = (env.get("GOFLAGS", "") + " -mod=mod").strip()
     env["GOTOOLCHAIN"] = "local"
-    todo = [(step, name, pkg) for step in RECIPE for name, pkg in step["packages"].items()
-            if force or not (bin_dir / name).is_file()]
+    todo = [
+        (step, name, pkg)
+        for step in RECIPE
+        for name, pkg in step["packages"].items()
+        if force or not (bin_dir / name).is_file()
+    ]
     if not todo:
         return bin_dir
     log_path = root / "build.log"

@@ -46,11 +46,16 @@ from . import pki as _pki
 SERVICE_CIDR = "10.96.0.0/16"
 SERVICE_IP = "10.96.0.1"  # first IP of SERVICE_CIDR: the in-cluster `kubernetes` Service
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
-GPU_LABELS = {"eaas.io/rdma": "true", "nvidia.com/gpu.present": "true",
-              "eaas.io/node-kind": "gpu"}
+GPU_LABELS = {"eaas.io/rdma": "true", "nvidia.com/gpu.present": "true", "eaas.io/node-kind": "gpu"}
 CPU_LABELS = {"eaas.io/node-kind": "cpu"}
-GPU_ALLOCATABLE = {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": "8",
-                   "rdma/ib": "8", "ephemeral-storage": "1Ti"}
+GPU_ALLOCATABLE = {
+    "cpu": "96",
+    "memory": "1Ti",
+    "pods": "110",
+    "nvidia.com/gpu": "8",
+    "rdma/ib": "8",
+    "ephemeral-storage": "1Ti",
+}
 CPU_ALLOCATABLE = {"cpu": "32", "memory": "128Gi", "pods": "110", "ephemeral-storage": "500Gi"}
 STATE_FILE = "testbed.json"
 # Start order; `down` stops in reverse.
@@ -85,25 +90,44 @@ class Testbed:
         env["PATH"] = f"{self.bin_dir}{os.pathsep}{env.get('PATH', '')}"
         return env
 
-    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
-                timeout: float = 60) -> subprocess.CompletedProcess:
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 60
+    ) -> subprocess.CompletedProcess:
         """Run this testbed's kubectl; returns the CompletedProcess (text mode)."""
-        return subprocess.run([str(self.bin_dir / "kubectl"), *args], env=self.env(),
-                              input=input, capture_output=True, text=True, check=check,
-                              timeout=timeout)
+        return subprocess.run(
+            [str(self.bin_dir / "kubectl"), *args],
+            env=self.env(),
+            input=input,
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=timeout,
+        )
 
     def to_json(self) -> dict:
-        return {"state_dir": str(self.state_dir), "bin_dir": str(self.bin_dir),
-                "kubeconfig": str(self.kubeconfig), "apiserver_url": self.apiserver_url,
-                "ports": self.ports, "pids": self.pids, "gpu_nodes": self.gpu_nodes,
-                "cpu_nodes": self.cpu_nodes}
+        return {
+            "state_dir": str(self.state_dir),
+            "bin_dir": str(self.bin_dir),
+            "kubeconfig": str(self.kubeconfig),
+            "apiserver_url": self.apiserver_url,
+            "ports": self.ports,
+            "pids": self.pids,
+            "gpu_nodes": self.gpu_nodes,
+            "cpu_nodes": self.cpu_nodes,
+        }
 
     @classmethod
-    def from_json(cls, d: dict) -> "Testbed":
-        return cls(state_dir=Path(d["state_dir"]), bin_dir=Path(d["bin_dir"]),
-                   kubeconfig=Path(d["kubeconfig"]), apiserver_url=d["apiserver_url"],
-                   ports=d["ports"], pids=d["pids"], gpu_nodes=d.get("gpu_nodes", []),
-                   cpu_nodes=d.get("cpu_nodes", []))
+    def from_json(cls, d: dict) -> Testbed:
+        return cls(
+            state_dir=Path(d["state_dir"]),
+            bin_dir=Path(d["bin_dir"]),
+            kubeconfig=Path(d["kubeconfig"]),
+            apiserver_url=d["apiserver_url"],
+            ports=d["ports"],
+            pids=d["pids"],
+            gpu_nodes=d.get("gpu_nodes", []),
+            cpu_nodes=d.get("cpu_nodes", []),
+        )
 
 
 def default_state_dir() -> Path:
@@ -149,12 +173,14 @@ def _ssl_context(pki_dir: Path) -> ssl.SSLContext:
     return ctx
 
 
-def api(tb: Testbed, method: str, path: str, body: dict | None = None,
-        timeout: float = 10) -> tuple[int, dict | str]:
+def api(
+    tb: Testbed, method: str, path: str, body: dict | None = None, timeout: float = 10
+) -> tuple[int, dict | str]:
     """One HTTPS request to the testbed apiserver as admin. Returns (status, parsed body)."""
     ctx = _ssl_context(tb.state_dir / "pki")
-    conn = http.client.HTTPSConnection("127.0.0.1", tb.ports["apiserver"], context=ctx,
-                                       timeout=timeout)
+    conn = http.client.HTTPSConnection(
+        "127.0.0.1", tb.ports["apiserver"], context=ctx, timeout=timeout
+    )
     try:
         data = json.dumps(body).encode() if body is not None else None
         conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
@@ -186,14 +212,34 @@ def _write_kubeconfig(path: Path, server: str, pki: dict) -> None:
         return base64.b64encode(p.read_bytes()).decode()
 
     cfg = {
-        "apiVersion": "v1", "kind": "Config", "current-context": "eaas-testbed",
-        "clusters": [{"name": "eaas-testbed", "cluster": {
-            "server": server, "certificate-authority-data": b64(pki["ca_crt"])}}],
-        "users": [{"name": "eaas-testbed-admin", "user": {
-            "client-certificate-data": b64(pki["admin_crt"]),
-            "client-key-data": b64(pki["admin_key"])}}],
-        "contexts": [{"name": "eaas-testbed", "context": {
-            "cluster": "eaas-testbed", "user": "eaas-testbed-admin", "namespace": "default"}}],
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "eaas-testbed",
+        "clusters": [
+            {
+                "name": "eaas-testbed",
+                "cluster": {"server": server, "certificate-authority-data": b64(pki["ca_crt"])},
+            }
+        ],
+        "users": [
+            {
+                "name": "eaas-testbed-admin",
+                "user": {
+                    "client-certificate-data": b64(pki["admin_crt"]),
+                    "client-key-data": b64(pki["admin_key"]),
+                },
+            }
+        ],
+        "contexts": [
+            {
+                "name": "eaas-testbed",
+                "context": {
+                    "cluster": "eaas-testbed",
+                    "user": "eaas-testbed-admin",
+                    "namespace": "default",
+                },
+            }
+        ],
         "preferences": {},
     }
     path.write_text(json.dumps(cfg, indent=2))  # JSON is valid YAML
@@ -211,10 +257,16 @@ def _die_with_parent() -> None:
 def _start(tb: Testbed, name: str, args: list[str], attached: bool = False) -> None:
     log = tb.state_dir / "logs" / f"{name}.log"
     with open(log, "ab") as f:
-        proc = subprocess.Popen([str(tb.bin_dir / name), *args], stdin=subprocess.DEVNULL,
-                                stdout=f, stderr=subprocess.STDOUT, cwd=tb.state_dir,
-                                start_new_session=True, close_fds=True,
-                                preexec_fn=_die_with_parent if attached else None)
+        proc = subprocess.Popen(
+            [str(tb.bin_dir / name), *args],
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=tb.state_dir,
+            start_new_session=True,
+            close_fds=True,
+            preexec_fn=_die_with_parent if attached else None,
+        )
     tb.pids[name] = proc.pid
     (tb.state_dir / STATE_FILE).write_text(json.dumps(tb.to_json(), indent=2))
 
@@ -231,15 +283,16 @@ def _wait(tb: Testbed, what: str, check, deadline: float, watch: list[str]) -> N
         for name in watch:
             if not _pid_alive(tb.pids[name], name):
                 log = tb.state_dir / "logs" / f"{name}.log"
-                raise TestbedError(f"{name} exited while waiting for {what}; log {log}:\n"
-                                   f"{_tail(log)}")
+                raise TestbedError(
+                    f"{name} exited while waiting for {what}; log {log}:\n{_tail(log)}"
+                )
         try:
             if check():
                 return
         except OSError:
             pass
         if time.monotonic() > deadline:
-            raise TestbedError(f"timed out waiting for {what}; logs in {tb.state_dir/'logs'}")
+            raise TestbedError(f"timed out waiting for {what}; logs in {tb.state_dir / 'logs'}")
         time.sleep(0.5)
 
 
@@ -256,12 +309,18 @@ def _https_ok(port: int, path: str, ctx: ssl.SSLContext) -> bool:
 
 def _node(name: str, index: int, labels: dict, allocatable: dict) -> dict:
     return {
-        "apiVersion": "v1", "kind": "Node",
+        "apiVersion": "v1",
+        "kind": "Node",
         "metadata": {
             "name": name,
             "annotations": {KWOK_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
-            "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
-                       "kubernetes.io/arch": "amd64", "type": "kwok", **labels},
+            "labels": {
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                "type": "kwok",
+                **labels,
+            },
         },
         # kwok hands out pod IPs from spec.podCIDR: loopback addresses, one /24 per node.
         "spec": {"podCIDR": f"127.1.{index}.0/24", "podCIDRs": [f"127.1.{index}.0/24"]},
@@ -269,8 +328,14 @@ def _node(name: str, index: int, labels: dict, allocatable: dict) -> dict:
     }
 
 
-def up(state_dir: Path | None = None, gpu_nodes: int = 4, cpu_nodes: int = 1,
-       timeout: float = 300, echo=print, attached: bool = False) -> Testbed:
+def up(
+    state_dir: Path | None = None,
+    gpu_nodes: int = 4,
+    cpu_nodes: int = 1,
+    timeout: float = 300,
+    echo=print,
+    attached: bool = False,
+) -> Testbed:
     """Build (if needed) and start the testbed; return it once nodes are Ready.
 
     Idempotent: if a healthy testbed is already recorded in ``state_dir`` it is returned as
@@ -302,19 +367,26 @@ def up(state_dir: Path | None = None, gpu_nodes: int = 4, cpu_nodes: int = 1,
     t0 = time.monotonic()
     deadline = t0 + timeout
     if state_dir.exists() and any(state_dir.iterdir()):
-        raise TestbedError(f"state dir {state_dir} exists and is not empty; "
-                           "remove it or pick another --state-dir")
+        raise TestbedError(
+            f"state dir {state_dir} exists and is not empty; remove it or pick another --state-dir"
+        )
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
     (state_dir / "etcd").mkdir(mode=0o700, exist_ok=True)
     pki_dir = state_dir / "pki"
     pki = _pki.make_pki(pki_dir, SERVICE_IP)
-    ports = {"etcd": _free_port(), "etcd_peer": _free_port(), "apiserver": _free_port(),
-             "controller_manager": _free_port(), "scheduler": _free_port()}
+    ports = {
+        "etcd": _free_port(),
+        "etcd_peer": _free_port(),
+        "apiserver": _free_port(),
+        "controller_manager": _free_port(),
+        "scheduler": _free_port(),
+    }
     url = f"https://127.0.0.1:{ports['apiserver']}"
     kubeconfig = state_dir / "kubeconfig"
     _write_kubeconfig(kubeconfig, url, pki)
-    tb = Testbed(state_dir=state_dir, bin_dir=bin_dir, kubeconfig=kubeconfig,
-                 apiserver_url=url, ports=ports)
+    tb = Testbed(
+        state_dir=state_dir, bin_dir=bin_dir, kubeconfig=kubeconfig, apiserver_url=url, ports=ports
+    )
     tb.gpu_nodes = [f"gpu-node-{i}" for i in range(gpu_nodes)]
     tb.cpu_nodes = [f"cpu-node-{i}" for i in range(cpu_nodes)]
     try:
@@ -322,8 +394,10 @@ def up(state_dir: Path | None = None, gpu_nodes: int = 4, cpu_nodes: int = 1,
     except BaseException:
         down(state_dir, echo=lambda *_: None, remove=False)
         raise
-    echo(f"testbed up in {time.monotonic() - t0:.1f}s: {url}; "
-         f"{gpu_nodes} GPU + {cpu_nodes} CPU nodes; state {state_dir}")
+    echo(
+        f"testbed up in {time.monotonic() - t0:.1f}s: {url}; "
+        f"{gpu_nodes} GPU + {cpu_nodes} CPU nodes; state {state_dir}"
+    )
     return tb
 
 
@@ -332,13 +406,24 @@ def _up(tb: Testbed, pki: dict, deadline: float, echo, attached: bool) -> None:
     etcd_url = f"http://127.0.0.1:{ports['etcd']}"
     peer_url = f"http://127.0.0.1:{ports['etcd_peer']}"
     echo("starting etcd")
-    _start(tb, "etcd", [
-        "--name=testbed", f"--data-dir={tb.state_dir / 'etcd'}",
-        f"--listen-client-urls={etcd_url}", f"--advertise-client-urls={etcd_url}",
-        f"--listen-peer-urls={peer_url}", f"--initial-advertise-peer-urls={peer_url}",
-        f"--initial-cluster=testbed={peer_url}", "--initial-cluster-state=new",
-        "--unsafe-no-fsync=true", "--log-level=warn", "--quota-backend-bytes=2147483648",
-    ], attached=attached)
+    _start(
+        tb,
+        "etcd",
+        [
+            "--name=testbed",
+            f"--data-dir={tb.state_dir / 'etcd'}",
+            f"--listen-client-urls={etcd_url}",
+            f"--advertise-client-urls={etcd_url}",
+            f"--listen-peer-urls={peer_url}",
+            f"--initial-advertise-peer-urls={peer_url}",
+            f"--initial-cluster=testbed={peer_url}",
+            "--initial-cluster-state=new",
+            "--unsafe-no-fsync=true",
+            "--log-level=warn",
+            "--quota-backend-bytes=2147483648",
+        ],
+        attached=attached,
+    )
 
     def etcd_ok() -> bool:
         conn = http.client.HTTPConnection("127.0.0.1", ports["etcd"], timeout=3)
@@ -351,66 +436,103 @@ def _up(tb: Testbed, pki: dict, deadline: float, echo, attached: bool) -> None:
 
     _wait(tb, "etcd /health", etcd_ok, deadline, ["etcd"])
     echo("starting kube-apiserver")
-    _start(tb, "kube-apiserver", [
-        f"--etcd-servers={etcd_url}",
-        "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
-        f"--secure-port={ports['apiserver']}",
-        f"--tls-cert-file={pki['apiserver_crt']}", f"--tls-private-key-file={pki['apiserver_key']}",
-        f"--client-ca-file={pki['ca_crt']}",
-        # Fills kube-system/extension-apiserver-authentication completely, so the delegated
-        # authn of the controller-manager and scheduler does not log missing-CA errors.
-        f"--requestheader-client-ca-file={pki['ca_crt']}",
-        "--requestheader-allowed-names=front-proxy-client",
-        "--requestheader-username-headers=X-Remote-User",
-        "--requestheader-group-headers=X-Remote-Group",
-        "--requestheader-extra-headers-prefix=X-Remote-Extra-",
-        "--authorization-mode=RBAC",
-        f"--service-cluster-ip-range={SERVICE_CIDR}",
-        "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-        f"--service-account-key-file={pki['sa_pub']}",
-        f"--service-account-signing-key-file={pki['sa_key']}",
-        "--allow-privileged=true",
-        # Endpoints of the `kubernetes` Service may not hold loopback IPs (validation), so the
-        # default lease reconciler would log an error every 10s; there is nothing to reach it.
-        "--endpoint-reconciler-type=none",
-        "--profiling=false",
-        "--v=1",
-    ], attached=attached)
+    _start(
+        tb,
+        "kube-apiserver",
+        [
+            f"--etcd-servers={etcd_url}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            f"--secure-port={ports['apiserver']}",
+            f"--tls-cert-file={pki['apiserver_crt']}",
+            f"--tls-private-key-file={pki['apiserver_key']}",
+            f"--client-ca-file={pki['ca_crt']}",
+            # Fills kube-system/extension-apiserver-authentication completely, so the delegated
+            # authn of the controller-manager and scheduler does not log missing-CA errors.
+            f"--requestheader-client-ca-file={pki['ca_crt']}",
+            "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            "--authorization-mode=RBAC",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={pki['sa_pub']}",
+            f"--service-account-signing-key-file={pki['sa_key']}",
+            "--allow-privileged=true",
+            # Endpoints of the `kubernetes` Service may not hold loopback IPs (validation), so the
+            # default lease reconciler would log an error every 10s; there is nothing to reach it.
+            "--endpoint-reconciler-type=none",
+            "--profiling=false",
+            "--v=1",
+        ],
+        attached=attached,
+    )
     ctx = _ssl_context(tb.state_dir / "pki")
-    _wait(tb, "kube-apiserver /readyz", lambda: _https_ok(ports["apiserver"], "/readyz", ctx),
-          deadline, ["etcd", "kube-apiserver"])
+    _wait(
+        tb,
+        "kube-apiserver /readyz",
+        lambda: _https_ok(ports["apiserver"], "/readyz", ctx),
+        deadline,
+        ["etcd", "kube-apiserver"],
+    )
     kc = str(tb.kubeconfig)
     echo("starting kube-controller-manager, kube-scheduler, kwok")
-    _start(tb, "kube-controller-manager", [
-        f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}",
-        f"--authorization-kubeconfig={kc}",
-        "--bind-address=127.0.0.1", f"--secure-port={ports['controller_manager']}",
-        "--leader-elect=false",
-        f"--service-account-private-key-file={pki['sa_key']}",
-        f"--root-ca-file={pki['ca_crt']}",
-        f"--service-cluster-ip-range={SERVICE_CIDR}",
-        "--controllers=*",
-        "--profiling=false",
-        "--v=1",
-    ], attached=attached)
-    _start(tb, "kube-scheduler", [
-        f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}",
-        f"--authorization-kubeconfig={kc}",
-        "--bind-address=127.0.0.1", f"--secure-port={ports['scheduler']}",
-        "--leader-elect=false", "--profiling=false", "--v=1",
-    ], attached=attached)
+    _start(
+        tb,
+        "kube-controller-manager",
+        [
+            f"--kubeconfig={kc}",
+            f"--authentication-kubeconfig={kc}",
+            f"--authorization-kubeconfig={kc}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={ports['controller_manager']}",
+            "--leader-elect=false",
+            f"--service-account-private-key-file={pki['sa_key']}",
+            f"--root-ca-file={pki['ca_crt']}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--controllers=*",
+            "--profiling=false",
+            "--v=1",
+        ],
+        attached=attached,
+    )
+    _start(
+        tb,
+        "kube-scheduler",
+        [
+            f"--kubeconfig={kc}",
+            f"--authentication-kubeconfig={kc}",
+            f"--authorization-kubeconfig={kc}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={ports['scheduler']}",
+            "--leader-elect=false",
+            "--profiling=false",
+            "--v=1",
+        ],
+        attached=attached,
+    )
     stages = Path(__file__).with_name("kwok-stages.yaml")
-    _start(tb, "kwok", [
-        f"--kubeconfig={kc}", f"--config={stages}",
-        "--manage-all-nodes=false",
-        f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake",
-        "--node-ip=127.0.0.1", "--cidr=127.1.255.0/24",
-        "--node-lease-duration-seconds=40",
-    ], attached=attached)
+    _start(
+        tb,
+        "kwok",
+        [
+            f"--kubeconfig={kc}",
+            f"--config={stages}",
+            "--manage-all-nodes=false",
+            f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake",
+            "--node-ip=127.0.0.1",
+            "--cidr=127.1.255.0/24",
+            "--node-lease-duration-seconds=40",
+        ],
+        attached=attached,
+    )
     # Nodes: created by us, kept alive by kwok.
     nodes = [_node(n, i, GPU_LABELS, GPU_ALLOCATABLE) for i, n in enumerate(tb.gpu_nodes)]
-    nodes += [_node(n, len(tb.gpu_nodes) + i, CPU_LABELS, CPU_ALLOCATABLE)
-              for i, n in enumerate(tb.cpu_nodes)]
+    nodes += [
+        _node(n, len(tb.gpu_nodes) + i, CPU_LABELS, CPU_ALLOCATABLE)
+        for i, n in enumerate(tb.cpu_nodes)
+    ]
     for node in nodes:
         status, body = api(tb, "POST", "/api/v1/nodes", node)
         if status not in (200, 201):
@@ -419,11 +541,20 @@ def _up(tb: Testbed, pki: dict, deadline: float, echo, attached: bool) -> None:
     insecure = ssl.create_default_context()
     insecure.check_hostname = False
     insecure.verify_mode = ssl.CERT_NONE  # self-signed serving certs of KCM/scheduler
-    _wait(tb, "kube-controller-manager /healthz",
-          lambda: _https_ok(ports["controller_manager"], "/healthz", insecure), deadline,
-          all_components)
-    _wait(tb, "kube-scheduler /readyz",
-          lambda: _https_ok(ports["scheduler"], "/readyz", insecure), deadline, all_components)
+    _wait(
+        tb,
+        "kube-controller-manager /healthz",
+        lambda: _https_ok(ports["controller_manager"], "/healthz", insecure),
+        deadline,
+        all_components,
+    )
+    _wait(
+        tb,
+        "kube-scheduler /readyz",
+        lambda: _https_ok(ports["scheduler"], "/readyz", insecure),
+        deadline,
+        all_components,
+    )
     names = {n["metadata"]["name"] for n in nodes}
 
     def nodes_ready() -> bool:
@@ -436,20 +567,26 @@ def _up(tb: Testbed, pki: dict, deadline: float, echo, attached: bool) -> None:
             taints = {t["key"] for t in n.get("spec", {}).get("taints", []) or []}
             # node lifecycle taints (not-ready / unreachable) must be gone as well
             if conds.get("Ready") == "True" and not any(
-                    t.startswith("node.kubernetes.io/") for t in taints):
+                t.startswith("node.kubernetes.io/") for t in taints
+            ):
                 ready.add(n["metadata"]["name"])
         return names <= ready
 
     _wait(tb, f"{len(names)} nodes Ready", nodes_ready, deadline, all_components)
     # The ServiceAccount admission plugin rejects pods until the `default` SA exists.
-    _wait(tb, "ServiceAccount default/default",
-          lambda: api(tb, "GET", "/api/v1/namespaces/default/serviceaccounts/default")[0] == 200,
-          deadline, all_components)
+    _wait(
+        tb,
+        "ServiceAccount default/default",
+        lambda: api(tb, "GET", "/api/v1/namespaces/default/serviceaccounts/default")[0] == 200,
+        deadline,
+        all_components,
+    )
     (tb.state_dir / STATE_FILE).write_text(json.dumps(tb.to_json(), indent=2))
 
 
-def down(state_dir: Path | None = None, echo=print, remove: bool = True,
-         timeout: float = 15) -> bool:
+def down(
+    state_dir: Path | None = None, echo=print, remove: bool = True, timeout: float = 15
+) -> bool:
     """Stop every recorded component, in reverse start order (SIGTERM, then SIGKILL after
     ``timeout`` s each).
 
@@ -504,8 +641,12 @@ def env_lines(state_dir: Path | None = None) -> str:
     """
     tb = load(state_dir)
     if tb is None:
-        raise TestbedError(f"no testbed in {state_dir or default_state_dir()}; "
-                           "run `eaas testbed up` first")
+        raise TestbedError(
+            f"no testbed in {state_dir or default_state_dir()}; run `eaas testbed up` first"
+        )
     import shlex
-    return (f"export KUBECONFIG={shlex.quote(str(tb.kubeconfig))}\n"
-            f"export PATH={shlex.quote(str(tb.bin_dir))}:\"$PATH\"\n")
+
+    return (
+        f"export KUBECONFIG={shlex.quote(str(tb.kubeconfig))}\n"
+        f'export PATH={shlex.quote(str(tb.bin_dir))}:"$PATH"\n'
+    )

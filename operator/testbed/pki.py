@@ -27,18 +27,41 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 
 def _key(cwd: Path, name: str) -> None:
-    _openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048",
-             "-out", f"{name}.key", cwd=cwd)
+    _openssl(
+        "genpkey",
+        "-algorithm",
+        "RSA",
+        "-pkeyopt",
+        "rsa_keygen_bits:2048",
+        "-out",
+        f"{name}.key",
+        cwd=cwd,
+    )
 
 
 def _sign(cwd: Path, name: str, subject: str, ext: str) -> None:
     _key(cwd, name)
-    _openssl("req", "-new", "-key", f"{name}.key", "-subj", subject, "-out", f"{name}.csr",
-             cwd=cwd)
+    _openssl("req", "-new", "-key", f"{name}.key", "-subj", subject, "-out", f"{name}.csr", cwd=cwd)
     (cwd / f"{name}.ext").write_text(ext)
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-             "-CAcreateserial", "-days", _DAYS, "-sha256", "-extfile", f"{name}.ext",
-             "-out", f"{name}.crt", cwd=cwd)
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        _DAYS,
+        "-sha256",
+        "-extfile",
+        f"{name}.ext",
+        "-out",
+        f"{name}.crt",
+        cwd=cwd,
+    )
     (cwd / f"{name}.csr").unlink()
     (cwd / f"{name}.ext").unlink()
 
@@ -51,22 +74,50 @@ def make_pki(pki_dir: Path, service_ip: str) -> dict[str, Path]:
     """
     pki_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     _key(pki_dir, "ca")
-    _openssl("req", "-x509", "-new", "-key", "ca.key", "-subj", "/CN=eaas-testbed-ca",
-             "-days", _DAYS, "-sha256",
-             "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
-             "-out", "ca.crt", cwd=pki_dir)
-    sans = ",".join([
-        "IP:127.0.0.1", f"IP:{service_ip}", "DNS:localhost", "DNS:kubernetes",
-        "DNS:kubernetes.default", "DNS:kubernetes.default.svc",
-        "DNS:kubernetes.default.svc.cluster.local",
-    ])
-    _sign(pki_dir, "apiserver", "/CN=kube-apiserver",
-          "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
-          f"extendedKeyUsage=serverAuth\nsubjectAltName={sans}\n")
-    _sign(pki_dir, "admin", "/O=system:masters/CN=eaas-testbed-admin",
-          "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
-          "extendedKeyUsage=clientAuth\n")
+    _openssl(
+        "req",
+        "-x509",
+        "-new",
+        "-key",
+        "ca.key",
+        "-subj",
+        "/CN=eaas-testbed-ca",
+        "-days",
+        _DAYS,
+        "-sha256",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
+        "-out",
+        "ca.crt",
+        cwd=pki_dir,
+    )
+    sans = ",".join(
+        [
+            "IP:127.0.0.1",
+            f"IP:{service_ip}",
+            "DNS:localhost",
+            "DNS:kubernetes",
+            "DNS:kubernetes.default",
+            "DNS:kubernetes.default.svc",
+            "DNS:kubernetes.default.svc.cluster.local",
+        ]
+    )
+    _sign(
+        pki_dir,
+        "apiserver",
+        "/CN=kube-apiserver",
+        "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+        f"extendedKeyUsage=serverAuth\nsubjectAltName={sans}\n",
+    )
+    _sign(
+        pki_dir,
+        "admin",
+        "/O=system:masters/CN=eaas-testbed-admin",
+        "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage=clientAuth\n",
+    )
     _key(pki_dir, "sa")
     _openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki_dir)
     names = {"ca": "ca", "apiserver": "apiserver", "admin": "admin"}

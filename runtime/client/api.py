@@ -40,13 +40,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from eaas.runtime import metrics
+from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from eaas.runtime import metrics
-from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams
 
 log = logging.getLogger("eaas.client.api")
 
@@ -58,15 +57,34 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 class APIError(Exception):
     """An error answered in OpenAI's JSON shape."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
 
     def response(self) -> JSONResponse:
         return error_response(self.status, self.message, self.type, self.param, self.code)
 
 
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> JSONResponse:
     return JSONResponse(
         status_code=status,
         content={"error": {"message": message, "type": type_, "param": param, "code": code}},
@@ -82,7 +100,9 @@ def _is_retryable(exc: BaseException) -> bool:
 def _exc_error(exc: BaseException) -> APIError:
     if _is_retryable(exc):
         return APIError(503, f"{exc}; retry later", "service_unavailable", None, "no_live_replica")
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error", None, None)
+    return APIError(
+        500, f"internal error: {type(exc).__name__}: {exc}", "internal_error", None, None
+    )
 
 
 # ---- request validation (explicit, so every message names the offending field) ------------
@@ -91,22 +111,43 @@ def _int(body: dict, key: str, default: int | None, minimum: int | None = None) 
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int):
-        raise APIError(400, f"'{key}' must be an integer, got {type(v).__name__} {v!r}", param=key, code="invalid_type")
+        raise APIError(
+            400,
+            f"'{key}' must be an integer, got {type(v).__name__} {v!r}",
+            param=key,
+            code="invalid_type",
+        )
     if minimum is not None and v < minimum:
-        raise APIError(400, f"'{key}' must be >= {minimum}, got {v}", param=key, code="invalid_value")
+        raise APIError(
+            400, f"'{key}' must be >= {minimum}, got {v}", param=key, code="invalid_value"
+        )
     return v
 
 
-def _num(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+def _num(
+    body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False
+) -> float:
     v = body.get(key, default)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise APIError(400, f"'{key}' must be a number, got {type(v).__name__} {v!r}", param=key, code="invalid_type")
+        raise APIError(
+            400,
+            f"'{key}' must be a number, got {type(v).__name__} {v!r}",
+            param=key,
+            code="invalid_type",
+        )
     if not math.isfinite(v):  # Python's json accepts NaN / Infinity / -Infinity
-        raise APIError(400, f"'{key}' must be a finite number, got {v}", param=key, code="invalid_value")
+        raise APIError(
+            400, f"'{key}' must be a finite number, got {v}", param=key, code="invalid_value"
+        )
     if v > hi or v < lo or (lo_open and v <= lo):
-        raise APIError(400, f"'{key}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", param=key, code="invalid_value")
+        raise APIError(
+            400,
+            f"'{key}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}",
+            param=key,
+            code="invalid_value",
+        )
     return float(v)
 
 
@@ -115,7 +156,12 @@ def _bool(body: dict, key: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise APIError(400, f"'{key}' must be a boolean, got {type(v).__name__} {v!r}", param=key, code="invalid_type")
+        raise APIError(
+            400,
+            f"'{key}' must be a boolean, got {type(v).__name__} {v!r}",
+            param=key,
+            code="invalid_type",
+        )
     return v
 
 
@@ -126,9 +172,13 @@ def _stop(body: dict) -> list[str]:
     if isinstance(v, str):
         v = [v]
     if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise APIError(400, "'stop' must be a string or a list of strings", param="stop", code="invalid_type")
+        raise APIError(
+            400, "'stop' must be a string or a list of strings", param="stop", code="invalid_type"
+        )
     if len(v) > 4:
-        raise APIError(400, "'stop' accepts at most 4 sequences", param="stop", code="invalid_value")
+        raise APIError(
+            400, "'stop' accepts at most 4 sequences", param="stop", code="invalid_value"
+        )
     return [s for s in v if s]
 
 
@@ -161,7 +211,16 @@ class OpenAIServer:
         health_extra: callable returning extra /health fields (e.g. the dispatcher's view).
     """
 
-    def __init__(self, engine: Engine, tokenizer, model_name: str, max_context: int, vocab_size: int, client_id: str, health_extra=None):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        model_name: str,
+        max_context: int,
+        vocab_size: int,
+        client_id: str,
+        health_extra=None,
+    ):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -177,11 +236,28 @@ class OpenAIServer:
         if m is None:
             return
         if not isinstance(m, str):
-            raise APIError(400, f"'model' must be a string, got {type(m).__name__}", param="model", code="invalid_type")
+            raise APIError(
+                400,
+                f"'model' must be a string, got {type(m).__name__}",
+                param="model",
+                code="invalid_type",
+            )
         if m != self.model_name:
-            raise APIError(400, f"The model '{m}' does not exist; this server serves '{self.model_name}'", param="model", code="model_not_found")
+            raise APIError(
+                400,
+                f"The model '{m}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
 
-    def _common(self, body: dict, prompt_ids: list[int], max_tokens_key: str, default_max: int | None, prompt_param: str) -> _Prepared:
+    def _common(
+        self,
+        body: dict,
+        prompt_ids: list[int],
+        max_tokens_key: str,
+        default_max: int | None,
+        prompt_param: str,
+    ) -> _Prepared:
         n = _int(body, "n", 1, 1)
         if n != 1:
             raise APIError(400, "only n=1 is supported", param="n", code="invalid_value")
@@ -190,7 +266,12 @@ class OpenAIServer:
             max_tokens = _int(body, "max_tokens", None)
             max_tokens_key = "max_tokens"
         if max_tokens is not None and max_tokens <= 0:
-            raise APIError(400, f"'{max_tokens_key}' must be >= 1, got {max_tokens}", param=max_tokens_key, code="invalid_value")
+            raise APIError(
+                400,
+                f"'{max_tokens_key}' must be >= 1, got {max_tokens}",
+                param=max_tokens_key,
+                code="invalid_value",
+            )
         room = self.max_context - len(prompt_ids)
         if room <= 0:
             raise APIError(
@@ -212,10 +293,20 @@ class OpenAIServer:
             )
         seed = _int(body, "seed", None)
         if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
-            raise APIError(400, f"'seed' must be in [{SEED_MIN}, {SEED_MAX}] (64 bit), got {seed}", param="seed", code="invalid_value")
+            raise APIError(
+                400,
+                f"'seed' must be in [{SEED_MIN}, {SEED_MAX}] (64 bit), got {seed}",
+                param="seed",
+                code="invalid_value",
+            )
         so = body.get("stream_options")
         if so is not None and not isinstance(so, dict):
-            raise APIError(400, "'stream_options' must be an object", param="stream_options", code="invalid_type")
+            raise APIError(
+                400,
+                "'stream_options' must be an object",
+                param="stream_options",
+                code="invalid_type",
+            )
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
@@ -224,65 +315,131 @@ class OpenAIServer:
             stop=_stop(body),
             ignore_eos=_bool(body, "ignore_eos", False),
         )
-        return _Prepared(prompt_ids, params, _bool(body, "stream", False), bool((so or {}).get("include_usage", False)))
+        return _Prepared(
+            prompt_ids,
+            params,
+            _bool(body, "stream", False),
+            bool((so or {}).get("include_usage", False)),
+        )
 
     def prepare_completion(self, body: dict) -> _Prepared:
         self._check_model(body)
         if "prompt" not in body or body["prompt"] is None:
-            raise APIError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
+            raise APIError(
+                400, "'prompt' is required", param="prompt", code="missing_required_parameter"
+            )
         p = body["prompt"]
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]
         if isinstance(p, str):
             if not p:
-                raise APIError(400, "'prompt' must not be empty", param="prompt", code="invalid_value")
+                raise APIError(
+                    400, "'prompt' must not be empty", param="prompt", code="invalid_value"
+                )
             ids = self.tokenizer(p)["input_ids"]
         elif isinstance(p, list):
             if not p:
-                raise APIError(400, "'prompt' must not be empty", param="prompt", code="invalid_value")
+                raise APIError(
+                    400, "'prompt' must not be empty", param="prompt", code="invalid_value"
+                )
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                raise APIError(400, "'prompt' must be a string, a list of token ids, or a list with one string", param="prompt", code="invalid_type")
+                raise APIError(
+                    400,
+                    "'prompt' must be a string, a list of token ids, or a list with one string",
+                    param="prompt",
+                    code="invalid_type",
+                )
             bad = [t for t in p if not 0 <= t < self.vocab_size]
             if bad:
-                raise APIError(400, f"'prompt' has token ids outside [0, {self.vocab_size}): {bad[:5]}", param="prompt", code="invalid_value")
+                raise APIError(
+                    400,
+                    f"'prompt' has token ids outside [0, {self.vocab_size}): {bad[:5]}",
+                    param="prompt",
+                    code="invalid_value",
+                )
             ids = list(p)
         else:
-            raise APIError(400, f"'prompt' must be a string or a list of token ids, got {type(p).__name__}", param="prompt", code="invalid_type")
+            raise APIError(
+                400,
+                f"'prompt' must be a string or a list of token ids, got {type(p).__name__}",
+                param="prompt",
+                code="invalid_type",
+            )
         if not ids:
-            raise APIError(400, "'prompt' tokenizes to zero tokens", param="prompt", code="invalid_value")
+            raise APIError(
+                400, "'prompt' tokenizes to zero tokens", param="prompt", code="invalid_value"
+            )
         return self._common(body, ids, "max_tokens", 16, "prompt")
 
     def prepare_chat(self, body: dict) -> _Prepared:
         self._check_model(body)
         msgs = body.get("messages")
         if msgs is None:
-            raise APIError(400, "'messages' is required", param="messages", code="missing_required_parameter")
+            raise APIError(
+                400, "'messages' is required", param="messages", code="missing_required_parameter"
+            )
         if not isinstance(msgs, list):
-            raise APIError(400, f"'messages' must be a list, got {type(msgs).__name__}", param="messages", code="invalid_type")
+            raise APIError(
+                400,
+                f"'messages' must be a list, got {type(msgs).__name__}",
+                param="messages",
+                code="invalid_type",
+            )
         if not msgs:
-            raise APIError(400, "'messages' must not be empty", param="messages", code="invalid_value")
+            raise APIError(
+                400, "'messages' must not be empty", param="messages", code="invalid_value"
+            )
         norm = []
         for i, m in enumerate(msgs):
             if not isinstance(m, dict):
-                raise APIError(400, f"'messages[{i}]' must be an object", param=f"messages[{i}]", code="invalid_type")
+                raise APIError(
+                    400,
+                    f"'messages[{i}]' must be an object",
+                    param=f"messages[{i}]",
+                    code="invalid_type",
+                )
             role, content = m.get("role"), m.get("content")
             if role not in CHAT_ROLES:
-                raise APIError(400, f"'messages[{i}].role' must be one of {list(CHAT_ROLES)}, got {role!r}", param=f"messages[{i}].role", code="invalid_value")
+                raise APIError(
+                    400,
+                    f"'messages[{i}].role' must be one of {list(CHAT_ROLES)}, got {role!r}",
+                    param=f"messages[{i}].role",
+                    code="invalid_value",
+                )
             if isinstance(content, list):
                 parts = []
                 for part in content:
-                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise APIError(400, f"'messages[{i}].content' parts must be {{'type': 'text', 'text': str}}", param=f"messages[{i}].content", code="invalid_type")
+                    if (
+                        not isinstance(part, dict)
+                        or part.get("type") != "text"
+                        or not isinstance(part.get("text"), str)
+                    ):
+                        raise APIError(
+                            400,
+                            f"'messages[{i}].content' parts must be {{'type': 'text', 'text': str}}",
+                            param=f"messages[{i}].content",
+                            code="invalid_type",
+                        )
                     parts.append(part["text"])
                 content = "".join(parts)
             elif content is None:
                 # OpenAI allows a null/missing content only on assistant messages (tool calls)
                 if role != "assistant":
                     missing = "missing" if "content" not in m else "null"
-                    raise APIError(400, f"'messages[{i}].content' is {missing}; {role} messages need a string or a list of text parts", param=f"messages[{i}].content", code="invalid_value" if missing == "null" else "missing_required_parameter")
+                    raise APIError(
+                        400,
+                        f"'messages[{i}].content' is {missing}; {role} messages need a string or a list of text parts",
+                        param=f"messages[{i}].content",
+                        code="invalid_value" if missing == "null" else "missing_required_parameter",
+                    )
                 content = ""
             elif not isinstance(content, str):
-                raise APIError(400, f"'messages[{i}].content' must be a string or a list of text parts", param=f"messages[{i}].content", code="invalid_type")
+                raise APIError(
+                    400,
+                    f"'messages[{i}].content' must be a string or a list of text parts",
+                    param=f"messages[{i}].content",
+                    code="invalid_type",
+                )
             norm.append({"role": role, "content": content})
         ids = self.render_chat(norm)
         return self._common(body, ids, "max_completion_tokens", None, "messages")
@@ -292,7 +449,9 @@ class OpenAIServer:
         if getattr(tok, "chat_template", None):
             text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         else:  # plain fallback
-            text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+            text = (
+                "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+            )
             if getattr(tok, "bos_token", None):
                 text = tok.bos_token + text
         return tok(text, add_special_tokens=False)["input_ids"]
@@ -312,7 +471,9 @@ def create_app(server: OpenAIServer) -> FastAPI:
         errs = exc.errors()
         first = errs[0] if errs else {}
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
-        return error_response(400, f"invalid request: {first.get('msg', str(exc))}", param=loc, code="invalid_value")
+        return error_response(
+            400, f"invalid request: {first.get('msg', str(exc))}", param=loc, code="invalid_value"
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req: Request, exc: StarletteHTTPException):
@@ -325,7 +486,9 @@ def create_app(server: OpenAIServer) -> FastAPI:
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+            raise APIError(
+                400, f"request body is not valid JSON: {exc}", code="invalid_json"
+            ) from None
         if not isinstance(body, dict):
             raise APIError(400, "request body must be a JSON object", code="invalid_json")
         return body
@@ -334,7 +497,15 @@ def create_app(server: OpenAIServer) -> FastAPI:
     async def models():
         return {
             "object": "list",
-            "data": [{"id": server.model_name, "object": "model", "created": server.created, "owned_by": "eaas", "max_model_len": server.max_context}],
+            "data": [
+                {
+                    "id": server.model_name,
+                    "object": "model",
+                    "created": server.created,
+                    "owned_by": "eaas",
+                    "max_model_len": server.max_context,
+                }
+            ],
         }
 
     @app.get("/health")
@@ -449,9 +620,21 @@ def create_app(server: OpenAIServer) -> FastAPI:
                 watcher.cancel()
             metrics.REQUESTS.labels(client_id=label, status="200").inc()
             if chat:
-                choice = {"index": 0, "message": {"role": "assistant", "content": req.text}, "logprobs": None, "finish_reason": req.finish_reason, "token_ids": list(req.output_ids)}
+                choice = {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": req.text},
+                    "logprobs": None,
+                    "finish_reason": req.finish_reason,
+                    "token_ids": list(req.output_ids),
+                }
             else:
-                choice = {"index": 0, "text": req.text, "logprobs": None, "finish_reason": req.finish_reason, "token_ids": list(req.output_ids)}
+                choice = {
+                    "index": 0,
+                    "text": req.text,
+                    "logprobs": None,
+                    "finish_reason": req.finish_reason,
+                    "token_ids": list(req.output_ids),
+                }
             return {
                 "id": rid,
                 "object": "chat.completion" if chat else "text_completion",
@@ -463,17 +646,37 @@ def create_app(server: OpenAIServer) -> FastAPI:
 
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, token_ids: list[int], finish: str | None, role: bool = False) -> str:
+        def chunk(
+            text: str | None, token_ids: list[int], finish: str | None, role: bool = False
+        ) -> str:
             if chat:
                 delta: dict[str, Any] = {}
                 if role:
                     delta["role"] = "assistant"
                 if text is not None:
                     delta["content"] = text
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, "token_ids": token_ids}
+                choice = {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": None,
+                    "finish_reason": finish,
+                    "token_ids": token_ids,
+                }
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish, "token_ids": token_ids}
-            payload = {"id": rid, "object": obj, "created": created, "model": server.model_name, "choices": [choice]}
+                choice = {
+                    "index": 0,
+                    "text": text or "",
+                    "logprobs": None,
+                    "finish_reason": finish,
+                    "token_ids": token_ids,
+                }
+            payload = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": server.model_name,
+                "choices": [choice],
+            }
             if prep.include_usage:
                 payload["usage"] = None
             return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
@@ -496,7 +699,14 @@ def create_app(server: OpenAIServer) -> FastAPI:
                         break
                     ev = await next_event()
                 if prep.include_usage:
-                    payload = {"id": rid, "object": obj, "created": created, "model": server.model_name, "choices": [], "usage": usage()}
+                    payload = {
+                        "id": rid,
+                        "object": obj,
+                        "created": created,
+                        "model": server.model_name,
+                        "choices": [],
+                        "usage": usage(),
+                    }
                     yield f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
                 yield "data: [DONE]\n\n"
                 status = "200"
@@ -505,6 +715,10 @@ def create_app(server: OpenAIServer) -> FastAPI:
                     req.cancel()
                 metrics.REQUESTS.labels(client_id=label, status=status).inc()
 
-        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            sse(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     return app

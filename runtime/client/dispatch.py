@@ -41,15 +41,14 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-from torch import nn
-
 from eaas.runtime import metrics
 from eaas.runtime.routing import RoutingTable, RoutingTableError
 from eaas.runtime.transport.base import STATUS_OK, ClientConnection, RequestFrame
+from torch import nn
 
 log = logging.getLogger("eaas.client.dispatch")
 
@@ -68,7 +67,8 @@ class NoLiveReplicaError(RuntimeError):
     def __init__(self, layer: int, expert: int, detail: str = ""):
         self.layer, self.expert = layer, expert
         super().__init__(
-            f"no live replica of expert {expert} of layer {layer}" + (f" ({detail})" if detail else "")
+            f"no live replica of expert {expert} of layer {layer}"
+            + (f" ({detail})" if detail else "")
         )
 
 
@@ -199,9 +199,23 @@ class Dispatcher:
             for layer, experts in sorted(table.layers.items()):
                 for e, reps in enumerate(experts):
                     if not reps:
-                        out.append({"layer": layer, "expert": e, "reason": f"no replica in routing table version {table.version}", "replicas": []})
+                        out.append(
+                            {
+                                "layer": layer,
+                                "expert": e,
+                                "reason": f"no replica in routing table version {table.version}",
+                                "replicas": [],
+                            }
+                        )
                     elif all(self._servers.get(r) is None or self._servers[r].down for r in reps):
-                        out.append({"layer": layer, "expert": e, "reason": "all replicas down", "replicas": list(reps)})
+                        out.append(
+                            {
+                                "layer": layer,
+                                "expert": e,
+                                "reason": "all replicas down",
+                                "replicas": list(reps),
+                            }
+                        )
             return out
 
     def reconnect_down(self) -> int:
@@ -222,8 +236,12 @@ class Dispatcher:
         for s in due:
             try:
                 conn = self._connect(
-                    s.endpoint, s.server_id, hidden_size=self.hidden_size, dtype=self.dtype,
-                    client_id=self.client_id, connect_timeout=connect_timeout,
+                    s.endpoint,
+                    s.server_id,
+                    hidden_size=self.hidden_size,
+                    dtype=self.dtype,
+                    client_id=self.client_id,
+                    connect_timeout=connect_timeout,
                 )
             except Exception as exc:  # noqa: BLE001
                 with self._lock:
@@ -233,10 +251,14 @@ class Dispatcher:
             with self._lock:
                 if self._servers.get(s.server_id) is s and s.down and s.conn is None:
                     s.conn, s.down = conn, False
-                    log.info("client %d: reconnected to expert server %s", self.client_id, s.server_id)
+                    log.info(
+                        "client %d: reconnected to expert server %s", self.client_id, s.server_id
+                    )
                     back += 1
                     conn = None
-            if conn is not None:  # the table changed meanwhile, or the dispatch path got there first
+            if (
+                conn is not None
+            ):  # the table changed meanwhile, or the dispatch path got there first
                 conn.close()
         return back
 
@@ -252,7 +274,9 @@ class Dispatcher:
                 "servers": {
                     s.server_id: {
                         "endpoint": s.endpoint,
-                        "state": "down" if s.down else ("connected" if s.conn is not None else "idle"),
+                        "state": "down"
+                        if s.down
+                        else ("connected" if s.conn is not None else "idle"),
                         "tokens_sent": s.tokens_sent,
                         "failures": s.failures,
                         **({"last_error": s.last_error} if s.last_error else {}),
@@ -282,11 +306,19 @@ class Dispatcher:
         s.consecutive += 1
         s.last_error = why
         # exponential back-off between reconnect attempts: retry_down_s, 2x, 4x, ... (max 30 s)
-        s.retry_at = time.monotonic() + min(self.retry_down_s * 2 ** (s.consecutive - 1), max(30.0, self.retry_down_s))
+        s.retry_at = time.monotonic() + min(
+            self.retry_down_s * 2 ** (s.consecutive - 1), max(30.0, self.retry_down_s)
+        )
         if not s.down:
             s.down = True
             metrics.SERVER_DOWN.labels(server=s.server_id).inc()
-            log.warning("client %d: expert server %s (%s) marked down: %s", self.client_id, s.server_id, s.endpoint, why)
+            log.warning(
+                "client %d: expert server %s (%s) marked down: %s",
+                self.client_id,
+                s.server_id,
+                s.endpoint,
+                why,
+            )
 
     def _usable(self, sid: str, now: float) -> bool:
         s = self._servers.get(sid)
@@ -336,10 +368,16 @@ class Dispatcher:
             except (KeyError, IndexError):
                 reps = ()
             if not reps:
-                raise NoLiveReplicaError(layer, e, f"no replica of layer {layer} expert {e} in routing table version {table.version}")
+                raise NoLiveReplicaError(
+                    layer,
+                    e,
+                    f"no replica of layer {layer} expert {e} in routing table version {table.version}",
+                )
             live = [index[r] for r in reps if r not in exclude and self._usable(r, now)]
             if not live:
-                raise NoLiveReplicaError(layer, e, f"all replicas of layer {layer} expert {e} are down: {list(reps)}")
+                raise NoLiveReplicaError(
+                    layer, e, f"all replicas of layer {layer} expert {e} are down: {list(reps)}"
+                )
             key = (layer, e)
             start = self._rr.get(key, 0)
             self._rr[key] = start + 1
@@ -351,7 +389,11 @@ class Dispatcher:
                 assign[t][j] = best
 
     def dispatch(
-        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
         """Run the routed experts of one MoE layer on the expert servers.
 
@@ -390,7 +432,9 @@ class Dispatcher:
                     if e >= 0:
                         groups.setdefault(e, []).append((t, j))
             self._assign(layer, groups, assign, load, index, set(), time.monotonic())
-            A = torch.tensor(assign, dtype=torch.int64).view(T, k)  # server index per pair, -1 = none
+            A = torch.tensor(assign, dtype=torch.int64).view(
+                T, k
+            )  # server index per pair, -1 = none
             pending = A >= 0
             failed_here: set[str] = set()
             while bool(pending.any()):
@@ -410,7 +454,10 @@ class Dispatcher:
                 pending = redo
                 log.info(
                     "client %d: layer %d: re-sent %d token-expert pairs of server(s) %s",
-                    self.client_id, layer, int(redo.sum()), ", ".join(sids[si] for si in failed),
+                    self.client_id,
+                    layer,
+                    int(redo.sum()),
+                    ", ".join(sids[si] for si in failed),
                 )
         metrics.DISPATCH_SECONDS.observe(time.perf_counter() - t0)
         return out.to(in_dtype)
@@ -485,7 +532,9 @@ class RemoteExperts(nn.Module):
         self.dispatcher = dispatcher
         self.layer_idx = int(layer_idx)
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         return self.dispatcher.dispatch(self.layer_idx, hidden_states, top_k_index, top_k_weights)
 
     def extra_repr(self) -> str:
@@ -539,7 +588,12 @@ class RoutingTableWatcher:
         except (OSError, RoutingTableError) as exc:
             if self.dispatcher.table is None:
                 raise
-            log.warning("routing table %s unreadable, keeping version %d: %s", self.path, self.dispatcher.version, exc)
+            log.warning(
+                "routing table %s unreadable, keeping version %d: %s",
+                self.path,
+                self.dispatcher.version,
+                exc,
+            )
             return False
         self._sig = sig
         return self.dispatcher.set_table(table)

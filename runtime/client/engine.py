@@ -38,11 +38,10 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
-
 from eaas.runtime import metrics
 
 log = logging.getLogger("eaas.client.engine")
@@ -162,7 +161,13 @@ class _DecodeBatch:
         pad = t.new_zeros(*t.shape[:-2], n, t.shape[-1])
         return torch.cat([pad, t], dim=-2)
 
-    def add(self, seq: GenerationRequest, layers: list[tuple[torch.Tensor, torch.Tensor]], length: int, token: int) -> None:
+    def add(
+        self,
+        seq: GenerationRequest,
+        layers: list[tuple[torch.Tensor, torch.Tensor]],
+        length: int,
+        token: int,
+    ) -> None:
         """Append a prefilled sequence; ``layers`` are its ``[1, heads, length, d]`` caches."""
         m = torch.ones(1, length, dtype=torch.long)
         if not self.seqs:
@@ -175,7 +180,7 @@ class _DecodeBatch:
                     torch.cat([self._lpad(k, L - cur), self._lpad(nk, L - length)], dim=0),
                     torch.cat([self._lpad(v, L - cur), self._lpad(nv, L - length)], dim=0),
                 )
-                for (k, v), (nk, nv) in zip(self.layers, layers)
+                for (k, v), (nk, nv) in zip(self.layers, layers, strict=False)
             ]
             self.mask = torch.cat(
                 [
@@ -202,7 +207,10 @@ class _DecodeBatch:
         mask = self.mask.index_select(0, idx)
         trim = mask.shape[1] - max(self.lengths)
         self.mask = mask[:, trim:]
-        self.layers = [(k.index_select(0, idx)[..., trim:, :], v.index_select(0, idx)[..., trim:, :]) for k, v in self.layers]
+        self.layers = [
+            (k.index_select(0, idx)[..., trim:, :], v.index_select(0, idx)[..., trim:, :])
+            for k, v in self.layers
+        ]
 
 
 class Engine:
@@ -229,7 +237,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.client_id = str(client_id)
         self.max_num_seqs = max_num_seqs
-        self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else self._default_eos())
+        self.eos_token_ids = set(
+            eos_token_ids if eos_token_ids is not None else self._default_eos()
+        )
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._inbox: queue.SimpleQueue[GenerationRequest | None] = queue.SimpleQueue()
@@ -244,7 +254,10 @@ class Engine:
 
     def _default_eos(self) -> list[int]:
         ids: set[int] = set()
-        for src in (getattr(self.tokenizer, "eos_token_id", None), getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)):
+        for src in (
+            getattr(self.tokenizer, "eos_token_id", None),
+            getattr(getattr(self.model, "generation_config", None), "eos_token_id", None),
+        ):
             if src is None:
                 continue
             ids.update([src] if isinstance(src, int) else list(src))
@@ -252,7 +265,9 @@ class Engine:
 
     # ---- public API (any thread) -----------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name=f"eaas-engine-{self.client_id}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, name=f"eaas-engine-{self.client_id}", daemon=True
+        )
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -261,7 +276,9 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, on_event: Callable[[Event], None]) -> GenerationRequest:
+    def submit(
+        self, prompt_ids: Sequence[int], params: SamplingParams, on_event: Callable[[Event], None]
+    ) -> GenerationRequest:
         """Queue a request; events arrive on ``on_event`` from the scheduler thread.
 
         Raises:
@@ -275,7 +292,9 @@ class Engine:
         self._inbox.put(req)
         return req
 
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams, timeout: float = 300.0) -> GenerationRequest:
+    def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, timeout: float = 300.0
+    ) -> GenerationRequest:
         """Blocking convenience: submit and wait for the finished request (raises its error)."""
         done = threading.Event()
         err: list[BaseException] = []
@@ -369,7 +388,12 @@ class Engine:
         self.stats["prefills"] += 1
         ids = torch.tensor([req.prompt_ids], dtype=torch.long)
         try:
-            logits, cache = self._forward(ids, torch.ones(1, n, dtype=torch.long), torch.arange(n).unsqueeze(0), DynamicCache())
+            logits, cache = self._forward(
+                ids,
+                torch.ones(1, n, dtype=torch.long),
+                torch.arange(n).unsqueeze(0),
+                DynamicCache(),
+            )
             tok = self._sample(req, logits[0])
         except Exception as exc:  # noqa: BLE001
             self._fail([req], exc)
@@ -400,7 +424,9 @@ class Engine:
         b.mask = mask
         b.lengths = [n + 1 for n in b.lengths]
         b.next_tokens = toks
-        rows = [i for i, (s, t) in enumerate(zip(b.seqs, toks)) if not self._emit(s, t)]
+        rows = [
+            i for i, (s, t) in enumerate(zip(b.seqs, toks, strict=False)) if not self._emit(s, t)
+        ]
         b.keep(rows)
 
     def _fail(self, reqs: list[GenerationRequest], exc: BaseException) -> None:
@@ -463,7 +489,7 @@ class Engine:
                         hold = max(hold, k)
                         break
             visible = visible[: len(visible) - hold]
-        delta = visible[len(req.text):] if visible.startswith(req.text) else ""
+        delta = visible[len(req.text) :] if visible.startswith(req.text) else ""
         req.text += delta
         req.finish_reason = finish
         try:

@@ -71,10 +71,13 @@ def run_attention_client(
         OSError / RoutingTableError: unreadable routing table at start-up, port in use.
     """
     import torch
-
     from eaas.runtime.models.attention import load_attention_model
 
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s client-{client_id} %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s client-{client_id} %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     if dtype not in dtypes:
         raise ValueError(f"--dtype must be one of {sorted(dtypes)}, got {dtype!r}")
@@ -99,7 +102,9 @@ def run_attention_client(
         dispatcher = Dispatcher(client_id, info.hidden_size, torch_dtype, timeout=dispatch_timeout)
         watcher = RoutingTableWatcher(routing_table, dispatcher)
         watcher.load_now()
-        model, tokenizer, info = load_attention_model(model_dir, torch_dtype, experts_factory=experts_factory(dispatcher))
+        model, tokenizer, info = load_attention_model(
+            model_dir, torch_dtype, experts_factory=experts_factory(dispatcher)
+        )
         watcher.start()
 
     from eaas.runtime.client.api import OpenAIServer, create_app
@@ -114,13 +119,21 @@ def run_attention_client(
         return {"mode": "disaggregated", **dispatcher.health()}
 
     name = served_model_name or Path(model_dir).name
-    server = OpenAIServer(engine, tokenizer, name, info.max_position_embeddings, info.vocab_size, str(client_id), health_extra)
+    server = OpenAIServer(
+        engine,
+        tokenizer,
+        name,
+        info.max_position_embeddings,
+        info.vocab_size,
+        str(client_id),
+        health_extra,
+    )
     app = create_app(server)
-
-    import uvicorn
 
     import contextlib
     import signal
+
+    import uvicorn
 
     class _Server(uvicorn.Server):
         # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown (the process then dies by
@@ -130,7 +143,9 @@ def run_attention_client(
             yield
 
     sock = bind_listener(host, port, reuse_port)
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=2, lifespan="off")
+    config = uvicorn.Config(
+        app, log_level=log_level, access_log=False, timeout_graceful_shutdown=2, lifespan="off"
+    )
     userver = _Server(config)
 
     def _on_signal(signum, _frame) -> None:
@@ -146,8 +161,11 @@ def run_attention_client(
         while not userver.started and not task.done():
             await asyncio.sleep(0.05)
         if userver.started:
-            print(f"attention-client {client_id} ready on http://{host}:{port} (model {name}, "
-                  f"{'local experts' if local_experts else f'routing table v{dispatcher.version}'})", flush=True)
+            print(
+                f"attention-client {client_id} ready on http://{host}:{port} (model {name}, "
+                f"{'local experts' if local_experts else f'routing table v{dispatcher.version}'})",
+                flush=True,
+            )
         await task
 
     try:

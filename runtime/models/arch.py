@@ -137,7 +137,9 @@ def model_info_from_config(cfg: dict, path: Path | str = "config.json") -> Model
         inter = _req_int(cfg, "moe_intermediate_size", path, 1)
     top_k = _req_int(cfg, "num_experts_per_tok", path, 1)
     if top_k > num_experts:
-        raise ValueError(f"{path}: config field 'num_experts_per_tok' ({top_k}) exceeds the expert count ({num_experts})")
+        raise ValueError(
+            f"{path}: config field 'num_experts_per_tok' ({top_k}) exceeds the expert count ({num_experts})"
+        )
     return ModelInfo(
         architecture=arch,
         model_type=str(_req(cfg, "model_type", path)),
@@ -162,7 +164,9 @@ def read_model_info(model_dir: str | Path) -> ModelInfo:
     """
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found (is {model_dir} a Hugging Face model directory?)")
+        raise FileNotFoundError(
+            f"{path} not found (is {model_dir} a Hugging Face model directory?)"
+        )
     with open(path, encoding="utf-8") as f:
         cfg = json.load(f)
     return model_info_from_config(cfg, path)

@@ -37,15 +37,14 @@ Sources: DeepSeek-V3 technical report (arXiv:2412.19437) section 2.1.2 (routing)
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
-from torch import nn
-
 from eaas.runtime.experts import ExpertWeights, weighted_expert_sum
 from eaas.runtime.models.arch import ModelInfo, read_model_info
 from eaas.runtime.models.weights import _Files, _read_matrix, checkpoint_weight_map
+from torch import nn
 
 ExpertsFactory = Callable[[int, ModelInfo], nn.Module]
 
@@ -69,16 +68,22 @@ class LocalExperts(nn.Module):
         super().__init__()
         self.hosted = hosted
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         return weighted_expert_sum(hidden_states, top_k_index, top_k_weights, self.hosted)  # (T, H)
 
 
-def local_experts_factory(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> ExpertsFactory:
+def local_experts_factory(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32
+) -> ExpertsFactory:
     """A factory that loads each layer's experts from ``model_dir`` into a :class:`LocalExperts`."""
     from eaas.runtime.models.weights import load_expert_weights
 
     def factory(layer: int, info: ModelInfo) -> nn.Module:
-        w = load_expert_weights(model_dir, [(layer, e) for e in range(info.num_experts)], dtype=dtype, progress=False)
+        w = load_expert_weights(
+            model_dir, [(layer, e) for e in range(info.num_experts)], dtype=dtype, progress=False
+        )
         return LocalExperts({e: w[(layer, e)] for e in range(info.num_experts)})
 
     return factory
@@ -140,7 +145,11 @@ def load_attention_model(
     info = read_model_info(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if experts_factory is None:
-        kw = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
+        kw = (
+            {}
+            if experts_implementation is None
+            else {"experts_implementation": experts_implementation}
+        )
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kw)
         _check_moe_layers(model, info)
         model.to(device).eval()
@@ -157,7 +166,9 @@ def load_attention_model(
         block = _moe_block(model, layer)
         mod = experts_factory(layer, info)
         if not isinstance(mod, nn.Module):
-            raise TypeError(f"experts_factory({layer}) returned {type(mod).__name__}, not an nn.Module")
+            raise TypeError(
+                f"experts_factory({layer}) returned {type(mod).__name__}, not an nn.Module"
+            )
         block.experts = mod
         factory_prefixes.append(f"model.layers.{layer}.mlp.experts.")
 
@@ -184,7 +195,9 @@ def load_attention_model(
             t = _read_matrix(files, wmap, key)
             tgt = targets[name]
             if tuple(t.shape) != tuple(tgt.shape):
-                raise ValueError(f"{key}: shape {tuple(t.shape)} on disk, model expects {tuple(tgt.shape)}")
+                raise ValueError(
+                    f"{key}: shape {tuple(t.shape)} on disk, model expects {tuple(tgt.shape)}"
+                )
             sd[name] = t.to(tgt.dtype)
     finally:
         files.close()
@@ -195,14 +208,20 @@ def load_attention_model(
     # 3. tied embeddings, non-persistent buffers
     if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in sd:
         model.lm_head.weight = model.get_input_embeddings().weight
-    missing = [k for k in targets if k not in sd and not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    missing = [
+        k
+        for k in targets
+        if k not in sd and not (k == "lm_head.weight" and config.tie_word_embeddings)
+    ]
     persistent_missing = [k for k in missing if k in model.state_dict()]
     if persistent_missing:
         raise ValueError(f"tensors missing from {model_dir}: {persistent_missing[:10]}")
     for mname, mod in list(model.named_modules()):
         if is_factory(mname + "."):
             continue
-        if any(b is not None and b.is_meta for b in mod._buffers.values()) and type(mod).__name__.endswith("RotaryEmbedding"):
+        if any(b is not None and b.is_meta for b in mod._buffers.values()) and type(
+            mod
+        ).__name__.endswith("RotaryEmbedding"):
             fresh = type(mod)(config=mod.config)
             parent_name, _, child = mname.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model

@@ -16,12 +16,16 @@ import torch
 def _load(model_dir: str):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, experts_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, experts_implementation="eager"
+    )
     return model.eval()
 
 
 @torch.no_grad()
-def reference_generate(model_dir: str | Path, prompt_token_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def reference_generate(
+    model_dir: str | Path, prompt_token_ids: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
     """Greedy continuation of each prompt with transformers ``generate``.
 
     Args:

@@ -129,7 +129,9 @@ def train_tokenizer():
     )
     # repeat each paragraph so merge counts are well separated (stable tie-breaking)
     paragraphs = [p for p in CORPUS.split("\n\n") if p.strip()]
-    tok.train_from_iterator([p for i, p in enumerate(paragraphs) for _ in range(i + 1)], trainer=trainer)
+    tok.train_from_iterator(
+        [p for i, p in enumerate(paragraphs) for _ in range(i + 1)], trainer=trainer
+    )
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
@@ -138,7 +140,9 @@ def train_tokenizer():
 
 
 def _seed(name: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{NAME}/{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+    return int.from_bytes(hashlib.sha256(f"{NAME}/{name}".encode()).digest()[:8], "little") & (
+        (1 << 63) - 1
+    )
 
 
 def _randn(name: str, shape: tuple[int, ...], std: float) -> torch.Tensor:
@@ -209,7 +213,9 @@ def write_tiny_model(out_dir: str | Path) -> Path:
     vocab = tok.get_vocab_size()
     bos_id, eos_id, pad_id = (tok.token_to_id(t) for t in SPECIAL_TOKENS)
 
-    config = DeepseekV3Config(vocab_size=vocab, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, **CONFIG)
+    config = DeepseekV3Config(
+        vocab_size=vocab, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, **CONFIG
+    )
     cfg = config.to_dict()
     cfg["architectures"] = ["DeepseekV3ForCausalLM"]
     cfg["dtype"] = "float32"
@@ -217,7 +223,12 @@ def write_tiny_model(out_dir: str | Path) -> Path:
     _json(out / "config.json", cfg)
     _json(
         out / "generation_config.json",
-        {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id, "do_sample": False},
+        {
+            "bos_token_id": bos_id,
+            "eos_token_id": eos_id,
+            "pad_token_id": pad_id,
+            "do_sample": False,
+        },
     )
     save_file(build_state_dict(config), str(out / "model.safetensors"), metadata={"format": "pt"})
 

@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
-from safetensors import safe_open
-
 from eaas.runtime.experts import ExpertWeights
+from safetensors import safe_open
 
 LayerExpert = tuple[int, int]
 
@@ -61,7 +60,11 @@ def checkpoint_weight_map(model_dir: str | Path) -> dict[str, str]:
     if index.is_file():
         with open(index, encoding="utf-8") as f:
             return dict(json.load(f)["weight_map"])
-    files = [d / "model.safetensors"] if (d / "model.safetensors").is_file() else sorted(d.glob("*.safetensors"))
+    files = (
+        [d / "model.safetensors"]
+        if (d / "model.safetensors").is_file()
+        else sorted(d.glob("*.safetensors"))
+    )
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {d}")
     out: dict[str, str] = {}
@@ -75,7 +78,11 @@ def checkpoint_weight_map(model_dir: str | Path) -> dict[str, str]:
 def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """``w`` ``[R, C]`` fp8, ``scale_inv`` ``[ceil(R/128), ceil(C/128)]`` -> float32 ``[R, C]``."""
     r, c = w.shape
-    s = scale_inv.float().repeat_interleave(_FP8_BLOCK, 0)[:r].repeat_interleave(_FP8_BLOCK, 1)[:, :c]
+    s = (
+        scale_inv.float()
+        .repeat_interleave(_FP8_BLOCK, 0)[:r]
+        .repeat_interleave(_FP8_BLOCK, 1)[:, :c]
+    )
     return w.float() * s
 
 
@@ -147,14 +154,18 @@ def load_expert_weights(
     files = _Files(d)
     out: dict[LayerExpert, ExpertWeights] = {}
     try:
-        for layer, expert in tqdm(wanted, desc="loading experts", unit="expert", disable=not progress):
+        for layer, expert in tqdm(
+            wanted, desc="loading experts", unit="expert", disable=not progress
+        ):
             out[(layer, expert)] = _load_one(files, wmap, layer, expert, dtype)
     finally:
         files.close()
     return out
 
 
-def _load_one(files: _Files, wmap: dict[str, str], layer: int, expert: int, dtype: torch.dtype) -> ExpertWeights:
+def _load_one(
+    files: _Files, wmap: dict[str, str], layer: int, expert: int, dtype: torch.dtype
+) -> ExpertWeights:
     base = f"model.layers.{layer}."
     tried: list[str] = []
     for prefix, g, u, dn in _PER_EXPERT:
@@ -182,10 +193,14 @@ def _load_one(files: _Files, wmap: dict[str, str], layer: int, expert: int, dtyp
                 down=down.to(dtype).contiguous(),
             )
         tried.append(gu)
-    raise KeyError(f"expert (layer {layer}, expert {expert}) not found in the checkpoint; tried {tried}")
+    raise KeyError(
+        f"expert (layer {layer}, expert {expert}) not found in the checkpoint; tried {tried}"
+    )
 
 
-def group_by_layer(weights: dict[LayerExpert, ExpertWeights]) -> dict[int, dict[int, ExpertWeights]]:
+def group_by_layer(
+    weights: dict[LayerExpert, ExpertWeights],
+) -> dict[int, dict[int, ExpertWeights]]:
     """``{(l, e): w}`` -> ``{l: {e: w}}`` (the ``hosted`` argument of ``weighted_expert_sum``)."""
     out: dict[int, dict[int, ExpertWeights]] = defaultdict(dict)
     for (l, e), w in weights.items():
@@ -198,4 +213,10 @@ def expert_nbytes(hidden: int, intermediate: int, dtype: torch.dtype) -> int:
     return 3 * hidden * intermediate * torch.empty((), dtype=dtype).element_size()
 
 
-__all__ = ["load_expert_weights", "checkpoint_weight_map", "group_by_layer", "expert_nbytes", "LayerExpert"]
+__all__ = [
+    "load_expert_weights",
+    "checkpoint_weight_map",
+    "group_by_layer",
+    "expert_nbytes",
+    "LayerExpert",
+]

@@ -20,8 +20,8 @@ missed deadline raises :class:`DeadlineExceeded`. Neither ever hangs the caller.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -103,7 +103,7 @@ class ResponseFrame:
 
 
 def check_request(
-    frame: "RequestFrame", *, hidden_size: int, dtype: torch.dtype
+    frame: RequestFrame, *, hidden_size: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Validate a request frame's tensors and bring them to wire form.
 
@@ -129,10 +129,14 @@ def check_request(
     if w.dim() == 1:
         w = w.unsqueeze(1)
     if ex.shape[0] != n or w.shape != ex.shape:
-        raise FrameError(f"experts {tuple(ex.shape)} / weights {tuple(w.shape)} must both be [{n}, k]")
+        raise FrameError(
+            f"experts {tuple(ex.shape)} / weights {tuple(w.shape)} must both be [{n}, k]"
+        )
     k = int(ex.shape[1])
     if n > MAX_TOKENS_HARD or k > MAX_K_HARD:
-        raise FrameError(f"frame of {n} tokens x k={k} exceeds the limit {MAX_TOKENS_HARD} x {MAX_K_HARD}")
+        raise FrameError(
+            f"frame of {n} tokens x k={k} exceeds the limit {MAX_TOKENS_HARD} x {MAX_K_HARD}"
+        )
     return h, ex.to(torch.int32), w.to(torch.float32)
 
 
@@ -188,7 +192,9 @@ class ServerListener(abc.ABC):
     def close(self) -> None: ...
 
 
-def connect(endpoint: str, server_id: str, *, hidden_size: int, dtype: torch.dtype, **kw) -> ClientConnection:
+def connect(
+    endpoint: str, server_id: str, *, hidden_size: int, dtype: torch.dtype, **kw
+) -> ClientConnection:
     """Open a client connection by endpoint scheme (``unix:`` or ``tcp://``)."""
     if endpoint.startswith("unix:"):
         from eaas.runtime.transport.shm import ShmClientConnection
@@ -198,7 +204,9 @@ def connect(endpoint: str, server_id: str, *, hidden_size: int, dtype: torch.dty
         from eaas.runtime.transport.tcp import TcpClientConnection
 
         return TcpClientConnection(endpoint, server_id, hidden_size=hidden_size, dtype=dtype, **kw)
-    raise ValueError(f"unknown endpoint scheme in {endpoint!r} (expected unix:PATH or tcp://HOST:PORT)")
+    raise ValueError(
+        f"unknown endpoint scheme in {endpoint!r} (expected unix:PATH or tcp://HOST:PORT)"
+    )
 
 
 def listen(endpoint: str, *, hidden_size: int, dtype: torch.dtype, **kw) -> ServerListener:
@@ -211,4 +219,6 @@ def listen(endpoint: str, *, hidden_size: int, dtype: torch.dtype, **kw) -> Serv
         from eaas.runtime.transport.tcp import TcpServerListener
 
         return TcpServerListener(endpoint, hidden_size=hidden_size, dtype=dtype, **kw)
-    raise ValueError(f"unknown endpoint scheme in {endpoint!r} (expected unix:PATH or tcp://HOST:PORT)")
+    raise ValueError(
+        f"unknown endpoint scheme in {endpoint!r} (expected unix:PATH or tcp://HOST:PORT)"
+    )

@@ -62,11 +62,10 @@ import selectors
 import socket
 import struct
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
-
 from eaas.runtime.transport.base import (
     CODE_DTYPES,
     DTYPE_CODES,
@@ -129,10 +128,16 @@ class _Slots:
     """
 
     @staticmethod
-    def layout(hidden: int, dtype: torch.dtype, cap_tokens: int, cap_k: int) -> tuple[int, int, int]:
+    def layout(
+        hidden: int, dtype: torch.dtype, cap_tokens: int, cap_k: int
+    ) -> tuple[int, int, int]:
         """Returns ``(request_bytes, response_offset, total_bytes)``."""
         esz = torch.empty((), dtype=dtype).element_size()
-        req = _HDR_BYTES + _align(cap_tokens * hidden * esz, 64) + 2 * _align(cap_tokens * cap_k * 4, 64)
+        req = (
+            _HDR_BYTES
+            + _align(cap_tokens * hidden * esz, 64)
+            + 2 * _align(cap_tokens * cap_k * 4, 64)
+        )
         resp_off = _align(req, _PAGE)
         resp = _HDR_BYTES + _MSG_BYTES + cap_tokens * hidden * esz
         return req, resp_off, _align(resp_off + resp, _PAGE)
@@ -150,21 +155,25 @@ class _Slots:
         off = 0
         self.req_hdr = np.frombuffer(mm, dtype=np.int64, count=8, offset=off)
         off += _HDR_BYTES
-        self.req_hidden = torch.frombuffer(mm, dtype=dtype, count=cap_tokens * hidden, offset=off).view(
-            cap_tokens, hidden
-        )
+        self.req_hidden = torch.frombuffer(
+            mm, dtype=dtype, count=cap_tokens * hidden, offset=off
+        ).view(cap_tokens, hidden)
         off += _align(cap_tokens * hidden * esz, 64)
-        self.req_experts = torch.frombuffer(mm, dtype=torch.int32, count=cap_tokens * cap_k, offset=off)
+        self.req_experts = torch.frombuffer(
+            mm, dtype=torch.int32, count=cap_tokens * cap_k, offset=off
+        )
         off += _align(cap_tokens * cap_k * 4, 64)
-        self.req_weights = torch.frombuffer(mm, dtype=torch.float32, count=cap_tokens * cap_k, offset=off)
+        self.req_weights = torch.frombuffer(
+            mm, dtype=torch.float32, count=cap_tokens * cap_k, offset=off
+        )
         off = resp_off
         self.resp_hdr = np.frombuffer(mm, dtype=np.int64, count=8, offset=off)
         off += _HDR_BYTES
         self.resp_msg = np.frombuffer(mm, dtype=np.uint8, count=_MSG_BYTES, offset=off)
         off += _MSG_BYTES
-        self.resp_out = torch.frombuffer(mm, dtype=dtype, count=cap_tokens * hidden, offset=off).view(
-            cap_tokens, hidden
-        )
+        self.resp_out = torch.frombuffer(
+            mm, dtype=dtype, count=cap_tokens * hidden, offset=off
+        ).view(cap_tokens, hidden)
 
     def release(self) -> None:
         """Drop our views and unmap if no caller still holds a view (else unmapped on GC)."""
@@ -179,7 +188,9 @@ class _Slots:
                 pass  # a returned tensor still aliases it; the mapping dies with that tensor
 
 
-def _new_memfd_slots(hidden: int, dtype: torch.dtype, cap_tokens: int, cap_k: int) -> tuple[int, _Slots]:
+def _new_memfd_slots(
+    hidden: int, dtype: torch.dtype, cap_tokens: int, cap_k: int
+) -> tuple[int, _Slots]:
     _, _, total = _Slots.layout(hidden, dtype, cap_tokens, cap_k)
     fd = os.memfd_create("eaas-slot", os.MFD_CLOEXEC)
     try:
@@ -247,13 +258,19 @@ class ShmClientConnection(ClientConnection):
             try:
                 self._sock.connect(path)
             except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError) as e:
-                raise PeerDeadError(f"expert server {server_id} at {endpoint}: connect failed: {e}") from None
-            except socket.timeout:
-                raise DeadlineExceeded(f"expert server {server_id} at {endpoint}: connect timed out") from None
+                raise PeerDeadError(
+                    f"expert server {server_id} at {endpoint}: connect failed: {e}"
+                ) from None
+            except TimeoutError:
+                raise DeadlineExceeded(
+                    f"expert server {server_id} at {endpoint}: connect timed out"
+                ) from None
             self._map(max(1, int(max_tokens)), max(1, int(max_k)), _KIND_HELLO)
             status, msg = self._wait_ack(deadline)
             if status != STATUS_OK:
-                raise FrameError(f"expert server {server_id} at {endpoint} refused the connection: {msg}")
+                raise FrameError(
+                    f"expert server {server_id} at {endpoint} refused the connection: {msg}"
+                )
             self._sock.setblocking(False)
         except BaseException:
             self.close()
@@ -263,15 +280,21 @@ class ShmClientConnection(ClientConnection):
     def _map(self, cap_tokens: int, cap_k: int, kind: bytes) -> None:
         fd, slots = _new_memfd_slots(self.hidden_size, self.dtype, cap_tokens, cap_k)
         try:
-            pkt = _HELLO.pack(kind, self.client_id, self.hidden_size, DTYPE_CODES[self.dtype], cap_tokens, cap_k)
+            pkt = _HELLO.pack(
+                kind, self.client_id, self.hidden_size, DTYPE_CODES[self.dtype], cap_tokens, cap_k
+            )
             try:
                 socket.send_fds(self._sock, [pkt], [fd])
             except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as e:
                 slots.release()
-                raise PeerDeadError(f"expert server {self.server_id} at {self.endpoint} is gone: {e}") from None
+                raise PeerDeadError(
+                    f"expert server {self.server_id} at {self.endpoint} is gone: {e}"
+                ) from None
             except BlockingIOError:
                 slots.release()
-                raise PeerDeadError(f"expert server {self.server_id}: socket full during remap") from None
+                raise PeerDeadError(
+                    f"expert server {self.server_id}: socket full during remap"
+                ) from None
         finally:
             os.close(fd)
         if self._slots is not None:
@@ -282,16 +305,20 @@ class ShmClientConnection(ClientConnection):
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise DeadlineExceeded(f"expert server {self.server_id} at {self.endpoint}: no hello ack")
+                raise DeadlineExceeded(
+                    f"expert server {self.server_id} at {self.endpoint}: no hello ack"
+                )
             self._sock.settimeout(remaining)
             try:
                 data = self._sock.recv(4096)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except (ConnectionResetError, BrokenPipeError) as e:
                 raise PeerDeadError(f"expert server {self.server_id}: {e}") from None
             if not data:
-                raise PeerDeadError(f"expert server {self.server_id} at {self.endpoint} closed during hello")
+                raise PeerDeadError(
+                    f"expert server {self.server_id} at {self.endpoint} closed during hello"
+                )
             if data[:1] == _KIND_ACK:
                 _, status = _ACK.unpack_from(data)
                 return status, data[_ACK.size :].decode("utf-8", "replace")
@@ -314,7 +341,9 @@ class ShmClientConnection(ClientConnection):
         if self._sock is None:
             raise PeerDeadError(f"connection to {self.server_id} is closed")
         if self._outstanding:
-            raise FrameError(f"connection to {self.server_id}: a request is already in flight (one at a time)")
+            raise FrameError(
+                f"connection to {self.server_id}: a request is already in flight (one at a time)"
+            )
         h, ex, w = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
         n, k = int(h.shape[0]), int(ex.shape[1])
         s = self._slots
@@ -345,7 +374,9 @@ class ShmClientConnection(ClientConnection):
             pass  # the server has unread doorbells queued already; it will wake anyway
         except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as e:
             self._outstanding = False
-            raise PeerDeadError(f"expert server {self.server_id} at {self.endpoint} is gone: {e}") from None
+            raise PeerDeadError(
+                f"expert server {self.server_id} at {self.endpoint} is gone: {e}"
+            ) from None
 
     def _drain(self) -> None:
         """Read pending doorbells; raise PeerDeadError on EOF/reset."""
@@ -355,9 +386,13 @@ class ShmClientConnection(ClientConnection):
             except BlockingIOError:
                 return
             except (ConnectionResetError, BrokenPipeError) as e:
-                raise PeerDeadError(f"expert server {self.server_id} at {self.endpoint} died: {e}") from None
+                raise PeerDeadError(
+                    f"expert server {self.server_id} at {self.endpoint} died: {e}"
+                ) from None
             if not data:
-                raise PeerDeadError(f"expert server {self.server_id} at {self.endpoint} closed the connection")
+                raise PeerDeadError(
+                    f"expert server {self.server_id} at {self.endpoint} closed the connection"
+                )
 
     def _response(self) -> ResponseFrame:
         s = self._slots
@@ -366,10 +401,14 @@ class ShmClientConnection(ClientConnection):
         status = int(hdr[2])
         n = int(hdr[3])
         if status == STATUS_OK:
-            return ResponseFrame(seq=int(hdr[5]), layer=int(hdr[1]), status=status, output=s.resp_out[:n])
+            return ResponseFrame(
+                seq=int(hdr[5]), layer=int(hdr[1]), status=status, output=s.resp_out[:n]
+            )
         ln = min(int(hdr[4]), _MSG_BYTES)
         msg = bytes(s.resp_msg[:ln]).decode("utf-8", "replace")
-        return ResponseFrame(seq=int(hdr[5]), layer=int(hdr[1]), status=status, output=None, message=msg)
+        return ResponseFrame(
+            seq=int(hdr[5]), layer=int(hdr[1]), status=status, output=None, message=msg
+        )
 
     def recv(self, deadline: float) -> ResponseFrame:
         """Wait for the response to the last ``send`` until ``deadline`` (``time.monotonic()``).
@@ -446,7 +485,14 @@ class ShmServerListener(ServerListener):
     The path is unlinked by :meth:`close`.
     """
 
-    def __init__(self, endpoint: str, *, hidden_size: int, dtype: torch.dtype, spin_us: float = DEFAULT_SPIN_US):
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        hidden_size: int,
+        dtype: torch.dtype,
+        spin_us: float = DEFAULT_SPIN_US,
+    ):
         self.endpoint = endpoint
         self.hidden_size = int(hidden_size)
         self.dtype = dtype
@@ -473,7 +519,7 @@ class ShmServerListener(ServerListener):
         try:
             probe.settimeout(0.5)
             probe.connect(path)
-        except (ConnectionRefusedError, FileNotFoundError, socket.timeout, OSError):
+        except (TimeoutError, ConnectionRefusedError, FileNotFoundError, OSError):
             try:
                 os.unlink(path)
             except FileNotFoundError:
@@ -602,8 +648,16 @@ class ShmServerListener(ServerListener):
             n, k = int(hdr[3]), int(hdr[4])
             if not (0 <= n <= s.cap_tokens and 0 <= k <= s.cap_k):
                 conn.in_flight = True
-                self.respond(conn, ResponseFrame(int(hdr[6]), int(hdr[1]), STATUS_BAD_FRAME, None,
-                                                 f"bad frame size n={n} k={k}"))
+                self.respond(
+                    conn,
+                    ResponseFrame(
+                        int(hdr[6]),
+                        int(hdr[1]),
+                        STATUS_BAD_FRAME,
+                        None,
+                        f"bad frame size n={n} k={k}",
+                    ),
+                )
                 continue
             conn.in_flight = True
             frame = RequestFrame(

@@ -34,10 +34,9 @@ import selectors
 import socket
 import struct
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
-
 from eaas.runtime.transport.base import (
     CODE_DTYPES,
     DTYPE_CODES,
@@ -142,7 +141,7 @@ class _Reader:
                     if self.got >= self.need:
                         return self._done()
                     r = sock.recv_into(self.view[self.got : self.need])
-            except (BlockingIOError, InterruptedError, socket.timeout):
+            except (TimeoutError, BlockingIOError, InterruptedError):
                 return None
             except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError, OSError) as e:
                 raise PeerDeadError(f"connection lost: {e}") from None
@@ -229,23 +228,40 @@ class TcpClientConnection(ClientConnection):
             host = "127.0.0.1"
         try:
             self._sock = socket.create_connection((host, port), timeout=connect_timeout)
-        except socket.timeout:
-            raise DeadlineExceeded(f"expert server {server_id} at {endpoint}: connect timed out") from None
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"expert server {server_id} at {endpoint}: connect timed out"
+            ) from None
         except OSError as e:
-            raise PeerDeadError(f"expert server {server_id} at {endpoint}: connect failed: {e}") from None
+            raise PeerDeadError(
+                f"expert server {server_id} at {endpoint}: connect failed: {e}"
+            ) from None
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock.setblocking(False)
             deadline = time.monotonic() + connect_timeout
-            hello = HDR.pack(MAGIC, KIND_HELLO, self.client_id, 0, 0, 0, 0, 0, self.hidden_size,
-                             DTYPE_CODES[dtype], 0)
+            hello = HDR.pack(
+                MAGIC,
+                KIND_HELLO,
+                self.client_id,
+                0,
+                0,
+                0,
+                0,
+                0,
+                self.hidden_size,
+                DTYPE_CODES[dtype],
+                0,
+            )
             _sendall_vec(self._sock, [hello], deadline)
             f, payload = self._wait(deadline)
             if f[1] != KIND_ACK:
                 raise FrameError(f"expert server {server_id}: expected hello ack, got kind {f[1]}")
             if f[7] != STATUS_OK:
                 msg = bytes(payload.numpy()).decode("utf-8", "replace")
-                raise FrameError(f"expert server {server_id} at {endpoint} refused the connection: {msg}")
+                raise FrameError(
+                    f"expert server {server_id} at {endpoint} refused the connection: {msg}"
+                )
         except BaseException:
             self._sock.close()
             raise
@@ -255,7 +271,9 @@ class TcpClientConnection(ClientConnection):
             try:
                 msg = self._reader.feed(self._sock)
             except PeerDeadError as e:
-                raise PeerDeadError(f"expert server {self.server_id} at {self.endpoint}: {e}") from None
+                raise PeerDeadError(
+                    f"expert server {self.server_id} at {self.endpoint}: {e}"
+                ) from None
             if msg is not None:
                 return msg
             remaining = deadline - time.monotonic()
@@ -282,13 +300,26 @@ class TcpClientConnection(ClientConnection):
         if self._sock is None:
             raise PeerDeadError(f"connection to {self.server_id} is closed")
         if self._outstanding:
-            raise FrameError(f"connection to {self.server_id}: a request is already in flight (one at a time)")
+            raise FrameError(
+                f"connection to {self.server_id}: a request is already in flight (one at a time)"
+            )
         h, ex, w = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
         n, k = int(h.shape[0]), int(ex.shape[1])
         payload = [_as_bytes(h), _as_bytes(ex), _as_bytes(w)]
         nbytes = sum(len(p) for p in payload)
-        hdr = HDR.pack(MAGIC, KIND_REQ, self.client_id, frame.table_version, frame.seq, frame.layer, n, k,
-                       self.hidden_size, DTYPE_CODES[self.dtype], nbytes)
+        hdr = HDR.pack(
+            MAGIC,
+            KIND_REQ,
+            self.client_id,
+            frame.table_version,
+            frame.seq,
+            frame.layer,
+            n,
+            k,
+            self.hidden_size,
+            DTYPE_CODES[self.dtype],
+            nbytes,
+        )
         if deadline is None:
             deadline = time.monotonic() + self.send_timeout
         try:
@@ -296,7 +327,9 @@ class TcpClientConnection(ClientConnection):
         except PeerDeadError as e:
             raise PeerDeadError(f"expert server {self.server_id} at {self.endpoint}: {e}") from None
         except DeadlineExceeded as e:
-            raise DeadlineExceeded(f"expert server {self.server_id} at {self.endpoint}: {e}") from None
+            raise DeadlineExceeded(
+                f"expert server {self.server_id} at {self.endpoint}: {e}"
+            ) from None
         self._outstanding = True
 
     def recv(self, deadline: float) -> ResponseFrame:
@@ -332,7 +365,17 @@ class TcpClientConnection(ClientConnection):
 
 
 class _TcpConn:
-    __slots__ = ("sock", "reader", "client_id", "ready", "in_flight", "fileno", "pending", "outq", "out_deadline")
+    __slots__ = (
+        "sock",
+        "reader",
+        "client_id",
+        "ready",
+        "in_flight",
+        "fileno",
+        "pending",
+        "outq",
+        "out_deadline",
+    )
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -357,13 +400,22 @@ class TcpServerListener(ServerListener):
         spin_us: accepted for compatibility; unused (blocking ``select`` only).
     """
 
-    def __init__(self, endpoint: str, *, hidden_size: int, dtype: torch.dtype, send_timeout: float = 5.0,
-                 spin_us: float = 0.0):
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        hidden_size: int,
+        dtype: torch.dtype,
+        send_timeout: float = 5.0,
+        spin_us: float = 0.0,
+    ):
         self.hidden_size = int(hidden_size)
         self.dtype = dtype
         self.send_timeout = send_timeout
         host, port = parse_tcp(endpoint)
-        self._lsock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._lsock = socket.socket(
+            socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM
+        )
         self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._lsock.bind((host, port))
         self._lsock.listen(128)
@@ -462,7 +514,9 @@ class TcpServerListener(ServerListener):
             elif CODE_DTYPES.get(f[9]) != self.dtype:
                 err = f"dtype {CODE_DTYPES.get(f[9])} != server's {self.dtype}"
             m = err.encode()
-            ack = HDR.pack(MAGIC, KIND_ACK, 0, 0, 0, 0, 0, STATUS_BAD_FRAME if err else STATUS_OK, 0, 0, len(m))
+            ack = HDR.pack(
+                MAGIC, KIND_ACK, 0, 0, 0, 0, 0, STATUS_BAD_FRAME if err else STATUS_OK, 0, 0, len(m)
+            )
             if self._send(conn, [ack, m]) and not err:
                 conn.ready = True
             elif err:
@@ -484,9 +538,15 @@ class TcpServerListener(ServerListener):
             _, _, client_id, version, seq, layer, n, k, hidden, dcode, nbytes = f
             esz = _esize(self.dtype)
             hb = n * hidden * esz
-            if hidden != self.hidden_size or not (0 <= n <= MAX_TOKENS_HARD and 0 <= k <= MAX_K_HARD) or \
-                    nbytes != hb + 8 * n * k:
-                self.respond(conn, ResponseFrame(seq, layer, STATUS_BAD_FRAME, None, f"bad frame n={n} k={k}"))
+            if (
+                hidden != self.hidden_size
+                or not (0 <= n <= MAX_TOKENS_HARD and 0 <= k <= MAX_K_HARD)
+                or nbytes != hb + 8 * n * k
+            ):
+                self.respond(
+                    conn,
+                    ResponseFrame(seq, layer, STATUS_BAD_FRAME, None, f"bad frame n={n} k={k}"),
+                )
                 continue
             frame = RequestFrame(
                 client_id=client_id,
@@ -509,7 +569,9 @@ class TcpServerListener(ServerListener):
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             if any(c.outq for c in self._conns.values()):
-                remaining = self.send_timeout if remaining is None else min(remaining, self.send_timeout)
+                remaining = (
+                    self.send_timeout if remaining is None else min(remaining, self.send_timeout)
+                )
             for key, events in self._sel.select(remaining):
                 if key.data is None:
                     self._accept()
@@ -539,8 +601,19 @@ class TcpServerListener(ServerListener):
             n, body = int(out.shape[0]), _as_bytes(out)
         else:
             n, body = 0, memoryview(frame.message.encode("utf-8"))
-        hdr = HDR.pack(MAGIC, KIND_RESP, conn.client_id, 0, frame.seq, frame.layer, n, frame.status,
-                       self.hidden_size, DTYPE_CODES[self.dtype], len(body))
+        hdr = HDR.pack(
+            MAGIC,
+            KIND_RESP,
+            conn.client_id,
+            0,
+            frame.seq,
+            frame.layer,
+            n,
+            frame.status,
+            self.hidden_size,
+            DTYPE_CODES[self.dtype],
+            len(body),
+        )
         self._send(conn, [hdr, body])
 
     def close(self) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from eaas.runtime.client.dispatch import Dispatcher, NoLiveReplicaError
 from eaas.runtime.placement import place_experts
 from eaas.runtime.routing import RoutingTable
@@ -13,15 +12,27 @@ from eaas.runtime.routing import RoutingTable
 def table(version=1, servers=3, redundancy=2, experts=4):
     pl = place_experts([1, 2], experts, servers, redundancy)
     ids = [f"s{i}" for i in range(servers)]
-    return RoutingTable.from_placement(pl, ids, [f"unix:/nonexistent/{i}.sock" for i in ids], version=version)
+    return RoutingTable.from_placement(
+        pl, ids, [f"unix:/nonexistent/{i}.sock" for i in ids], version=version
+    )
 
 
-def pick(d: Dispatcher, layer: int, expert: int, n: int, exclude=frozenset(), now: float = 0.0) -> list[str]:
+def pick(
+    d: Dispatcher, layer: int, expert: int, n: int, exclude=frozenset(), now: float = 0.0
+) -> list[str]:
     """Servers chosen for ``n`` tokens that all selected ``expert`` (one Dispatcher call)."""
     sids = list(d._servers)
     index = {s: i for i, s in enumerate(sids)}
     assign = [[-1] for _ in range(n)]
-    d._assign(layer, {expert: [(t, 0) for t in range(n)]}, assign, [0] * len(sids), index, set(exclude), now)
+    d._assign(
+        layer,
+        {expert: [(t, 0) for t in range(n)]},
+        assign,
+        [0] * len(sids),
+        index,
+        set(exclude),
+        now,
+    )
     return [sids[a[0]] for a in assign]
 
 
@@ -92,8 +103,15 @@ def test_uncovered_experts_and_messages():
     # a table without any replica of layer 1 expert 0: reported as such, not as "replicas [] all down"
     layers = dict(t.layers)
     layers[1] = ((),) + layers[1][1:]
-    d2 = Dispatcher(0, 8, torch.float32, RoutingTable(version=7, num_experts=t.num_experts, servers=t.servers, layers=layers))
-    assert d2.uncovered() == [{"layer": 1, "expert": 0, "reason": "no replica in routing table version 7", "replicas": []}]
+    d2 = Dispatcher(
+        0,
+        8,
+        torch.float32,
+        RoutingTable(version=7, num_experts=t.num_experts, servers=t.servers, layers=layers),
+    )
+    assert d2.uncovered() == [
+        {"layer": 1, "expert": 0, "reason": "no replica in routing table version 7", "replicas": []}
+    ]
     with pytest.raises(NoLiveReplicaError) as ei:
         pick(d2, 1, 0, 1)
     assert "no replica of layer 1 expert 0 in routing table version 7" in str(ei.value)

@@ -11,7 +11,6 @@ import time
 
 import pytest
 import torch
-
 from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams, TokenEvent
 from eaas.runtime.models.attention import load_attention_model
 from eaas.runtime.models.reference import reference_generate
@@ -68,14 +67,19 @@ def test_batched_greedy_equals_reference(engine, loaded, model_dir):
     prompts = _prompts(tok)
     # Different lengths of output so sequences leave the batch at different steps (row removal).
     max_new = [12, 7, 12, 3, 10]
-    refs = [reference_generate(model_dir, [p], n)[0] for p, n in zip(prompts, max_new)]
+    refs = [
+        reference_generate(model_dir, [p], n)[0] for p, n in zip(prompts, max_new, strict=False)
+    ]
     # Submit everything before the scheduler starts: all requests share decode steps.
-    handles = [_collect(engine, p, SamplingParams(max_tokens=n, temperature=0.0)) for p, n in zip(prompts, max_new)]
+    handles = [
+        _collect(engine, p, SamplingParams(max_tokens=n, temperature=0.0))
+        for p, n in zip(prompts, max_new, strict=False)
+    ]
     engine.start()
-    for req, _, done in handles:
+    for _req, _, done in handles:
         assert done.wait(120)
     assert engine.stats["max_batch"] >= 3, engine.stats  # really batched
-    for (req, events, _), ref, n in zip(handles, refs, max_new):
+    for (req, events, _), ref, n in zip(handles, refs, max_new, strict=False):
         assert req.output_ids == ref
         assert [e.token_id for e in events] == ref
         assert req.finish_reason == ("length" if len(ref) == n else "stop")
@@ -107,7 +111,9 @@ def test_stop_string_cuts_text(engine, loaded):
     assert len(text) > 6
     stop = text[3:6]
     first = text.find(stop)
-    cut = engine.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, stop=[stop], ignore_eos=True))
+    cut = engine.generate(
+        prompt, SamplingParams(max_tokens=16, temperature=0.0, stop=[stop], ignore_eos=True)
+    )
     assert cut.finish_reason == "stop"
     assert cut.text == text[:first]
     assert len(cut.output_ids) < 16
@@ -120,7 +126,9 @@ def test_seeded_sampling_is_reproducible(engine, loaded):
     p = SamplingParams(max_tokens=12, temperature=1.5, top_p=0.95, seed=1234, ignore_eos=True)
     a = engine.generate(prompt, p).output_ids
     b = engine.generate(prompt, p).output_ids
-    greedy = engine.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)).output_ids
+    greedy = engine.generate(
+        prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ).output_ids
     assert a == b and len(a) == 12
     assert a != greedy  # temperature 1.5 over 12 tokens: sampling really happened
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from eaas.runtime.models.tiny import default_model_dir
 
 # The test process computes references next to many server/client processes on few cores: more
@@ -22,5 +21,3 @@ def tokenizer(model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
-
-

@@ -14,7 +14,6 @@ from pathlib import Path
 import httpx
 
 
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,7 +97,9 @@ class ServeProcess:
             if re.search(r"^serving \S+ on http://", text, re.M):
                 break
             if self.proc.poll() is not None:
-                raise RuntimeError(f"eaas serve exited with {self.proc.returncode}:\n{text[-4000:]}")
+                raise RuntimeError(
+                    f"eaas serve exited with {self.proc.returncode}:\n{text[-4000:]}"
+                )
             if time.monotonic() > deadline:
                 self.stop(check=False)
                 raise RuntimeError(f"eaas serve not ready after {timeout} s:\n{text[-4000:]}")
@@ -138,7 +139,7 @@ class ServeProcess:
                 except OSError:
                     pass
             if check:
-                raise AssertionError("eaas serve did not exit within 60 s of SIGTERM")
+                raise AssertionError("eaas serve did not exit within 60 s of SIGTERM") from None
         self._log.close()
         if not check:
             return
@@ -148,9 +149,13 @@ class ServeProcess:
         for p in left:
             os.kill(p, signal.SIGKILL)
         assert not left, f"orphaned children after SIGTERM: {left}"
-        assert self.run_dir is not None and not self.run_dir.exists(), f"run dir {self.run_dir} left behind"
+        assert self.run_dir is not None and not self.run_dir.exists(), (
+            f"run dir {self.run_dir} left behind"
+        )
         assert not (shm_files() - shm_before), f"leaked /dev/shm files: {shm_files() - shm_before}"
-        assert not {f for f in shm_files() if f.startswith("eaas")}, "eaas shared memory in /dev/shm"
+        assert not {f for f in shm_files() if f.startswith("eaas")}, (
+            "eaas shared memory in /dev/shm"
+        )
 
 
 def start_serve(tmp_path_factory, name: str, args: list[str]) -> ServeProcess:
@@ -175,5 +180,7 @@ def metric_values(base_url: str) -> dict[tuple[str, tuple], float]:
 
 def metric_sum(values: dict, name: str, **labels) -> float:
     return sum(
-        v for (n, lab), v in values.items() if n == name and all(dict(lab).get(k) == str(x) for k, x in labels.items())
+        v
+        for (n, lab), v in values.items()
+        if n == name and all(dict(lab).get(k) == str(x) for k, x in labels.items())
     )

@@ -16,12 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-
+from e2e_helpers import metric_sum, metric_values, start_serve
 from eaas.runtime.models.reference import reference_generate
 from eaas.runtime.routing import RoutingTable
 from eaas.runtime.serve import write_table
-
-from e2e_helpers import metric_sum, metric_values, start_serve
 
 pytestmark = pytest.mark.e2e
 
@@ -38,7 +36,11 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    sp = start_serve(tmp_path_factory, "serve-api", ["--expert-servers", "4", "--replicas", "2", "--attention-clients", "2"])
+    sp = start_serve(
+        tmp_path_factory,
+        "serve-api",
+        ["--expert-servers", "4", "--replicas", "2", "--attention-clients", "2"],
+    )
     yield sp
     sp.stop(check=True)
 
@@ -59,13 +61,17 @@ def references(model_dir, prompts):
 
 
 def client(deployment, **kw) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{deployment.base_url}/v1", api_key="unused", max_retries=0, timeout=120, **kw)
+    return openai.OpenAI(
+        base_url=f"{deployment.base_url}/v1", api_key="unused", max_retries=0, timeout=120, **kw
+    )
 
 
 def complete_ids(deployment, model_name, prompt_ids, max_tokens=MAX_TOKENS):
     c = client(deployment)
     try:
-        r = c.completions.create(model=model_name, prompt=prompt_ids, max_tokens=max_tokens, temperature=0)
+        r = c.completions.create(
+            model=model_name, prompt=prompt_ids, max_tokens=max_tokens, temperature=0
+        )
     finally:
         c.close()
     return r
@@ -84,7 +90,7 @@ def test_models_and_health(deployment, model_dir):
 def test_greedy_tokens_match_reference(deployment, model_name, prompts, references, tokenizer):
     with ThreadPoolExecutor(len(prompts)) as ex:
         results = list(ex.map(lambda p: complete_ids(deployment, model_name, p), prompts))
-    for r, ref in zip(results, references):
+    for r, ref in zip(results, references, strict=False):
         ch = r.choices[0]
         assert ch.model_extra["token_ids"] == ref
         assert ch.text == tokenizer.decode(ref, skip_special_tokens=True)
@@ -99,7 +105,7 @@ def test_two_clients_share_the_servers(deployment, model_name, prompts, referenc
     jobs = [i % len(prompts) for i in range(16)]
     with ThreadPoolExecutor(8) as ex:  # a fresh openai client (new TCP connection) per request
         results = list(ex.map(lambda i: complete_ids(deployment, model_name, prompts[i]), jobs))
-    for i, r in zip(jobs, results):
+    for i, r in zip(jobs, results, strict=False):
         assert r.choices[0].model_extra["token_ids"] == references[i]
     after = metric_values(deployment.base_url)
     served = {
@@ -109,7 +115,9 @@ def test_two_clients_share_the_servers(deployment, model_name, prompts, referenc
     }
     assert served["0"] + served["1"] == len(jobs)
     assert served["0"] > 0 and served["1"] > 0, served
-    tokens = metric_sum(after, "eaas_expert_tokens_total") - metric_sum(before, "eaas_expert_tokens_total")
+    tokens = metric_sum(after, "eaas_expert_tokens_total") - metric_sum(
+        before, "eaas_expert_tokens_total"
+    )
     assert tokens > 0
     assert metric_sum(after, "eaas_failovers_total") == 0
 
@@ -130,7 +138,10 @@ def _chat_prompt_ids(tokenizer, messages):
 
 
 def test_openai_chat(deployment, model_name, tokenizer, model_dir):
-    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name an expert."}]
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name an expert."},
+    ]
     c = client(deployment)
     r = c.chat.completions.create(model=model_name, messages=messages, max_tokens=10, temperature=0)
     pids = _chat_prompt_ids(tokenizer, messages)
@@ -145,7 +156,9 @@ def test_openai_chat(deployment, model_name, tokenizer, model_dir):
 
 def test_streaming_completion(deployment, model_name, prompts, references, tokenizer):
     c = client(deployment)
-    stream = c.completions.create(model=model_name, prompt=prompts[1], max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    stream = c.completions.create(
+        model=model_name, prompt=prompts[1], max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
     texts, ids, finishes = [], [], []
     for chunk in stream:
         ch = chunk.choices[0]
@@ -162,7 +175,9 @@ def test_streaming_chat(deployment, model_name, tokenizer, model_dir):
     messages = [{"role": "user", "content": "Stream me some tokens"}]
     ref = reference_generate(model_dir, [_chat_prompt_ids(tokenizer, messages)], 12)[0]
     c = client(deployment)
-    stream = c.chat.completions.create(model=model_name, messages=messages, max_tokens=12, temperature=0, stream=True)
+    stream = c.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=12, temperature=0, stream=True
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(ch.object == "chat.completion.chunk" for ch in chunks)
@@ -177,14 +192,20 @@ def test_sse_wire_format_ends_with_done(deployment, model_name):
     with httpx.stream(
         "POST",
         f"{deployment.base_url}/v1/completions",
-        json={"model": model_name, "prompt": "Hi", "max_tokens": 3, "temperature": 0, "stream": True},
+        json={
+            "model": model_name,
+            "prompt": "Hi",
+            "max_tokens": 3,
+            "temperature": 0,
+            "stream": True,
+        },
         timeout=60,
     ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
     assert events[-1] == "data: [DONE]"
-    payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    payloads = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     assert all(p["object"] == "text_completion" for p in payloads)
     assert payloads[-1]["choices"][0]["finish_reason"] == "length"
 
@@ -193,35 +214,101 @@ def test_sse_wire_format_ends_with_done(deployment, model_name):
 BAD = {
     "empty_prompt": ("/v1/completions", {"prompt": "", "max_tokens": 4}, "prompt"),
     "empty_messages": ("/v1/chat/completions", {"messages": [], "max_tokens": 4}, "messages"),
-    "beyond_context": ("/v1/completions", {"prompt": "Hello world", "max_tokens": 2048}, "max_tokens"),
+    "beyond_context": (
+        "/v1/completions",
+        {"prompt": "Hello world", "max_tokens": 2048},
+        "max_tokens",
+    ),
     "max_tokens_zero": ("/v1/completions", {"prompt": "Hello", "max_tokens": 0}, "max_tokens"),
-    "max_tokens_negative": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, "max_tokens"),
-    "max_tokens_string": ("/v1/completions", {"prompt": "Hello", "max_tokens": "ten"}, "max_tokens"),
-    "messages_not_list": ("/v1/chat/completions", {"messages": "hello", "max_tokens": 4}, "messages"),
-    "unknown_model": ("/v1/completions", {"model": "gpt-17", "prompt": "Hello", "max_tokens": 4}, "model"),
+    "max_tokens_negative": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": -3},
+        "max_tokens",
+    ),
+    "max_tokens_string": (
+        "/v1/completions",
+        {"prompt": "Hello", "max_tokens": "ten"},
+        "max_tokens",
+    ),
+    "messages_not_list": (
+        "/v1/chat/completions",
+        {"messages": "hello", "max_tokens": 4},
+        "messages",
+    ),
+    "unknown_model": (
+        "/v1/completions",
+        {"model": "gpt-17", "prompt": "Hello", "max_tokens": 4},
+        "model",
+    ),
     "malformed_json": ("/v1/completions", '{"prompt": "Hello", "max_tokens": 4', None),
     "missing_prompt": ("/v1/completions", {"max_tokens": 4}, "prompt"),
-    "temperature_type": ("/v1/completions", {"prompt": "Hello", "temperature": "hot"}, "temperature"),
+    "temperature_type": (
+        "/v1/completions",
+        {"prompt": "Hello", "temperature": "hot"},
+        "temperature",
+    ),
     # seeds outside torch's range (signed or unsigned 64 bit) must not reach the engine (was 500)
-    "seed_too_big": ("/v1/completions", {"prompt": "Hello", "temperature": 1, "seed": 99999999999999999999999}, "seed"),
-    "seed_2_pow_64": ("/v1/completions", {"prompt": "Hello", "temperature": 1, "seed": 2**64}, "seed"),
-    "seed_too_negative": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": 1, "seed": -(2**63) - 1}, "seed"),
+    "seed_too_big": (
+        "/v1/completions",
+        {"prompt": "Hello", "temperature": 1, "seed": 99999999999999999999999},
+        "seed",
+    ),
+    "seed_2_pow_64": (
+        "/v1/completions",
+        {"prompt": "Hello", "temperature": 1, "seed": 2**64},
+        "seed",
+    ),
+    "seed_too_negative": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "temperature": 1, "seed": -(2**63) - 1},
+        "seed",
+    ),
     # Python's json (and json.dumps below) speaks NaN / Infinity; they must be 400, not 500
-    "temperature_nan": ("/v1/completions", {"prompt": "Hello", "temperature": float("nan")}, "temperature"),
-    "temperature_inf": ("/v1/completions", {"prompt": "Hello", "temperature": float("inf")}, "temperature"),
-    "top_p_nan": ("/v1/completions", {"prompt": "Hello", "temperature": 1, "top_p": float("nan")}, "top_p"),
-    "top_p_neg_inf": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": float("-inf")}, "top_p"),
+    "temperature_nan": (
+        "/v1/completions",
+        {"prompt": "Hello", "temperature": float("nan")},
+        "temperature",
+    ),
+    "temperature_inf": (
+        "/v1/completions",
+        {"prompt": "Hello", "temperature": float("inf")},
+        "temperature",
+    ),
+    "top_p_nan": (
+        "/v1/completions",
+        {"prompt": "Hello", "temperature": 1, "top_p": float("nan")},
+        "top_p",
+    ),
+    "top_p_neg_inf": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_p": float("-inf")},
+        "top_p",
+    ),
     # system/user messages need content (OpenAI allows null only for assistant tool calls)
-    "user_content_missing": ("/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": 4}, "messages[0].content"),
-    "user_content_null": ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}], "max_tokens": 4}, "messages[0].content"),
+    "user_content_missing": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user"}], "max_tokens": 4},
+        "messages[0].content",
+    ),
+    "user_content_null": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": None}], "max_tokens": 4},
+        "messages[0].content",
+    ),
     "system_content_null": (
         "/v1/chat/completions",
-        {"messages": [{"role": "system", "content": None}, {"role": "user", "content": "x"}], "max_tokens": 4},
+        {
+            "messages": [{"role": "system", "content": None}, {"role": "user", "content": "x"}],
+            "max_tokens": 4,
+        },
         "messages[0].content",
     ),
     "second_user_content_missing": (
         "/v1/chat/completions",
-        {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user"}], "max_tokens": 4},
+        {
+            "messages": [{"role": "system", "content": "Be terse."}, {"role": "user"}],
+            "max_tokens": 4,
+        },
         "messages[1].content",
     ),
 }
@@ -229,7 +316,11 @@ BAD = {
 BAD_CODES = {
     "unknown_model": "model_not_found",
     "beyond_context": "context_length_exceeded",
-    **{c: "invalid_value" for c in BAD if c.startswith(("seed_", "temperature_nan", "temperature_inf", "top_p_"))},
+    **{
+        c: "invalid_value"
+        for c in BAD
+        if c.startswith(("seed_", "temperature_nan", "temperature_inf", "top_p_"))
+    },
 }
 
 
@@ -239,7 +330,12 @@ def test_bad_request_is_400_and_server_keeps_serving(deployment, model_name, cas
     if isinstance(body, dict) and case != "unknown_model":
         body = {"model": model_name, **body}
     content = body if isinstance(body, str) else json.dumps(body)
-    r = httpx.post(f"{deployment.base_url}{path}", content=content, headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(
+        f"{deployment.base_url}{path}",
+        content=content,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error"
@@ -261,14 +357,26 @@ def test_bad_request_is_400_and_server_keeps_serving(deployment, model_name, cas
 @pytest.mark.parametrize("seed", [0, -1, -(2**63), 2**63, 2**64 - 1])
 def test_seed_edges_of_the_64_bit_range_are_accepted(deployment, model_name, seed):
     body = {"model": model_name, "prompt": "Hello", "max_tokens": 2, "temperature": 1, "seed": seed}
-    r = [httpx.post(f"{deployment.base_url}/v1/completions", json=body, timeout=60) for _ in range(2)]
+    r = [
+        httpx.post(f"{deployment.base_url}/v1/completions", json=body, timeout=60) for _ in range(2)
+    ]
     assert r[0].status_code == 200, r[0].text
-    assert r[0].json()["choices"][0]["token_ids"] == r[1].json()["choices"][0]["token_ids"]  # seeded = reproducible
+    assert (
+        r[0].json()["choices"][0]["token_ids"] == r[1].json()["choices"][0]["token_ids"]
+    )  # seeded = reproducible
 
 
 def test_assistant_message_without_content_is_accepted(deployment, model_name):
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": "Again"}]
-    r = httpx.post(f"{deployment.base_url}/v1/chat/completions", json={"model": model_name, "messages": messages, "max_tokens": 2}, timeout=60)
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "Again"},
+    ]
+    r = httpx.post(
+        f"{deployment.base_url}/v1/chat/completions",
+        json={"model": model_name, "messages": messages, "max_tokens": 2},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
 
 
@@ -287,7 +395,14 @@ def test_stream_disconnect_stops_decode_within_1s(deployment, model_name):
     with httpx.stream(
         "POST",
         f"{deployment.base_url}/v1/completions",
-        json={"model": model_name, "prompt": "Tell a long story", "max_tokens": 1500, "temperature": 0, "stream": True, "ignore_eos": True},
+        json={
+            "model": model_name,
+            "prompt": "Tell a long story",
+            "max_tokens": 1500,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        },
         timeout=60,
     ) as r:
         assert r.status_code == 200, r.read()
@@ -314,12 +429,22 @@ def test_non_streaming_disconnect_stops_decode_within_1s(deployment, model_name)
         return metric_sum(metric_values(deployment.base_url), "eaas_running_sequences")
 
     assert running() == 0
-    body = {"model": model_name, "prompt": "Tell a long story", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": model_name,
+        "prompt": "Tell a long story",
+        "max_tokens": 1500,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     outcome: list[BaseException] = []
 
     def post() -> None:
         try:
-            httpx.post(f"{deployment.base_url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=2.0))
+            httpx.post(
+                f"{deployment.base_url}/v1/completions",
+                json=body,
+                timeout=httpx.Timeout(10, read=2.0),
+            )
         except BaseException as exc:  # noqa: BLE001
             outcome.append(exc)
 
@@ -358,7 +483,9 @@ def test_routing_table_hot_reload_and_ack(deployment, model_name, prompts, refer
     write_table(path, t1)  # older: must be rejected
     time.sleep(1.5)
     assert versions() == {"0": 2, "1": 2}
-    assert httpx.get(f"{deployment.base_url}/health", timeout=10).json()["routing_table_version"] == 2
+    assert (
+        httpx.get(f"{deployment.base_url}/health", timeout=10).json()["routing_table_version"] == 2
+    )
     r = complete_ids(deployment, model_name, prompts[0])
     assert r.choices[0].model_extra["token_ids"] == references[0]
 
@@ -372,7 +499,9 @@ def test_health_is_503_while_an_expert_has_no_replica(deployment, model_name, pr
     in_use = httpx.get(f"{deployment.base_url}/health", timeout=10).json()["routing_table_version"]
     layer = min(cur.layers)
     holes = RoutingTable(
-        version=max(cur.version, in_use) + 1, num_experts=cur.num_experts, servers=cur.servers,
+        version=max(cur.version, in_use) + 1,
+        num_experts=cur.num_experts,
+        servers=cur.servers,
         layers={**cur.layers, layer: tuple(() for _ in range(cur.num_experts))},
     )
 
@@ -391,16 +520,37 @@ def test_health_is_503_while_an_expert_has_no_replica(deployment, model_name, pr
         body = h.json()
         assert body["status"] == "degraded"
         assert body["uncovered_experts"] == cur.num_experts
-        assert body["uncovered"][0] == {"layer": layer, "expert": 0, "reason": f"no replica in routing table version {holes.version}", "replicas": []}
-        assert body["client_id"] in ("0", "1") and body["routing_table_version"] == holes.version and "running" in body
-    r = httpx.post(f"{deployment.base_url}/v1/completions", json={"model": model_name, "prompt": prompts[0], "max_tokens": 4, "temperature": 0}, timeout=60)
+        assert body["uncovered"][0] == {
+            "layer": layer,
+            "expert": 0,
+            "reason": f"no replica in routing table version {holes.version}",
+            "replicas": [],
+        }
+        assert (
+            body["client_id"] in ("0", "1")
+            and body["routing_table_version"] == holes.version
+            and "running" in body
+        )
+    r = httpx.post(
+        f"{deployment.base_url}/v1/completions",
+        json={"model": model_name, "prompt": prompts[0], "max_tokens": 4, "temperature": 0},
+        timeout=60,
+    )
     assert r.status_code == 503, r.text
     err = r.json()["error"]
     assert err["code"] == "no_live_replica"
-    assert f"no replica of layer {layer} expert" in err["message"] and f"in routing table version {holes.version}" in err["message"]
+    assert (
+        f"no replica of layer {layer} expert" in err["message"]
+        and f"in routing table version {holes.version}" in err["message"]
+    )
     assert "[]" not in err["message"]
 
-    fixed = RoutingTable(version=holes.version + 1, num_experts=cur.num_experts, servers=cur.servers, layers=cur.layers)
+    fixed = RoutingTable(
+        version=holes.version + 1,
+        num_experts=cur.num_experts,
+        servers=cur.servers,
+        layers=cur.layers,
+    )
     write_table(path, fixed)
     hs = health_until(lambda h: h.json()["routing_table_version"] == fixed.version)
     for h in hs:

@@ -22,17 +22,20 @@ from pathlib import Path
 
 import pytest
 import torch
-
+from e2e_helpers import free_port
 from eaas.runtime import metrics
-from eaas.runtime.client.dispatch import Dispatcher, NoLiveReplicaError, RoutingTableWatcher, experts_factory
+from eaas.runtime.client.dispatch import (
+    Dispatcher,
+    NoLiveReplicaError,
+    RoutingTableWatcher,
+    experts_factory,
+)
 from eaas.runtime.models.arch import read_model_info
 from eaas.runtime.models.attention import load_attention_model
 from eaas.runtime.models.reference import reference_logits
 from eaas.runtime.placement import format_expert_spec, place_experts
 from eaas.runtime.routing import RoutingTable
 from eaas.runtime.serve import write_table
-
-from e2e_helpers import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -59,26 +62,49 @@ class Servers:
         for i, sid in enumerate(self.ids):
             spec = format_expert_spec(self.placement.servers[i])
             self.procs[sid] = subprocess.Popen(
-                cmd + ["--server-id", sid, "--experts", spec, "--listen", self.endpoints[i]], stdout=subprocess.PIPE, env=env, text=True
+                cmd + ["--server-id", sid, "--experts", spec, "--listen", self.endpoints[i]],
+                stdout=subprocess.PIPE,
+                env=env,
+                text=True,
             )
-        self.procs["tcp"] = subprocess.Popen(cmd + ["--server-id", "tcp", "--listen", self.tcp_endpoint], stdout=subprocess.PIPE, env=env, text=True)
+        self.procs["tcp"] = subprocess.Popen(
+            cmd + ["--server-id", "tcp", "--listen", self.tcp_endpoint],
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
         for sid, p in self.procs.items():
             line = p.stdout.readline()
             assert " ready on " in line, f"{sid}: {line!r} (exit {p.poll()})"
 
     def table(self, version: int = 1) -> RoutingTable:
-        return RoutingTable.from_placement(self.placement, self.ids, self.endpoints, version=version)
+        return RoutingTable.from_placement(
+            self.placement, self.ids, self.endpoints, version=version
+        )
 
     def tcp_table(self) -> RoutingTable:
-        layers = {l: tuple(("tcp",) for _ in range(self.info.num_experts)) for l in self.info.moe_layers}
-        return RoutingTable(version=1, num_experts=self.info.num_experts, servers={"tcp": self.tcp_endpoint}, layers=layers)
+        layers = {
+            l: tuple(("tcp",) for _ in range(self.info.num_experts)) for l in self.info.moe_layers
+        }
+        return RoutingTable(
+            version=1,
+            num_experts=self.info.num_experts,
+            servers={"tcp": self.tcp_endpoint},
+            layers=layers,
+        )
 
     def expert_tokens(self) -> float:
         from prometheus_client import CollectorRegistry, multiprocess
 
         reg = CollectorRegistry()
         multiprocess.MultiProcessCollector(reg, path=str(self.metrics_dir))
-        return sum(s.value for fam in reg.collect() if fam.name == "eaas_expert_tokens" for s in fam.samples if s.name.endswith("_total"))
+        return sum(
+            s.value
+            for fam in reg.collect()
+            if fam.name == "eaas_expert_tokens"
+            for s in fam.samples
+            if s.name.endswith("_total")
+        )
 
     def close(self) -> None:
         for p in self.procs.values():
@@ -115,7 +141,9 @@ def ref_logits(model_dir, prompt_ids):
 
 
 def remote_model(model_dir, dispatcher):
-    model, _, _ = load_attention_model(model_dir, torch.float32, experts_factory=experts_factory(dispatcher))
+    model, _, _ = load_attention_model(
+        model_dir, torch.float32, experts_factory=experts_factory(dispatcher)
+    )
     return model
 
 
@@ -180,7 +208,9 @@ def test_routing_table_watcher_hot_reload(servers, model_dir, prompt_ids, ref_lo
 
 
 def test_hung_server_hits_deadline_and_fails_over(servers, model_dir, prompt_ids, ref_logits):
-    d = Dispatcher(3, servers.info.hidden_size, torch.float32, servers.table(), timeout=1.0, retry_down_s=0.5)
+    d = Dispatcher(
+        3, servers.info.hidden_size, torch.float32, servers.table(), timeout=1.0, retry_down_s=0.5
+    )
     model = remote_model(model_dir, d)
     assert_close(logits(model, prompt_ids), ref_logits)  # warm: all connected
     fo = metrics.FAILOVERS._value.get()

@@ -19,11 +19,9 @@ import time
 
 import httpx
 import pytest
-
+from e2e_helpers import metric_sum, metric_values, start_serve
 from eaas.runtime.models.reference import reference_generate
 from eaas.runtime.routing import RoutingTable
-
-from e2e_helpers import metric_sum, metric_values, start_serve
 
 pytestmark = pytest.mark.e2e
 
@@ -38,7 +36,11 @@ MAX_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    sp = start_serve(tmp_path_factory, "serve-fault", ["--expert-servers", "4", "--replicas", "2", "--dispatch-timeout", "5"])
+    sp = start_serve(
+        tmp_path_factory,
+        "serve-fault",
+        ["--expert-servers", "4", "--replicas", "2", "--dispatch-timeout", "5"],
+    )
     yield sp
     sp.stop(check=True)  # no-op when test_sigterm_cleans_up already stopped it
 
@@ -54,7 +56,13 @@ def _stream(base_url, model_name, prompt_ids, out: dict, started: threading.Even
         with httpx.stream(
             "POST",
             f"{base_url}/v1/completions",
-            json={"model": model_name, "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True},
+            json={
+                "model": model_name,
+                "prompt": prompt_ids,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "stream": True,
+            },
             timeout=120,
         ) as r:
             out["status"] = r.status_code
@@ -83,8 +91,10 @@ def test_kill_expert_server_while_streaming(deployment, model_name, tokenizer, m
     outs = [{} for _ in prompts]
     starts = [threading.Event() for _ in prompts]
     threads = [
-        threading.Thread(target=_stream, args=(deployment.base_url, model_name, p, o, s), daemon=True)
-        for p, o, s in zip(prompts, outs, starts)
+        threading.Thread(
+            target=_stream, args=(deployment.base_url, model_name, p, o, s), daemon=True
+        )
+        for p, o, s in zip(prompts, outs, starts, strict=False)
     ]
     for t in threads:
         t.start()
@@ -96,7 +106,7 @@ def test_kill_expert_server_while_streaming(deployment, model_name, tokenizer, m
     for t in threads:
         t.join(180)
         assert not t.is_alive()
-    for o, ref in zip(outs, refs):
+    for o, ref in zip(outs, refs, strict=False):
         assert "error" not in o and "exception" not in o, o
         assert o["status"] == 200
         assert o["ids"] == ref
@@ -127,10 +137,17 @@ def test_kill_expert_server_while_streaming(deployment, model_name, tokenizer, m
 def test_no_live_replica_is_503_not_a_hang(deployment, model_name):
     table = RoutingTable.from_json((deployment.run_dir / "routing-table.json").read_text())
     # expert-0 now holds the last replica of some experts (their other replica was on expert-1)
-    orphaned = [(l, e) for l, e in table.hosted_by("expert-0") if table.replicas(l, e) == ("expert-0",)]
+    orphaned = [
+        (l, e) for l, e in table.hosted_by("expert-0") if table.replicas(l, e) == ("expert-0",)
+    ]
     assert orphaned
     os.kill(deployment.pid_of("--server-id expert-0"), signal.SIGKILL)
-    body = {"model": model_name, "prompt": "Mixture of experts models route each token to a few experts", "max_tokens": 8, "temperature": 0}
+    body = {
+        "model": model_name,
+        "prompt": "Mixture of experts models route each token to a few experts",
+        "max_tokens": 8,
+        "temperature": 0,
+    }
     t0 = time.monotonic()
     r = httpx.post(f"{deployment.base_url}/v1/completions", json=body, timeout=60)
     assert time.monotonic() - t0 < 15
@@ -138,7 +155,9 @@ def test_no_live_replica_is_503_not_a_hang(deployment, model_name):
     err = r.json()["error"]
     assert err["type"] == "service_unavailable" and "no live replica" in err["message"]
     # streaming requests get the same answer (the error comes before the first token)
-    with httpx.stream("POST", f"{deployment.base_url}/v1/completions", json={**body, "stream": True}, timeout=60) as rs:
+    with httpx.stream(
+        "POST", f"{deployment.base_url}/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as rs:
         assert rs.status_code == 503
         assert json.loads(rs.read())["error"]["type"] == "service_unavailable"
     # the client itself keeps answering /health, but as not ready: 503 "degraded", naming the
@@ -152,4 +171,6 @@ def test_no_live_replica_is_503_not_a_hang(deployment, model_name):
 
 
 def test_sigterm_cleans_up(deployment):
-    deployment.stop(check=True)  # asserts exit code 0, no orphans, no /dev/shm/eaas*, run dir removed
+    deployment.stop(
+        check=True
+    )  # asserts exit code 0, no orphans, no /dev/shm/eaas*, run dir removed

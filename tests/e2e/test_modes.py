@@ -12,10 +12,8 @@ import time
 
 import httpx
 import pytest
-
-from eaas.runtime.models.reference import reference_generate
-
 from e2e_helpers import ServeProcess, alive, descendants, free_port
+from eaas.runtime.models.reference import reference_generate
 
 pytestmark = pytest.mark.e2e
 
@@ -26,8 +24,12 @@ MAX_TOKENS = 12
 def _check_exact(base_url, tokenizer, model_dir):
     prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
     refs = reference_generate(model_dir, prompts, MAX_TOKENS)
-    for p, ref in zip(prompts, refs):
-        r = httpx.post(f"{base_url}/v1/completions", json={"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0}, timeout=120)
+    for p, ref in zip(prompts, refs, strict=False):
+        r = httpx.post(
+            f"{base_url}/v1/completions",
+            json={"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0},
+            timeout=120,
+        )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == ref
 
@@ -36,14 +38,27 @@ def test_local_experts_baseline(tokenizer, model_dir, tmp_path):
     port = free_port()
     log = open(tmp_path / "client.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "eaas", "attention-client", "--local-experts", "--port", str(port), "--client-id", "7"],
+        [
+            sys.executable,
+            "-m",
+            "eaas",
+            "attention-client",
+            "--local-experts",
+            "--port",
+            str(port),
+            "--client-id",
+            "7",
+        ],
         stdout=subprocess.PIPE,
         stderr=log,
         text=True,
     )
     try:
         line = proc.stdout.readline()
-        assert "attention-client 7 ready on" in line, (line, (tmp_path / "client.log").read_text()[-2000:])
+        assert "attention-client 7 ready on" in line, (
+            line,
+            (tmp_path / "client.log").read_text()[-2000:],
+        )
         base = f"http://127.0.0.1:{port}"
         h = httpx.get(f"{base}/health", timeout=10).json()
         assert h["mode"] == "local-experts" and h["client_id"] == "7"
@@ -61,7 +76,11 @@ def test_local_experts_baseline(tokenizer, model_dir, tmp_path):
 
 
 def test_serve_over_tcp(tokenizer, model_dir, tmp_path):
-    sp = ServeProcess(["--transport", "tcp", "--expert-servers", "3", "--replicas", "2"], tmp_path / "serve.log", free_port())
+    sp = ServeProcess(
+        ["--transport", "tcp", "--expert-servers", "3", "--replicas", "2"],
+        tmp_path / "serve.log",
+        free_port(),
+    )
     sp.start()
     try:
         h = httpx.get(f"{sp.base_url}/health", timeout=10).json()
@@ -79,7 +98,9 @@ def test_serve_over_tcp(tokenizer, model_dir, tmp_path):
         deadline = time.monotonic() + 20
         while any(alive(p, c) for p, c in kids.items()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not {p: c for p, c in kids.items() if alive(p, c)}, "children outlived a SIGKILLed serve"
+        assert not {p: c for p, c in kids.items() if alive(p, c)}, (
+            "children outlived a SIGKILLed serve"
+        )
     finally:
         if not sp.stopped:
             sp.stop(check=True)
@@ -115,7 +136,12 @@ def test_serve_rejects_bad_options_before_starting_anything(args, message):
     held = _taken_port()
     try:
         args = [str(held.getsockname()[1]) if a == "TAKEN" else a for a in args]
-        r = subprocess.run([sys.executable, "-m", "eaas", "serve", *args], capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "eaas", "serve", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         held.close()
     out = r.stdout + r.stderr

@@ -10,7 +10,9 @@ import time
 import pytest
 
 
-def kubectl(*args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def kubectl(
+    *args: str, input: str | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
     """Run kubectl; with ``check``, a non-zero exit fails the test with kubectl's stderr."""
     r = subprocess.run(["kubectl", *args], input=input, capture_output=True, text=True, timeout=60)
     if check and r.returncode != 0:

@@ -20,10 +20,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from eaas.runtime.placement import parse_expert_spec
 from eaas.runtime.routing import RoutingTable
-
 from k8s_helpers import kubectl, wait_for
 
 pytestmark = pytest.mark.k8s
@@ -43,8 +41,16 @@ def get(kind: str, name: str, ns: str) -> dict | None:
 
 
 def pods(ns: str, pool: str) -> list[dict]:
-    out = kubectl("get", "pods", "-n", ns, "-l", f"eaas.io/pool={pool},eaas.io/role=expert-server",
-                  "-o", "json").stdout
+    out = kubectl(
+        "get",
+        "pods",
+        "-n",
+        ns,
+        "-l",
+        f"eaas.io/pool={pool},eaas.io/role=expert-server",
+        "-o",
+        "json",
+    ).stdout
     return json.loads(out)["items"]
 
 
@@ -90,8 +96,10 @@ def converged(ns: str, name: str) -> dict | None:
         if p["status"].get("phase") != "Running" or not p["status"].get("podIP"):
             return None
         cmd = p["spec"]["containers"][0]["command"]
-        hosted[p["metadata"]["name"]] = (set(parse_expert_spec(cmd[cmd.index("--experts") + 1])),
-                                         f"tcp://{p['status']['podIP']}:{port}")
+        hosted[p["metadata"]["name"]] = (
+            set(parse_expert_spec(cmd[cmd.index("--experts") + 1])),
+            f"tcp://{p['status']['podIP']}:{port}",
+        )
     t = table(ns, name)
     if t is None or st.get("routingTableVersion") != t.version:
         return None
@@ -103,11 +111,17 @@ def converged(ns: str, name: str) -> dict | None:
     for layer in layers:
         for e in range(model["numExperts"]):
             reps = t.replicas(layer, e)
-            assert len(set(reps)) == len(reps) >= r, f"expert ({layer},{e}) has replicas {reps}, want {r}"
+            assert len(set(reps)) == len(reps) >= r, (
+                f"expert ({layer},{e}) has replicas {reps}, want {r}"
+            )
             for s in reps:
-                assert (layer, e) in hosted[s][0], f"table says {s} hosts ({layer},{e}) but it does not"
+                assert (layer, e) in hosted[s][0], (
+                    f"table says {s} hosts ({layer},{e}) but it does not"
+                )
     assert st["readyReplicas"] == n and st["replicas"] == n
-    assert st["placement"]["expertsBelowRedundancy"] == 0 and st["placement"]["uncoveredExperts"] == 0
+    assert (
+        st["placement"]["expertsBelowRedundancy"] == 0 and st["placement"]["uncoveredExperts"] == 0
+    )
     return {"pool": pool, "pods": ps, "table": t}
 
 
@@ -130,8 +144,18 @@ class Operator:
             port = s.getsockname()[1]
         env = {**os.environ, "EAAS_OPERATOR_RESYNC_S": "1", "EAAS_OPERATOR_WATCH_TIMEOUT_S": "30"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "eaas.cli", "operator", "--verbose", f"--liveness=http://127.0.0.1:{port}/healthz"],
-            stdout=log, stderr=subprocess.STDOUT, env=env)
+            [
+                sys.executable,
+                "-m",
+                "eaas.cli",
+                "operator",
+                "--verbose",
+                f"--liveness=http://127.0.0.1:{port}/healthz",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
         def ready():
             assert self.proc.poll() is None, f"operator exited: {self.log_path.read_text()[-3000:]}"
@@ -140,7 +164,9 @@ class Operator:
             except OSError:
                 return False
             text = self.log_path.read_text()[offset:]
-            return all(f"Starting the watch-stream for {r}" in text for r in ("expertpools", "pods.v1"))
+            return all(
+                f"Starting the watch-stream for {r}" in text for r in ("expertpools", "pods.v1")
+            )
 
         wait_for("operator ready", ready, timeout=60)
 
@@ -193,25 +219,46 @@ def test_tiny_pool_from_examples(ns, operator):
     kubectl("apply", "-n", ns, "-f", str(ROOT / "deploy/examples/tiny-pool.yaml"))
     got = wait_for("tiny pool Ready", lambda: converged(ns, "tiny"), timeout=90)
     elapsed = time.monotonic() - t0
-    print(f"\n[measure] tiny pool (3 MoE layers x 32 experts, 4 servers): apply -> Ready {elapsed:.2f}s")
+    print(
+        f"\n[measure] tiny pool (3 MoE layers x 32 experts, 4 servers): apply -> Ready {elapsed:.2f}s"
+    )
 
-    nodes = {n["metadata"]["name"]: n for n in json.loads(kubectl("get", "nodes", "-o", "json").stdout)["items"]}
+    nodes = {
+        n["metadata"]["name"]: n
+        for n in json.loads(kubectl("get", "nodes", "-o", "json").stdout)["items"]
+    }
     pool = got["pool"]
     for p in got["pods"]:
         node = nodes[p["spec"]["nodeName"]]
-        assert node["metadata"]["labels"].get("eaas.io/rdma") == "true", f"{p['metadata']['name']} on {node}"
+        assert node["metadata"]["labels"].get("eaas.io/rdma") == "true", (
+            f"{p['metadata']['name']} on {node}"
+        )
         c = p["spec"]["containers"][0]
         cmd = c["command"]
         assert cmd[:2] == ["eaas", "expert-server"]
         assert cmd[cmd.index("--model") + 1] == "/models/tiny"
         assert cmd[cmd.index("--server-id") + 1] == p["metadata"]["name"]
         assert cmd[cmd.index("--listen") + 1] == "tcp://0.0.0.0:9000"
-        assert c["resources"]["limits"]["nvidia.com/gpu"] == "1" and c["resources"]["limits"]["rdma/ib"] == "1"
+        assert (
+            c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+            and c["resources"]["limits"]["rdma/ib"] == "1"
+        )
         (ref,) = p["metadata"]["ownerReferences"]
-        assert ref["uid"] == pool["metadata"]["uid"] and ref["controller"] and ref["blockOwnerDeletion"]
-        assert p["metadata"]["labels"]["eaas.io/placement-revision"] == pool["status"]["placementRevision"]
+        assert (
+            ref["uid"] == pool["metadata"]["uid"]
+            and ref["controller"]
+            and ref["blockOwnerDeletion"]
+        )
+        assert (
+            p["metadata"]["labels"]["eaas.io/placement-revision"]
+            == pool["status"]["placementRevision"]
+        )
     # scale subresource and printer columns
-    scale = json.loads(kubectl("get", "--raw", f"/apis/eaas.io/v1alpha1/namespaces/{ns}/expertpools/tiny/scale").stdout)
+    scale = json.loads(
+        kubectl(
+            "get", "--raw", f"/apis/eaas.io/v1alpha1/namespaces/{ns}/expertpools/tiny/scale"
+        ).stdout
+    )
     assert scale["spec"]["replicas"] == 4 and scale["status"]["replicas"] == 4
     assert scale["status"]["selector"] == "eaas.io/pool=tiny,eaas.io/role=expert-server"
     row = kubectl("get", "epool", "tiny", "-n", ns).stdout
@@ -219,10 +266,32 @@ def test_tiny_pool_from_examples(ns, operator):
     # the routing table ConfigMap is owned by the pool; Events were posted
     cm = get("configmap", "tiny-routing-table", ns)
     assert cm["metadata"]["ownerReferences"][0]["uid"] == pool["metadata"]["uid"]
-    assert cm["metadata"]["annotations"]["eaas.io/routing-table-version"] == str(got["table"].version)
-    reasons = wait_for("events", lambda: {e["reason"] for e in json.loads(kubectl(
-        "get", "events", "-n", ns, "--field-selector", "involvedObject.kind=ExpertPool", "-o", "json").stdout)["items"]}
-        >= {"PlacementComputed", "ServersCreated", "RoutingTablePublished", "PoolReady"} or None, timeout=30)
+    assert cm["metadata"]["annotations"]["eaas.io/routing-table-version"] == str(
+        got["table"].version
+    )
+    reasons = wait_for(
+        "events",
+        lambda: (
+            {
+                e["reason"]
+                for e in json.loads(
+                    kubectl(
+                        "get",
+                        "events",
+                        "-n",
+                        ns,
+                        "--field-selector",
+                        "involvedObject.kind=ExpertPool",
+                        "-o",
+                        "json",
+                    ).stdout
+                )["items"]
+            }
+            >= {"PlacementComputed", "ServersCreated", "RoutingTablePublished", "PoolReady"}
+            or None
+        ),
+        timeout=30,
+    )
     assert reasons
 
 
@@ -239,20 +308,31 @@ def test_scale_up_and_down(ns, operator):
     v = wait_for("pool Ready", lambda: converged(ns, "sc"), timeout=90)["table"].version
     for k in (6, 5, 7, 3, 2):  # none of these divides 32 except 2
         kubectl("scale", "expertpool/sc", "-n", ns, f"--replicas={k}")
-        got = wait_for(f"Ready at {k} servers", lambda: converged(ns, "sc")
-                       if get("expertpool", "sc", ns)["spec"]["replicas"] == k else None, timeout=120)
+        got = wait_for(
+            f"Ready at {k} servers",
+            lambda k=k: (
+                converged(ns, "sc")
+                if get("expertpool", "sc", ns)["spec"]["replicas"] == k
+                else None
+            ),
+            timeout=120,
+        )
         assert len(got["pods"]) == k
         assert got["table"].version > v, "routing table version must increase on every change"
         v = got["table"].version
         st = got["pool"]["status"]
-        assert {p["metadata"]["labels"]["eaas.io/placement-revision"] for p in got["pods"]} == {st["placementRevision"]}
+        assert {p["metadata"]["labels"]["eaas.io/placement-revision"] for p in got["pods"]} == {
+            st["placementRevision"]
+        }
 
 
 def test_scale_below_redundancy_rejected(ns, operator):
     apply(pool_manifest("low", replicas=2, redundancy=2), ns)
     wait_for("pool Ready", lambda: converged(ns, "low"), timeout=90)
     r = kubectl("scale", "expertpool/low", "-n", ns, "--replicas=1", check=False)
-    assert r.returncode != 0 and "spec.redundancy must not exceed spec.replicas" in r.stderr, r.stderr
+    assert r.returncode != 0 and "spec.redundancy must not exceed spec.replicas" in r.stderr, (
+        r.stderr
+    )
     assert get("expertpool", "low", ns)["spec"]["replicas"] == 2
 
 
@@ -267,13 +347,28 @@ def test_deleted_pod_is_replaced(ns, operator):
     v0 = before["table"].version
 
     def published_without_victim():
-        events = json.loads(kubectl("get", "events", "-n", ns, "--field-selector",
-                                    "reason=RoutingTablePublished", "-o", "json").stdout)["items"]
-        versions = [int(m.group(1)) for e in events
-                    if (m := re.match(r"routing table version (\d+): 3 live servers", e["message"]))]
+        events = json.loads(
+            kubectl(
+                "get",
+                "events",
+                "-n",
+                ns,
+                "--field-selector",
+                "reason=RoutingTablePublished",
+                "-o",
+                "json",
+            ).stdout
+        )["items"]
+        versions = [
+            int(m.group(1))
+            for e in events
+            if (m := re.match(r"routing table version (\d+): 3 live servers", e["message"]))
+        ]
         return [v for v in versions if v > v0]
 
-    assert wait_for("a published table without the deleted server", published_without_victim, timeout=30)
+    assert wait_for(
+        "a published table without the deleted server", published_without_victim, timeout=30
+    )
     new = next(p for p in after["pods"] if p["metadata"]["name"] == "heal-1")
     assert new["metadata"]["uid"] != victim["metadata"]["uid"]
     assert after["table"].version >= before["table"].version + 2  # removed, then re-added
@@ -285,16 +380,41 @@ def test_deleted_pod_is_replaced(ns, operator):
 def test_image_change_rolls_servers(ns, operator):
     apply(pool_manifest("roll", replicas=5), ns)
     before = wait_for("pool Ready", lambda: converged(ns, "roll"), timeout=90)
-    kubectl("patch", "expertpool", "roll", "-n", ns, "--type=merge", "-p", '{"spec":{"image":"eaas:v2"}}')
-    after = wait_for("rolled to eaas:v2", lambda: (got := converged(ns, "roll")) and all(
-        p["spec"]["containers"][0]["image"] == "eaas:v2" for p in got["pods"]) and got, timeout=120)
-    assert not ({p["metadata"]["uid"] for p in before["pods"]} & {p["metadata"]["uid"] for p in after["pods"]})
+    kubectl(
+        "patch",
+        "expertpool",
+        "roll",
+        "-n",
+        ns,
+        "--type=merge",
+        "-p",
+        '{"spec":{"image":"eaas:v2"}}',
+    )
+    after = wait_for(
+        "rolled to eaas:v2",
+        lambda: (
+            (got := converged(ns, "roll"))
+            and all(p["spec"]["containers"][0]["image"] == "eaas:v2" for p in got["pods"])
+            and got
+        ),
+        timeout=120,
+    )
+    assert not (
+        {p["metadata"]["uid"] for p in before["pods"]}
+        & {p["metadata"]["uid"] for p in after["pods"]}
+    )
     # same placement: the experts of every server are unchanged
-    assert after["pool"]["status"]["placementRevision"] == before["pool"]["status"]["placementRevision"]
+    assert (
+        after["pool"]["status"]["placementRevision"]
+        == before["pool"]["status"]["placementRevision"]
+    )
     assert after["table"].layers == before["table"].layers
     # replaced one at a time (redundancy 2 -> at most one server down): never an uncovered expert
-    events = json.loads(kubectl("get", "events", "-n", ns, "--field-selector", "reason=ServersDeleted",
-                                "-o", "json").stdout)["items"]
+    events = json.loads(
+        kubectl(
+            "get", "events", "-n", ns, "--field-selector", "reason=ServersDeleted", "-o", "json"
+        ).stdout
+    )["items"]
     assert events and all(e["type"] == "Normal" for e in events), [e["message"] for e in events]
 
 
@@ -303,7 +423,9 @@ def test_routing_table_configmap_recreated_with_higher_version(ns, operator):
     before = wait_for("pool Ready", lambda: converged(ns, "cm"), timeout=90)
     kubectl("delete", "configmap", "cm-routing-table", "-n", ns)
     after = wait_for("table back", lambda: (t := table(ns, "cm")) and t, timeout=30)
-    assert after.version > before["table"].version, "a recreated table must not reuse an old version"
+    assert after.version > before["table"].version, (
+        "a recreated table must not reuse an old version"
+    )
     wait_for("pool Ready", lambda: converged(ns, "cm"), timeout=30)
 
 
@@ -313,51 +435,103 @@ def test_dead_node_leaves_the_routing_table(ns, operator):
     apply(pool_manifest("nodes", replicas=8), ns)
     before = wait_for("pool Ready", lambda: converged(ns, "nodes"), timeout=90)
     victim_node = before["pods"][0]["spec"]["nodeName"]
-    on_node = {p["metadata"]["name"] for p in before["pods"] if p["spec"]["nodeName"] == victim_node}
+    on_node = {
+        p["metadata"]["name"] for p in before["pods"] if p["spec"]["nodeName"] == victim_node
+    }
     kwok_annotation = "kwok.x-k8s.io/node"
-    ready = {"type": "Ready", "status": "False", "reason": "KubeletStopped", "message": "test: node lost",
-             "lastHeartbeatTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-             "lastTransitionTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    ready = {
+        "type": "Ready",
+        "status": "False",
+        "reason": "KubeletStopped",
+        "message": "test: node lost",
+        "lastHeartbeatTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "lastTransitionTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     try:
-        kubectl("annotate", "node", victim_node, f"{kwok_annotation}-")  # kwok stops heartbeating it
-        kubectl("patch", "node", victim_node, "--subresource=status", "--type=strategic",
-                "-p", json.dumps({"status": {"conditions": [ready]}}))
+        kubectl(
+            "annotate", "node", victim_node, f"{kwok_annotation}-"
+        )  # kwok stops heartbeating it
+        kubectl(
+            "patch",
+            "node",
+            victim_node,
+            "--subresource=status",
+            "--type=strategic",
+            "-p",
+            json.dumps({"status": {"conditions": [ready]}}),
+        )
         t0 = time.monotonic()
-        t = wait_for("servers on the dead node out of the table",
-                     lambda: (t := table(ns, "nodes")) and not (on_node & set(t.servers)) and t, timeout=20)
-        print(f"\n[measure] node NotReady -> routing table without its {len(on_node)} server(s): "
-              f"{time.monotonic() - t0:.2f}s")
+        t = wait_for(
+            "servers on the dead node out of the table",
+            lambda: (t := table(ns, "nodes")) and not (on_node & set(t.servers)) and t,
+            timeout=20,
+        )
+        print(
+            f"\n[measure] node NotReady -> routing table without its {len(on_node)} server(s): "
+            f"{time.monotonic() - t0:.2f}s"
+        )
         assert t.version > before["table"].version
         assert not t.uncovered(), "redundancy 2 on distinct servers: other replicas remain"
         pool = get("expertpool", "nodes", ns)
         cond = {c["type"]: c for c in pool["status"]["conditions"]}
         assert cond["Ready"]["status"] == "False"
-        assert cond["Degraded"]["status"] == "True" and cond["Degraded"]["reason"] == "BelowRedundancy"
+        assert (
+            cond["Degraded"]["status"] == "True" and cond["Degraded"]["reason"] == "BelowRedundancy"
+        )
         # the pods themselves still claim to be Ready: only the node says otherwise
         still = {p["metadata"]["name"]: p for p in pods(ns, "nodes")}
-        assert all(any(c["type"] == "Ready" and c["status"] == "True" for c in still[n]["status"]["conditions"])
-                   for n in on_node)
+        assert all(
+            any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in still[n]["status"]["conditions"]
+            )
+            for n in on_node
+        )
     finally:
         kubectl("annotate", "node", victim_node, f"{kwok_annotation}=fake", "--overwrite")
-    wait_for("node Ready again", lambda: any(
-        c["type"] == "Ready" and c["status"] == "True" for c in get("node", victim_node, "")["status"]["conditions"]),
-        timeout=60)
+    wait_for(
+        "node Ready again",
+        lambda: any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in get("node", victim_node, "")["status"]["conditions"]
+        ),
+        timeout=60,
+    )
     after = wait_for("pool Ready again", lambda: converged(ns, "nodes"), timeout=60)
     assert on_node <= set(after["table"].servers)
 
 
-@pytest.mark.parametrize("mutate,field", [
-    (lambda s: s.update(replicas=0), "spec.replicas"),
-    (lambda s: s.update(replicas=-3), "spec.replicas"),
-    (lambda s: s.update(replicas=3, redundancy=4), "spec.redundancy must not exceed spec.replicas"),
-    (lambda s: s.update(placement={"policy": "random"}), "spec.placement.policy"),
-    (lambda s: s.pop("model"), "spec.model"),
-    (lambda s: s["model"].pop("uri"), "spec.model.uri"),
-    (lambda s: s["model"].update(topK=64), "spec.model.topK must not exceed spec.model.numExperts"),
-    (lambda s: s.update(redundancy=0), "spec.redundancy"),
-    (lambda s: s.update(port=70000), "spec.port"),
-], ids=["replicas0", "replicasNeg", "redundancy>replicas", "policy", "noModel", "noUri", "topK", "redundancy0",
-        "port"])
+@pytest.mark.parametrize(
+    "mutate,field",
+    [
+        (lambda s: s.update(replicas=0), "spec.replicas"),
+        (lambda s: s.update(replicas=-3), "spec.replicas"),
+        (
+            lambda s: s.update(replicas=3, redundancy=4),
+            "spec.redundancy must not exceed spec.replicas",
+        ),
+        (lambda s: s.update(placement={"policy": "random"}), "spec.placement.policy"),
+        (lambda s: s.pop("model"), "spec.model"),
+        (lambda s: s["model"].pop("uri"), "spec.model.uri"),
+        (
+            lambda s: s["model"].update(topK=64),
+            "spec.model.topK must not exceed spec.model.numExperts",
+        ),
+        (lambda s: s.update(redundancy=0), "spec.redundancy"),
+        (lambda s: s.update(port=70000), "spec.port"),
+    ],
+    ids=[
+        "replicas0",
+        "replicasNeg",
+        "redundancy>replicas",
+        "policy",
+        "noModel",
+        "noUri",
+        "topK",
+        "redundancy0",
+        "port",
+    ],
+)
 def test_invalid_specs_rejected(ns, operator, mutate, field):
     m = pool_manifest("bad")
     mutate(m["spec"])
@@ -379,7 +553,7 @@ def test_operator_killed_mid_reconcile(ns, operator):
     wait_for("some pods created", lambda: len(pods(ns, "crash")) > 0, timeout=30, interval=0.02)
     operator.kill()
     created_before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(ns, "crash")}
-    v_before = (table(ns, "crash").version if table(ns, "crash") else 0)
+    v_before = table(ns, "crash").version if table(ns, "crash") else 0
     operator.start()
     got = wait_for("pool Ready after restart", lambda: converged(ns, "crash"), timeout=120)
     names = [p["metadata"]["name"] for p in got["pods"]]
@@ -393,9 +567,15 @@ def test_operator_killed_mid_reconcile(ns, operator):
     # kill again in the middle of a re-placement and check the version keeps rising
     v1 = got["table"].version
     kubectl("scale", "expertpool/crash", "-n", ns, "--replicas=11")
-    wait_for("re-placement under way", lambda: len([p for p in pods(ns, "crash")
-                                                     if p["metadata"].get("deletionTimestamp")]) > 0 or
-             len(pods(ns, "crash")) < 16, timeout=30, interval=0.02)
+    wait_for(
+        "re-placement under way",
+        lambda: (
+            len([p for p in pods(ns, "crash") if p["metadata"].get("deletionTimestamp")]) > 0
+            or len(pods(ns, "crash")) < 16
+        ),
+        timeout=30,
+        interval=0.02,
+    )
     operator.kill()
     time.sleep(0.5)
     operator.start()
@@ -409,18 +589,35 @@ def test_delete_pool_garbage_collects(ns, operator):
     kubectl("delete", "expertpool", "gc", "-n", ns, "--wait=false")
     wait_for("pool gone", lambda: get("expertpool", "gc", ns) is None, timeout=60)
     wait_for("pods gone", lambda: pods(ns, "gc") == [], timeout=60)
-    wait_for("routing table gone", lambda: get("configmap", "gc-routing-table", ns) is None, timeout=60)
+    wait_for(
+        "routing table gone", lambda: get("configmap", "gc-routing-table", ns) is None, timeout=60
+    )
 
 
 def test_attention_fleet(ns, operator):
-    kubectl("apply", "-n", ns, "-f", str(ROOT / "deploy/examples/tiny-pool.yaml"),
-            "-f", str(ROOT / "deploy/examples/tiny-fleet.yaml"))
+    kubectl(
+        "apply",
+        "-n",
+        ns,
+        "-f",
+        str(ROOT / "deploy/examples/tiny-pool.yaml"),
+        "-f",
+        str(ROOT / "deploy/examples/tiny-fleet.yaml"),
+    )
     pool = wait_for("pool Ready", lambda: converged(ns, "tiny"), timeout=90)
     dep = wait_for("deployment", lambda: get("deployment", "tiny-clients", ns), timeout=30)
     pod_spec = dep["spec"]["template"]["spec"]
     c = pod_spec["containers"][0]
-    assert c["command"][:8] == ["eaas", "attention-client", "--model", "/models/tiny", "--routing-table",
-                                "/etc/eaas/routing-table.json", "--port", "8000"]
+    assert c["command"][:8] == [
+        "eaas",
+        "attention-client",
+        "--model",
+        "/models/tiny",
+        "--routing-table",
+        "/etc/eaas/routing-table.json",
+        "--port",
+        "8000",
+    ]
     mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/etc/eaas")
     vol = next(v for v in pod_spec["volumes"] if v["name"] == mount["name"])
     assert vol["configMap"]["name"] == "tiny-routing-table"
@@ -436,20 +633,30 @@ def test_attention_fleet(ns, operator):
         return f if ok and st.get("readyReplicas") == 2 else None
 
     fleet = wait_for("fleet Ready", fleet_ready, timeout=90)
-    assert fleet["status"]["routingTableVersion"] == table(ns, "tiny").version >= pool["table"].version
+    assert (
+        fleet["status"]["routingTableVersion"] == table(ns, "tiny").version >= pool["table"].version
+    )
     # client pods are not mistaken for expert servers
     assert len(pods(ns, "tiny")) == 4
     # scaling the fleet goes through to the Deployment
     kubectl("scale", "attentionfleet/tiny-clients", "-n", ns, "--replicas=3")
-    wait_for("deployment scaled", lambda: get("deployment", "tiny-clients", ns)["spec"]["replicas"] == 3, timeout=30)
+    wait_for(
+        "deployment scaled",
+        lambda: get("deployment", "tiny-clients", ns)["spec"]["replicas"] == 3,
+        timeout=30,
+    )
 
 
 def test_ready_times(operator):
     """Measure apply -> Ready for the tiny pool and a DeepSeek-V3-sized pool (40 servers)."""
-    spec = importlib.util.spec_from_file_location("operator_ready", ROOT / "bench/operator_ready.py")
+    spec = importlib.util.spec_from_file_location(
+        "operator_ready", ROOT / "bench/operator_ready.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    results = bench.measure(f"bench-{uuid.uuid4().hex[:6]}", out=lambda m: print(f"\n[measure] {m}"))
+    results = bench.measure(
+        f"bench-{uuid.uuid4().hex[:6]}", out=lambda m: print(f"\n[measure] {m}")
+    )
     assert len(results) == 2
     assert all(v < 120 for v in results.values()), results
 
@@ -458,29 +665,62 @@ def test_helm_chart(testbed, crds):
     chart = str(ROOT / "deploy/helm/eaas-operator")
     r = subprocess.run(["helm", "lint", chart], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    r = subprocess.run(["helm", "template", "eaas", chart, "--namespace", "eaas-system", "--include-crds",
-                        "--set", "watchNamespaces={a,b}"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            "helm",
+            "template",
+            "eaas",
+            chart,
+            "--namespace",
+            "eaas-system",
+            "--include-crds",
+            "--set",
+            "watchNamespaces={a,b}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     docs = [d for d in yaml.safe_load_all(r.stdout) if d]
     kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
     assert ("CustomResourceDefinition", "expertpools.eaas.io") in kinds
     assert ("CustomResourceDefinition", "attentionfleets.eaas.io") in kinds
-    assert {k for k, _ in kinds} >= {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment"}
+    assert {k for k, _ in kinds} >= {
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
+    }
     crd = next(d for d in docs if d["metadata"]["name"] == "expertpools.eaas.io")
     assert crd == yaml.safe_load((ROOT / "deploy/crds/expertpool.yaml").read_text())
     dep = next(d for d in docs if d["kind"] == "Deployment")
     cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
     assert cmd[:2] == ["eaas", "operator"] and "--namespace=a" in cmd and "--namespace=b" in cmd
     role = next(d for d in docs if d["kind"] == "ClusterRole")
-    granted = {(g, res) for rule in role["rules"] for g in rule["apiGroups"] for res in rule["resources"]}
-    for need in [("eaas.io", "expertpools"), ("eaas.io", "expertpools/status"), ("eaas.io", "attentionfleets"),
-                 ("", "pods"), ("", "configmaps"), ("apps", "deployments"), ("", "services"), ("", "events")]:
+    granted = {
+        (g, res) for rule in role["rules"] for g in rule["apiGroups"] for res in rule["resources"]
+    }
+    for need in [
+        ("eaas.io", "expertpools"),
+        ("eaas.io", "expertpools/status"),
+        ("eaas.io", "attentionfleets"),
+        ("", "pods"),
+        ("", "configmaps"),
+        ("apps", "deployments"),
+        ("", "services"),
+        ("", "events"),
+    ]:
         assert need in granted, need
     # the real API server accepts the rendered objects
     kubectl("create", "namespace", "eaas-helm-test", check=False)
     try:
-        r = subprocess.run(["helm", "template", "eaas", chart, "--namespace", "eaas-helm-test"],
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            ["helm", "template", "eaas", chart, "--namespace", "eaas-helm-test"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         kubectl("apply", "--dry-run=server", "-n", "eaas-helm-test", "-f", "-", input=r.stdout)
     finally:
         kubectl("delete", "namespace", "eaas-helm-test", "--wait=false", check=False)

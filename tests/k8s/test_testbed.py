@@ -15,7 +15,6 @@ import time
 import uuid
 
 import pytest
-
 from k8s_helpers import get_json, kubectl, wait_for
 
 pytestmark = pytest.mark.k8s
@@ -26,12 +25,23 @@ def apply(obj: dict) -> None:
 
 
 def pod(name: str, requests: dict, node_selector: dict | None = None) -> dict:
-    spec = {"containers": [{"name": "main", "image": "registry.invalid/eaas/expert:test",
-                            "resources": {"requests": requests, "limits": requests}}]}
+    spec = {
+        "containers": [
+            {
+                "name": "main",
+                "image": "registry.invalid/eaas/expert:test",
+                "resources": {"requests": requests, "limits": requests},
+            }
+        ]
+    }
     if node_selector:
         spec["nodeSelector"] = node_selector
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
-            "spec": spec}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": spec,
+    }
 
 
 def unique(prefix: str) -> str:
@@ -63,9 +73,15 @@ def test_nodes_inventory(testbed):
 
 def test_gpu_rdma_pod_scheduled_and_ready_with_loopback_ip(testbed):
     name = unique("expert")
-    apply(pod(name, {"nvidia.com/gpu": "1", "rdma/ib": "1", "cpu": "1", "memory": "1Gi"},
-              {"eaas.io/rdma": "true"}))
+    apply(
+        pod(
+            name,
+            {"nvidia.com/gpu": "1", "rdma/ib": "1", "cpu": "1", "memory": "1Gi"},
+            {"eaas.io/rdma": "true"},
+        )
+    )
     try:
+
         def ready():
             p = get_json("pod", name)
             conds = {c["type"]: c["status"] for c in p["status"].get("conditions", [])}
@@ -87,6 +103,7 @@ def test_rdma_pod_never_lands_on_cpu_node(testbed):
     for n in names:
         apply(pod(n, {"rdma/ib": "2"}))
     try:
+
         def all_bound():
             nodes = [get_json("pod", n)["spec"].get("nodeName") for n in names]
             return nodes if all(nodes) else None
@@ -101,11 +118,14 @@ def test_pod_asking_more_gpus_than_any_node_stays_pending(testbed):
     name = unique("toobig")
     apply(pod(name, {"nvidia.com/gpu": "9"}))
     try:
+
         def unschedulable():
             p = get_json("pod", name)
             conds = {c["type"]: c for c in p["status"].get("conditions", [])}
             c = conds.get("PodScheduled")
-            return p if c and c["status"] == "False" and c.get("reason") == "Unschedulable" else None
+            return (
+                p if c and c["status"] == "False" and c.get("reason") == "Unschedulable" else None
+            )
 
         p = wait_for(f"scheduler to mark {name} Unschedulable", unschedulable)
         assert p["status"]["phase"] == "Pending"
@@ -123,25 +143,36 @@ def test_kubectl_and_helm_run(testbed):
     v = json.loads(out)
     assert v["serverVersion"]["gitVersion"].startswith("v1.")
     assert v["clientVersion"]["gitVersion"] == v["serverVersion"]["gitVersion"]
-    helm = subprocess.run(["helm", "version", "--short"], capture_output=True, text=True,
-                          check=True, timeout=60)
+    helm = subprocess.run(
+        ["helm", "version", "--short"], capture_output=True, text=True, check=True, timeout=60
+    )
     assert helm.stdout.startswith("v3."), helm.stdout
     # helm reaches the apiserver through KUBECONFIG
-    ls = subprocess.run(["helm", "list", "-A", "-o", "json"], capture_output=True, text=True,
-                        check=True, timeout=60)
+    ls = subprocess.run(
+        ["helm", "list", "-A", "-o", "json"], capture_output=True, text=True, check=True, timeout=60
+    )
     assert json.loads(ls.stdout) == []
 
 
 def test_deployment_creates_ready_pods(testbed):
     name = unique("deploy")
-    apply({
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {"replicas": 3, "selector": {"matchLabels": {"app": name}},
-                 "template": {"metadata": {"labels": {"app": name}},
-                              "spec": {"containers": [{"name": "c", "image": "registry.invalid/x"}]}}},
-    })
+    apply(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {
+                "replicas": 3,
+                "selector": {"matchLabels": {"app": name}},
+                "template": {
+                    "metadata": {"labels": {"app": name}},
+                    "spec": {"containers": [{"name": "c", "image": "registry.invalid/x"}]},
+                },
+            },
+        }
+    )
     try:
+
         def available():
             d = get_json("deployment", name)
             return d if d.get("status", {}).get("availableReplicas") == 3 else None
@@ -158,14 +189,26 @@ def test_garbage_collector_deletes_owned_configmap(testbed):
     owner, owned = unique("owner"), unique("owned")
     apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": owner}, "data": {}})
     uid = get_json("configmap", owner)["metadata"]["uid"]
-    apply({"apiVersion": "v1", "kind": "ConfigMap",
-           "metadata": {"name": owned, "ownerReferences": [
-               {"apiVersion": "v1", "kind": "ConfigMap", "name": owner, "uid": uid}]},
-           "data": {"k": "v"}})
+    apply(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": owned,
+                "ownerReferences": [
+                    {"apiVersion": "v1", "kind": "ConfigMap", "name": owner, "uid": uid}
+                ],
+            },
+            "data": {"k": "v"},
+        }
+    )
     assert kubectl("get", "configmap", owned, check=False).returncode == 0
     kubectl("delete", "configmap", owner)
-    wait_for(f"GC to delete {owned}",
-             lambda: kubectl("get", "configmap", owned, check=False).returncode != 0, timeout=60)
+    wait_for(
+        f"GC to delete {owned}",
+        lambda: kubectl("get", "configmap", owned, check=False).returncode != 0,
+        timeout=60,
+    )
 
 
 def test_python_client_sees_nodes(testbed):
@@ -182,11 +225,22 @@ def test_up_is_idempotent_and_env_cli_works(testbed):
 
     again = tbmod.up(state_dir=testbed.state_dir)
     assert again.pids == testbed.pids
-    env = subprocess.run([sys.executable, "-m", "eaas.cli", "testbed", "env", "--state-dir", str(testbed.state_dir)],
-                         capture_output=True, text=True, check=True, timeout=60).stdout
+    env = subprocess.run(
+        [sys.executable, "-m", "eaas.cli", "testbed", "env", "--state-dir", str(testbed.state_dir)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
     assert f"export KUBECONFIG={testbed.kubeconfig}" in env
     # A shell that knows nothing of the testbed: no KUBECONFIG, PATH without the bin dir.
     clean = {"HOME": os.environ.get("HOME", "/tmp"), "PATH": "/usr/bin:/bin"}
-    out = subprocess.run(["bash", "-c", env + "kubectl get nodes -o name"], env=clean,
-                         capture_output=True, text=True, check=True, timeout=60).stdout
+    out = subprocess.run(
+        ["bash", "-c", env + "kubectl get nodes -o name"],
+        env=clean,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
     assert "node/gpu-node-0" in out

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from eaas.operator.crd import (
     CRD_DIRS,
     AttentionFleetSpec,
@@ -67,7 +66,10 @@ def test_expertpool_defaults_bounds_enums():
     assert _prop(crd, "spec.replicas")["minimum"] == 1
     assert "default" not in _prop(crd, "spec.replicas")
     assert _prop(crd, "spec.gpusPerServer")["default"] == 1
-    assert _prop(crd, "spec.redundancy")["default"] == 2 and _prop(crd, "spec.redundancy")["minimum"] == 1
+    assert (
+        _prop(crd, "spec.redundancy")["default"] == 2
+        and _prop(crd, "spec.redundancy")["minimum"] == 1
+    )
     assert _prop(crd, "spec.placement")["default"] == {}
     assert _prop(crd, "spec.placement.policy")["enum"] == list(POLICIES)
     assert _prop(crd, "spec.placement.policy")["default"] == "round-robin"
@@ -78,16 +80,20 @@ def test_expertpool_defaults_bounds_enums():
     assert _prop(crd, "spec.failureDetection.dispatchTimeoutMs")["default"] > 0
     assert _prop(crd, "spec.resources")["x-kubernetes-preserve-unknown-fields"] is True
     assert set(_prop(crd, "spec")["required"]) == {"model", "replicas"}
-    assert {"uri", "numMoeLayers", "numExperts", "topK", "hiddenSize"} <= set(_prop(crd, "spec.model")["required"])
+    assert {"uri", "numMoeLayers", "numExperts", "topK", "hiddenSize"} <= set(
+        _prop(crd, "spec.model")["required"]
+    )
     assert _prop(crd, "spec.model.uri")["description"]
 
 
 def test_cel_rules_name_their_fields():
     crd = expertpool_crd()
     rules = _prop(crd, "spec")["x-kubernetes-validations"]
-    assert {"rule": "self.redundancy <= self.replicas",
-            "message": "spec.redundancy must not exceed spec.replicas",
-            "fieldPath": ".redundancy"} in rules
+    assert {
+        "rule": "self.redundancy <= self.replicas",
+        "message": "spec.redundancy must not exceed spec.replicas",
+        "fieldPath": ".redundancy",
+    } in rules
     model_rules = _prop(crd, "spec.model")["x-kubernetes-validations"]
     assert any("spec.model.topK" in r["message"] for r in model_rules)
 
@@ -104,7 +110,10 @@ def test_subresources_and_columns():
         status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
         assert status["selector"]["type"] == "string"
         assert "routingTableVersion" in status and "conditions" in status
-    cols = {c["name"]: c["jsonPath"] for c in expertpool_crd()["spec"]["versions"][0]["additionalPrinterColumns"]}
+    cols = {
+        c["name"]: c["jsonPath"]
+        for c in expertpool_crd()["spec"]["versions"][0]["additionalPrinterColumns"]
+    }
     assert cols["Replicas"] == ".spec.replicas"
     assert cols["Ready"] == ".status.readyReplicas"
     assert cols["Redundancy"] == ".spec.redundancy"
@@ -115,14 +124,30 @@ def test_subresources_and_columns():
 
 def test_status_schema_holds_everything_the_operator_writes():
     """A status field missing from the schema would be pruned silently by the API server."""
-    from eaas.operator.desired import Owner, compute_placement, placement_revision, pool_status, PodPlan
+    from eaas.operator.desired import (
+        Owner,
+        PodPlan,
+        compute_placement,
+        placement_revision,
+        pool_status,
+    )
     from eaas.runtime.routing import RoutingTable
 
-    spec = ExpertPoolSpec.model_validate(yaml.safe_load((ROOT / "deploy/examples/tiny-pool.yaml").read_text())["spec"])
+    spec = ExpertPoolSpec.model_validate(
+        yaml.safe_load((ROOT / "deploy/examples/tiny-pool.yaml").read_text())["spec"]
+    )
     p = compute_placement(spec)
-    st = pool_status(owner=Owner("ExpertPool", "tiny", "ns", "u", 1), spec=spec, placement=p,
-                     revision=placement_revision(spec), observed=[], plan=PodPlan(),
-                     table=RoutingTable(1, 32, {}, {1: ((),) * 32}), old_conditions=[], now="t")
+    st = pool_status(
+        owner=Owner("ExpertPool", "tiny", "ns", "u", 1),
+        spec=spec,
+        placement=p,
+        revision=placement_revision(spec),
+        observed=[],
+        plan=PodPlan(),
+        table=RoutingTable(1, 32, {}, {1: ((),) * 32}),
+        old_conditions=[],
+        now="t",
+    )
     schema = _prop(expertpool_crd(), "status")
 
     def check(value, node, path):
@@ -144,7 +169,9 @@ def test_examples_parse():
             docs[(d["kind"], d["metadata"]["name"])] = d
     assert ("ExpertPool", "tiny") in docs and ("AttentionFleet", "tiny-clients") in docs
     tiny = ExpertPoolSpec.model_validate(docs[("ExpertPool", "tiny")]["spec"])
-    assert tiny.model.layers() == [1, 2, 3] and tiny.model.num_experts == 32 and tiny.model.top_k == 4
+    assert (
+        tiny.model.layers() == [1, 2, 3] and tiny.model.num_experts == 32 and tiny.model.top_k == 4
+    )
     ds = ExpertPoolSpec.model_validate(docs[("ExpertPool", "deepseek-v3")]["spec"])
     assert ds.model.layers() == list(range(3, 61)) and ds.model.num_experts == 256
     assert ds.replicas == 40 and 256 % ds.replicas != 0

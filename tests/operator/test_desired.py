@@ -5,8 +5,12 @@ from __future__ import annotations
 import itertools
 
 import pytest
-
-from eaas.operator.crd import ANNOTATION_EXPERTS, ANNOTATION_SPEC_HASH, AttentionFleetSpec, ExpertPoolSpec
+from eaas.operator.crd import (
+    ANNOTATION_EXPERTS,
+    ANNOTATION_SPEC_HASH,
+    AttentionFleetSpec,
+    ExpertPoolSpec,
+)
 from eaas.operator.desired import (
     ObservedPod,
     Owner,
@@ -30,8 +34,14 @@ OWNER = Owner(kind="ExpertPool", name="tiny", namespace="ns", uid="uid-1", gener
 
 def make_spec(**over):
     base = {
-        "model": {"uri": "/models/tiny", "firstMoeLayer": 1, "numMoeLayers": 3, "numExperts": 32,
-                  "topK": 4, "hiddenSize": 256},
+        "model": {
+            "uri": "/models/tiny",
+            "firstMoeLayer": 1,
+            "numMoeLayers": 3,
+            "numExperts": 32,
+            "topK": 4,
+            "hiddenSize": 256,
+        },
         "replicas": 4,
     }
     base.update(over)
@@ -55,32 +65,50 @@ def test_server_pod_shape():
     assert meta["labels"]["eaas.io/role"] == "expert-server"
     assert meta["labels"]["eaas.io/placement-revision"] == placement_revision(spec)
     (ref,) = meta["ownerReferences"]
-    assert ref == {"apiVersion": "eaas.io/v1alpha1", "kind": "ExpertPool", "name": "tiny", "uid": "uid-1",
-                   "controller": True, "blockOwnerDeletion": True}
+    assert ref == {
+        "apiVersion": "eaas.io/v1alpha1",
+        "kind": "ExpertPool",
+        "name": "tiny",
+        "uid": "uid-1",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
     (c,) = pod["spec"]["containers"]
     cmd = c["command"]
     assert cmd[:2] == ["eaas", "expert-server"]
-    flags = dict(zip(cmd[2::2], cmd[3::2]))
-    assert flags == {"--model": "/models/tiny", "--server-id": "tiny-2",
-                     "--experts": meta["annotations"][ANNOTATION_EXPERTS], "--listen": "tcp://0.0.0.0:9000"}
+    flags = dict(zip(cmd[2::2], cmd[3::2], strict=False))
+    assert flags == {
+        "--model": "/models/tiny",
+        "--server-id": "tiny-2",
+        "--experts": meta["annotations"][ANNOTATION_EXPERTS],
+        "--listen": "tcp://0.0.0.0:9000",
+    }
     assert parse_expert_spec(flags["--experts"]) == list(placement.servers[2])
     for part in ("requests", "limits"):
         assert c["resources"][part]["nvidia.com/gpu"] == "2"
         assert c["resources"][part]["rdma/ib"] == "1"
     assert pod["spec"]["nodeSelector"] == {"eaas.io/rdma": "true"}
-    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["spec"]["tolerations"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["spec"][
+        "tolerations"
+    ]
 
 
 def test_server_pod_merges_user_resources_and_custom_rdma():
-    spec = make_spec(resources={"requests": {"cpu": "2"}, "limits": {"memory": "4Gi"}}, rdmaResource="rdma/roce",
-                     nodeSelector={"pool": "a"}, affinity={"nodeAffinity": {}})
+    spec = make_spec(
+        resources={"requests": {"cpu": "2"}, "limits": {"memory": "4Gi"}},
+        rdmaResource="rdma/roce",
+        nodeSelector={"pool": "a"},
+        affinity={"nodeAffinity": {}},
+    )
     _, pods = desired_for(spec)
     c = pods["tiny-0"]["spec"]["containers"][0]
     assert c["resources"]["requests"] == {"cpu": "2", "nvidia.com/gpu": "1", "rdma/roce": "1"}
     assert c["resources"]["limits"] == {"memory": "4Gi", "nvidia.com/gpu": "1", "rdma/roce": "1"}
     assert pods["tiny-0"]["spec"]["nodeSelector"] == {"pool": "a"}
     assert pods["tiny-0"]["spec"]["affinity"] == {"nodeAffinity": {}}
-    no_rdma = desired_for(make_spec(rdmaResource=""))[1]["tiny-0"]["spec"]["containers"][0]["resources"]
+    no_rdma = desired_for(make_spec(rdmaResource=""))[1]["tiny-0"]["spec"]["containers"][0][
+        "resources"
+    ]
     assert no_rdma["limits"] == {"nvidia.com/gpu": "1"}
 
 
@@ -89,7 +117,9 @@ def test_revision_and_hash_track_the_right_inputs():
     assert placement_revision(a) == placement_revision(make_spec(image="other:1"))
     assert placement_revision(a) != placement_revision(make_spec(replicas=5))
     assert placement_revision(a) != placement_revision(make_spec(redundancy=3))
-    assert placement_revision(a) != placement_revision(make_spec(placement={"policy": "load-balanced"}))
+    assert placement_revision(a) != placement_revision(
+        make_spec(placement={"policy": "load-balanced"})
+    )
     h = lambda s: desired_for(s)[1]["tiny-0"]["metadata"]["annotations"][ANNOTATION_SPEC_HASH]  # noqa: E731
     assert h(a) == h(make_spec())
     assert h(a) != h(make_spec(image="other:1"))
@@ -97,15 +127,28 @@ def test_revision_and_hash_track_the_right_inputs():
 
 # ---- placement coverage ----------------------------------------------------------------------
 @pytest.mark.parametrize("policy", ["round-robin", "load-balanced"])
-@pytest.mark.parametrize("servers,redundancy", [
-    (s, r) for s, r in itertools.product([1, 2, 3, 5, 6, 7, 9, 13, 31, 33, 40], [1, 2, 3]) if r <= s
-])
+@pytest.mark.parametrize(
+    "servers,redundancy",
+    [
+        (s, r)
+        for s, r in itertools.product([1, 2, 3, 5, 6, 7, 9, 13, 31, 33, 40], [1, 2, 3])
+        if r <= s
+    ],
+)
 def test_every_expert_on_redundancy_distinct_servers(policy, servers, redundancy):
     spec = make_spec(replicas=servers, redundancy=redundancy, placement={"policy": policy})
     placement, pods = desired_for(spec)
-    live = [ObservedPod(name=n, index=i, experts=tuple(parse_expert_spec(m["metadata"]["annotations"][ANNOTATION_EXPERTS])),
-                        ready=True, ip=f"127.0.0.{i + 1}", phase="Running")
-            for i, (n, m) in enumerate(pods.items())]
+    live = [
+        ObservedPod(
+            name=n,
+            index=i,
+            experts=tuple(parse_expert_spec(m["metadata"]["annotations"][ANNOTATION_EXPERTS])),
+            ready=True,
+            ip=f"127.0.0.{i + 1}",
+            phase="Running",
+        )
+        for i, (n, m) in enumerate(pods.items())
+    ]
     table = build_routing_table(spec, live, 1)
     for layer in (1, 2, 3):
         for e in range(32):
@@ -119,10 +162,20 @@ def test_every_expert_on_redundancy_distinct_servers(policy, servers, redundancy
 
 
 def test_deepseek_v3_on_40_servers():
-    spec = ExpertPoolSpec.model_validate({
-        "model": {"uri": "/m", "firstMoeLayer": 3, "numMoeLayers": 58, "numExperts": 256, "topK": 8,
-                  "hiddenSize": 7168},
-        "replicas": 40, "redundancy": 2})
+    spec = ExpertPoolSpec.model_validate(
+        {
+            "model": {
+                "uri": "/m",
+                "firstMoeLayer": 3,
+                "numMoeLayers": 58,
+                "numExperts": 256,
+                "topK": 8,
+                "hiddenSize": 7168,
+            },
+            "replicas": 40,
+            "redundancy": 2,
+        }
+    )
     p = compute_placement(spec)
     assert p.num_servers == 40 and p.experts_below_redundancy() == 0
     assert (min(p.experts_per_server()), max(p.experts_per_server())) == (742, 743)
@@ -138,13 +191,21 @@ def observed_from(pods, live=True, **over):
     out = []
     for name, m in pods.items():
         meta = m["metadata"]
-        out.append(ObservedPod(
-            name=name, uid=f"u-{name}", index=int(meta["labels"]["eaas.io/server-index"]),
-            spec_hash=meta["annotations"][ANNOTATION_SPEC_HASH],
-            revision=meta["labels"]["eaas.io/placement-revision"],
-            experts=tuple(parse_expert_spec(meta["annotations"][ANNOTATION_EXPERTS])),
-            ready=live, ip=f"127.0.0.{int(meta['labels']['eaas.io/server-index']) + 1}" if live else "",
-            phase="Running" if live else "Pending", owner_uid=OWNER.uid, **over))
+        out.append(
+            ObservedPod(
+                name=name,
+                uid=f"u-{name}",
+                index=int(meta["labels"]["eaas.io/server-index"]),
+                spec_hash=meta["annotations"][ANNOTATION_SPEC_HASH],
+                revision=meta["labels"]["eaas.io/placement-revision"],
+                experts=tuple(parse_expert_spec(meta["annotations"][ANNOTATION_EXPERTS])),
+                ready=live,
+                ip=f"127.0.0.{int(meta['labels']['eaas.io/server-index']) + 1}" if live else "",
+                phase="Running" if live else "Pending",
+                owner_uid=OWNER.uid,
+                **over,
+            )
+        )
     return out
 
 
@@ -197,9 +258,21 @@ def simulate(old_spec, new_spec, max_steps=200):
         if plan.idle and not plan.outdated and not plan.excess and all(p.live for p in obs):
             return step, gaps, forced
         # pods created last step become live; deleted ones vanish
-        state = {n: (p if p.live else ObservedPod(**{**p.__dict__, "ready": True, "phase": "Running",
-                                                       "ip": f"127.0.0.{p.index + 1}"}))
-                 for n, p in state.items()}
+        state = {
+            n: (
+                p
+                if p.live
+                else ObservedPod(
+                    **{
+                        **p.__dict__,
+                        "ready": True,
+                        "phase": "Running",
+                        "ip": f"127.0.0.{p.index + 1}",
+                    }
+                )
+            )
+            for n, p in state.items()
+        }
         for name, _, _ in plan.delete:
             state.pop(name, None)
         for m in plan.create:
@@ -213,13 +286,29 @@ def simulate(old_spec, new_spec, max_steps=200):
     raise AssertionError("did not converge")
 
 
-@pytest.mark.parametrize("old,new,r", [(4, 6, 2), (4, 5, 2), (6, 3, 2), (5, 7, 3), (7, 2, 2), (3, 13, 2), (4, 4, 1),
-                                       (2, 3, 2), (3, 2, 2), (9, 8, 2), (32, 33, 2)])
+@pytest.mark.parametrize(
+    "old,new,r",
+    [
+        (4, 6, 2),
+        (4, 5, 2),
+        (6, 3, 2),
+        (5, 7, 3),
+        (7, 2, 2),
+        (3, 13, 2),
+        (4, 4, 1),
+        (2, 3, 2),
+        (3, 2, 2),
+        (9, 8, 2),
+        (32, 33, 2),
+    ],
+)
 def test_rescale_converges_to_exact_placement(old, new, r):
     old_spec = make_spec(replicas=old, redundancy=min(r, old))
     new_spec = make_spec(replicas=new, redundancy=min(r, new))
     steps, gaps, forced = simulate(old_spec, new_spec)
-    assert steps <= 4 * max(old, new) + 2  # ~one delete, one create, one ready step per replaced server
+    assert (
+        steps <= 4 * max(old, new) + 2
+    )  # ~one delete, one create, one ready step per replaced server
     assert gaps == 0
     assert forced <= 2, "forced deletions should be rare"
 
@@ -254,7 +343,9 @@ def test_routing_table_versions_strictly_increase():
 
 def test_routing_table_ignores_unknown_layers():
     spec = make_spec()
-    pod = ObservedPod(name="x-0", index=0, experts=((1, 0), (7, 3)), ready=True, ip="127.0.0.9", phase="Running")
+    pod = ObservedPod(
+        name="x-0", index=0, experts=((1, 0), (7, 3)), ready=True, ip="127.0.0.9", phase="Running"
+    )
     t = build_routing_table(spec, [pod], 1)
     assert set(t.layers) == {1, 2, 3} and t.replicas(1, 0) == ("x-0",)
 
@@ -265,20 +356,39 @@ def test_status_ready_and_transition_times():
     placement, pods = desired_for(spec)
     live = observed_from(pods)
     table, _ = next_routing_table(spec, live, None)
-    st = pool_status(owner=OWNER, spec=spec, placement=placement, revision=placement_revision(spec),
-                     observed=live, plan=PodPlan(), table=table, old_conditions=[], now="T1")
+    st = pool_status(
+        owner=OWNER,
+        spec=spec,
+        placement=placement,
+        revision=placement_revision(spec),
+        observed=live,
+        plan=PodPlan(),
+        table=table,
+        old_conditions=[],
+        now="T1",
+    )
     cond = {c["type"]: c for c in st["conditions"]}
     assert cond["Ready"]["status"] == "True" and cond["Ready"]["lastTransitionTime"] == "T1"
     assert cond["Progressing"]["status"] == "False" and cond["Degraded"]["status"] == "False"
     assert st["readyReplicas"] == 4 and st["replicas"] == 4 and st["updatedReplicas"] == 4
     assert st["selector"] == "eaas.io/pool=tiny,eaas.io/role=expert-server"
     assert st["routingTableVersion"] == 1 and st["observedGeneration"] == 3
-    assert st["placement"]["expertsBelowRedundancy"] == 0 and st["placement"]["logicalExperts"] == 96
+    assert (
+        st["placement"]["expertsBelowRedundancy"] == 0 and st["placement"]["logicalExperts"] == 96
+    )
     assert st["placement"]["expertsPerServerMin"] == st["placement"]["expertsPerServerMax"] == 48
     # unchanged status keeps the old transition time; a flip takes the new one
-    st2 = pool_status(owner=OWNER, spec=spec, placement=placement, revision=placement_revision(spec),
-                      observed=live[:3], plan=plan_pods(pods, live[:3], 1), table=build_routing_table(spec, live[:3], 2),
-                      old_conditions=st["conditions"], now="T2")
+    st2 = pool_status(
+        owner=OWNER,
+        spec=spec,
+        placement=placement,
+        revision=placement_revision(spec),
+        observed=live[:3],
+        plan=plan_pods(pods, live[:3], 1),
+        table=build_routing_table(spec, live[:3], 2),
+        old_conditions=st["conditions"],
+        now="T2",
+    )
     c2 = {c["type"]: c for c in st2["conditions"]}
     assert c2["Ready"]["status"] == "False" and c2["Ready"]["lastTransitionTime"] == "T2"
     assert c2["Progressing"]["reason"] == "ScalingUp"
@@ -291,8 +401,17 @@ def test_status_uncovered_when_nothing_is_live():
     spec = make_spec()
     placement, pods = desired_for(spec)
     table, _ = next_routing_table(spec, [], None)
-    st = pool_status(owner=OWNER, spec=spec, placement=placement, revision="r", observed=[],
-                     plan=plan_pods(pods, [], 1), table=table, old_conditions=[], now="T")
+    st = pool_status(
+        owner=OWNER,
+        spec=spec,
+        placement=placement,
+        revision="r",
+        observed=[],
+        plan=plan_pods(pods, [], 1),
+        table=table,
+        old_conditions=[],
+        now="T",
+    )
     cond = {c["type"]: c for c in st["conditions"]}
     assert cond["Ready"]["reason"] == "ExpertsUncovered"
     assert cond["Degraded"]["reason"] == "ExpertsUncovered"
@@ -302,38 +421,78 @@ def test_status_uncovered_when_nothing_is_live():
 # ---- attention fleet ---------------------------------------------------------------------------
 def test_fleet_deployment_and_service():
     owner = Owner("AttentionFleet", "clients", "ns", "fu", 1)
-    spec = AttentionFleetSpec.model_validate({"expertPoolRef": {"name": "tiny"}, "replicas": 3,
-                                              "model": {"uri": "/models/tiny"}})
+    spec = AttentionFleetSpec.model_validate(
+        {"expertPoolRef": {"name": "tiny"}, "replicas": 3, "model": {"uri": "/models/tiny"}}
+    )
     dep = fleet_deployment(owner, spec, make_spec())
     c = dep["spec"]["template"]["spec"]["containers"][0]
-    assert c["command"] == ["eaas", "attention-client", "--model", "/models/tiny", "--routing-table",
-                            "/etc/eaas/routing-table.json", "--port", "8000", "--host", "0.0.0.0",
-                            "--dispatch-timeout", "0.5"]
+    assert c["command"] == [
+        "eaas",
+        "attention-client",
+        "--model",
+        "/models/tiny",
+        "--routing-table",
+        "/etc/eaas/routing-table.json",
+        "--port",
+        "8000",
+        "--host",
+        "0.0.0.0",
+        "--dispatch-timeout",
+        "0.5",
+    ]
     assert c["volumeMounts"][0]["mountPath"] == "/etc/eaas"
     vol = dep["spec"]["template"]["spec"]["volumes"][0]
     assert vol["configMap"]["name"] == "tiny-routing-table"
     assert dep["spec"]["replicas"] == 3
     assert dep["metadata"]["ownerReferences"][0]["uid"] == "fu"
-    assert "eaas.io/pool" not in dep["spec"]["template"]["metadata"]["labels"]  # not mistaken for servers
+    assert (
+        "eaas.io/pool" not in dep["spec"]["template"]["metadata"]["labels"]
+    )  # not mistaken for servers
     svc = fleet_service(owner, spec)
     assert svc["spec"]["ports"][0]["port"] == 8000
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
-    st = fleet_status(owner=owner, spec=spec, deployment_status={"replicas": 3, "readyReplicas": 3,
-                      "updatedReplicas": 3}, pool_found=True, table_version=4, old_conditions=[], now="T")
-    assert {c["type"]: c["status"] for c in st["conditions"]} == {"Ready": "True", "Progressing": "False",
-                                                                  "Degraded": "False"}
-    st = fleet_status(owner=owner, spec=spec, deployment_status=None, pool_found=False, table_version=0,
-                      old_conditions=[], now="T")
+    st = fleet_status(
+        owner=owner,
+        spec=spec,
+        deployment_status={"replicas": 3, "readyReplicas": 3, "updatedReplicas": 3},
+        pool_found=True,
+        table_version=4,
+        old_conditions=[],
+        now="T",
+    )
+    assert {c["type"]: c["status"] for c in st["conditions"]} == {
+        "Ready": "True",
+        "Progressing": "False",
+        "Degraded": "False",
+    }
+    st = fleet_status(
+        owner=owner,
+        spec=spec,
+        deployment_status=None,
+        pool_found=False,
+        table_version=0,
+        old_conditions=[],
+        now="T",
+    )
     assert {c["type"]: c["reason"] for c in st["conditions"]}["Degraded"] == "ExpertPoolNotFound"
 
 
 def test_pods_on_a_dead_node_leave_the_table():
     spec = make_spec()
     _, pods = desired_for(spec)
-    raw = {"metadata": {"name": "tiny-0", "labels": {"eaas.io/server-index": "0"},
-                        "annotations": {ANNOTATION_EXPERTS: "1:0-3"}},
-           "spec": {"nodeName": "gpu-node-1"},
-           "status": {"phase": "Running", "podIP": "127.1.1.5", "conditions": [{"type": "Ready", "status": "True"}]}}
+    raw = {
+        "metadata": {
+            "name": "tiny-0",
+            "labels": {"eaas.io/server-index": "0"},
+            "annotations": {ANNOTATION_EXPERTS: "1:0-3"},
+        },
+        "spec": {"nodeName": "gpu-node-1"},
+        "status": {
+            "phase": "Running",
+            "podIP": "127.1.1.5",
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
     assert ObservedPod.from_pod(raw).live
     assert ObservedPod.from_pod(raw, {"gpu-node-0": False}).live
     dead = ObservedPod.from_pod(raw, {"gpu-node-1": False})

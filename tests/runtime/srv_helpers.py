@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-
 from eaas.runtime.expert_server import ExpertServer, random_experts
 from eaas.runtime.experts import weighted_expert_sum
 from eaas.runtime.placement import parse_expert_spec
@@ -35,7 +34,9 @@ def _serve(endpoint, spec, hidden, inter, seed, dtype, metrics_port, window_us, 
 
         start_http_server(metrics_port, addr="127.0.0.1")
     hosted = random_experts(parse_expert_spec(spec), hidden, inter, dtype, seed)
-    server = ExpertServer(endpoint, hosted, hidden, dtype, "s-test", batch_window_us=window_us, poll_timeout=0.05)
+    server = ExpertServer(
+        endpoint, hosted, hidden, dtype, "s-test", batch_window_us=window_us, poll_timeout=0.05
+    )
     server.install_signal_handlers()
     pipe.send(("ready", server.endpoint))
     server.serve_forever()
@@ -80,12 +81,22 @@ class ServerProc:
         self.proc.join(5)
 
 
-def start_server(endpoint: str, spec: str = SPEC, dtype=torch.float32, metrics_port: int = 0,
-                 window_us: float = 0.0, hidden: int = HIDDEN, inter: int = INTER) -> ServerProc:
+def start_server(
+    endpoint: str,
+    spec: str = SPEC,
+    dtype=torch.float32,
+    metrics_port: int = 0,
+    window_us: float = 0.0,
+    hidden: int = HIDDEN,
+    inter: int = INTER,
+) -> ServerProc:
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe()
-    p = ctx.Process(target=_serve, args=(endpoint, spec, hidden, inter, SEED, dtype, metrics_port, window_us, child),
-                    daemon=True)
+    p = ctx.Process(
+        target=_serve,
+        args=(endpoint, spec, hidden, inter, SEED, dtype, metrics_port, window_us, child),
+        daemon=True,
+    )
     p.start()
     child.close()
     if not parent.poll(20):
@@ -96,8 +107,14 @@ def start_server(endpoint: str, spec: str = SPEC, dtype=torch.float32, metrics_p
     return ServerProc(p, ep, parent)
 
 
-def reference(layer: int, hidden: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-              spec: str = SPEC, dtype=torch.float32) -> torch.Tensor:
+def reference(
+    layer: int,
+    hidden: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    spec: str = SPEC,
+    dtype=torch.float32,
+) -> torch.Tensor:
     """What the server must answer, computed locally with the same random weights."""
     pairs = [p for p in parse_expert_spec(spec) if p[0] == layer]
     w = random_experts(pairs, hidden.shape[1], INTER, dtype, SEED)

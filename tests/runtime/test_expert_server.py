@@ -13,11 +13,25 @@ import urllib.request
 
 import pytest
 import torch
-
 from eaas.runtime.expert_server import ExpertServer, grouped_expert_sum, random_experts
 from eaas.runtime.experts import weighted_expert_sum
-from eaas.runtime.transport.base import STATUS_NOT_HOSTED, STATUS_OK, RequestFrame, ResponseFrame, connect
-from srv_helpers import HIDDEN, INTER, SEED, cpu_seconds, free_port, reference, start_server, wait_until
+from eaas.runtime.transport.base import (
+    STATUS_NOT_HOSTED,
+    STATUS_OK,
+    RequestFrame,
+    ResponseFrame,
+    connect,
+)
+from srv_helpers import (
+    HIDDEN,
+    INTER,
+    SEED,
+    cpu_seconds,
+    free_port,
+    reference,
+    start_server,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -31,7 +45,10 @@ def _req(n, k, layer=1, n_exp=4, seed=0, client_id=1, seq=0, dtype=torch.float32
 
 
 def test_grouped_expert_sum_matches_reference():
-    hosted = {e: w for (_, e), w in random_experts([(1, e) for e in range(5)], HIDDEN, INTER, seed=3).items()}
+    hosted = {
+        e: w
+        for (_, e), w in random_experts([(1, e) for e in range(5)], HIDDEN, INTER, seed=3).items()
+    }
     g = torch.Generator().manual_seed(0)
     h = torch.randn(40, HIDDEN, generator=g)
     ex = torch.randint(-1, 5, (40, 3), generator=g)
@@ -76,8 +93,12 @@ def test_process_batches_mixed_layers_k_and_errors(tmp_path):
     for conn in "abc":
         f = dict(frames)[conn]
         assert got[conn].status == STATUS_OK
-        torch.testing.assert_close(got[conn].output, reference(f.layer, f.hidden, f.experts, f.weights),
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            got[conn].output,
+            reference(f.layer, f.hidden, f.experts, f.weights),
+            rtol=1e-5,
+            atol=1e-6,
+        )
     assert got["d"].status == STATUS_NOT_HOSTED and "layer 1" in got["d"].message
     assert got["e"].status == STATUS_NOT_HOSTED and "layer 7" in got["e"].message
     assert srv.stats["max_clients_per_batch"] == 2 and srv.stats["batches"] == 2
@@ -98,8 +119,11 @@ def test_two_clients_are_batched_together(kind, tmp_path):
 
     # The forked server starts from this process's counter values: compare deltas.
     frames0 = REGISTRY.get_sample_value("eaas_expert_server_frames_total") or 0.0
-    tokens0 = sum(REGISTRY.get_sample_value("eaas_expert_tokens_total", {"layer": "1", "expert": str(e)}) or 0.0
-                  for e in range(4))
+    tokens0 = sum(
+        REGISTRY.get_sample_value("eaas_expert_tokens_total", {"layer": "1", "expert": str(e)})
+        or 0.0
+        for e in range(4)
+    )
     b4 = REGISTRY.get_sample_value("eaas_expert_server_batch_tokens_bucket", {"le": "4.0"}) or 0.0
     b2 = REGISTRY.get_sample_value("eaas_expert_server_batch_tokens_bucket", {"le": "2.0"}) or 0.0
     port = free_port()
@@ -110,21 +134,27 @@ def test_two_clients_are_batched_together(kind, tmp_path):
 
     def client(cid, n):
         try:
-            c = connect(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32, client_id=cid)
+            c = connect(
+                srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32, client_id=cid
+            )
             for i in range(15):
                 f = _req(n, 2, seed=100 * cid + i, client_id=cid, seq=i)
                 barrier.wait(5)
                 c.send(f)
                 r = c.recv(time.monotonic() + 5)
                 assert r.status == STATUS_OK and r.seq == i
-                torch.testing.assert_close(r.output, reference(1, f.hidden, f.experts, f.weights),
-                                           rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(
+                    r.output, reference(1, f.hidden, f.experts, f.weights), rtol=1e-5, atol=1e-6
+                )
             c.close()
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
             barrier.abort()
 
-    ts = [threading.Thread(target=client, args=(1, 1)), threading.Thread(target=client, args=(2, 2))]
+    ts = [
+        threading.Thread(target=client, args=(1, 1)),
+        threading.Thread(target=client, args=(2, 2)),
+    ]
     for t in ts:
         t.start()
     for t in ts:
@@ -138,8 +168,12 @@ def test_two_clients_are_batched_together(kind, tmp_path):
     both = _metric(text, bucket, '{le="4.0"}') - _metric(text, bucket, '{le="2.0"}') - (b4 - b2)
     assert both >= 1, text
     assert _metric(text, "eaas_expert_server_frames_total") - frames0 == 30
-    per_expert = sum(float(v) for v in re.findall(r'^eaas_expert_tokens_total\{expert="\d+",layer="1"\} (\S+)$',
-                                                   text, re.M))
+    per_expert = sum(
+        float(v)
+        for v in re.findall(
+            r'^eaas_expert_tokens_total\{expert="\d+",layer="1"\} (\S+)$', text, re.M
+        )
+    )
     assert per_expert - tokens0 == 15 * (1 + 2) * 2  # tokens x k, counted per expert
 
 
@@ -190,15 +224,32 @@ def test_sigterm_is_graceful(tmp_path):
 def test_cli_expert_server_with_tiny_model(tmp_path):
     """``eaas expert-server`` on the built-in tiny model: ready line, exact results, metrics, SIGTERM."""
     from eaas.runtime.models import arch, tiny, weights
+
     model = tiny.default_model_dir()
     info = arch.read_model_info(model)
     layer = info.moe_layers[0]
     sock = f"{tmp_path}/cli.sock"
     port = free_port()
     p = subprocess.Popen(
-        [sys.executable, "-m", "eaas", "expert-server", "--model", str(model), "--server-id", "cli-0",
-         "--experts", f"{layer}:0-3", "--listen", f"unix:{sock}", "--metrics-port", str(port)],
-        stdout=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"},
+        [
+            sys.executable,
+            "-m",
+            "eaas",
+            "expert-server",
+            "--model",
+            str(model),
+            "--server-id",
+            "cli-0",
+            "--experts",
+            f"{layer}:0-3",
+            "--listen",
+            f"unix:{sock}",
+            "--metrics-port",
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"},
     )
     try:
         line = p.stdout.readline().strip()
@@ -212,7 +263,9 @@ def test_cli_expert_server_with_tiny_model(tmp_path):
         c.send(RequestFrame(9, layer, 1, 0, h, ex, w))
         r = c.recv(time.monotonic() + 10)
         assert r.status == STATUS_OK, r.message
-        ref_w = weights.load_expert_weights(model, [(layer, e) for e in range(4)], torch.float32, progress=False)
+        ref_w = weights.load_expert_weights(
+            model, [(layer, e) for e in range(4)], torch.float32, progress=False
+        )
         ref = weighted_expert_sum(h, ex, w, {e: ref_w[(layer, e)] for e in range(4)})
         torch.testing.assert_close(r.output, ref, rtol=1e-5, atol=1e-6)
         c.close()

@@ -3,7 +3,6 @@
 import itertools
 
 import pytest
-
 from eaas.runtime.placement import (
     PlacementError,
     format_expert_spec,
@@ -16,7 +15,9 @@ LAYERS = (1, 2, 3)
 
 
 @pytest.mark.parametrize("policy", ["round-robin", "load-balanced"])
-@pytest.mark.parametrize("servers,redundancy", [(2, 2), (3, 2), (4, 2), (5, 3), (7, 2), (40, 2), (33, 1)])
+@pytest.mark.parametrize(
+    "servers,redundancy", [(2, 2), (3, 2), (4, 2), (5, 3), (7, 2), (40, 2), (33, 1)]
+)
 def test_every_expert_has_redundancy_replicas_on_distinct_servers(policy, servers, redundancy):
     p = place_experts(LAYERS, 32, servers, redundancy, policy=policy)
     reps = p.replicas()
@@ -99,7 +100,9 @@ def test_malformed_expert_spec(bad):
 def _table():
     p = place_experts(LAYERS, 8, 3, 2)
     ids = [f"s{i}" for i in range(3)]
-    return RoutingTable.from_placement(p, ids, [f"tcp://127.0.0.1:{9000 + i}" for i in range(3)], version=4)
+    return RoutingTable.from_placement(
+        p, ids, [f"tcp://127.0.0.1:{9000 + i}" for i in range(3)], version=4
+    )
 
 
 def test_routing_table_json_round_trip_and_queries():

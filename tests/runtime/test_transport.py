@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-
 from eaas.runtime.transport.base import (
     STATUS_OK,
     DeadlineExceeded,
@@ -30,12 +29,17 @@ def _endpoint(kind: str, tmp_path) -> str:
 def _frame(n, k, layer=1, n_exp=4, dtype=torch.float32, seq=0, gen=None):
     g = gen or torch.Generator().manual_seed(1000 + n * 31 + k)
     h = torch.randn(n, HIDDEN, generator=g).to(dtype)
-    ex = torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(n)]).to(torch.int32) if n else \
-        torch.zeros(0, k, dtype=torch.int32)
+    ex = (
+        torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(n)]).to(torch.int32)
+        if n
+        else torch.zeros(0, k, dtype=torch.int32)
+    )
     if n and k > 1:
         ex[0, -1] = -1  # one padding entry
     w = torch.rand(n, k, generator=g)
-    return RequestFrame(client_id=1, layer=layer, table_version=3, seq=seq, hidden=h, experts=ex, weights=w)
+    return RequestFrame(
+        client_id=1, layer=layer, table_version=3, seq=seq, hidden=h, experts=ex, weights=w
+    )
 
 
 @pytest.mark.parametrize("kind", ["unix", "tcp"])
@@ -45,8 +49,17 @@ def test_round_trip_matches_local_reference(kind, dtype, tmp_path):
     try:
         # max_tokens=4 / max_k=1: larger frames force the shm slot to grow (remap) transparently.
         c = connect(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=dtype, max_tokens=4, max_k=1)
-        for i, (n, k, layer, n_exp) in enumerate([(1, 1, 1, 4), (3, 2, 1, 4), (17, 4, 1, 4), (5, 2, 2, 2),
-                                                   (0, 2, 1, 4), (64, 3, 1, 4), (2, 1, 1, 4)]):
+        for i, (n, k, layer, n_exp) in enumerate(
+            [
+                (1, 1, 1, 4),
+                (3, 2, 1, 4),
+                (17, 4, 1, 4),
+                (5, 2, 2, 2),
+                (0, 2, 1, 4),
+                (64, 3, 1, 4),
+                (2, 1, 1, 4),
+            ]
+        ):
             f = _frame(n, k, layer, n_exp, dtype, seq=100 + i)
             c.send(f)
             r = c.recv(time.monotonic() + 5)
@@ -126,7 +139,9 @@ def test_stopped_server_hits_deadline_then_recovers(kind, tmp_path):
         os.kill(srv.pid, signal.SIGCONT)
         r = c.recv(time.monotonic() + 5)  # the late answer is still delivered
         assert r.status == STATUS_OK
-        torch.testing.assert_close(r.output, reference(1, f.hidden, f.experts, f.weights), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            r.output, reference(1, f.hidden, f.experts, f.weights), rtol=1e-5, atol=1e-6
+        )
         c.close()
     finally:
         srv.stop()
@@ -185,7 +200,7 @@ def test_no_shm_files_even_after_sigkill(tmp_path):
     assert c.recv(time.monotonic() + 5).status == STATUS_OK
     c.close()
     srv2.stop()
-    assert not os.path.exists(srv.endpoint[len("unix:"):])
+    assert not os.path.exists(srv.endpoint[len("unix:") :])
     assert shm_entries() <= before
 
 
@@ -194,7 +209,17 @@ def _lazy_client(endpoint, hidden, ready):
     torch.set_num_threads(1)  # forked child: keep out of the parent's OpenMP pool
     c = connect(endpoint, "s-test", hidden_size=hidden, dtype=torch.float32)
     n = 4096
-    c.send(RequestFrame(5, 1, 1, 0, torch.randn(n, hidden), torch.zeros(n, 1, dtype=torch.int32), torch.ones(n, 1)))
+    c.send(
+        RequestFrame(
+            5,
+            1,
+            1,
+            0,
+            torch.randn(n, hidden),
+            torch.zeros(n, 1, dtype=torch.int32),
+            torch.ones(n, 1),
+        )
+    )
     ready.set()
     time.sleep(60)
 
@@ -212,8 +237,17 @@ def test_client_not_reading_does_not_stall_others(kind, tmp_path):
         c = connect(srv.endpoint, "s-test", hidden_size=hidden, dtype=torch.float32)
         for i in range(3):
             t0 = time.monotonic()
-            c.send(RequestFrame(1, 1, 1, i, torch.randn(2, hidden), torch.zeros(2, 1, dtype=torch.int32),
-                                torch.ones(2, 1)))
+            c.send(
+                RequestFrame(
+                    1,
+                    1,
+                    1,
+                    i,
+                    torch.randn(2, hidden),
+                    torch.zeros(2, 1, dtype=torch.int32),
+                    torch.ones(2, 1),
+                )
+            )
             r = c.recv(t0 + 5)
             assert r.status == STATUS_OK and time.monotonic() - t0 < 1.0
         c.close()
