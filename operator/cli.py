@@ -35,8 +35,9 @@ def run_operator(
     Reconciles ExpertPool (expert-server pods, routing-table ConfigMap) and AttentionFleet
     (Deployment + Service). Same as ``kopf run -m eaas.operator.handlers --all-namespaces``.
     """
-    import eaas.operator.handlers  # noqa: F401  (registers the handlers)
     import kopf
+
+    import eaas.operator.handlers  # noqa: F401  (registers the handlers)
 
     kopf.configure(verbose=verbose)
     kopf.run(

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from eaas.runtime.placement import POLICIES
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
+
+from eaas.runtime.placement import POLICIES
 
 PlacementPolicy = Literal["round-robin", "load-balanced"]
 assert set(PlacementPolicy.__args__) == set(POLICIES), (

@@ -29,6 +29,11 @@ import os
 from typing import Any
 
 import kopf
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.rest import ApiException
+from pydantic import ValidationError
+
 from eaas.operator.crd import (
     ANNOTATION_SPEC_HASH,
     ANNOTATION_TABLE_VERSION,
@@ -62,10 +67,6 @@ from eaas.operator.desired import (
 )
 from eaas.runtime.placement import Placement, PlacementError
 from eaas.runtime.routing import RoutingTable, RoutingTableError
-from kubernetes import client as k8s
-from kubernetes import config as k8s_config
-from kubernetes.client.rest import ApiException
-from pydantic import ValidationError
 
 #: Periodic resync of every pool/fleet (seconds), on top of event-driven wakeups.
 RESYNC_S = float(os.environ.get("EAAS_OPERATOR_RESYNC_S", "2.0"))

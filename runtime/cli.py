@@ -63,6 +63,7 @@ def expert_server(
     process only writes its metric files.
     """
     import torch
+
     from eaas.runtime.expert_server import ExpertServer, run
     from eaas.runtime.placement import parse_expert_spec
 

@@ -32,6 +32,7 @@ import time
 from collections.abc import Mapping
 
 import torch
+
 from eaas.runtime.experts import ExpertWeights, expert_forward
 from eaas.runtime.metrics import EXPERT_TOKENS, SERVER_BATCH_TOKENS, SERVER_FRAMES
 from eaas.runtime.transport.base import (

@@ -40,12 +40,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from eaas.runtime import metrics
-from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from eaas.runtime import metrics
+from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams
 
 log = logging.getLogger("eaas.client.api")
 

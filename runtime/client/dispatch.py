@@ -45,10 +45,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
 from eaas.runtime import metrics
 from eaas.runtime.routing import RoutingTable, RoutingTableError
 from eaas.runtime.transport.base import STATUS_OK, ClientConnection, RequestFrame
-from torch import nn
 
 log = logging.getLogger("eaas.client.dispatch")
 

@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
 from eaas.runtime import metrics
 
 log = logging.getLogger("eaas.client.engine")

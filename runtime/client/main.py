@@ -71,6 +71,7 @@ def run_attention_client(
         OSError / RoutingTableError: unreadable routing table at start-up, port in use.
     """
     import torch
+
     from eaas.runtime.models.attention import load_attention_model
 
     logging.basicConfig(

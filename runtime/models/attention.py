@@ -41,10 +41,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
+
 from eaas.runtime.experts import ExpertWeights, weighted_expert_sum
 from eaas.runtime.models.arch import ModelInfo, read_model_info
 from eaas.runtime.models.weights import _Files, _read_matrix, checkpoint_weight_map
-from torch import nn
 
 ExpertsFactory = Callable[[int, ModelInfo], nn.Module]
 

@@ -297,8 +297,9 @@ def logit_gap(model_dir: str | Path, text: str | None = None) -> float:
     """
     import statistics
 
-    from eaas.runtime.models.reference import reference_logits
     from transformers import AutoTokenizer
+
+    from eaas.runtime.models.reference import reference_logits
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = tok(text or CORPUS[:400])["input_ids"][:64]

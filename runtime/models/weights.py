@@ -32,8 +32,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from eaas.runtime.experts import ExpertWeights
 from safetensors import safe_open
+
+from eaas.runtime.experts import ExpertWeights
 
 LayerExpert = tuple[int, int]
 

@@ -66,6 +66,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+
 from eaas.runtime.transport.base import (
     CODE_DTYPES,
     DTYPE_CODES,

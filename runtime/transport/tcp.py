@@ -37,6 +37,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+
 from eaas.runtime.transport.base import (
     CODE_DTYPES,
     DTYPE_CODES,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from eaas.runtime.client.dispatch import Dispatcher, NoLiveReplicaError
 from eaas.runtime.placement import place_experts
 from eaas.runtime.routing import RoutingTable

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+
 from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams, TokenEvent
 from eaas.runtime.models.attention import load_attention_model
 from eaas.runtime.models.reference import reference_generate

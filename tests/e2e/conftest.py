@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from eaas.runtime.models.tiny import default_model_dir
 
 # The test process computes references next to many server/client processes on few cores: more

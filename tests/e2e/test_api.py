@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 from e2e_helpers import metric_sum, metric_values, start_serve
+
 from eaas.runtime.models.reference import reference_generate
 from eaas.runtime.routing import RoutingTable
 from eaas.runtime.serve import write_table

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from e2e_helpers import free_port
+
 from eaas.runtime import metrics
 from eaas.runtime.client.dispatch import (
     Dispatcher,

@@ -20,6 +20,7 @@ import time
 import httpx
 import pytest
 from e2e_helpers import metric_sum, metric_values, start_serve
+
 from eaas.runtime.models.reference import reference_generate
 from eaas.runtime.routing import RoutingTable
 

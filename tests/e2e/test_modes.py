@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 from e2e_helpers import ServeProcess, alive, descendants, free_port
+
 from eaas.runtime.models.reference import reference_generate
 
 pytestmark = pytest.mark.e2e

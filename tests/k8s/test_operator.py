@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from k8s_helpers import kubectl, wait_for
+
 from eaas.runtime.placement import parse_expert_spec
 from eaas.runtime.routing import RoutingTable
-from k8s_helpers import kubectl, wait_for
 
 pytestmark = pytest.mark.k8s
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from eaas.operator.crd import (
     CRD_DIRS,
     AttentionFleetSpec,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from eaas.operator.crd import (
     ANNOTATION_EXPERTS,
     ANNOTATION_SPEC_HASH,

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+
 from eaas.runtime.expert_server import ExpertServer, random_experts
 from eaas.runtime.experts import weighted_expert_sum
 from eaas.runtime.placement import parse_expert_spec

@@ -13,15 +13,6 @@ import urllib.request
 
 import pytest
 import torch
-from eaas.runtime.expert_server import ExpertServer, grouped_expert_sum, random_experts
-from eaas.runtime.experts import weighted_expert_sum
-from eaas.runtime.transport.base import (
-    STATUS_NOT_HOSTED,
-    STATUS_OK,
-    RequestFrame,
-    ResponseFrame,
-    connect,
-)
 from srv_helpers import (
     HIDDEN,
     INTER,
@@ -31,6 +22,16 @@ from srv_helpers import (
     reference,
     start_server,
     wait_until,
+)
+
+from eaas.runtime.expert_server import ExpertServer, grouped_expert_sum, random_experts
+from eaas.runtime.experts import weighted_expert_sum
+from eaas.runtime.transport.base import (
+    STATUS_NOT_HOSTED,
+    STATUS_OK,
+    RequestFrame,
+    ResponseFrame,
+    connect,
 )
 
 pytestmark = pytest.mark.timeout(90)

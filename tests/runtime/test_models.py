@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
 from eaas.runtime.experts import weighted_expert_sum
 from eaas.runtime.models import weights as weights_mod
 from eaas.runtime.models.arch import ModelInfo, model_info_from_config, read_model_info
@@ -16,9 +20,6 @@ from eaas.runtime.models.attention import LocalExperts, load_attention_model, lo
 from eaas.runtime.models.reference import reference_generate, reference_logits
 from eaas.runtime.models.tiny import default_model_dir, logit_gap, write_tiny_model
 from eaas.runtime.models.weights import group_by_layer, load_expert_weights
-from safetensors import safe_open
-from safetensors.torch import save_file
-from torch import nn
 
 
 def _sha(d: Path) -> dict[str, str]:

@@ -3,6 +3,7 @@
 import itertools
 
 import pytest
+
 from eaas.runtime.placement import (
     PlacementError,
     format_expert_spec,

@@ -9,6 +9,8 @@ import time
 
 import pytest
 import torch
+from srv_helpers import HIDDEN, reference, shm_entries, start_server, wait_until
+
 from eaas.runtime.transport.base import (
     STATUS_OK,
     DeadlineExceeded,
@@ -17,7 +19,6 @@ from eaas.runtime.transport.base import (
     RequestFrame,
     connect,
 )
-from srv_helpers import HIDDEN, reference, shm_entries, start_server, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
