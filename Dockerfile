@@ -9,6 +9,8 @@ COPY pyproject.toml README.md ./
 COPY eaas ./eaas
 COPY runtime ./runtime
 COPY operator ./operator
+# the testbed (test infrastructure) is its own package, eaas.testbed, apart from the operator
+COPY testbed ./testbed
 RUN pip install .
 
 # Model checkpoints are mounted (hostPath / PVC) or baked into a derived image; none here.

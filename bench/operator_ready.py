@@ -1,12 +1,13 @@
 """Time from ``kubectl apply`` of an ExpertPool to its ``Ready`` condition.
 
-Measures two pools against a running control plane (``eaas testbed up`` and
-``eval "$(eaas testbed env)"``, or any cluster in ``KUBECONFIG`` with the CRDs installed):
+Measures two pools against a running control plane (``eaas testbed up --process-nodes none``
+and ``eval "$(eaas testbed env)"``, or any cluster in ``KUBECONFIG``; ``--up`` starts a private
+kwok-node testbed for the run and stops it afterwards):
 
 * ``deploy/examples/tiny-pool.yaml`` — tiny DeepSeek-V3-architecture model, 3 MoE layers x 32
   experts, 4 servers;
 * ``deploy/examples/deepseek-v3-pool.yaml`` — 58 MoE layers x 256 experts, 40 servers
-  (29,696 expert replicas; a routing table of ~0.3 MB).
+  (29,696 expert replicas; a routing table of about 0.53 MB).
 
 Ready means: every server pod Running and Ready, the routing-table ConfigMap lists all of them and
 covers every expert ``redundancy`` times, ``status.conditions[Ready]`` True. The testbed has 4 GPU
@@ -14,7 +15,9 @@ nodes x 8 GPUs = 32; for the 40-server pool the script adds kwok GPU nodes (remo
 
 Usage::
 
-    python bench/operator_ready.py [--start-operator] [--namespace bench-operator]
+    python bench/operator_ready.py [--up] [--start-operator] [--namespace bench-operator]
+
+(This was ``tests/k8s/test_operator.py::test_ready_times``; a timing is a benchmark, not a test.)
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def gpu_capacity() -> int:
 
 def add_gpu_nodes(count: int, first_index: int = 200) -> list[str]:
     """Add ``count`` kwok-managed GPU/RDMA nodes (8 GPUs each), labelled ``eaas.io/bench=true``."""
-    from eaas.operator.testbed.cluster import GPU_ALLOCATABLE, GPU_LABELS, KWOK_ANNOTATION
+    from eaas.testbed.cluster import GPU_ALLOCATABLE, GPU_LABELS, KWOK_ANNOTATION
 
     names = []
     for i in range(count):
@@ -175,11 +178,35 @@ def main() -> int:
     ap.add_argument(
         "--start-operator", action="store_true", help="run `eaas operator` for the duration"
     )
+    ap.add_argument(
+        "--up",
+        action="store_true",
+        help="start a private testbed (kwok nodes) for the run; implies --start-operator",
+    )
     args = ap.parse_args()
+    if args.up:
+        import tempfile
+
+        from eaas import testbed as tbmod
+
+        with tempfile.TemporaryDirectory(prefix="eaas-bench-") as tmp:
+            tb = tbmod.up(
+                state_dir=Path(tmp) / "state", process_nodes="none", attached=True, echo=print
+            )
+            os.environ.update({k: tb.env()[k] for k in ("KUBECONFIG", "PATH")})
+            try:
+                return run(args.namespace, start_operator=True)
+            finally:
+                tbmod.down(state_dir=tb.state_dir)
+    return run(args.namespace, start_operator=args.start_operator)
+
+
+def run(namespace: str, start_operator: bool) -> int:
+    """Install the CRDs, optionally run ``eaas operator``, and measure."""
     kubectl("apply", "-f", str(ROOT / "deploy/crds"))
     kubectl("wait", "--for=condition=Established", "crd/expertpools.eaas.io", "--timeout=60s")
     op = None
-    if args.start_operator:
+    if start_operator:
         op = subprocess.Popen(
             [sys.executable, "-m", "eaas.cli", "operator"],
             stdout=subprocess.DEVNULL,
@@ -187,7 +214,7 @@ def main() -> int:
             env=os.environ.copy(),
         )
     try:
-        measure(args.namespace)
+        measure(namespace)
     finally:
         if op is not None:
             op.terminate()

@@ -1,5 +1,6 @@
 """``eaas`` command line. Each command's options live next to the code it runs:
-runtime commands in :mod:`eaas.runtime.cli`, operator commands in :mod:`eaas.operator.cli`.
+runtime commands in :mod:`eaas.runtime.cli`, operator commands in :mod:`eaas.operator.cli`, the
+local Kubernetes testbed (test infrastructure) in :mod:`eaas.testbed.cli`.
 Heavy imports (torch, transformers, kubernetes) happen inside the commands, so ``eaas --help``
 and ``eaas testbed env`` stay fast.
 """
@@ -10,6 +11,7 @@ import typer
 
 from eaas.operator.cli import register as _register_operator
 from eaas.runtime.cli import register as _register_runtime
+from eaas.testbed.cli import register as _register_testbed
 
 app = typer.Typer(
     name="eaas",
@@ -20,6 +22,7 @@ app = typer.Typer(
 )
 _register_runtime(app)
 _register_operator(app)
+_register_testbed(app)
 
 if __name__ == "__main__":  # pragma: no cover
     app()

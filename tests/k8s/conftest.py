@@ -2,7 +2,8 @@
 
 ``testbed`` (session scope) starts etcd, kube-apiserver, kube-controller-manager,
 kube-scheduler and kwok on loopback in a private temp state dir (so it never clashes with a
-user's ``eaas testbed up``), with 4 fake GPU/RDMA nodes and 1 CPU node, and stops it at the end
+user's ``eaas testbed up``), with 4 GPU/RDMA nodes and 1 CPU node, all kwok nodes (pods turn
+Ready without running; the process-node tier is ``tests/cluster``), and stops it at the end
 of the session (the components get PR_SET_PDEATHSIG, so even a SIGKILLed pytest leaves
 nothing running). It sets ``KUBECONFIG`` and prepends the testbed bin dir to ``PATH`` in
 ``os.environ`` for the whole session, so ``kubectl``, ``helm`` and the kubernetes Python client
@@ -24,7 +25,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def testbed(tmp_path_factory):
-    from eaas.operator import testbed as tbmod
+    from eaas import testbed as tbmod
 
     if tbmod.find_bin_dir() is None:
         try:
@@ -32,7 +33,14 @@ def testbed(tmp_path_factory):
         except tbmod.BuildError as e:
             pytest.fail(f"testbed binaries unavailable (run `eaas testbed build`): {e}")
     state_dir = tmp_path_factory.mktemp("testbed") / "state"
-    tb = tbmod.up(state_dir=state_dir, gpu_nodes=4, cpu_nodes=1, timeout=300, attached=True)
+    tb = tbmod.up(
+        state_dir=state_dir,
+        gpu_nodes=4,
+        cpu_nodes=1,
+        timeout=300,
+        attached=True,
+        process_nodes="none",
+    )
     saved = {k: os.environ.get(k) for k in ("KUBECONFIG", "PATH")}
     os.environ.update({k: tb.env()[k] for k in ("KUBECONFIG", "PATH")})
     try:

@@ -5,7 +5,6 @@ it with ``kubectl`` like a user would and check what lands in the API server.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -646,20 +645,6 @@ def test_attention_fleet(ns, operator):
         lambda: get("deployment", "tiny-clients", ns)["spec"]["replicas"] == 3,
         timeout=30,
     )
-
-
-def test_ready_times(operator):
-    """Measure apply -> Ready for the tiny pool and a DeepSeek-V3-sized pool (40 servers)."""
-    spec = importlib.util.spec_from_file_location(
-        "operator_ready", ROOT / "bench/operator_ready.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    results = bench.measure(
-        f"bench-{uuid.uuid4().hex[:6]}", out=lambda m: print(f"\n[measure] {m}")
-    )
-    assert len(results) == 2
-    assert all(v < 120 for v in results.values()), results
 
 
 def test_helm_chart(testbed, crds):

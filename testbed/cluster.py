@@ -1,4 +1,4 @@
-"""Start and stop the local Kubernetes testbed: a real control plane with simulated nodes.
+"""Start and stop the local Kubernetes testbed: a real control plane with process and kwok nodes.
 
 What runs (all on 127.0.0.1, detached from the calling process, one log file each under
 ``<state-dir>/logs/``):
@@ -7,23 +7,28 @@ What runs (all on 127.0.0.1, detached from the calling process, one log file eac
 * kube-apiserver — client-certificate auth, RBAC, default admission plugins, service-account
   token signing, ``--service-cluster-ip-range`` 10.96.0.0/16 (virtual; there is no kube-proxy).
 * kube-controller-manager — Deployments/ReplicaSets, garbage collection of owned objects, the
-  ``default`` ServiceAccount, node lifecycle (NotReady taints, eviction).
+  ``default`` ServiceAccount, node lifecycle (NotReady taints, eviction). Its node monitor is
+  shortened (``--node-monitor-grace-period`` :data:`NODE_MONITOR_GRACE_S` s, period 2 s, the
+  upstream defaults are 50 s / 5 s) so that a stopped node turns NotReady within seconds.
 * kube-scheduler — the real scheduler, so extended resources (``nvidia.com/gpu``,
   ``rdma/ib``), node selectors and affinity are enforced as in a real cluster.
-* kwok — the kwok *controller* alone (not kwokctl): it keeps the fake Node objects Ready
-  (leases + status heartbeats) and moves pods bound to them to Running/Ready with pod IPs
-  taken from each node's ``spec.podCIDR`` (127.1.<i>.0/24, so pod IPs are loopback addresses).
+* one node agent per *process node* (:mod:`.agent`): the node's kubelet. Pods bound to it run
+  their containers' commands as local processes on the pod IP, with volumes, probes, restarts,
+  termination and node Lease heartbeats. ``eaas testbed node stop|start NAME`` stops
+  (power-off: its containers die) and restarts one agent.
+* kwok — the kwok *controller* alone (not kwokctl), for *kwok nodes* (scale tests): it keeps
+  those fake Node objects Ready (leases + status heartbeats) and moves pods bound to them to
+  Running/Ready with pod IPs from the node's ``spec.podCIDR``, without running anything.
   Stages are the kwok defaults (``kwok-stages.yaml``). Docs: https://kwok.sigs.k8s.io/docs/
   (user/kwok-in-cluster, user/kwok-manage-nodes-and-pods, user/stages-configuration).
 
-No kubelet, no container runtime: pods never run a process. The testbed is for exercising the
-control plane side (the operator, RBAC, scheduling, garbage collection, helm charts), in the same
-spirit as envtest (https://book.kubebuilder.io/reference/envtest), plus a scheduler, a
-controller-manager and node/pod simulation.
+Every node ``i`` gets ``spec.podCIDR`` 127.1.<i>.0/24, so pod IPs are loopback addresses.
+There is no container runtime and no image pull: a process node's single "image" is the local
+``eaas`` install (see :mod:`.agent`).
 
-State (``<state-dir>/testbed.json``): pids, ports, paths. ``down`` stops the recorded processes
-(SIGTERM, then SIGKILL) and removes the state dir. Default state dir:
-``~/.cache/eaas/testbed/run``.
+State (``<state-dir>/testbed.json``): pids, ports, paths. ``down`` stops the node agents (and
+with them every container), then the recorded processes (SIGTERM, then SIGKILL) and removes
+the state dir. Default state dir: ``~/.cache/eaas/testbed/run``.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +63,8 @@ GPU_ALLOCATABLE = {
     "ephemeral-storage": "1Ti",
 }
 CPU_ALLOCATABLE = {"cpu": "32", "memory": "128Gi", "pods": "110", "ephemeral-storage": "500Gi"}
+PROCESS_LABEL = "eaas.io/testbed-node"  # "process" or "kwok"
+NODE_MONITOR_GRACE_S = 20
 STATE_FILE = "testbed.json"
 # Start order; `down` stops in reverse.
 COMPONENTS = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"]
@@ -82,6 +90,12 @@ class Testbed:
     pids: dict = field(default_factory=dict)
     gpu_nodes: list = field(default_factory=list)
     cpu_nodes: list = field(default_factory=list)
+    #: nodes run by a node agent (pods really run); the rest are kwok nodes
+    process_nodes: list = field(default_factory=list)
+    #: node -> pid of its running agent
+    agents: dict = field(default_factory=dict)
+    #: node agent settings (restart_backoff_s, volume_sync_s), reused by ``node start``
+    agent_settings: dict = field(default_factory=dict)
 
     def env(self, base: dict | None = None) -> dict:
         """A copy of ``base`` (default ``os.environ``) with KUBECONFIG and PATH pointing here."""
@@ -114,6 +128,9 @@ class Testbed:
             "pids": self.pids,
             "gpu_nodes": self.gpu_nodes,
             "cpu_nodes": self.cpu_nodes,
+            "process_nodes": self.process_nodes,
+            "agents": self.agents,
+            "agent_settings": self.agent_settings,
         }
 
     @classmethod
@@ -127,7 +144,13 @@ class Testbed:
             pids=d["pids"],
             gpu_nodes=d.get("gpu_nodes", []),
             cpu_nodes=d.get("cpu_nodes", []),
+            process_nodes=d.get("process_nodes", []),
+            agents=d.get("agents", {}),
+            agent_settings=d.get("agent_settings", {}),
         )
+
+    def save(self) -> None:
+        (self.state_dir / STATE_FILE).write_text(json.dumps(self.to_json(), indent=2))
 
 
 def default_state_dir() -> Path:
@@ -286,6 +309,13 @@ def _wait(tb: Testbed, what: str, check, deadline: float, watch: list[str]) -> N
                 raise TestbedError(
                     f"{name} exited while waiting for {what}; log {log}:\n{_tail(log)}"
                 )
+        for node, pid in tb.agents.items():
+            if not agent_alive(pid):
+                log = tb.state_dir / "logs" / f"agent-{node}.log"
+                raise TestbedError(
+                    f"node agent of {node} exited while waiting for {what}; log {log}:\n"
+                    f"{_tail(log)}"
+                )
         try:
             if check():
                 return
@@ -307,25 +337,46 @@ def _https_ok(port: int, path: str, ctx: ssl.SSLContext) -> bool:
         conn.close()
 
 
-def _node(name: str, index: int, labels: dict, allocatable: dict) -> dict:
+def _node(name: str, index: int, labels: dict, allocatable: dict, process: bool) -> dict:
+    annotations = {"node.alpha.kubernetes.io/ttl": "0"}
+    if not process:
+        annotations[KWOK_ANNOTATION] = "fake"  # kwok manages this node and its pods
     return {
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": {
             "name": name,
-            "annotations": {KWOK_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
+            "annotations": annotations,
             "labels": {
                 "kubernetes.io/hostname": name,
                 "kubernetes.io/os": "linux",
                 "kubernetes.io/arch": "amd64",
-                "type": "kwok",
+                "type": "process" if process else "kwok",
+                PROCESS_LABEL: "process" if process else "kwok",
                 **labels,
             },
         },
-        # kwok hands out pod IPs from spec.podCIDR: loopback addresses, one /24 per node.
+        # pod IPs come from spec.podCIDR: loopback addresses, one /24 per node.
         "spec": {"podCIDR": f"127.1.{index}.0/24", "podCIDRs": [f"127.1.{index}.0/24"]},
         "status": {"allocatable": dict(allocatable), "capacity": dict(allocatable)},
     }
+
+
+def _process_node_names(spec: str | list | None, gpu: list[str], cpu: list[str]) -> list[str]:
+    """``"all"`` (default), ``"none"``, or node names (list or comma-separated).
+
+    Raises:
+        ValueError: a name that is not one of the testbed's nodes.
+    """
+    if spec is None or spec == "all":
+        return gpu + cpu
+    if spec == "none" or spec == []:
+        return []
+    names = [n.strip() for n in spec.split(",")] if isinstance(spec, str) else list(spec)
+    unknown = [n for n in names if n not in gpu + cpu]
+    if unknown:
+        raise ValueError(f"--process-nodes: unknown node(s) {unknown}; nodes are {gpu + cpu}")
+    return names
 
 
 def up(
@@ -335,6 +386,9 @@ def up(
     timeout: float = 300,
     echo=print,
     attached: bool = False,
+    process_nodes: str | list | None = "all",
+    restart_backoff_s: float = 10.0,
+    volume_sync_s: float = 60.0,
 ) -> Testbed:
     """Build (if needed) and start the testbed; return it once nodes are Ready.
 
@@ -347,6 +401,11 @@ def up(
 
     Node names: ``gpu-node-<i>`` (``nvidia.com/gpu: 8``, ``rdma/ib: 8``, labels
     ``eaas.io/rdma=true``, ``nvidia.com/gpu.present=true``) and ``cpu-node-<i>`` (no GPU/RDMA).
+    ``process_nodes`` picks which of them run their pods for real through a node agent
+    (``"all"``, ``"none"`` or names; label ``eaas.io/testbed-node=process``); the others are
+    kwok nodes (``eaas.io/testbed-node=kwok``): pods there turn Ready without running.
+    ``restart_backoff_s`` (crash-loop back-off base, doubling to 300 s) and ``volume_sync_s``
+    (configMap/secret volume refresh delay) go to the node agents.
 
     Raises:
         TestbedError: a component exited or did not become ready within ``timeout`` seconds
@@ -363,6 +422,9 @@ def up(
         down(state_dir, echo=lambda *_: None)
     if gpu_nodes + cpu_nodes < 1:
         raise ValueError("need at least one node")
+    gpu_names = [f"gpu-node-{i}" for i in range(gpu_nodes)]
+    cpu_names = [f"cpu-node-{i}" for i in range(cpu_nodes)]
+    proc_names = _process_node_names(process_nodes, gpu_names, cpu_names)
     bin_dir = _build.build(echo=echo)
     t0 = time.monotonic()
     deadline = t0 + timeout
@@ -387,8 +449,8 @@ def up(
     tb = Testbed(
         state_dir=state_dir, bin_dir=bin_dir, kubeconfig=kubeconfig, apiserver_url=url, ports=ports
     )
-    tb.gpu_nodes = [f"gpu-node-{i}" for i in range(gpu_nodes)]
-    tb.cpu_nodes = [f"cpu-node-{i}" for i in range(cpu_nodes)]
+    tb.gpu_nodes, tb.cpu_nodes, tb.process_nodes = gpu_names, cpu_names, proc_names
+    tb.agent_settings = {"restart_backoff_s": restart_backoff_s, "volume_sync_s": volume_sync_s}
     try:
         _up(tb, pki, deadline, echo, attached)
     except BaseException:
@@ -396,7 +458,8 @@ def up(
         raise
     echo(
         f"testbed up in {time.monotonic() - t0:.1f}s: {url}; "
-        f"{gpu_nodes} GPU + {cpu_nodes} CPU nodes; state {state_dir}"
+        f"{gpu_nodes} GPU + {cpu_nodes} CPU nodes ({len(proc_names)} run processes); "
+        f"state {state_dir}"
     )
     return tb
 
@@ -492,6 +555,8 @@ def _up(tb: Testbed, pki: dict, deadline: float, echo, attached: bool) -> None:
             f"--root-ca-file={pki['ca_crt']}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--controllers=*",
+            f"--node-monitor-grace-period={NODE_MONITOR_GRACE_S}s",
+            "--node-monitor-period=2s",
             "--profiling=false",
             "--v=1",
         ],
@@ -523,20 +588,26 @@ def _up(tb: Testbed, pki: dict, deadline: float, echo, attached: bool) -> None:
             f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake",
             "--node-ip=127.0.0.1",
             "--cidr=127.1.255.0/24",
-            "--node-lease-duration-seconds=40",
+            # kwok renews its leases every quarter of this, well inside the node monitor's grace
+            f"--node-lease-duration-seconds={NODE_MONITOR_GRACE_S}",
         ],
         attached=attached,
     )
-    # Nodes: created by us, kept alive by kwok.
-    nodes = [_node(n, i, GPU_LABELS, GPU_ALLOCATABLE) for i, n in enumerate(tb.gpu_nodes)]
+    # Nodes: created by us, kept alive by kwok or by their node agent.
+    proc = set(tb.process_nodes)
+    nodes = [
+        _node(n, i, GPU_LABELS, GPU_ALLOCATABLE, n in proc) for i, n in enumerate(tb.gpu_nodes)
+    ]
     nodes += [
-        _node(n, len(tb.gpu_nodes) + i, CPU_LABELS, CPU_ALLOCATABLE)
+        _node(n, len(tb.gpu_nodes) + i, CPU_LABELS, CPU_ALLOCATABLE, n in proc)
         for i, n in enumerate(tb.cpu_nodes)
     ]
     for node in nodes:
         status, body = api(tb, "POST", "/api/v1/nodes", node)
         if status not in (200, 201):
             raise TestbedError(f"creating node {node['metadata']['name']} failed: {status} {body}")
+    for name in tb.process_nodes:
+        start_agent(tb, name, attached=attached)
     all_components = list(tb.pids)
     insecure = ssl.create_default_context()
     insecure.check_hostname = False
@@ -584,6 +655,119 @@ def _up(tb: Testbed, pki: dict, deadline: float, echo, attached: bool) -> None:
     (tb.state_dir / STATE_FILE).write_text(json.dumps(tb.to_json(), indent=2))
 
 
+# ---------------------------------------------------------------------------------------------
+# node agents (process nodes)
+# ---------------------------------------------------------------------------------------------
+def agent_alive(pid: int) -> bool:
+    """True if ``pid`` runs a node agent (guards pid reuse by checking its command line)."""
+    if not _pid_alive(pid):
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"eaas.testbed.agent" in f.read()
+    except OSError:
+        return False
+
+
+def start_agent(tb: Testbed, node: str, attached: bool = False) -> int:
+    """Start the node agent of process node ``node``; record and return its pid.
+
+    ``attached``: the agent dies with the calling process (PR_SET_PDEATHSIG), as for ``up``.
+    """
+    node_dir = tb.state_dir / "nodes" / node
+    node_dir.mkdir(parents=True, exist_ok=True)
+    settings = tb.agent_settings
+    log = tb.state_dir / "logs" / f"agent-{node}.log"
+    with open(log, "ab") as f:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "eaas.testbed.agent",
+                f"--node={node}",
+                f"--kubeconfig={tb.kubeconfig}",
+                f"--state-dir={node_dir}",
+                f"--apiserver-port={tb.ports['apiserver']}",
+                f"--restart-backoff-s={settings.get('restart_backoff_s', 10.0)}",
+                f"--volume-sync-s={settings.get('volume_sync_s', 60.0)}",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=tb.state_dir,
+            start_new_session=True,
+            close_fds=True,
+            preexec_fn=_die_with_parent if attached else None,
+        )
+    tb.agents[node] = proc.pid
+    tb.save()
+    return proc.pid
+
+
+def stop_agent(tb: Testbed, node: str, timeout: float = 15) -> bool:
+    """Stop the node agent of ``node`` (SIGTERM: it SIGKILLs its containers' process groups
+    and exits without reporting, like a node losing power; SIGKILL after ``timeout`` s).
+    Returns False if it was not running."""
+    pid = tb.agents.pop(node, None)
+    tb.save()
+    if not pid or not agent_alive(pid):
+        return False
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    end = time.monotonic() + timeout
+    while agent_alive(pid) and time.monotonic() < end:
+        _reap(pid)
+        time.sleep(0.05)
+    if agent_alive(pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _reap(pid)
+    return True
+
+
+def node_stop(name: str, state_dir: Path | None = None) -> None:
+    """``eaas testbed node stop NAME``: power off process node ``name`` (its agent and every
+    container on it stop; heartbeats stop, so the node-lifecycle controller marks it NotReady
+    after ``NODE_MONITOR_GRACE_S`` s).
+
+    Raises:
+        TestbedError: no testbed, or ``name`` is not a process node.
+    """
+    tb = _require(state_dir)
+    if name not in tb.process_nodes:
+        raise TestbedError(f"{name} is not a process node (process nodes: {tb.process_nodes})")
+    stop_agent(tb, name)
+
+
+def node_start(name: str, state_dir: Path | None = None) -> None:
+    """``eaas testbed node start NAME``: start the agent of process node ``name`` again (its
+    pods' containers start again, counted as restarts; the node turns Ready).
+
+    Raises:
+        TestbedError: no testbed, ``name`` is not a process node, or its agent already runs.
+    """
+    tb = _require(state_dir)
+    if name not in tb.process_nodes:
+        raise TestbedError(f"{name} is not a process node (process nodes: {tb.process_nodes})")
+    pid = tb.agents.get(name)
+    if pid and agent_alive(pid):
+        raise TestbedError(f"node {name} is already running (agent pid {pid})")
+    start_agent(tb, name)
+
+
+def _require(state_dir: Path | None) -> Testbed:
+    tb = load(state_dir)
+    if tb is None:
+        raise TestbedError(
+            f"no testbed in {state_dir or default_state_dir()}; run `eaas testbed up` first"
+        )
+    return tb
+
+
 def down(
     state_dir: Path | None = None, echo=print, remove: bool = True, timeout: float = 15
 ) -> bool:
@@ -598,6 +782,9 @@ def down(
     if tb is None:
         echo(f"no testbed recorded in {state_dir}")
         return False
+    # Node agents first: each takes its containers down with it.
+    for node in list(tb.agents):
+        stop_agent(tb, node)
     # One at a time, clients first, so that the apiserver can still reach etcd while it
     # shuts down (and nothing logs a storm of connection errors).
     for name in reversed(COMPONENTS):
@@ -619,6 +806,14 @@ def down(
                 pass
             time.sleep(0.1)
         _reap(pid)
+    # top-level mount points the agents had to create on the host (e.g. /models), if empty
+    host_dirs = state_dir / "nodes" / "host-dirs"
+    if host_dirs.is_file():
+        for d in sorted(set(host_dirs.read_text().split())):
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
     if remove:
         shutil.rmtree(state_dir, ignore_errors=True)
     echo(f"testbed stopped (state {state_dir}{' removed' if remove else ''})")

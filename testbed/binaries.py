@@ -306,7 +306,7 @@ def build(force: bool = False, echo=print) -> Path:
     return bin_dir
 
 
-if __name__ == "__main__":  # python -m eaas.operator.testbed.binaries
+if __name__ == "__main__":  # python -m eaas.testbed.binaries
     try:
         print(build(force="--force" in sys.argv))
     except BuildError as e:

@@ -1,0 +1,37 @@
+"""Local Kubernetes testbed (test infrastructure, not part of the operator or the runtime):
+real etcd, kube-apiserver, kube-controller-manager, kube-scheduler on loopback, process nodes
+whose node agent runs pods as local processes, and kwok-simulated nodes for scale.
+
+Entry points: ``eaas testbed build|up|down|env|node`` (:mod:`.cli`, over :mod:`.cluster` and
+:mod:`.binaries`), the node agent ``python -m eaas.testbed.agent`` (:mod:`.agent`), and the
+``testbed`` pytest fixtures in ``tests/k8s/conftest.py`` and ``tests/cluster/conftest.py``.
+"""
+
+from .binaries import BINARIES, BuildError, build, find_bin_dir
+from .cluster import (
+    Testbed,
+    TestbedError,
+    default_state_dir,
+    down,
+    env_lines,
+    load,
+    node_start,
+    node_stop,
+    up,
+)
+
+__all__ = [
+    "BINARIES",
+    "BuildError",
+    "Testbed",
+    "TestbedError",
+    "build",
+    "default_state_dir",
+    "down",
+    "env_lines",
+    "find_bin_dir",
+    "load",
+    "node_start",
+    "node_stop",
+    "up",
+]

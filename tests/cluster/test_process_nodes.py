@@ -1,0 +1,397 @@
+"""Process nodes: the testbed's node agent runs pods as real local processes.
+
+Each test creates plain pods with ``kubectl`` and checks what a kubelet must do: run the
+command on the pod IP with env, downward API and volumes; probes drive readiness and
+restarts; crash-loop back-off; deletion with SIGTERM; node heartbeats through the real
+node-lifecycle controller; and a real ``eaas expert-server`` in a pod.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+from k8s_helpers import get_json, kubectl, wait_for
+
+pytestmark = pytest.mark.cluster
+
+PY = sys.executable
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+def apply(obj: dict) -> None:
+    kubectl("apply", "-f", "-", input=json.dumps(obj))
+
+
+def pod(name: str, containers: list[dict], **spec) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default", **spec.pop("metadata", {})},
+        "spec": {"containers": containers, "terminationGracePeriodSeconds": 10, **spec},
+    }
+
+
+def conditions(p: dict) -> dict[str, str]:
+    return {c["type"]: c["status"] for c in (p.get("status") or {}).get("conditions", [])}
+
+
+def get_pod(name: str) -> dict | None:
+    r = kubectl("get", "pod", name, "-o", "json", check=False)
+    return json.loads(r.stdout) if r.returncode == 0 else None
+
+
+def wait_ready(name: str, timeout: float = 90) -> dict:
+    def ready():
+        p = get_pod(name)
+        return p if p and conditions(p).get("Ready") == "True" else None
+
+    return wait_for(f"pod {name} Ready", ready, timeout=timeout)
+
+
+def http_get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def ctr_status(p: dict, name: str | None = None) -> dict:
+    sts = p["status"]["containerStatuses"]
+    return sts[0] if name is None else next(s for s in sts if s["name"] == name)
+
+
+def test_http_server_pod_env_volumes_probes(cluster):
+    """A web server pod on a GPU process node: Running+Ready through startup (tcpSocket) and
+    readiness (httpGet) probes, reachable on its pod IP only, with env (value, $(VAR),
+    fieldRef, configMapKeyRef), GPU indices, the service-account token and a configMap volume
+    that follows an update after the (per-pod) sync delay."""
+    name, cm = unique("web"), unique("web-cm")
+    apply(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": cm, "namespace": "default"},
+            "data": {"greeting": "hello-1", "color": "blue"},
+        }
+    )
+    script = (
+        'printf "%s|%s|%s|%s|%s|%s" "$POD_NAME" "$POD_IP" "$GREETING" "$COLOR" '
+        '"$CUDA_VISIBLE_DEVICES" "$(cat /var/run/secrets/kubernetes.io/serviceaccount/namespace)"'
+        " > /srv/www/env.txt && "
+        "test -s /var/run/secrets/kubernetes.io/serviceaccount/token && "
+        f"exec {PY} -m http.server 28080 --directory /srv/www"
+    )
+    apply(
+        pod(
+            name,
+            [
+                {
+                    "name": "web",
+                    "image": "eaas:local",
+                    "command": ["sh", "-c", script],
+                    "ports": [{"name": "http", "containerPort": 28080}],
+                    "env": [
+                        {
+                            "name": "POD_NAME",
+                            "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+                        },
+                        {
+                            "name": "POD_IP",
+                            "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+                        },
+                        {"name": "GREETING", "value": "hi-$(POD_NAME)"},
+                        {
+                            "name": "COLOR",
+                            "valueFrom": {"configMapKeyRef": {"name": cm, "key": "color"}},
+                        },
+                    ],
+                    "resources": {"limits": {"nvidia.com/gpu": "2"}},
+                    "volumeMounts": [
+                        {"name": "www", "mountPath": "/srv/www"},
+                        {"name": "cfg", "mountPath": "/srv/www/cfg"},
+                    ],
+                    "startupProbe": {"tcpSocket": {"port": 28080}, "periodSeconds": 1},
+                    "readinessProbe": {
+                        "httpGet": {"path": "/env.txt", "port": "http"},
+                        "periodSeconds": 1,
+                    },
+                }
+            ],
+            volumes=[
+                {"name": "www", "emptyDir": {}},
+                {"name": "cfg", "configMap": {"name": cm}},
+            ],
+            metadata={"annotations": {"testbed.eaas.io/volume-sync-seconds": "1"}},
+        )
+    )
+    try:
+        p = wait_ready(name)
+        assert p["status"]["phase"] == "Running"
+        node = get_json("node", p["spec"]["nodeName"])
+        assert node["metadata"]["labels"]["eaas.io/testbed-node"] == "process"
+        ip = p["status"]["podIP"]
+        assert ip.startswith(node["spec"]["podCIDR"].rsplit(".", 1)[0] + "."), ip
+        st = ctr_status(p)
+        assert st["ready"] and st["started"] and st["restartCount"] == 0
+        assert "running" in st["state"]
+
+        env = http_get(f"http://{ip}:28080/env.txt").split("|")
+        assert env == [name, ip, f"hi-{name}", "blue", "0,1", "default"]
+        # bound to the pod IP (the wildcard bind was given the pod IP), not to the host
+        with pytest.raises(urllib.error.URLError):
+            http_get("http://127.0.0.1:28080/env.txt")
+        assert http_get(f"http://{ip}:28080/cfg/greeting") == "hello-1"
+        kubectl("patch", "configmap", cm, "-p", json.dumps({"data": {"greeting": "hello-2"}}))
+        wait_for(
+            "configMap volume refreshed",
+            lambda: http_get(f"http://{ip}:28080/cfg/greeting") == "hello-2",
+            timeout=60,
+        )
+    finally:
+        kubectl("delete", "pod", name, "--wait=false", check=False)
+        kubectl("delete", "configmap", cm, check=False)
+
+
+def test_crashing_container_restarts_with_back_off(cluster):
+    name = unique("crash")
+    apply(pod(name, [{"name": "c", "image": "eaas:local", "command": ["sh", "-c", "exit 3"]}]))
+    try:
+
+        def restarted_twice():
+            p = get_pod(name)
+            sts = (p or {}).get("status", {}).get("containerStatuses") or []
+            return p if sts and sts[0]["restartCount"] >= 2 else None
+
+        p = wait_for("restartCount >= 2", restarted_twice, timeout=60)
+        st = ctr_status(p)
+        assert st["lastState"]["terminated"]["exitCode"] == 3
+        assert st["lastState"]["terminated"]["reason"] == "Error"
+        assert not st["ready"]
+        assert conditions(p)["Ready"] == "False"
+        counts = [st["restartCount"]]
+        wait_for(
+            "restartCount to keep rising",
+            lambda: ctr_status(get_pod(name))["restartCount"] > counts[0],
+            timeout=60,
+        )
+    finally:
+        kubectl("delete", "pod", name, "--wait=false", check=False)
+
+
+def test_failing_liveness_probe_restarts_container(cluster):
+    """An exec liveness probe (run inside the container's mount namespace) fails once the
+    container removes its health file: the agent kills it (SIGTERM) and starts it again."""
+    name = unique("live")
+    script = "touch /data/healthy && sleep 3 && rm /data/healthy && exec sleep 600"
+    apply(
+        pod(
+            name,
+            [
+                {
+                    "name": "c",
+                    "image": "eaas:local",
+                    "command": ["sh", "-c", script],
+                    "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                    "livenessProbe": {
+                        "exec": {"command": ["cat", "/data/healthy"]},
+                        "periodSeconds": 1,
+                        "failureThreshold": 2,
+                    },
+                }
+            ],
+            volumes=[{"name": "data", "emptyDir": {}}],
+            terminationGracePeriodSeconds=2,
+        )
+    )
+    try:
+        p = wait_ready(name)
+        assert ctr_status(p)["restartCount"] == 0
+
+        def restarted():
+            p = get_pod(name)
+            st = ctr_status(p)
+            return p if st["restartCount"] >= 1 and st["lastState"].get("terminated") else None
+
+        p = wait_for("liveness restart", restarted, timeout=60)
+        # killed by SIGTERM (128 + 15), not exited by itself
+        assert ctr_status(p)["lastState"]["terminated"]["exitCode"] == 143
+        events = kubectl(
+            "get", "events", "--field-selector", f"involvedObject.name={name}", "-o", "json"
+        ).stdout
+        reasons = {e["reason"] for e in json.loads(events)["items"]}
+        assert {"Unhealthy", "Killing", "Started"} <= reasons, reasons
+    finally:
+        kubectl("delete", "pod", name, "--wait=false", check=False)
+
+
+def test_pod_delete_sends_sigterm_and_removes_pod(cluster, tmp_path):
+    name = unique("term")
+    out = tmp_path / "term"
+    script = (
+        "import os, signal, sys, time\n"
+        "open('/out/pid', 'w').write(str(os.getpid()))\n"
+        "def bye(sig, frame):\n"
+        "    open('/out/signal', 'w').write(signal.Signals(sig).name)\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "open('/out/ready', 'w').write('1')\n"
+        "while True:\n"
+        "    time.sleep(1)\n"
+    )
+    apply(
+        pod(
+            name,
+            [
+                {
+                    "name": "c",
+                    "image": "eaas:local",
+                    "command": ["python", "-c", script],
+                    "volumeMounts": [{"name": "out", "mountPath": "/out"}],
+                    "readinessProbe": {
+                        "exec": {"command": ["test", "-f", "/out/ready"]},
+                        "periodSeconds": 1,
+                    },
+                }
+            ],
+            volumes=[{"name": "out", "hostPath": {"path": str(out), "type": "DirectoryOrCreate"}}],
+        )
+    )
+    wait_ready(name)
+    pid = int((out / "pid").read_text())
+    assert Path(f"/proc/{pid}").exists()
+    kubectl("delete", "pod", name, "--wait=false")
+    wait_for(f"pod {name} gone", lambda: get_pod(name) is None, timeout=60)
+    assert (out / "signal").read_text() == "SIGTERM"
+    wait_for(f"pid {pid} gone", lambda: not Path(f"/proc/{pid}").exists(), timeout=30)
+
+
+def test_node_stop_makes_node_not_ready_and_start_recovers(cluster, tmp_path):
+    node = "gpu-node-1"
+    name = unique("onnode")
+    out = tmp_path / "pid"
+    apply(
+        pod(
+            name,
+            [
+                {
+                    "name": "c",
+                    "image": "eaas:local",
+                    "command": ["sh", "-c", "echo $$ > /out/pid && exec sleep 600"],
+                    "volumeMounts": [{"name": "out", "mountPath": "/out"}],
+                }
+            ],
+            nodeName=node,
+            volumes=[{"name": "out", "hostPath": {"path": str(out), "type": "DirectoryOrCreate"}}],
+        )
+    )
+    cli = [PY, "-m", "eaas.cli", "testbed", "node"]
+    state = ["--state-dir", str(cluster.state_dir)]
+    try:
+        wait_ready(name)
+        pid = int((out / "pid").read_text())
+        r = subprocess.run([*cli, "stop", node, *state], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        # power-off: the container went with the agent
+        wait_for(f"pid {pid} gone", lambda: not Path(f"/proc/{pid}").exists(), timeout=30)
+
+        # the real node-lifecycle controller notices the missing Lease renewals
+        wait_for(
+            f"{node} NotReady",
+            lambda: conditions(get_json("node", node))["Ready"] == "Unknown",
+            timeout=90,
+        )
+        wait_for(
+            f"{node} tainted unreachable",
+            lambda: (
+                "node.kubernetes.io/unreachable"
+                in {t["key"] for t in get_json("node", node)["spec"].get("taints") or []}
+            ),
+            timeout=30,
+        )
+        # a kwok or unknown node cannot be stopped; a running one cannot be started twice
+        bad = subprocess.run(
+            [*cli, "stop", "no-such-node", *state], capture_output=True, text=True, timeout=60
+        )
+        assert bad.returncode == 1 and "not a process node" in bad.stderr
+
+        r = subprocess.run(
+            [*cli, "start", node, *state], capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 0, r.stderr
+        wait_for(
+            f"{node} Ready again",
+            lambda: conditions(get_json("node", node))["Ready"] == "True",
+            timeout=90,
+        )
+        again = subprocess.run(
+            [*cli, "start", node, *state], capture_output=True, text=True, timeout=60
+        )
+        assert again.returncode == 1 and "already running" in again.stderr
+        # the pod's container runs again on the restarted node, counted as a restart
+        p = wait_ready(name)
+        assert ctr_status(p)["restartCount"] >= 1
+        assert int((out / "pid").read_text()) != pid
+    finally:
+        kubectl("delete", "pod", name, "--wait=false", check=False)
+
+
+def test_expert_server_runs_in_a_pod(cluster):
+    """``eaas expert-server`` on the tiny model (hostPath volume at /models/tiny) in a pod on a
+    GPU process node: Ready through a tcpSocket probe on its pod IP, serving Prometheus
+    metrics there."""
+    from eaas.runtime.models.tiny import default_model_dir
+
+    model = str(default_model_dir())
+    name = unique("expert")
+    apply(
+        pod(
+            name,
+            [
+                {
+                    "name": "expert-server",
+                    "image": "eaas:local",
+                    "command": ["eaas", "expert-server"],
+                    "args": [
+                        "--model",
+                        "/models/tiny",
+                        "--server-id",
+                        "$(POD_NAME)",
+                        "--listen",
+                        "tcp://0.0.0.0:9000",
+                        "--metrics-port",
+                        "9100",
+                    ],
+                    "env": [
+                        {
+                            "name": "POD_NAME",
+                            "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+                        }
+                    ],
+                    "resources": {"limits": {"nvidia.com/gpu": "1", "rdma/ib": "1"}},
+                    "volumeMounts": [
+                        {"name": "model", "mountPath": "/models/tiny", "readOnly": True}
+                    ],
+                    "readinessProbe": {"tcpSocket": {"port": 9000}, "periodSeconds": 1},
+                }
+            ],
+            nodeSelector={"eaas.io/rdma": "true"},
+            volumes=[{"name": "model", "hostPath": {"path": model, "type": "Directory"}}],
+        )
+    )
+    try:
+        p = wait_ready(name, timeout=180)
+        ip = p["status"]["podIP"]
+        assert p["spec"]["nodeName"].startswith("gpu-node-")
+        metrics = http_get(f"http://{ip}:9100/metrics")
+        assert "eaas_" in metrics
+        assert ctr_status(p)["restartCount"] == 0
+    finally:
+        kubectl("delete", "pod", name, "--wait=false", check=False)
