@@ -284,7 +284,8 @@ def test_node_stop_makes_node_not_ready_and_start_recovers(cluster, tmp_path):
                 {
                     "name": "c",
                     "image": "eaas:local",
-                    "command": ["sh", "-c", "echo $$ > /out/pid && exec sleep 600"],
+                    # "$$$$": Kubernetes turns "$$" into "$"; the shell's "$$" is its pid
+                    "command": ["sh", "-c", "echo $$$$ > /out/pid && exec sleep 600"],
                     "volumeMounts": [{"name": "out", "mountPath": "/out"}],
                 }
             ],
