@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import pod as podlogic
+from .cluster import CONTAINER_MARKER, POD_MARKER, STATE_MARKER, kill_marked
 
 log = logging.getLogger("eaas.testbed.agent")
 
@@ -203,6 +204,7 @@ class Agent:
         self.gpus_used: dict[str, list[int]] = {}  # "<uid>/<container>" -> indices
         self.pod_cidr = ""
         self.gpu_total = 0
+        self.testbed_dir = self.state_dir.parents[1]  # <testbed state>/nodes/<node>
         self.shim_dir = self.state_dir / "shim"
         self.pods_dir = self.state_dir / "pods"
         self.started = now_iso()
@@ -785,6 +787,9 @@ class PodWorker(threading.Thread):
         venv_bin = os.path.dirname(sys.executable)
         env["PATH"] = f"{venv_bin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
         env["HOSTNAME"] = self.pod["spec"].get("hostname") or self.meta["name"]
+        env[STATE_MARKER] = str(self.agent.testbed_dir)
+        env[POD_MARKER] = self.uid
+        env[CONTAINER_MARKER] = self._container_key(c)
         port = str(self.agent.apiserver_port)
         env.update(
             {
@@ -799,6 +804,9 @@ class PodWorker(threading.Thread):
             }
         )
         return env
+
+    def _container_key(self, c: Ctr) -> str:
+        return f"{self.uid}/{c.name}/{c.restart_count}"
 
     def _mounts(self, c: Ctr, env: dict) -> list[dict]:
         mounts = []
@@ -927,6 +935,7 @@ class PodWorker(threading.Thread):
         if rc is None:
             return
         _killpg(c.proc.pid, signal.SIGKILL)  # whatever it left in its process group
+        kill_marked(CONTAINER_MARKER, self._container_key(c))  # ... or outside it
         code = _exit_code(rc)
         finished = now_iso()
         term = {
@@ -1092,6 +1101,7 @@ class PodWorker(threading.Thread):
                 _killpg(c.proc.pid, signal.SIGKILL)
                 c.proc.wait()
                 c.proc = None
+        kill_marked(POD_MARKER, self.uid)
 
     def _terminate(self, grace: float) -> None:
         running = [c for c in self.init_ctrs + self.ctrs if c.proc is not None]
@@ -1105,6 +1115,7 @@ class PodWorker(threading.Thread):
             for c in running:
                 self._poll(c, "Never")
             time.sleep(0.05)
+        kill_marked(POD_MARKER, self.uid)
         if not self.gone:
             self._post_status()
 

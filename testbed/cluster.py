@@ -658,6 +658,42 @@ def _up(tb: Testbed, pki: dict, deadline: float, echo, attached: bool) -> None:
 # ---------------------------------------------------------------------------------------------
 # node agents (process nodes)
 # ---------------------------------------------------------------------------------------------
+#: Environment markers the node agent puts into every container's processes (inherited by
+#: whatever they start), so that escaped descendants can be found: the testbed's stand-in for
+#: the cgroups a kubelet would kill.
+STATE_MARKER = "EAAS_TESTBED_STATE"
+POD_MARKER = "EAAS_TESTBED_POD_UID"
+CONTAINER_MARKER = "EAAS_TESTBED_CONTAINER"
+
+
+def find_marked(name: str, value: str) -> list[int]:
+    """Pids of the processes whose environment has ``name=value`` (from ``/proc/<pid>/environ``;
+    the environment a process started with)."""
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def kill_marked(name: str, value: str) -> list[int]:
+    """SIGKILL every process marked ``name=value`` (see :func:`find_marked`); returns them."""
+    pids = [p for p in find_marked(name, value) if p != os.getpid()]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
 def agent_alive(pid: int) -> bool:
     """True if ``pid`` runs a node agent (guards pid reuse by checking its command line)."""
     if not _pid_alive(pid):
@@ -782,9 +818,11 @@ def down(
     if tb is None:
         echo(f"no testbed recorded in {state_dir}")
         return False
-    # Node agents first: each takes its containers down with it.
+    # Node agents first: each takes its containers down with it; then anything a container
+    # started that escaped its process group (setsid, double fork).
     for node in list(tb.agents):
         stop_agent(tb, node)
+    kill_marked(STATE_MARKER, str(state_dir))
     # One at a time, clients first, so that the apiserver can still reach etcd while it
     # shuts down (and nothing logs a storm of connection errors).
     for name in reversed(COMPONENTS):

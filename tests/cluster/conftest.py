@@ -51,7 +51,13 @@ def cluster(tmp_path_factory):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        agents = dict(tbmod.load(state_dir).agents)
         tbmod.down(state_dir=state_dir, remove=False)
+        # nothing outlives `down`: no agent, no container process, no escaped descendant
+        from eaas.testbed.cluster import STATE_MARKER, agent_alive, find_marked
+
+        leaked = [p for p in agents.values() if agent_alive(p)]
+        leaked += find_marked(STATE_MARKER, str(tb.state_dir))
         keep = tmp_path_factory.getbasetemp() / "cluster-logs"  # for post-mortems
         shutil.copytree(state_dir / "logs", keep, dirs_exist_ok=True)
         for log in (state_dir / "nodes").glob("*/pods/*/*.log"):
@@ -59,3 +65,4 @@ def cluster(tmp_path_factory):
             dest.mkdir(parents=True, exist_ok=True)
             shutil.copy(log, dest)
         shutil.rmtree(state_dir, ignore_errors=True)
+        assert not leaked, f"processes left after `eaas testbed down`: {leaked}"

@@ -14,7 +14,6 @@ import sys
 import urllib.error
 import urllib.request
 import uuid
-from pathlib import Path
 
 import pytest
 from k8s_helpers import get_json, kubectl, wait_for
@@ -61,6 +60,15 @@ def wait_ready(name: str, timeout: float = 90) -> dict:
 def http_get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as r:
         return r.read().decode()
+
+
+def alive(pid: int) -> bool:
+    """``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def ctr_status(p: dict, name: str | None = None) -> dict:
@@ -236,8 +244,12 @@ def test_pod_delete_sends_sigterm_and_removes_pod(cluster, tmp_path):
     name = unique("term")
     out = tmp_path / "term"
     script = (
-        "import os, signal, sys, time\n"
+        "import os, signal, subprocess, sys, time\n"
         "open('/out/pid', 'w').write(str(os.getpid()))\n"
+        # a descendant that leaves the container's process group (a kubelet's cgroup kill
+        # would still get it)
+        "escapee = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+        "open('/out/escapee', 'w').write(str(escapee.pid))\n"
         "def bye(sig, frame):\n"
         "    open('/out/signal', 'w').write(signal.Signals(sig).name)\n"
         "    sys.exit(0)\n"
@@ -266,11 +278,13 @@ def test_pod_delete_sends_sigterm_and_removes_pod(cluster, tmp_path):
     )
     wait_ready(name)
     pid = int((out / "pid").read_text())
-    assert Path(f"/proc/{pid}").exists()
+    assert alive(pid)
     kubectl("delete", "pod", name, "--wait=false")
     wait_for(f"pod {name} gone", lambda: get_pod(name) is None, timeout=60)
     assert (out / "signal").read_text() == "SIGTERM"
-    wait_for(f"pid {pid} gone", lambda: not Path(f"/proc/{pid}").exists(), timeout=30)
+    escapee = int((out / "escapee").read_text())
+    for p in (pid, escapee):
+        wait_for(f"pid {p} gone", lambda p=p: not alive(p), timeout=30)
 
 
 def test_node_stop_makes_node_not_ready_and_start_recovers(cluster, tmp_path):
@@ -301,7 +315,7 @@ def test_node_stop_makes_node_not_ready_and_start_recovers(cluster, tmp_path):
         r = subprocess.run([*cli, "stop", node, *state], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         # power-off: the container went with the agent
-        wait_for(f"pid {pid} gone", lambda: not Path(f"/proc/{pid}").exists(), timeout=30)
+        wait_for(f"pid {pid} gone", lambda: not alive(pid), timeout=30)
 
         # the real node-lifecycle controller notices the missing Lease renewals
         wait_for(
