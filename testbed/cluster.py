@@ -588,8 +588,9 @@ def _up(tb: Testbed, pki: dict, deadline: float, echo, attached: bool) -> None:
             f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake",
             "--node-ip=127.0.0.1",
             "--cidr=127.1.255.0/24",
-            # kwok renews its leases every quarter of this, well inside the node monitor's grace
-            f"--node-lease-duration-seconds={NODE_MONITOR_GRACE_S}",
+            # kwok renews its leases every quarter of this (2.5 s; measured gaps up to 10 s on a
+            # loaded machine), well inside the node monitor's grace
+            "--node-lease-duration-seconds=10",
         ],
         attached=attached,
     )
