@@ -62,6 +62,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from . import pod as podlogic
 from .cluster import CONTAINER_MARKER, POD_MARKER, STATE_MARKER, kill_marked
@@ -187,8 +188,9 @@ class Agent:
         from kubernetes import client, config
 
         api = config.new_client_from_config(config_file=kubeconfig)
-        self.core = client.CoreV1Api(api)
-        self.coord = client.CoordinationV1Api(api)
+        # Any: the generated client's stubs want model objects; it takes plain dicts (JSON) too
+        self.core: Any = client.CoreV1Api(api)
+        self.coord: Any = client.CoordinationV1Api(api)
         self.node = node
         self.kubeconfig = kubeconfig
         self.state_dir = Path(state_dir)
@@ -395,6 +397,7 @@ class Agent:
         while not self.stopping.is_set():
             try:
                 lst = self.get_json(self.core.list_pod_for_all_namespaces, field_selector=selector)
+                assert lst is not None  # a list never 404s
                 seen = set()
                 for pod in lst.get("items", []):
                     seen.add(pod["metadata"]["uid"])
@@ -617,7 +620,7 @@ class PodWorker(threading.Thread):
         return {k: base64.b64decode(v) for k, v in (sec.get("data") or {}).items()}
 
     def _keyed(self, kind: str, src: dict, default_mode: int, what: str) -> dict:
-        name = src.get("name") or src.get("secretName")
+        name = str(src.get("name") or src.get("secretName"))
         data = self._raw(kind, name)
         if data is None:
             if src.get("optional"):
@@ -777,7 +780,7 @@ class PodWorker(threading.Thread):
             except Exception as e:
                 log.warning("%s: volume refresh failed: %s", self.name, e)
                 continue
-            if files != v["files"]:
+            if files is not None and files != v["files"]:
                 _atomic_write(Path(v["path"]), files)
                 v["files"] = files
 
@@ -1019,14 +1022,14 @@ class PodWorker(threading.Thread):
                 }
                 path = self.dir / f".probe-{c.name}.json"
                 path.write_text(json.dumps(ispec))
-                r = subprocess.run(
+                done = subprocess.run(
                     [sys.executable, "-I", PODINIT, str(path)],
                     capture_output=True,
                     timeout=timeout + 1.0,  # + podinit start-up
                     env={"PATH": c.env.get("PATH", "/usr/bin:/bin")},
                 )
-                out = (r.stdout + r.stderr).decode(errors="replace")[-300:]
-                return r.returncode == 0, f"exec probe exited {r.returncode}: {out}"
+                out = (done.stdout + done.stderr).decode(errors="replace")[-300:]
+                return done.returncode == 0, f"exec probe exited {done.returncode}: {out}"
         except (OSError, subprocess.TimeoutExpired, http.client.HTTPException) as e:
             return False, f"{p.kind} probe failed: {e}"
         except podlogic.PodConfigError as e:

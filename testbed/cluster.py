@@ -631,7 +631,7 @@ def _up(tb: Testbed, pki: dict, deadline: float, echo, attached: bool) -> None:
 
     def nodes_ready() -> bool:
         status, body = api(tb, "GET", "/api/v1/nodes")
-        if status != 200:
+        if status != 200 or not isinstance(body, dict):
             return False
         ready = set()
         for n in body.get("items", []):
