@@ -410,3 +410,47 @@ def test_expert_server_runs_in_a_pod(cluster):
         assert ctr_status(p)["restartCount"] == 0
     finally:
         kubectl("delete", "pod", name, "--wait=false", check=False)
+
+
+def test_in_cluster_client_authenticates_as_the_pod_service_account(cluster, tmp_path):
+    """The service-account token volume, ``kube-root-ca.crt`` and ``KUBERNETES_SERVICE_*``
+    make the kubernetes client's in-cluster config work from a pod (as kopf in a pod needs);
+    a ``restartPolicy: Never`` pod that exits 0 ends ``Succeeded``."""
+    name = unique("incluster")
+    out = tmp_path / "whoami"
+    script = (
+        "from kubernetes import client, config\n"
+        "config.load_incluster_config()\n"
+        "r = client.AuthenticationV1Api().create_self_subject_review(\n"
+        "    {'apiVersion': 'authentication.k8s.io/v1', 'kind': 'SelfSubjectReview'})\n"
+        "open('/out/user', 'w').write(r.status.user_info.username)\n"
+    )
+    apply(
+        pod(
+            name,
+            [
+                {
+                    "name": "c",
+                    "image": "eaas:local",
+                    "command": ["python", "-c", script],
+                    "volumeMounts": [{"name": "out", "mountPath": "/out"}],
+                }
+            ],
+            restartPolicy="Never",
+            nodeSelector={"eaas.io/node-kind": "cpu"},
+            volumes=[{"name": "out", "hostPath": {"path": str(out), "type": "DirectoryOrCreate"}}],
+        )
+    )
+    try:
+        p = wait_for(
+            f"pod {name} Succeeded",
+            lambda: (
+                (p := get_pod(name)) and p["status"].get("phase") in ("Succeeded", "Failed") and p
+            ),
+            timeout=90,
+        )
+        assert p["status"]["phase"] == "Succeeded", ctr_status(p)
+        assert ctr_status(p)["state"]["terminated"]["exitCode"] == 0
+        assert (out / "user").read_text() == "system:serviceaccount:default:default"
+    finally:
+        kubectl("delete", "pod", name, "--wait=false", check=False)
