@@ -362,6 +362,21 @@ def _node(name: str, index: int, labels: dict, allocatable: dict, process: bool)
     }
 
 
+def _check_mount_namespaces() -> None:
+    """Process nodes give each container a private mount namespace (:mod:`.podinit`).
+
+    Raises:
+        TestbedError: this process may not create one (needs root / CAP_SYS_ADMIN).
+    """
+    probe = "import ctypes, sys; sys.exit(ctypes.CDLL(None).unshare(0x20000) != 0)"
+    r = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, timeout=60)
+    if r.returncode != 0:
+        raise TestbedError(
+            "process nodes need mount namespaces (root or CAP_SYS_ADMIN) to show pods their "
+            "volumes at their mountPath; run as root, or use --process-nodes none (kwok nodes)"
+        )
+
+
 def _process_node_names(spec: str | list | None, gpu: list[str], cpu: list[str]) -> list[str]:
     """``"all"`` (default), ``"none"``, or node names (list or comma-separated).
 
@@ -425,6 +440,8 @@ def up(
     gpu_names = [f"gpu-node-{i}" for i in range(gpu_nodes)]
     cpu_names = [f"cpu-node-{i}" for i in range(cpu_nodes)]
     proc_names = _process_node_names(process_nodes, gpu_names, cpu_names)
+    if proc_names:
+        _check_mount_namespaces()
     bin_dir = _build.build(echo=echo)
     t0 = time.monotonic()
     deadline = t0 + timeout
