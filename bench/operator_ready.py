@@ -56,7 +56,7 @@ def gpu_capacity() -> int:
 
 def add_gpu_nodes(count: int, first_index: int = 200) -> list[str]:
     """Add ``count`` kwok-managed GPU/RDMA nodes (8 GPUs each), labelled ``eaas.io/bench=true``."""
-    from eaas.testbed.cluster import GPU_ALLOCATABLE, GPU_LABELS, KWOK_ANNOTATION
+    from eaas.testbed.cluster import GPU_ALLOCATABLE, GPU_LABELS, KWOK_ANNOTATION, PROCESS_LABEL
 
     names = []
     for i in range(count):
@@ -72,6 +72,7 @@ def add_gpu_nodes(count: int, first_index: int = 200) -> list[str]:
                     "kubernetes.io/hostname": name,
                     "type": "kwok",
                     "eaas.io/bench": "true",
+                    PROCESS_LABEL: "kwok",
                     **GPU_LABELS,
                 },
             },
