@@ -454,3 +454,92 @@ def test_in_cluster_client_authenticates_as_the_pod_service_account(cluster, tmp
         assert (out / "user").read_text() == "system:serviceaccount:default:default"
     finally:
         kubectl("delete", "pod", name, "--wait=false", check=False)
+
+
+def test_init_container_secret_and_downward_api_volumes(cluster, tmp_path):
+    """An init container runs to completion before the main one; secret and downwardAPI
+    volumes appear as files."""
+    name, secret = unique("init"), unique("sec")
+    out = tmp_path / "init"
+    kubectl("create", "secret", "generic", secret, "--from-literal=password=s3cret")
+    main = "cat /work/init.txt /sec/password /info/labels > /out/result && exec sleep 600"
+    apply(
+        pod(
+            name,
+            [
+                {
+                    "name": "main",
+                    "image": "eaas:local",
+                    "command": ["sh", "-c", main],
+                    "volumeMounts": [
+                        {"name": "work", "mountPath": "/work"},
+                        {"name": "sec", "mountPath": "/sec"},
+                        {"name": "info", "mountPath": "/info"},
+                        {"name": "out", "mountPath": "/out"},
+                    ],
+                }
+            ],
+            metadata={"labels": {"app": "init-demo"}},
+            initContainers=[
+                {
+                    "name": "prepare",
+                    "image": "eaas:local",
+                    "command": ["sh", "-c", "echo prepared > /work/init.txt"],
+                    "volumeMounts": [{"name": "work", "mountPath": "/work"}],
+                }
+            ],
+            volumes=[
+                {"name": "work", "emptyDir": {}},
+                {"name": "sec", "secret": {"secretName": secret}},
+                {
+                    "name": "info",
+                    "downwardAPI": {
+                        "items": [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]
+                    },
+                },
+                {"name": "out", "hostPath": {"path": str(out), "type": "DirectoryOrCreate"}},
+            ],
+        )
+    )
+    try:
+        p = wait_ready(name)
+        (init,) = p["status"]["initContainerStatuses"]
+        assert init["state"]["terminated"]["exitCode"] == 0
+        assert init["state"]["terminated"]["reason"] == "Completed"
+        assert conditions(p)["Initialized"] == "True"
+        wait_for("result file", lambda: (out / "result").exists(), timeout=30)
+        assert (out / "result").read_text() == 'prepared\ns3cretapp="init-demo"\n'
+    finally:
+        kubectl("delete", "pod", name, "--wait=false", check=False)
+        kubectl("delete", "secret", secret, check=False)
+
+
+def test_unsupported_volume_gets_a_clear_container_error(cluster):
+    name = unique("nfs")
+    apply(
+        pod(
+            name,
+            [
+                {
+                    "name": "c",
+                    "image": "eaas:local",
+                    "command": ["sleep", "600"],
+                    "volumeMounts": [{"name": "shared", "mountPath": "/shared"}],
+                }
+            ],
+            volumes=[{"name": "shared", "nfs": {"server": "nfs.invalid", "path": "/export"}}],
+        )
+    )
+    try:
+
+        def config_error():
+            p = get_pod(name)
+            sts = (p or {}).get("status", {}).get("containerStatuses") or []
+            waiting = sts[0]["state"].get("waiting", {}) if sts else {}
+            return waiting if waiting.get("reason") == "CreateContainerConfigError" else None
+
+        waiting = wait_for("CreateContainerConfigError", config_error, timeout=60)
+        assert "volume 'shared'" in waiting["message"] and "nfs" in waiting["message"]
+        assert get_pod(name)["status"]["phase"] == "Pending"
+    finally:
+        kubectl("delete", "pod", name, "--wait=false", check=False)
