@@ -294,10 +294,102 @@ def connect(endpoint: str, server_id: str, **kw) -> NvshmemClientConnection:
     return NvshmemClientConnection(endpoint, server_id, **kw)
 
 
-def listen(endpoint: str, **kw) -> ServerListener:
-    """Factory hook for ``nvshmem:``: the server side is not built yet (docs/gpu.md)."""
+class NvshmemServerListener(ServerListener):
+    """Server end of ``nvshmem:PE``: polls the request signal of every peer PE of the world.
+
+    Args:
+        endpoint: ``nvshmem:PE`` with this process's PE (must equal ``world.rank``).
+        world: this process's :class:`NvshmemWorld`.
+        hidden_size, dtype: must match the world's :class:`WorldSpec`.
+        spin_us: busy-poll time before backing off to short sleeps (no socket to block on).
+
+    ``poll`` reads each peer's local signal word (``signal_fetch``); a new value means a frame
+    in that peer's request row. ``respond`` stages the answer and put-with-signals it into the
+    client's response row for this PE.
+    """
+
+    def __init__(
+        self, endpoint: str, *, hidden_size: int, dtype, world=None, spin_us: float = 80.0
+    ):
+        if world is None:
+            raise FrameError("nvshmem endpoints need world=NvshmemWorld(...) (docs/gpu.md)")
+        if parse_endpoint(endpoint) != world.rank:
+            raise FrameError(f"{endpoint} is not this process's PE {world.rank}")
+        if dtype != world.spec.dtype or int(hidden_size) != world.spec.hidden_size:
+            raise FrameError("hidden size / dtype differ from the world's slots")
+        self.endpoint, self.world, self.dtype = endpoint, world, dtype
+        self.hidden_size = int(hidden_size)
+        self.spin_s = spin_us * 1e-6
+        self.last_seen = [0] * world.spec.max_pes
+        self.in_flight = [False] * world.spec.max_pes
+        self._staging = torch.zeros(world.spec.response_bytes(), dtype=torch.uint8, device="cuda")
+
+    def _collect(self) -> list[tuple[object, RequestFrame]]:
+        wd, spec, out = self.world, self.world.spec, []
+        esz = torch.empty((), dtype=self.dtype).element_size()
+        for pe in range(spec.max_pes):
+            if pe == wd.rank or self.in_flight[pe]:
+                continue
+            c = wd.nvs.signal_fetch(wd.req_sig[pe])
+            if c == self.last_seen[pe]:
+                continue
+            self.last_seen[pe], self.in_flight[pe] = c, True
+            row = wd.req[pe]
+            hdr = row[:64].view(torch.int64).tolist()
+            n, k = int(hdr[3]), int(hdr[4])
+            off = 64
+            hidden = row[off : off + n * self.hidden_size * esz].view(self.dtype).view(n, -1)
+            off += spec.cap_tokens * self.hidden_size * esz
+            experts = row[off : off + n * k * 4].view(torch.int32).view(n, k)
+            off += spec.cap_tokens * spec.cap_k * 4
+            weights = row[off : off + n * k * 4].view(torch.float32).view(n, k)
+            frame = RequestFrame(int(hdr[5]), int(hdr[1]), int(hdr[2]), int(hdr[6]), hidden,
+                                 experts, weights)  # fmt: skip
+            out.append(((pe, c), frame))
+        return out
+
+    def poll(self, timeout: float | None):
+        """Ready frames of all peers: spin ``spin_us``, then poll every 50 us until ``timeout``."""
+        end = None if timeout is None else time.monotonic() + timeout
+        spin_end = time.monotonic() + self.spin_s
+        while True:
+            frames = self._collect()
+            if frames or (end is not None and time.monotonic() >= end):
+                return frames
+            if time.monotonic() < spin_end:
+                os.sched_yield()
+            else:
+                time.sleep(50e-6)
+
+    def respond(self, conn: object, frame: ResponseFrame) -> None:
+        """Stage ``[header | message | output]`` and put-with-signal it to the client PE."""
+        pe, counter = conn  # type: ignore[misc]
+        st = self._staging
+        msg = frame.message.encode("utf-8")[:1024]
+        n = (
+            int(frame.output.shape[0])
+            if frame.status == STATUS_OK and frame.output is not None
+            else 0
+        )
+        hdr = torch.tensor([counter, frame.layer, frame.status, n, len(msg), frame.seq, 0, 0])
+        st[:64].view(torch.int64).copy_(hdr)
+        if msg:
+            st[64 : 64 + len(msg)].copy_(torch.frombuffer(bytearray(msg), dtype=torch.uint8))
+        if n:
+            esz = frame.output.element_size()
+            st[1088 : 1088 + n * self.hidden_size * esz].view(self.dtype).view(n, -1).copy_(
+                frame.output
+            )
+        torch.cuda.current_stream().synchronize()
+        wd = self.world
+        wd.put_signal(wd.resp[wd.rank], st, wd.resp_sig[wd.rank], counter, pe)
+        self.in_flight[pe] = False
+
+    def close(self) -> None:
+        self.in_flight = [False] * len(self.in_flight)
+
+
+def listen(endpoint: str, **kw) -> NvshmemServerListener:
+    """Factory hook of :func:`eaas.runtime.transport.base.listen` for ``nvshmem:``."""
     parse_endpoint(endpoint)
-    raise NotImplementedError(
-        "the nvshmem expert-server listener is not implemented yet (client side, slots and "
-        "membership are; see docs/gpu.md 'What has not run'): use cudaipc: or tcp://"
-    )
+    return NvshmemServerListener(endpoint, **kw)
