@@ -10,7 +10,9 @@ Loop (see DESIGN.md "Data plane protocol", steps 4-5):
    gets ``STATUS_BAD_FRAME``. The server never crashes on a client's input.
 3. Per layer, the frames' tokens are concatenated and every hosted expert of that layer that
    got tokens runs ONCE on the union of its tokens (sort-based grouping; only experts with
-   tokens are touched, the CPU analog of the paper's "kernel shrinking").
+   tokens are touched, the CPU analog of the paper's "kernel shrinking"). With the weights on a
+   CUDA device the native grouped kernels run instead (:mod:`eaas.runtime.gpu.grouped`: one
+   launch sequence per layer, compact group metadata computed on the device).
 4. The output ``[N, H]`` is split back per frame and each client gets its rows.
 
 Metrics (:mod:`eaas.runtime.metrics`): ``EXPERT_TOKENS{layer,expert}`` (expert load),
@@ -128,6 +130,10 @@ class ExpertServer:
         for (layer, e), w in hosted.items():
             self.by_layer.setdefault(int(layer), {})[int(e)] = w
         self.num_experts = len(hosted)
+        # CUDA weights -> the native grouped kernels (eaas.runtime.gpu.grouped), else CPU path
+        first = next(iter(hosted.values()), None)
+        self.device = first.gate.device if first is not None else torch.device("cpu")
+        self._gpu_layers: dict[int, object] = {}
         self.batch_window_s = batch_window_us * 1e-6
         self.poll_timeout = poll_timeout
         self.listener = listen(listen_endpoint, hidden_size=hidden_size, dtype=dtype, **listener_kw)
@@ -232,7 +238,12 @@ class ExpertServer:
                     for _, f in group
                 ]
             )
-        out, loads = grouped_expert_sum(hidden, experts, weights, self.by_layer[layer])
+        if self.device.type == "cuda":  # native grouped kernel (kernel shrinking), docs/gpu.md
+            out, loads = self._gpu_layer(layer)(
+                hidden.to(self.device), experts.to(self.device), weights.to(self.device)
+            )
+        else:
+            out, loads = grouped_expert_sum(hidden, experts, weights, self.by_layer[layer])
         ntok = int(hidden.shape[0])
         SERVER_BATCH_TOKENS.observe(ntok)
         for e, c in loads.items():
@@ -248,6 +259,14 @@ class ExpertServer:
                 conn, ResponseFrame(f.seq, f.layer, STATUS_OK, out[start : start + n])
             )
             start += n
+
+    def _gpu_layer(self, layer: int):
+        g = self._gpu_layers.get(layer)
+        if g is None:
+            from eaas.runtime.gpu.grouped import GroupedExperts
+
+            g = self._gpu_layers[layer] = GroupedExperts(self.by_layer[layer])
+        return g
 
     def ready_line(self) -> str:
         return f"expert-server {self.server_id} ready on {self.endpoint} hosting {self.num_experts} experts"
@@ -308,10 +327,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--metrics-port", type=int, default=0)
     p.add_argument("--batch-window-us", type=float, default=0.0)
     p.add_argument("--spin-us", type=float, default=None)
+    p.add_argument(
+        "--device", default="cpu", help="cpu, or cuda[:N]: weights there, native grouped kernels"
+    )
     a = p.parse_args(argv)
     hidden, inter, seed = (int(x) for x in a.random.split(":"))
     dtype = _DTYPES[a.dtype]
     hosted = random_experts(parse_expert_spec(a.experts), hidden, inter, dtype, seed)
+    if a.device != "cpu":
+        dev = torch.device(a.device)
+        if dev.type != "cuda" or not torch.cuda.is_available():
+            p.error(f"--device {a.device}: expected cpu or cuda[:N] with a visible CUDA device")
+        hosted = {
+            key: ExpertWeights(w.gate.to(dev), w.up.to(dev), w.down.to(dev))
+            for key, w in hosted.items()
+        }
     kw = {} if a.spin_us is None else {"spin_us": a.spin_us}
     server = ExpertServer(
         a.listen,

@@ -10,7 +10,9 @@ it was asked to run. Implementations:
   the flag, then block on the socket) and as the liveness signal (EOF = peer died).
 * ``tcp://HOST:PORT`` -> :mod:`eaas.runtime.transport.tcp` (cross host): the same frame, header
   then raw tensor bytes, no pickling.
-* GPU (later): NVSHMEM put-with-signal into symmetric buffers, same interface.
+* ``cudaipc:PATH`` -> :mod:`eaas.runtime.transport.cuda_ipc` (same node, GPU payload in CUDA IPC
+  memory, the shm flags) and ``nvshmem:PE`` -> :mod:`eaas.runtime.transport.nvshmem` (across
+  nodes); see docs/gpu.md.
 
 Protocol per connection: at most ``slots`` requests in flight (default 1); responses come back
 with the request's ``seq``. A dead or broken peer raises :class:`PeerDeadError` promptly; a
@@ -200,12 +202,17 @@ def connect(
         from eaas.runtime.transport.shm import ShmClientConnection
 
         return ShmClientConnection(endpoint, server_id, hidden_size=hidden_size, dtype=dtype, **kw)
+    if endpoint.startswith(("cudaipc:", "nvshmem:")):  # GPU transports (docs/gpu.md)
+        from eaas.runtime.transport import cuda_ipc, nvshmem
+
+        mod = cuda_ipc if endpoint.startswith("cudaipc:") else nvshmem
+        return mod.connect(endpoint, server_id, hidden_size=hidden_size, dtype=dtype, **kw)
     if endpoint.startswith("tcp://"):
         from eaas.runtime.transport.tcp import TcpClientConnection
 
         return TcpClientConnection(endpoint, server_id, hidden_size=hidden_size, dtype=dtype, **kw)
     raise ValueError(
-        f"unknown endpoint scheme in {endpoint!r} (expected unix:PATH or tcp://HOST:PORT)"
+        f"unknown endpoint scheme in {endpoint!r} (expected unix:PATH, tcp://HOST:PORT, cudaipc:PATH or nvshmem:PE)"
     )
 
 
@@ -215,10 +222,15 @@ def listen(endpoint: str, *, hidden_size: int, dtype: torch.dtype, **kw) -> Serv
         from eaas.runtime.transport.shm import ShmServerListener
 
         return ShmServerListener(endpoint, hidden_size=hidden_size, dtype=dtype, **kw)
+    if endpoint.startswith(("cudaipc:", "nvshmem:")):  # GPU transports (docs/gpu.md)
+        from eaas.runtime.transport import cuda_ipc, nvshmem
+
+        mod = cuda_ipc if endpoint.startswith("cudaipc:") else nvshmem
+        return mod.listen(endpoint, hidden_size=hidden_size, dtype=dtype, **kw)
     if endpoint.startswith("tcp://"):
         from eaas.runtime.transport.tcp import TcpServerListener
 
         return TcpServerListener(endpoint, hidden_size=hidden_size, dtype=dtype, **kw)
     raise ValueError(
-        f"unknown endpoint scheme in {endpoint!r} (expected unix:PATH or tcp://HOST:PORT)"
+        f"unknown endpoint scheme in {endpoint!r} (expected unix:PATH, tcp://HOST:PORT, cudaipc:PATH or nvshmem:PE)"
     )

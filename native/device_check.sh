@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One-GPU check of the EaaS GPU data plane (issue 9). Runs in < 5 min on one H200:
+#   1. NVRTC build of every native/ kernel for this GPU's arch and for sm_90 + sm_100;
+#   2. pytest tests/gpu (the CPU-side gpu_cpu tests and the GPU-only gpu tests);
+#   3. python -m eaas.runtime.gpu.device_check: the table (kernel correctness, grouped GEMM
+#      time with 1/8/32 of 256 experts active, cudaipc round trip B=1/64/256 vs a device copy
+#      and DeepEP's published figures, CUDA-graph replay of a decode step).
+# Usage: native/device_check.sh [OUT_DIR]   (default: $OUT if set, else ./device_check_out)
+# Exit status: 0 when every step passed.
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+OUT_DIR=${1:-${OUT:-./device_check_out}}
+mkdir -p "$OUT_DIR"
+export EAAS_CACHE_DIR=${EAAS_CACHE_DIR:-$OUT_DIR/cache}
+rc=0
+echo "== nvidia-smi"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+echo "== 1. NVRTC build"
+timeout 60 "$PY" -m eaas.runtime.gpu.build sm_90 sm_100 2>&1 | tee "$OUT_DIR/build.txt" || rc=1
+echo "== 2. pytest tests/gpu"
+timeout 90 "$PY" -m pytest tests/gpu -q -p no:cacheprovider -m "gpu or gpu_cpu" 2>&1 \
+  | tee "$OUT_DIR/pytest.txt" | tail -25
+[ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+echo "== 3. device table"
+timeout 140 "$PY" -m eaas.runtime.gpu.device_check --out "$OUT_DIR/device_table.md" || rc=1
+echo "== device_check.sh exit $rc (outputs in $OUT_DIR)"
+exit $rc

@@ -1,0 +1,395 @@
+"""Cross-node GPU transport over NVSHMEM (nvshmem4py): put-with-signal into symmetric slots.
+
+Endpoint: ``nvshmem:PE`` (the server's processing element number in the NVSHMEM world).
+
+Slots (same protocol as ``shm`` / ``cudaipc``, symmetric memory instead of a memfd)
+-------------------------------------------------------------------------------
+Every PE allocates the same symmetric objects at start-up (collective), sized by
+:class:`WorldSpec`: for each of ``max_pes`` peers one request slot and one response slot, each
+``[header int64[8] | hidden [cap_tokens, H] | experts int32 | weights float32]`` (response:
+``[header | output [cap_tokens, H]]``) as ONE contiguous byte region, plus one 8-byte signal
+word per slot (``req_sig[peer]``, ``resp_sig[peer]``). The client writes the frame (header
+first, same fields as ``shm``) into a local staging copy, then one
+``nvshmem.core.put_signal(dst=server.req_slot[my_pe], src=staging, signal_var=req_sig[my_pe],
+signal_val=counter, SIGNAL_SET, remote_pe=server, stream)``: payload and flag in one
+GPU-initiated operation (IBGDA when ``NVSHMEM_IB_ENABLE_IBGDA=1`` and the NIC supports it,
+set by :func:`ibgda_env`). The server answers the same way into the client's response slot.
+
+Deadlines: waits never use ``signal_wait`` on a stream (it has no timeout). The host polls the
+local signal word (``signal_fetch``) until the caller's deadline, raising
+:class:`DeadlineExceeded` exactly like ``shm``; a graph-captured round trip uses the bounded
+``eaas_wait_flag`` kernel (``native/eaas_signal.cu``) on the signal's local address instead.
+A timed-out server is therefore reported to the dispatcher as today. What NVSHMEM cannot give
+is a prompt :class:`PeerDeadError`: there is no socket EOF, and a put to a dead PE may abort the
+job at the transport level. See docs/gpu.md "Elastic membership".
+
+Elastic membership (the choice, implemented by :class:`PeMembership`)
+--------------------------------------------------------------------
+NVSHMEM's PE set is fixed at ``nvshmem.core.init``. EaaS starts the world with **spare PEs**:
+``max_pes`` = clients + servers + spares, every spare an idle expert-server process already in
+the world. A server *joins* by taking a spare PE (the operator assigns it experts; the routing
+table then lists ``nvshmem:PE``); a server *leaves* by being removed from the routing table
+(make-before-break, as today) and its PE returning to the spare pool; a dead PE is retired
+(never reused in this world). When the spares run out, the operator starts a **new world** (a
+re-init: new UID, new processes) and moves clients to it by routing-table version, again make
+before break. Teams per connection group were rejected: teams are subsets of an existing world,
+so they cannot add a PE either.
+
+Nothing in this module has run on a GPU yet (this task had none); :class:`PeMembership` is
+tested on the CPU. Importing the module needs neither nvshmem4py nor a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from eaas.runtime.transport.base import (
+    DTYPE_CODES,
+    STATUS_OK,
+    ClientConnection,
+    DeadlineExceeded,
+    FrameError,
+    RequestFrame,
+    ResponseFrame,
+    ServerListener,
+    check_request,
+)
+
+
+class MembershipError(RuntimeError):
+    """No spare PE left (a new NVSHMEM world is needed) or a PE/role misuse."""
+
+
+@dataclass
+class PeMembership:
+    """Who holds which PE of one fixed-size NVSHMEM world (pure logic, no NVSHMEM calls).
+
+    Args:
+        world_size: ``max_pes`` of the world.
+        clients: PEs of the attention clients (fixed for the world's life).
+
+    Every other PE starts as a spare. :meth:`join` hands a spare to a server, :meth:`leave`
+    returns it, :meth:`retire` removes a dead PE for good.
+    """
+
+    world_size: int
+    clients: frozenset[int]
+    servers: dict[str, int] = field(default_factory=dict)
+    retired: set[int] = field(default_factory=set)
+
+    def __post_init__(self):
+        bad = [p for p in self.clients if not 0 <= p < self.world_size]
+        if bad:
+            raise MembershipError(f"client PEs {bad} outside the world of {self.world_size}")
+
+    @property
+    def spares(self) -> list[int]:
+        """Free PEs, ascending."""
+        used = set(self.clients) | set(self.servers.values()) | self.retired
+        return [p for p in range(self.world_size) if p not in used]
+
+    def join(self, server_id: str) -> int:
+        """Give ``server_id`` a spare PE (idempotent). Raises MembershipError when none is left:
+        the caller must start a new world (re-init)."""
+        if server_id in self.servers:
+            return self.servers[server_id]
+        free = self.spares
+        if not free:
+            raise MembershipError(
+                f"no spare PE left in the NVSHMEM world of {self.world_size} "
+                f"({len(self.servers)} servers, {len(self.retired)} retired): start a new world"
+            )
+        self.servers[server_id] = free[0]
+        return free[0]
+
+    def leave(self, server_id: str) -> int:
+        """Return ``server_id``'s PE to the spare pool (after the routing table dropped it)."""
+        try:
+            return self.servers.pop(server_id)
+        except KeyError:
+            raise MembershipError(f"server {server_id} holds no PE") from None
+
+    def retire(self, server_id: str) -> int:
+        """The server's process died: its PE is never handed out again in this world."""
+        pe = self.leave(server_id)
+        self.retired.add(pe)
+        return pe
+
+    def endpoint(self, server_id: str) -> str:
+        """``nvshmem:PE`` of a joined server (what the routing table publishes)."""
+        if server_id not in self.servers:
+            raise MembershipError(f"server {server_id} holds no PE")
+        return f"nvshmem:{self.servers[server_id]}"
+
+
+def parse_endpoint(endpoint: str) -> int:
+    """``nvshmem:3`` -> 3. Raises ValueError otherwise."""
+    if not endpoint.startswith("nvshmem:"):
+        raise ValueError(f"not an nvshmem endpoint: {endpoint!r}")
+    tail = endpoint[len("nvshmem:") :]
+    if not tail.isdigit():
+        raise ValueError(f"nvshmem endpoint needs a PE number, got {endpoint!r}")
+    return int(tail)
+
+
+def ibgda_env(enable: bool = True) -> dict[str, str]:
+    """NVSHMEM settings that turn on IBGDA (GPU-initiated RDMA) where the NIC supports it.
+
+    Source: NVSHMEM docs, "Using the NVSHMEM InfiniBand GPUDirect Async Transport"
+    (``NVSHMEM_IB_ENABLE_IBGDA``). Set them in the process environment before init.
+    """
+    return {"NVSHMEM_IB_ENABLE_IBGDA": "1" if enable else "0"}
+
+
+@dataclass(frozen=True)
+class WorldSpec:
+    """Sizes of the symmetric slots every PE allocates (identical on all PEs)."""
+
+    max_pes: int
+    hidden_size: int
+    dtype: torch.dtype
+    cap_tokens: int = 256
+    cap_k: int = 8
+
+    def request_bytes(self) -> int:
+        esz = torch.empty((), dtype=self.dtype).element_size()
+        return 64 + self.cap_tokens * self.hidden_size * esz + 2 * self.cap_tokens * self.cap_k * 4
+
+    def response_bytes(self) -> int:
+        esz = torch.empty((), dtype=self.dtype).element_size()
+        return 64 + 1024 + self.cap_tokens * self.hidden_size * esz
+
+
+def _nvshmem():
+    from eaas.runtime.gpu import GpuUnavailableError
+
+    try:
+        import nvshmem.core as nvs
+    except ImportError as e:
+        raise GpuUnavailableError(
+            f"nvshmem transport needs nvshmem4py ({e}): pip install 'eaas[gpu]'"
+        ) from None
+    if not torch.cuda.is_available():
+        raise GpuUnavailableError("nvshmem transport needs a CUDA device")
+    return nvs
+
+
+class NvshmemWorld:
+    """This process's PE in an initialised NVSHMEM world and its symmetric slots.
+
+    Args:
+        spec: slot sizes (same on every PE).
+        rank, nranks: this PE and the world size (``nranks == spec.max_pes``).
+        uid: the world's ``nvshmem.core.UniqueID`` (made by rank 0, distributed out of band by
+            the operator / launcher).
+
+    Raises GpuUnavailableError without nvshmem4py or a GPU.
+    """
+
+    def __init__(self, spec: WorldSpec, rank: int, nranks: int, uid) -> None:
+        nvs = _nvshmem()
+        from cuda.core.experimental import Device
+
+        if nranks != spec.max_pes:
+            raise MembershipError(f"nranks {nranks} != spec.max_pes {spec.max_pes}")
+        dev = Device(torch.cuda.current_device())
+        dev.set_current()
+        nvs.init(device=dev, uid=uid, rank=rank, nranks=nranks, initializer_method="uid")
+        self.nvs, self.spec, self.rank = nvs, spec, rank
+        P = spec.max_pes
+        self.req = nvs.tensor((P, spec.request_bytes()), dtype=torch.uint8)
+        self.resp = nvs.tensor((P, spec.response_bytes()), dtype=torch.uint8)
+        self.req_sig = [nvs.buffer(8) for _ in range(P)]
+        self.resp_sig = [nvs.buffer(8) for _ in range(P)]
+        self.stream = dev.create_stream()
+
+    def put_signal(self, dst_row: torch.Tensor, src: torch.Tensor, sig, value: int, pe: int):
+        """Copy ``src`` into ``dst_row`` on PE ``pe`` and set its signal to ``value`` (one op)."""
+        self.nvs.put_signal(dst_row, src, sig, value, self.nvs.SignalOp.SIGNAL_SET, pe, self.stream)
+
+    def wait_signal(self, sig, want: int, deadline: float, what: str) -> None:
+        """Host-poll a local signal word until it equals ``want`` or ``deadline`` passes."""
+        while self.nvs.signal_fetch(sig) != want:
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded(f"{what}: no signal before the deadline")
+            os.sched_yield()
+
+    def finalize(self) -> None:
+        self.nvs.finalize()
+
+
+class NvshmemClientConnection(ClientConnection):
+    """Client end of ``nvshmem:PE`` inside an :class:`NvshmemWorld` (``world=`` keyword)."""
+
+    def __init__(self, endpoint: str, server_id: str, *, hidden_size: int, dtype, world=None, **_):
+        if world is None:
+            raise FrameError("nvshmem endpoints need world=NvshmemWorld(...) (docs/gpu.md)")
+        if dtype not in DTYPE_CODES or dtype != world.spec.dtype:
+            raise FrameError(f"dtype {dtype} != the world's {world.spec.dtype}")
+        self.endpoint, self.server_id, self.world = endpoint, server_id, world
+        self.pe = parse_endpoint(endpoint)
+        self.hidden_size, self.dtype = int(hidden_size), dtype
+        self._counter, self._outstanding = 0, False
+        self._staging = torch.zeros(world.spec.request_bytes(), dtype=torch.uint8, device="cuda")
+
+    def send(self, frame: RequestFrame, deadline: float | None = None) -> None:
+        if self._outstanding:
+            raise FrameError(f"connection to {self.server_id}: a request is already in flight")
+        h, ex, w = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
+        n, k = int(h.shape[0]), int(ex.shape[1])
+        spec = self.world.spec
+        if n > spec.cap_tokens or k > spec.cap_k:
+            raise FrameError(
+                f"frame {n} x {k} exceeds the world's slot {spec.cap_tokens} x {spec.cap_k}"
+            )
+        self._counter += 1
+        hdr = torch.tensor(
+            [self._counter, frame.layer, frame.table_version, n, k, self.world.rank, frame.seq, 0]
+        )
+        st = self._staging
+        esz = h.element_size()
+        st[:64].view(torch.int64).copy_(hdr)
+        off = 64
+        st[off : off + n * self.hidden_size * esz].view(self.dtype).view(n, -1).copy_(h)
+        off += spec.cap_tokens * self.hidden_size * esz
+        st[off : off + n * k * 4].view(torch.int32).copy_(ex.reshape(-1))
+        off += spec.cap_tokens * spec.cap_k * 4
+        st[off : off + n * k * 4].view(torch.float32).copy_(w.reshape(-1))
+        torch.cuda.current_stream().synchronize()
+        me = self.world.rank
+        self.world.put_signal(
+            self.world.req[me], st, self.world.req_sig[me], self._counter, self.pe
+        )
+        self._outstanding = True
+
+    def recv(self, deadline: float) -> ResponseFrame:
+        if not self._outstanding:
+            raise FrameError(f"connection to {self.server_id}: recv without a request in flight")
+        wd = self.world
+        wd.wait_signal(
+            wd.resp_sig[self.pe], self._counter, deadline, f"expert server {self.server_id}"
+        )
+        self._outstanding = False
+        row = wd.resp[self.pe]
+        hdr = row[:64].view(torch.int64).tolist()
+        status, n = int(hdr[2]), int(hdr[3])
+        if status != STATUS_OK:
+            msg = bytes(row[64 : 64 + int(hdr[4])].tolist()).decode("utf-8", "replace")
+            return ResponseFrame(int(hdr[5]), int(hdr[1]), status, None, msg)
+        esz = torch.empty((), dtype=self.dtype).element_size()
+        out = row[1088 : 1088 + n * self.hidden_size * esz].view(self.dtype).view(n, -1)
+        return ResponseFrame(int(hdr[5]), int(hdr[1]), status, out)
+
+    def close(self) -> None:
+        self._outstanding = False
+
+
+def connect(endpoint: str, server_id: str, **kw) -> NvshmemClientConnection:
+    """Factory hook of :func:`eaas.runtime.transport.base.connect` for ``nvshmem:``."""
+    parse_endpoint(endpoint)
+    return NvshmemClientConnection(endpoint, server_id, **kw)
+
+
+class NvshmemServerListener(ServerListener):
+    """Server end of ``nvshmem:PE``: polls the request signal of every peer PE of the world.
+
+    Args:
+        endpoint: ``nvshmem:PE`` with this process's PE (must equal ``world.rank``).
+        world: this process's :class:`NvshmemWorld`.
+        hidden_size, dtype: must match the world's :class:`WorldSpec`.
+        spin_us: busy-poll time before backing off to short sleeps (no socket to block on).
+
+    ``poll`` reads each peer's local signal word (``signal_fetch``); a new value means a frame
+    in that peer's request row. ``respond`` stages the answer and put-with-signals it into the
+    client's response row for this PE.
+    """
+
+    def __init__(
+        self, endpoint: str, *, hidden_size: int, dtype, world=None, spin_us: float = 80.0
+    ):
+        if world is None:
+            raise FrameError("nvshmem endpoints need world=NvshmemWorld(...) (docs/gpu.md)")
+        if parse_endpoint(endpoint) != world.rank:
+            raise FrameError(f"{endpoint} is not this process's PE {world.rank}")
+        if dtype != world.spec.dtype or int(hidden_size) != world.spec.hidden_size:
+            raise FrameError("hidden size / dtype differ from the world's slots")
+        self.endpoint, self.world, self.dtype = endpoint, world, dtype
+        self.hidden_size = int(hidden_size)
+        self.spin_s = spin_us * 1e-6
+        self.last_seen = [0] * world.spec.max_pes
+        self.in_flight = [False] * world.spec.max_pes
+        self._staging = torch.zeros(world.spec.response_bytes(), dtype=torch.uint8, device="cuda")
+
+    def _collect(self) -> list[tuple[object, RequestFrame]]:
+        wd, spec, out = self.world, self.world.spec, []
+        esz = torch.empty((), dtype=self.dtype).element_size()
+        for pe in range(spec.max_pes):
+            if pe == wd.rank or self.in_flight[pe]:
+                continue
+            c = wd.nvs.signal_fetch(wd.req_sig[pe])
+            if c == self.last_seen[pe]:
+                continue
+            self.last_seen[pe], self.in_flight[pe] = c, True
+            row = wd.req[pe]
+            hdr = row[:64].view(torch.int64).tolist()
+            n, k = int(hdr[3]), int(hdr[4])
+            off = 64
+            hidden = row[off : off + n * self.hidden_size * esz].view(self.dtype).view(n, -1)
+            off += spec.cap_tokens * self.hidden_size * esz
+            experts = row[off : off + n * k * 4].view(torch.int32).view(n, k)
+            off += spec.cap_tokens * spec.cap_k * 4
+            weights = row[off : off + n * k * 4].view(torch.float32).view(n, k)
+            frame = RequestFrame(int(hdr[5]), int(hdr[1]), int(hdr[2]), int(hdr[6]), hidden,
+                                 experts, weights)  # fmt: skip
+            out.append(((pe, c), frame))
+        return out
+
+    def poll(self, timeout: float | None):
+        """Ready frames of all peers: spin ``spin_us``, then poll every 50 us until ``timeout``."""
+        end = None if timeout is None else time.monotonic() + timeout
+        spin_end = time.monotonic() + self.spin_s
+        while True:
+            frames = self._collect()
+            if frames or (end is not None and time.monotonic() >= end):
+                return frames
+            if time.monotonic() < spin_end:
+                os.sched_yield()
+            else:
+                time.sleep(50e-6)
+
+    def respond(self, conn: object, frame: ResponseFrame) -> None:
+        """Stage ``[header | message | output]`` and put-with-signal it to the client PE."""
+        pe, counter = conn  # type: ignore[misc]
+        st = self._staging
+        msg = frame.message.encode("utf-8")[:1024]
+        n = (
+            int(frame.output.shape[0])
+            if frame.status == STATUS_OK and frame.output is not None
+            else 0
+        )
+        hdr = torch.tensor([counter, frame.layer, frame.status, n, len(msg), frame.seq, 0, 0])
+        st[:64].view(torch.int64).copy_(hdr)
+        if msg:
+            st[64 : 64 + len(msg)].copy_(torch.frombuffer(bytearray(msg), dtype=torch.uint8))
+        if n:
+            esz = frame.output.element_size()
+            st[1088 : 1088 + n * self.hidden_size * esz].view(self.dtype).view(n, -1).copy_(
+                frame.output
+            )
+        torch.cuda.current_stream().synchronize()
+        wd = self.world
+        wd.put_signal(wd.resp[wd.rank], st, wd.resp_sig[wd.rank], counter, pe)
+        self.in_flight[pe] = False
+
+    def close(self) -> None:
+        self.in_flight = [False] * len(self.in_flight)
+
+
+def listen(endpoint: str, **kw) -> NvshmemServerListener:
+    """Factory hook of :func:`eaas.runtime.transport.base.listen` for ``nvshmem:``."""
+    parse_endpoint(endpoint)
+    return NvshmemServerListener(endpoint, **kw)
