@@ -101,6 +101,13 @@ class Child:
     exit_logged: bool = False
     extra: dict = field(default_factory=dict)
 
+    @property
+    def popen(self) -> subprocess.Popen:
+        """The started process. Raises RuntimeError before :meth:`Deployment._spawn`."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was not started")
+        return self.proc
+
 
 def write_table(path: Path, table: RoutingTable) -> None:
     """Atomically replace ``path`` with ``table`` (write a temp file, then rename)."""
@@ -174,10 +181,23 @@ class Deployment:
         self._sel = selectors.DefaultSelector()
         self._stop = False
 
+    def _live_dir(self) -> Path:
+        """The run directory of a started deployment. Raises RuntimeError before ``start``."""
+        if self.run_dir is None:
+            raise RuntimeError("the deployment is not started")
+        return self.run_dir
+
+    @property
+    def routing_table(self) -> RoutingTable:
+        """The routing table last published. Raises RuntimeError before ``start``."""
+        if self.table is None:
+            raise RuntimeError("the deployment is not started")
+        return self.table
+
     # ---- start ----------------------------------------------------------------------------
     def _env(self) -> dict:
         env = dict(os.environ)
-        env["PROMETHEUS_MULTIPROC_DIR"] = str(self.run_dir / "metrics")
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(self._live_dir() / "metrics")
         env["PYTHONUNBUFFERED"] = "1"
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -185,7 +205,7 @@ class Deployment:
         return env
 
     def _spawn(self, child: Child, env: dict) -> None:
-        child.proc = subprocess.Popen(
+        proc = subprocess.Popen(
             child.argv,
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
@@ -193,9 +213,11 @@ class Deployment:
             preexec_fn=_pdeathsig_preexec(os.getpid()),
             close_fds=True,
         )
-        os.set_blocking(child.proc.stdout.fileno(), False)
-        self._sel.register(child.proc.stdout, selectors.EVENT_READ, child)
+        child.proc = proc
         self.children.append(child)
+        if proc.stdout is not None:  # always, with stdout=PIPE
+            os.set_blocking(proc.stdout.fileno(), False)
+            self._sel.register(proc.stdout, selectors.EVENT_READ, child)
 
     def start(self) -> None:
         """Write the routing table, start all children, wait until all are ready.
@@ -204,16 +226,16 @@ class Deployment:
             ServeError: a child exited during start-up or not all were ready in time (all
                 children are stopped and the run directory removed before raising).
         """
-        self.run_dir = Path(tempfile.mkdtemp(prefix="eaas-serve-"))
-        (self.run_dir / "metrics").mkdir()
+        run_dir = self.run_dir = Path(tempfile.mkdtemp(prefix="eaas-serve-"))
+        (run_dir / "metrics").mkdir()
         ids = [f"expert-{i}" for i in range(self.n)]
         if self.transport == "shm":
-            endpoints = [f"unix:{self.run_dir / f'{sid}.sock'}" for sid in ids]
+            endpoints = [f"unix:{run_dir / f'{sid}.sock'}" for sid in ids]
         else:
             endpoints = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in ids]
         self.table = RoutingTable.from_placement(self.placement, ids, endpoints, version=1)
-        self.table_path = self.run_dir / "routing-table.json"
-        write_table(self.table_path, self.table)
+        table_path = self.table_path = run_dir / "routing-table.json"
+        write_table(table_path, self.table)
         env = self._env()
         py = [sys.executable, "-m", "eaas"]
         try:
@@ -240,7 +262,7 @@ class Deployment:
                     "--model",
                     self.model_dir,
                     "--routing-table",
-                    str(self.table_path),
+                    str(table_path),
                     "--client-id",
                     str(c),
                     "--host",
@@ -267,7 +289,7 @@ class Deployment:
                     )
                 self._pump(0.2)
                 for ch in self.children:
-                    rc = ch.proc.poll()
+                    rc = ch.popen.poll()
                     if rc is not None:
                         raise ServeError(f"{ch.name} exited with code {rc} during start-up")
         except BaseException:
@@ -304,20 +326,21 @@ class Deployment:
 
     def _check_children(self) -> None:
         for ch in self.children:
-            rc = ch.proc.poll()
+            rc = ch.popen.poll()
             if rc is None or ch.exit_logged:
                 continue
             ch.exit_logged = True
-            self._mark_dead_metrics(ch.proc.pid)
-            if ch.role == "expert-server":
+            pid = ch.popen.pid
+            self._mark_dead_metrics(pid)
+            if ch.role == "expert-server" and self.table_path is not None:
                 _log(
-                    f"expert server {ch.name} (pid {ch.proc.pid}) exited with code {rc}; clients fail over to other replicas"
+                    f"expert server {ch.name} (pid {pid}) exited with code {rc}; clients fail over to other replicas"
                 )
-                self.table = self.table.without_servers([ch.server_id])
-                write_table(self.table_path, self.table)
-                unc = self.table.uncovered()
+                table = self.table = self.routing_table.without_servers([ch.server_id or ch.name])
+                write_table(self.table_path, table)
+                unc = table.uncovered()
                 _log(
-                    f"published routing table version {self.table.version} without {ch.name}"
+                    f"published routing table version {table.version} without {ch.name}"
                     + (
                         f" ({len(unc)} experts have no replica left: requests needing them fail with 503)"
                         if unc
@@ -325,13 +348,13 @@ class Deployment:
                     )
                 )
             else:
-                _log(f"attention client {ch.name} (pid {ch.proc.pid}) exited with code {rc}")
+                _log(f"attention client {ch.name} (pid {pid}) exited with code {rc}")
 
     def _mark_dead_metrics(self, pid: int) -> None:
         try:
             from prometheus_client import multiprocess
 
-            multiprocess.mark_process_dead(pid, str(self.run_dir / "metrics"))
+            multiprocess.mark_process_dead(pid, str(self._live_dir() / "metrics"))
         except Exception:  # noqa: BLE001
             pass
 
@@ -344,7 +367,7 @@ class Deployment:
             self._pump(0.2)
             self._check_children()
             if all(
-                ch.proc.poll() is not None for ch in self.children if ch.role == "attention-client"
+                ch.popen.poll() is not None for ch in self.children if ch.role == "attention-client"
             ):
                 _log("no attention client left; shutting down")
                 return 1
@@ -411,7 +434,7 @@ def serve(**options) -> int:
         return 1
     try:
         name = Path(dep.model_dir).name
-        _log(f"routing table version {dep.table.version}: {dep.table_path}")
+        _log(f"routing table version {dep.routing_table.version}: {dep.table_path}")
         print(
             f"serving {name} on http://{dep.host}:{dep.port} ({dep.n} expert server{'s' if dep.n != 1 else ''}, {dep.r} replicas, "
             f"{dep.m} client{'s' if dep.m != 1 else ''})",

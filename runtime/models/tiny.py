@@ -25,6 +25,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,7 +42,7 @@ CHAT_TEMPLATE = (
 TOKENIZER_VOCAB = 1024
 
 # Model shape (DeepseekV3Config fields).
-CONFIG = dict(
+CONFIG: dict[str, Any] = dict(
     hidden_size=256,
     intermediate_size=512,  # dense layer 0
     moe_intermediate_size=128,
