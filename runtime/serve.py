@@ -42,6 +42,7 @@ from pathlib import Path
 
 from eaas.runtime.placement import format_expert_spec, place_experts
 from eaas.runtime.routing import RoutingTable
+from eaas.text import printable
 
 PR_SET_PDEATHSIG = 1
 
@@ -180,6 +181,7 @@ class Deployment:
         self.table_path: Path | None = None
         self._sel = selectors.DefaultSelector()
         self._stop = False
+        self._stopping = False
 
     def _live_dir(self) -> Path:
         """The run directory of a started deployment. Raises RuntimeError before ``start``."""
@@ -322,7 +324,7 @@ class Deployment:
         line = raw.decode("utf-8", "replace").rstrip()
         if not child.ready and " ready on " in line and line.startswith(child.role):
             child.ready = True
-        print(f"[{child.name}] {line}", flush=True)
+        print(f"[{child.name}] {printable(line)}", flush=True)  # no raw control chars
 
     def _check_children(self) -> None:
         for ch in self.children:
@@ -373,12 +375,34 @@ class Deployment:
                 return 1
         return 0
 
-    def request_stop(self, *_args) -> None:
+    def request_stop(self, signum: int | None = None, _frame: object = None) -> None:
+        """Signal handler: stop gracefully; a second Ctrl-C while stopping kills the children."""
+        if self._stopping and signum == signal.SIGINT:
+            self._kill_all()
         self._stop = True
+
+    def _kill_all(self) -> None:
+        for ch in self.children:
+            if ch.proc is not None and ch.proc.poll() is None:
+                try:
+                    ch.proc.kill()
+                except ProcessLookupError:
+                    pass
 
     # ---- stop -----------------------------------------------------------------------------
     def stop(self, grace: float = 15.0) -> None:
         """Terminate clients then servers (SIGTERM), SIGKILL leftovers, remove the run dir."""
+        self._stopping = True
+        alive = [ch for ch in self.children if ch.proc is not None and ch.proc.poll() is None]
+        if alive:
+            clients = sum(ch.role == "attention-client" for ch in alive)
+            servers = len(alive) - clients
+            _log(
+                f"stopping {clients} attention client{'s' if clients != 1 else ''} and "
+                f"{servers} expert server{'s' if servers != 1 else ''} "
+                f"(SIGTERM, SIGKILL after {grace:.0f} s; Ctrl-C again to kill them now)"
+            )
+        t0 = time.monotonic()
         for role in ("attention-client", "expert-server"):
             for ch in self.children:
                 if ch.role == role and ch.proc and ch.proc.poll() is None:
@@ -410,6 +434,8 @@ class Deployment:
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
             self.run_dir = None
+        if alive:
+            _log(f"all processes stopped in {time.monotonic() - t0:.1f} s")
 
 
 def serve(**options) -> int:
@@ -442,6 +468,4 @@ def serve(**options) -> int:
         )
         return dep.serve_forever()
     finally:
-        _log("stopping")
         dep.stop()
-        _log("stopped")
