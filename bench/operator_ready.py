@@ -7,7 +7,8 @@ kwok-node testbed for the run and stops it afterwards):
 * ``deploy/examples/tiny-pool.yaml`` — tiny DeepSeek-V3-architecture model, 3 MoE layers x 32
   experts, 4 servers;
 * ``deploy/examples/deepseek-v3-pool.yaml`` — 58 MoE layers x 256 experts, 40 servers
-  (29,696 expert replicas; a routing table of about 0.53 MB).
+  (29,696 expert replicas; a routing table of 0.53 MB, 529,292 bytes of today's JSON,
+  measured with ``RoutingTable.from_placement(...).to_json()`` and pod names ``deepseek-v3-<i>``).
 
 Ready means: every server pod Running and Ready, the routing-table ConfigMap lists all of them and
 covers every expert ``redundancy`` times, ``status.conditions[Ready]`` True. The testbed has 4 GPU

@@ -27,7 +27,8 @@ def serve(endpoint: str, hidden: int, dtype: str, spin_us: float) -> None:
     """Echo server loop (runs in the child process)."""
     import signal
 
-    from eaas.runtime.transport.base import STATUS_OK, ResponseFrame, listen
+    from eaas.runtime.transport.base import STATUS_OK, ResponseFrame
+    from eaas.runtime.transport.factory import listen
 
     torch.set_num_threads(1)
     lst = listen(endpoint, hidden_size=hidden, dtype=DTYPES[dtype], spin_us=spin_us)
@@ -77,7 +78,8 @@ def measure(
     bar,
     spin_us: float,
 ) -> list[float]:
-    from eaas.runtime.transport.base import RequestFrame, connect
+    from eaas.runtime.transport.base import RequestFrame
+    from eaas.runtime.transport.factory import connect
 
     c = connect(
         endpoint,

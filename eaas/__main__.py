@@ -1,3 +1,3 @@
-from eaas.cli import app
+from eaas.cli import main
 
-app()
+main()

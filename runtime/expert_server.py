@@ -43,8 +43,8 @@ from eaas.runtime.transport.base import (
     STATUS_OK,
     RequestFrame,
     ResponseFrame,
-    listen,
 )
+from eaas.runtime.transport.factory import listen
 
 
 def grouped_expert_sum(

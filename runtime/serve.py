@@ -42,6 +42,7 @@ from pathlib import Path
 
 from eaas.runtime.placement import format_expert_spec, place_experts
 from eaas.runtime.routing import RoutingTable
+from eaas.text import printable
 
 PR_SET_PDEATHSIG = 1
 
@@ -100,6 +101,13 @@ class Child:
     server_id: str | None = None
     exit_logged: bool = False
     extra: dict = field(default_factory=dict)
+
+    @property
+    def popen(self) -> subprocess.Popen:
+        """The started process. Raises RuntimeError before :meth:`Deployment._spawn`."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was not started")
+        return self.proc
 
 
 def write_table(path: Path, table: RoutingTable) -> None:
@@ -173,11 +181,25 @@ class Deployment:
         self.table_path: Path | None = None
         self._sel = selectors.DefaultSelector()
         self._stop = False
+        self._stopping = False
+
+    def _live_dir(self) -> Path:
+        """The run directory of a started deployment. Raises RuntimeError before ``start``."""
+        if self.run_dir is None:
+            raise RuntimeError("the deployment is not started")
+        return self.run_dir
+
+    @property
+    def routing_table(self) -> RoutingTable:
+        """The routing table last published. Raises RuntimeError before ``start``."""
+        if self.table is None:
+            raise RuntimeError("the deployment is not started")
+        return self.table
 
     # ---- start ----------------------------------------------------------------------------
     def _env(self) -> dict:
         env = dict(os.environ)
-        env["PROMETHEUS_MULTIPROC_DIR"] = str(self.run_dir / "metrics")
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(self._live_dir() / "metrics")
         env["PYTHONUNBUFFERED"] = "1"
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -185,7 +207,7 @@ class Deployment:
         return env
 
     def _spawn(self, child: Child, env: dict) -> None:
-        child.proc = subprocess.Popen(
+        proc = subprocess.Popen(
             child.argv,
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
@@ -193,9 +215,11 @@ class Deployment:
             preexec_fn=_pdeathsig_preexec(os.getpid()),
             close_fds=True,
         )
-        os.set_blocking(child.proc.stdout.fileno(), False)
-        self._sel.register(child.proc.stdout, selectors.EVENT_READ, child)
+        child.proc = proc
         self.children.append(child)
+        if proc.stdout is not None:  # always, with stdout=PIPE
+            os.set_blocking(proc.stdout.fileno(), False)
+            self._sel.register(proc.stdout, selectors.EVENT_READ, child)
 
     def start(self) -> None:
         """Write the routing table, start all children, wait until all are ready.
@@ -204,16 +228,16 @@ class Deployment:
             ServeError: a child exited during start-up or not all were ready in time (all
                 children are stopped and the run directory removed before raising).
         """
-        self.run_dir = Path(tempfile.mkdtemp(prefix="eaas-serve-"))
-        (self.run_dir / "metrics").mkdir()
+        run_dir = self.run_dir = Path(tempfile.mkdtemp(prefix="eaas-serve-"))
+        (run_dir / "metrics").mkdir()
         ids = [f"expert-{i}" for i in range(self.n)]
         if self.transport == "shm":
-            endpoints = [f"unix:{self.run_dir / f'{sid}.sock'}" for sid in ids]
+            endpoints = [f"unix:{run_dir / f'{sid}.sock'}" for sid in ids]
         else:
             endpoints = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in ids]
         self.table = RoutingTable.from_placement(self.placement, ids, endpoints, version=1)
-        self.table_path = self.run_dir / "routing-table.json"
-        write_table(self.table_path, self.table)
+        table_path = self.table_path = run_dir / "routing-table.json"
+        write_table(table_path, self.table)
         env = self._env()
         py = [sys.executable, "-m", "eaas"]
         try:
@@ -240,7 +264,7 @@ class Deployment:
                     "--model",
                     self.model_dir,
                     "--routing-table",
-                    str(self.table_path),
+                    str(table_path),
                     "--client-id",
                     str(c),
                     "--host",
@@ -267,7 +291,7 @@ class Deployment:
                     )
                 self._pump(0.2)
                 for ch in self.children:
-                    rc = ch.proc.poll()
+                    rc = ch.popen.poll()
                     if rc is not None:
                         raise ServeError(f"{ch.name} exited with code {rc} during start-up")
         except BaseException:
@@ -300,24 +324,25 @@ class Deployment:
         line = raw.decode("utf-8", "replace").rstrip()
         if not child.ready and " ready on " in line and line.startswith(child.role):
             child.ready = True
-        print(f"[{child.name}] {line}", flush=True)
+        print(f"[{child.name}] {printable(line)}", flush=True)  # no raw control chars
 
     def _check_children(self) -> None:
         for ch in self.children:
-            rc = ch.proc.poll()
+            rc = ch.popen.poll()
             if rc is None or ch.exit_logged:
                 continue
             ch.exit_logged = True
-            self._mark_dead_metrics(ch.proc.pid)
-            if ch.role == "expert-server":
+            pid = ch.popen.pid
+            self._mark_dead_metrics(pid)
+            if ch.role == "expert-server" and self.table_path is not None:
                 _log(
-                    f"expert server {ch.name} (pid {ch.proc.pid}) exited with code {rc}; clients fail over to other replicas"
+                    f"expert server {ch.name} (pid {pid}) exited with code {rc}; clients fail over to other replicas"
                 )
-                self.table = self.table.without_servers([ch.server_id])
-                write_table(self.table_path, self.table)
-                unc = self.table.uncovered()
+                table = self.table = self.routing_table.without_servers([ch.server_id or ch.name])
+                write_table(self.table_path, table)
+                unc = table.uncovered()
                 _log(
-                    f"published routing table version {self.table.version} without {ch.name}"
+                    f"published routing table version {table.version} without {ch.name}"
                     + (
                         f" ({len(unc)} experts have no replica left: requests needing them fail with 503)"
                         if unc
@@ -325,13 +350,13 @@ class Deployment:
                     )
                 )
             else:
-                _log(f"attention client {ch.name} (pid {ch.proc.pid}) exited with code {rc}")
+                _log(f"attention client {ch.name} (pid {pid}) exited with code {rc}")
 
     def _mark_dead_metrics(self, pid: int) -> None:
         try:
             from prometheus_client import multiprocess
 
-            multiprocess.mark_process_dead(pid, str(self.run_dir / "metrics"))
+            multiprocess.mark_process_dead(pid, str(self._live_dir() / "metrics"))
         except Exception:  # noqa: BLE001
             pass
 
@@ -344,18 +369,40 @@ class Deployment:
             self._pump(0.2)
             self._check_children()
             if all(
-                ch.proc.poll() is not None for ch in self.children if ch.role == "attention-client"
+                ch.popen.poll() is not None for ch in self.children if ch.role == "attention-client"
             ):
                 _log("no attention client left; shutting down")
                 return 1
         return 0
 
-    def request_stop(self, *_args) -> None:
+    def request_stop(self, signum: int | None = None, _frame: object = None) -> None:
+        """Signal handler: stop gracefully; a second Ctrl-C while stopping kills the children."""
+        if self._stopping and signum == signal.SIGINT:
+            self._kill_all()
         self._stop = True
+
+    def _kill_all(self) -> None:
+        for ch in self.children:
+            if ch.proc is not None and ch.proc.poll() is None:
+                try:
+                    ch.proc.kill()
+                except ProcessLookupError:
+                    pass
 
     # ---- stop -----------------------------------------------------------------------------
     def stop(self, grace: float = 15.0) -> None:
         """Terminate clients then servers (SIGTERM), SIGKILL leftovers, remove the run dir."""
+        self._stopping = True
+        alive = [ch for ch in self.children if ch.proc is not None and ch.proc.poll() is None]
+        if alive:
+            clients = sum(ch.role == "attention-client" for ch in alive)
+            servers = len(alive) - clients
+            _log(
+                f"stopping {clients} attention client{'s' if clients != 1 else ''} and "
+                f"{servers} expert server{'s' if servers != 1 else ''} "
+                f"(SIGTERM, SIGKILL after {grace:.0f} s; Ctrl-C again to kill them now)"
+            )
+        t0 = time.monotonic()
         for role in ("attention-client", "expert-server"):
             for ch in self.children:
                 if ch.role == role and ch.proc and ch.proc.poll() is None:
@@ -387,6 +434,8 @@ class Deployment:
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
             self.run_dir = None
+        if alive:
+            _log(f"all processes stopped in {time.monotonic() - t0:.1f} s")
 
 
 def serve(**options) -> int:
@@ -411,7 +460,7 @@ def serve(**options) -> int:
         return 1
     try:
         name = Path(dep.model_dir).name
-        _log(f"routing table version {dep.table.version}: {dep.table_path}")
+        _log(f"routing table version {dep.routing_table.version}: {dep.table_path}")
         print(
             f"serving {name} on http://{dep.host}:{dep.port} ({dep.n} expert server{'s' if dep.n != 1 else ''}, {dep.r} replicas, "
             f"{dep.m} client{'s' if dep.m != 1 else ''})",
@@ -419,6 +468,4 @@ def serve(**options) -> int:
         )
         return dep.serve_forever()
     finally:
-        _log("stopping")
         dep.stop()
-        _log("stopped")

@@ -91,7 +91,7 @@ Connector = Callable[..., ClientConnection]
 
 
 def _default_connect(endpoint: str, server_id: str, **kw) -> ClientConnection:
-    from eaas.runtime.transport.base import connect
+    from eaas.runtime.transport.factory import connect
 
     return connect(endpoint, server_id, **kw)
 
@@ -106,7 +106,7 @@ class Dispatcher:
         table: initial routing table (may be ``None`` until :meth:`set_table`).
         timeout: seconds to wait for all servers of one dispatch round.
         retry_down_s: seconds before a down server is tried again.
-        connect: connection factory (``eaas.runtime.transport.base.connect``).
+        connect: connection factory (``eaas.runtime.transport.factory.connect``).
     """
 
     def __init__(

@@ -126,7 +126,8 @@ def _start_server(endpoint: str, H: int) -> subprocess.Popen:
 
 
 def bench_round_trip(rows: list, H: int = 7168, iters: int = 50) -> None:
-    from eaas.runtime.transport.base import RequestFrame, connect
+    from eaas.runtime.transport.base import RequestFrame
+    from eaas.runtime.transport.factory import connect
 
     tmp = tempfile.mkdtemp(prefix="eaas-devcheck-")
     for scheme in ("cudaipc", "unix"):

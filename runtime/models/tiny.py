@@ -23,8 +23,12 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,7 +45,7 @@ CHAT_TEMPLATE = (
 TOKENIZER_VOCAB = 1024
 
 # Model shape (DeepseekV3Config fields).
-CONFIG = dict(
+CONFIG: dict[str, Any] = dict(
     hidden_size=256,
     intermediate_size=512,  # dense layer 0
     moe_intermediate_size=128,
@@ -194,8 +198,10 @@ def _json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def write_tiny_model(out_dir: str | Path) -> Path:
+def write_tiny_model(out_dir: str | Path, progress: Callable[[str], None] | None = None) -> Path:
     """Write the tiny DeepSeek-V3-architecture checkpoint into ``out_dir`` (created if needed).
+
+    ``progress``, when given, is called with one line per stage (tokenizer, weights, files).
 
     Files: ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32,
     per-expert keys ``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight``),
@@ -207,8 +213,10 @@ def write_tiny_model(out_dir: str | Path) -> Path:
     from safetensors.torch import save_file
     from transformers import DeepseekV3Config
 
+    say = progress or (lambda _msg: None)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    say("training the byte-level BPE tokenizer (1/3)")
     tok = train_tokenizer()
     vocab = tok.get_vocab_size()
     bos_id, eos_id, pad_id = (tok.token_to_id(t) for t in SPECIAL_TOKENS)
@@ -230,7 +238,10 @@ def write_tiny_model(out_dir: str | Path) -> Path:
             "do_sample": False,
         },
     )
-    save_file(build_state_dict(config), str(out / "model.safetensors"), metadata={"format": "pt"})
+    say("drawing the random weights (2/3)")
+    state = build_state_dict(config)
+    say("writing model.safetensors and the tokenizer files (3/3)")
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
 
     tok.save(str(out / "tokenizer.json"))
     _json(
@@ -261,6 +272,9 @@ def cache_root() -> Path:
 def default_model_dir() -> Path:
     """``<cache_root>/models/tiny-deepseek-v3-<VERSION>``, written on first use.
 
+    Writing takes about 10 s on a small machine; it says so on stderr, one line per stage, so a
+    first ``eaas serve`` is not silent.
+
     Safe for concurrent callers (threads or processes): an exclusive ``fcntl`` lock on
     ``<dir>.lock`` serializes writers, the checkpoint is written into a temporary sibling directory
     and renamed into place, so readers never see a partial checkpoint.
@@ -275,12 +289,27 @@ def default_model_dir() -> Path:
             if (final / "config.json").is_file():
                 return final
             tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}.", dir=final.parent))
+            t0 = time.monotonic()
+
+            def say(msg: str) -> None:
+                print(
+                    f"[eaas] tiny model: {msg} ... {time.monotonic() - t0:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+            print(
+                f"[eaas] first use: writing the built-in tiny model (RANDOM weights) to {final}",
+                file=sys.stderr,
+                flush=True,
+            )
             try:
-                write_tiny_model(tmp)
+                write_tiny_model(tmp, progress=say)
                 os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
                 if final.exists():  # a broken earlier attempt
                     shutil.rmtree(final)
                 os.rename(tmp, final)
+                say("done")
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise

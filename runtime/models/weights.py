@@ -30,6 +30,7 @@ import json
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -97,7 +98,7 @@ class _Files:
     def __init__(self, model_dir: Path):
         self.dir = model_dir
         self._open: dict[str, object] = {}
-        self._ctx: list[object] = []
+        self._ctx: list[Any] = []
 
     def get(self, fname: str):
         if fname not in self._open:

@@ -14,6 +14,10 @@ it was asked to run. Implementations:
   memory, the shm flags) and ``nvshmem:PE`` -> :mod:`eaas.runtime.transport.nvshmem` (across
   nodes); see docs/gpu.md.
 
+Opening a connection by endpoint: :func:`eaas.runtime.transport.factory.connect` /
+:func:`~eaas.runtime.transport.factory.listen`. Shared socket bookkeeping (accept, drop, close,
+in-flight checks): :mod:`eaas.runtime.transport.sockets`.
+
 Protocol per connection: at most ``slots`` requests in flight (default 1); responses come back
 with the request's ``seq``. A dead or broken peer raises :class:`PeerDeadError` promptly; a
 missed deadline raises :class:`DeadlineExceeded`. Neither ever hangs the caller.
@@ -192,45 +196,3 @@ class ServerListener(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
-
-
-def connect(
-    endpoint: str, server_id: str, *, hidden_size: int, dtype: torch.dtype, **kw
-) -> ClientConnection:
-    """Open a client connection by endpoint scheme (``unix:`` or ``tcp://``)."""
-    if endpoint.startswith("unix:"):
-        from eaas.runtime.transport.shm import ShmClientConnection
-
-        return ShmClientConnection(endpoint, server_id, hidden_size=hidden_size, dtype=dtype, **kw)
-    if endpoint.startswith(("cudaipc:", "nvshmem:")):  # GPU transports (docs/gpu.md)
-        from eaas.runtime.transport import cuda_ipc, nvshmem
-
-        mod = cuda_ipc if endpoint.startswith("cudaipc:") else nvshmem
-        return mod.connect(endpoint, server_id, hidden_size=hidden_size, dtype=dtype, **kw)
-    if endpoint.startswith("tcp://"):
-        from eaas.runtime.transport.tcp import TcpClientConnection
-
-        return TcpClientConnection(endpoint, server_id, hidden_size=hidden_size, dtype=dtype, **kw)
-    raise ValueError(
-        f"unknown endpoint scheme in {endpoint!r} (expected unix:PATH, tcp://HOST:PORT, cudaipc:PATH or nvshmem:PE)"
-    )
-
-
-def listen(endpoint: str, *, hidden_size: int, dtype: torch.dtype, **kw) -> ServerListener:
-    """Open a server listener by endpoint scheme (``unix:`` or ``tcp://``)."""
-    if endpoint.startswith("unix:"):
-        from eaas.runtime.transport.shm import ShmServerListener
-
-        return ShmServerListener(endpoint, hidden_size=hidden_size, dtype=dtype, **kw)
-    if endpoint.startswith(("cudaipc:", "nvshmem:")):  # GPU transports (docs/gpu.md)
-        from eaas.runtime.transport import cuda_ipc, nvshmem
-
-        mod = cuda_ipc if endpoint.startswith("cudaipc:") else nvshmem
-        return mod.listen(endpoint, hidden_size=hidden_size, dtype=dtype, **kw)
-    if endpoint.startswith("tcp://"):
-        from eaas.runtime.transport.tcp import TcpServerListener
-
-        return TcpServerListener(endpoint, hidden_size=hidden_size, dtype=dtype, **kw)
-    raise ValueError(
-        f"unknown endpoint scheme in {endpoint!r} (expected unix:PATH, tcp://HOST:PORT, cudaipc:PATH or nvshmem:PE)"
-    )

@@ -840,10 +840,10 @@ class CudaIpcServerListener(ServerListener):
 
 
 def connect(endpoint: str, server_id: str, **kw) -> CudaIpcClientConnection:
-    """Factory hook of :func:`eaas.runtime.transport.base.connect` for ``cudaipc:``."""
+    """Factory hook of :func:`eaas.runtime.transport.factory.connect` for ``cudaipc:``."""
     return CudaIpcClientConnection(endpoint, server_id, **kw)
 
 
 def listen(endpoint: str, **kw) -> CudaIpcServerListener:
-    """Factory hook of :func:`eaas.runtime.transport.base.listen` for ``cudaipc:``."""
+    """Factory hook of :func:`eaas.runtime.transport.factory.listen` for ``cudaipc:``."""
     return CudaIpcServerListener(endpoint, **kw)

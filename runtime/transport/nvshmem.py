@@ -289,7 +289,7 @@ class NvshmemClientConnection(ClientConnection):
 
 
 def connect(endpoint: str, server_id: str, **kw) -> NvshmemClientConnection:
-    """Factory hook of :func:`eaas.runtime.transport.base.connect` for ``nvshmem:``."""
+    """Factory hook of :func:`eaas.runtime.transport.factory.connect` for ``nvshmem:``."""
     parse_endpoint(endpoint)
     return NvshmemClientConnection(endpoint, server_id, **kw)
 
@@ -390,6 +390,6 @@ class NvshmemServerListener(ServerListener):
 
 
 def listen(endpoint: str, **kw) -> NvshmemServerListener:
-    """Factory hook of :func:`eaas.runtime.transport.base.listen` for ``nvshmem:``."""
+    """Factory hook of :func:`eaas.runtime.transport.factory.listen` for ``nvshmem:``."""
     parse_endpoint(endpoint)
     return NvshmemServerListener(endpoint, **kw)

@@ -58,7 +58,6 @@ import errno
 import mmap
 import os
 import select
-import selectors
 import socket
 import struct
 import time
@@ -74,15 +73,14 @@ from eaas.runtime.transport.base import (
     MAX_TOKENS_HARD,
     STATUS_BAD_FRAME,
     STATUS_OK,
-    ClientConnection,
     DeadlineExceeded,
     FrameError,
     PeerDeadError,
     RequestFrame,
     ResponseFrame,
-    ServerListener,
     check_request,
 )
+from eaas.runtime.transport.sockets import ServerConn, SocketClientConnection, SocketServerListener
 
 DEFAULT_SPIN_US = 80.0
 _PAGE = mmap.PAGESIZE
@@ -203,7 +201,7 @@ def _new_memfd_slots(
     return fd, _Slots(mm, hidden, dtype, cap_tokens, cap_k)
 
 
-class ShmClientConnection(ClientConnection):
+class ShmClientConnection(SocketClientConnection):
     """Client end of a shared-memory connection to one expert server.
 
     Args:
@@ -240,24 +238,18 @@ class ShmClientConnection(ClientConnection):
         spin_us: float = DEFAULT_SPIN_US,
         connect_timeout: float = 5.0,
     ):
-        if dtype not in DTYPE_CODES:
-            raise FrameError(f"unsupported dtype {dtype}")
-        self.endpoint = endpoint
-        self.server_id = server_id
-        self.hidden_size = int(hidden_size)
-        self.dtype = dtype
-        self.client_id = os.getpid() if client_id is None else int(client_id)
+        self._init_common(endpoint, server_id, hidden_size, dtype, client_id)
         self.spin_s = spin_us * 1e-6
         self._counter = 0
-        self._outstanding = False
         self._slots: _Slots | None = None
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         path = unix_path(endpoint)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._sock = sock
         deadline = time.monotonic() + connect_timeout
         try:
-            self._sock.settimeout(connect_timeout)
+            sock.settimeout(connect_timeout)
             try:
-                self._sock.connect(path)
+                sock.connect(path)
             except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError) as e:
                 raise PeerDeadError(
                     f"expert server {server_id} at {endpoint}: connect failed: {e}"
@@ -272,10 +264,20 @@ class ShmClientConnection(ClientConnection):
                 raise FrameError(
                     f"expert server {server_id} at {endpoint} refused the connection: {msg}"
                 )
-            self._sock.setblocking(False)
+            sock.setblocking(False)
         except BaseException:
             self.close()
             raise
+
+    def _slots_now(self) -> _Slots:
+        if self._slots is None:
+            raise PeerDeadError(f"connection to {self.server_id} is closed")
+        return self._slots
+
+    def _release_client(self) -> None:
+        if self._slots is not None:
+            self._slots.release()
+            self._slots = None
 
     # -- set-up -------------------------------------------------------------------------
     def _map(self, cap_tokens: int, cap_k: int, kind: bytes) -> None:
@@ -285,7 +287,7 @@ class ShmClientConnection(ClientConnection):
                 kind, self.client_id, self.hidden_size, DTYPE_CODES[self.dtype], cap_tokens, cap_k
             )
             try:
-                socket.send_fds(self._sock, [pkt], [fd])
+                socket.send_fds(self._open_sock(), [pkt], [fd])
             except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as e:
                 slots.release()
                 raise PeerDeadError(
@@ -303,15 +305,16 @@ class ShmClientConnection(ClientConnection):
         self._slots = slots
 
     def _wait_ack(self, deadline: float) -> tuple[int, str]:
+        sock = self._open_sock()
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise DeadlineExceeded(
                     f"expert server {self.server_id} at {self.endpoint}: no hello ack"
                 )
-            self._sock.settimeout(remaining)
+            sock.settimeout(remaining)
             try:
-                data = self._sock.recv(4096)
+                data = sock.recv(4096)
             except TimeoutError:
                 continue
             except (ConnectionResetError, BrokenPipeError) as e:
@@ -339,21 +342,16 @@ class ShmClientConnection(ClientConnection):
                 in flight on this connection.
             PeerDeadError: the server is gone.
         """
-        if self._sock is None:
-            raise PeerDeadError(f"connection to {self.server_id} is closed")
-        if self._outstanding:
-            raise FrameError(
-                f"connection to {self.server_id}: a request is already in flight (one at a time)"
-            )
+        sock = self._sock_for_send()
         h, ex, w = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
         n, k = int(h.shape[0]), int(ex.shape[1])
-        s = self._slots
+        s = self._slots_now()
         if n > s.cap_tokens or k > s.cap_k:
             cap_t = s.cap_tokens
             while cap_t < n:
                 cap_t *= 2
             self._map(min(cap_t, MAX_TOKENS_HARD), max(k, s.cap_k), _KIND_REMAP)
-            s = self._slots
+            s = self._slots_now()
         if n:
             s.req_hidden[:n].copy_(h)
             s.req_experts[: n * k].view(n, k).copy_(ex)
@@ -366,11 +364,10 @@ class ShmClientConnection(ClientConnection):
         hdr[5] = self.client_id
         hdr[6] = frame.seq
         self._counter += 1
-        self._seq = frame.seq
         hdr[0] = self._counter  # written last: the ready flag
         self._outstanding = True
         try:
-            self._sock.send(_DOORBELL)
+            sock.send(_DOORBELL)
         except BlockingIOError:
             pass  # the server has unread doorbells queued already; it will wake anyway
         except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as e:
@@ -381,9 +378,10 @@ class ShmClientConnection(ClientConnection):
 
     def _drain(self) -> None:
         """Read pending doorbells; raise PeerDeadError on EOF/reset."""
+        sock = self._open_sock()
         while True:
             try:
-                data = self._sock.recv(4096)
+                data = sock.recv(4096)
             except BlockingIOError:
                 return
             except (ConnectionResetError, BrokenPipeError) as e:
@@ -396,7 +394,7 @@ class ShmClientConnection(ClientConnection):
                 )
 
     def _response(self) -> ResponseFrame:
-        s = self._slots
+        s = self._slots_now()
         hdr = s.resp_hdr
         self._outstanding = False
         status = int(hdr[2])
@@ -423,11 +421,8 @@ class ShmClientConnection(ClientConnection):
                 ``recv`` may still get it); ``close`` the connection to abandon it.
             FrameError: no request in flight.
         """
-        if self._sock is None:
-            raise PeerDeadError(f"connection to {self.server_id} is closed")
-        if not self._outstanding:
-            raise FrameError(f"connection to {self.server_id}: recv without a request in flight")
-        hdr = self._slots.resp_hdr
+        sock = self._sock_for_recv()
+        hdr = self._slots_now().resp_hdr
         want = self._counter
         if hdr[0] == want:
             return self._response()
@@ -446,34 +441,21 @@ class ShmClientConnection(ClientConnection):
                     f"expert server {self.server_id} at {self.endpoint}: no response before the deadline"
                 )
             try:
-                select.select([self._sock], [], [], remaining)
+                select.select([sock], [], [], remaining)
             except ValueError:  # socket closed under us
                 raise PeerDeadError(f"connection to {self.server_id} is closed") from None
 
-    def close(self) -> None:
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            sock.close()
-        if self._slots is not None:
-            self._slots.release()
-            self._slots = None
-        self._outstanding = False
 
-
-class _ServerConn:
-    __slots__ = ("sock", "slots", "client_id", "last_seen", "in_flight", "ready", "fileno")
+class _ServerConn(ServerConn):
+    __slots__ = ("slots", "last_seen")
 
     def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.fileno = sock.fileno()
+        super().__init__(sock)
         self.slots: _Slots | None = None
-        self.client_id = -1
         self.last_seen = 0
-        self.in_flight = False
-        self.ready = False  # hello accepted
 
 
-class ShmServerListener(ServerListener):
+class ShmServerListener(SocketServerListener[_ServerConn]):
     """Server end of the shared-memory transport.
 
     Args:
@@ -499,18 +481,19 @@ class ShmServerListener(ServerListener):
         self.dtype = dtype
         self.spin_s = spin_us * 1e-6
         self.path = unix_path(endpoint)
-        self._conns: dict[int, _ServerConn] = {}
-        self._sel = selectors.DefaultSelector()
-        self._lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._remove_stale(self.path)
         d = os.path.dirname(self.path)
         if d:
             os.makedirs(d, exist_ok=True)
-        self._lsock.bind(self.path)
+        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            lsock.bind(self.path)
+            lsock.listen(128)
+        except BaseException:
+            lsock.close()
+            raise
         self._owner_pid = os.getpid()
-        self._lsock.listen(128)
-        self._lsock.setblocking(False)
-        self._sel.register(self._lsock, selectors.EVENT_READ, None)
+        super().__init__(lsock)
 
     @staticmethod
     def _remove_stale(path: str) -> None:
@@ -530,36 +513,14 @@ class ShmServerListener(ServerListener):
             probe.close()
         raise OSError(errno.EADDRINUSE, f"another expert server is listening on {path}")
 
-    @property
-    def num_connections(self) -> int:
-        return sum(1 for c in self._conns.values() if c.ready)
-
     # -- connections --------------------------------------------------------------------
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self._lsock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return
-            sock.setblocking(False)
-            conn = _ServerConn(sock)
-            self._conns[conn.fileno] = conn
-            self._sel.register(sock, selectors.EVENT_READ, conn)
+    def _new_conn(self, sock: socket.socket) -> _ServerConn:
+        return _ServerConn(sock)
 
-    def _drop(self, conn: _ServerConn) -> None:
-        if self._conns.pop(conn.fileno, None) is None:
-            return
-        try:
-            self._sel.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
-        conn.sock.close()
+    def _release(self, conn: _ServerConn) -> None:
         if conn.slots is not None:
             conn.slots.release()
             conn.slots = None
-        conn.ready = False
 
     def _ack(self, conn: _ServerConn, status: int, msg: str) -> bool:
         try:
@@ -626,7 +587,7 @@ class ShmServerListener(ServerListener):
                 continue
             if kind in (_KIND_HELLO, _KIND_REMAP):
                 self._on_map(conn, data, fds)
-                if conn.fileno not in self._conns:
+                if not self._is_live(conn):
                     return
                 continue
             for fd in fds:
@@ -636,11 +597,11 @@ class ShmServerListener(ServerListener):
 
     # -- data path ----------------------------------------------------------------------
     def _collect(self) -> list[tuple[object, RequestFrame]]:
-        out = []
+        out: list[tuple[object, RequestFrame]] = []
         for conn in self._conns.values():
-            if not conn.ready or conn.in_flight:
-                continue
             s = conn.slots
+            if not conn.ready or conn.in_flight or s is None:
+                continue
             hdr = s.req_hdr
             c = int(hdr[0])
             if c == conn.last_seen:
@@ -693,11 +654,9 @@ class ShmServerListener(ServerListener):
             _yield()
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            for key, _ in self._sel.select(remaining):
-                if key.data is None:
-                    self._accept()
-                else:
-                    self._read(key.data)
+            for conn, _ in self._select(remaining):
+                if self._is_live(conn):
+                    self._read(conn)
             frames = self._collect()
             if frames or (deadline is not None and time.monotonic() >= deadline):
                 return frames
@@ -708,8 +667,8 @@ class ShmServerListener(ServerListener):
         ``frame.output``: ``[n, H]`` in the connection dtype (ignored unless status is OK).
         A dead or vanished client is dropped silently.
         """
-        assert isinstance(conn, _ServerConn)
-        if conn.fileno not in self._conns or conn.slots is None:
+        conn = self._own(conn)
+        if not self._is_live(conn) or conn.slots is None:
             return
         s = conn.slots
         hdr = s.resp_hdr
@@ -736,16 +695,8 @@ class ShmServerListener(ServerListener):
         except OSError:
             self._drop(conn)
 
-    def close(self) -> None:
-        for conn in list(self._conns.values()):
-            self._drop(conn)
-        try:
-            self._sel.unregister(self._lsock)
-        except (KeyError, ValueError):
-            pass
-        self._sel.close()
-        self._lsock.close()
-        if os.getpid() == self._owner_pid:
+    def _after_close(self) -> None:
+        if os.getpid() == self._owner_pid:  # a forked child must not unlink its parent's path
             try:
                 os.unlink(self.path)
             except FileNotFoundError:

@@ -45,20 +45,20 @@ from eaas.runtime.transport.base import (
     MAX_TOKENS_HARD,
     STATUS_BAD_FRAME,
     STATUS_OK,
-    ClientConnection,
     DeadlineExceeded,
     FrameError,
     PeerDeadError,
     RequestFrame,
     ResponseFrame,
-    ServerListener,
     check_request,
 )
+from eaas.runtime.transport.sockets import ServerConn, SocketClientConnection, SocketServerListener
 
 MAGIC = b"EAAS"
 HDR = struct.Struct("<4sIqqqiiiiiI")
 KIND_HELLO, KIND_ACK, KIND_REQ, KIND_RESP = 1, 2, 3, 4
 MAX_PAYLOAD = 1 << 31
+_Bytes = bytes | bytearray | memoryview  # what sendmsg takes (typing.Buffer is 3.12+)
 
 
 def parse_tcp(endpoint: str) -> tuple[str, int]:
@@ -77,10 +77,10 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(-1).view(torch.uint8).numpy())
+    return memoryview(t.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
-def _sendall_vec(sock: socket.socket, bufs: list, deadline: float | None) -> None:
+def _sendall_vec(sock: socket.socket, bufs: Sequence[_Bytes], deadline: float | None) -> None:
     """Write all buffers with ``sendmsg`` (gathered, partial writes handled) before ``deadline``.
 
     Raises:
@@ -116,7 +116,7 @@ class _Reader:
         self.hdr_got = 0
         self.fields: tuple | None = None
         self.buf = torch.empty(1 << 16, dtype=torch.uint8)
-        self.view = memoryview(self.buf.numpy())
+        self.view = memoryview(self.buf.numpy())  # type: ignore[arg-type]
         self.need = 0
         self.got = 0
 
@@ -124,7 +124,7 @@ class _Reader:
         if self.buf.numel() < n:
             size = max(n, 2 * self.buf.numel())
             self.buf = torch.empty(size, dtype=torch.uint8)
-            self.view = memoryview(self.buf.numpy())
+            self.view = memoryview(self.buf.numpy())  # type: ignore[arg-type]
 
     def feed(self, sock: socket.socket) -> tuple | None:
         """Read what is available. Returns ``(fields, payload_tensor_uint8)`` when a message is
@@ -178,7 +178,7 @@ def _esize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-class TcpClientConnection(ClientConnection):
+class TcpClientConnection(SocketClientConnection):
     """Client end of a TCP connection to one expert server.
 
     Args:
@@ -212,23 +212,14 @@ class TcpClientConnection(ClientConnection):
         max_k: int = 0,
         spin_us: float = 0.0,
     ):
-        import os
-
-        if dtype not in DTYPE_CODES:
-            raise FrameError(f"unsupported dtype {dtype}")
-        self.endpoint = endpoint
-        self.server_id = server_id
-        self.hidden_size = int(hidden_size)
-        self.dtype = dtype
-        self.client_id = os.getpid() if client_id is None else int(client_id)
+        self._init_common(endpoint, server_id, hidden_size, dtype, client_id)
         self.send_timeout = send_timeout
-        self._outstanding = False
         self._reader = _Reader()
         host, port = parse_tcp(endpoint)
         if host == "0.0.0.0":
             host = "127.0.0.1"
         try:
-            self._sock = socket.create_connection((host, port), timeout=connect_timeout)
+            sock = socket.create_connection((host, port), timeout=connect_timeout)
         except TimeoutError:
             raise DeadlineExceeded(
                 f"expert server {server_id} at {endpoint}: connect timed out"
@@ -237,9 +228,10 @@ class TcpClientConnection(ClientConnection):
             raise PeerDeadError(
                 f"expert server {server_id} at {endpoint}: connect failed: {e}"
             ) from None
+        self._sock = sock
         try:
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setblocking(False)
             deadline = time.monotonic() + connect_timeout
             hello = HDR.pack(
                 MAGIC,
@@ -254,7 +246,7 @@ class TcpClientConnection(ClientConnection):
                 DTYPE_CODES[dtype],
                 0,
             )
-            _sendall_vec(self._sock, [hello], deadline)
+            _sendall_vec(sock, [hello], deadline)
             f, payload = self._wait(deadline)
             if f[1] != KIND_ACK:
                 raise FrameError(f"expert server {server_id}: expected hello ack, got kind {f[1]}")
@@ -264,25 +256,22 @@ class TcpClientConnection(ClientConnection):
                     f"expert server {server_id} at {endpoint} refused the connection: {msg}"
                 )
         except BaseException:
-            self._sock.close()
+            self.close()
             raise
 
     def _wait(self, deadline: float) -> tuple:
+        sock = self._open_sock()
         while True:
             try:
-                msg = self._reader.feed(self._sock)
+                msg = self._reader.feed(sock)
             except PeerDeadError as e:
-                raise PeerDeadError(
-                    f"expert server {self.server_id} at {self.endpoint}: {e}"
-                ) from None
+                raise PeerDeadError(f"{self._where()}: {e}") from None
             if msg is not None:
                 return msg
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise DeadlineExceeded(
-                    f"expert server {self.server_id} at {self.endpoint}: no response before the deadline"
-                )
-            select.select([self._sock], [], [], remaining)
+                raise DeadlineExceeded(f"{self._where()}: no response before the deadline")
+            select.select([sock], [], [], remaining)
 
     def send(self, frame: RequestFrame, deadline: float | None = None) -> None:
         """Write ``frame`` (header + raw bytes).
@@ -298,12 +287,7 @@ class TcpClientConnection(ClientConnection):
             PeerDeadError: the server is gone.
             DeadlineExceeded: the server does not read (e.g. SIGSTOPped with full buffers).
         """
-        if self._sock is None:
-            raise PeerDeadError(f"connection to {self.server_id} is closed")
-        if self._outstanding:
-            raise FrameError(
-                f"connection to {self.server_id}: a request is already in flight (one at a time)"
-            )
+        sock = self._sock_for_send()
         h, ex, w = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
         n, k = int(h.shape[0]), int(ex.shape[1])
         payload = [_as_bytes(h), _as_bytes(ex), _as_bytes(w)]
@@ -324,13 +308,11 @@ class TcpClientConnection(ClientConnection):
         if deadline is None:
             deadline = time.monotonic() + self.send_timeout
         try:
-            _sendall_vec(self._sock, [hdr] + payload, deadline)
+            _sendall_vec(sock, [hdr, *payload], deadline)
         except PeerDeadError as e:
-            raise PeerDeadError(f"expert server {self.server_id} at {self.endpoint}: {e}") from None
+            raise PeerDeadError(f"{self._where()}: {e}") from None
         except DeadlineExceeded as e:
-            raise DeadlineExceeded(
-                f"expert server {self.server_id} at {self.endpoint}: {e}"
-            ) from None
+            raise DeadlineExceeded(f"{self._where()}: {e}") from None
         self._outstanding = True
 
     def recv(self, deadline: float) -> ResponseFrame:
@@ -343,10 +325,7 @@ class TcpClientConnection(ClientConnection):
             PeerDeadError: EOF/reset. DeadlineExceeded: nothing complete by the deadline (partial
             data is kept; a later ``recv`` resumes). FrameError: no request in flight.
         """
-        if self._sock is None:
-            raise PeerDeadError(f"connection to {self.server_id} is closed")
-        if not self._outstanding:
-            raise FrameError(f"connection to {self.server_id}: recv without a request in flight")
+        self._sock_for_recv()
         f, payload = self._wait(deadline)
         if f[1] != KIND_RESP:
             raise FrameError(f"expert server {self.server_id}: unexpected message kind {f[1]}")
@@ -358,39 +337,19 @@ class TcpClientConnection(ClientConnection):
         msg = bytes(payload.numpy()).decode("utf-8", "replace")
         return ResponseFrame(seq=seq, layer=layer, status=status, output=None, message=msg)
 
-    def close(self) -> None:
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            sock.close()
-        self._outstanding = False
 
-
-class _TcpConn:
-    __slots__ = (
-        "sock",
-        "reader",
-        "client_id",
-        "ready",
-        "in_flight",
-        "fileno",
-        "pending",
-        "outq",
-        "out_deadline",
-    )
+class _TcpConn(ServerConn):
+    __slots__ = ("reader", "pending", "outq", "out_deadline")
 
     def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.fileno = sock.fileno()
+        super().__init__(sock)
         self.reader = _Reader()
-        self.client_id = -1
-        self.ready = False
-        self.in_flight = False
         self.pending: tuple | None = None  # complete REQ not yet returned by poll
         self.outq: list[memoryview] = []  # response bytes the socket has not taken yet
         self.out_deadline = 0.0
 
 
-class TcpServerListener(ServerListener):
+class TcpServerListener(SocketServerListener[_TcpConn]):
     """Server end of the TCP transport.
 
     Args:
@@ -414,47 +373,26 @@ class TcpServerListener(ServerListener):
         self.dtype = dtype
         self.send_timeout = send_timeout
         host, port = parse_tcp(endpoint)
-        self._lsock = socket.socket(
+        lsock = socket.socket(
             socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM
         )
-        self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._lsock.bind((host, port))
-        self._lsock.listen(128)
-        self._lsock.setblocking(False)
-        self.endpoint = f"tcp://{host}:{self._lsock.getsockname()[1]}"
-        self._sel = selectors.DefaultSelector()
-        self._sel.register(self._lsock, selectors.EVENT_READ, None)
-        self._conns: dict[int, _TcpConn] = {}
-
-    @property
-    def num_connections(self) -> int:
-        return sum(1 for c in self._conns.values() if c.ready)
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self._lsock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setblocking(False)
-            conn = _TcpConn(sock)
-            self._conns[conn.fileno] = conn
-            self._sel.register(sock, selectors.EVENT_READ, conn)
-
-    def _drop(self, conn: _TcpConn) -> None:
-        if self._conns.pop(conn.fileno, None) is None:
-            return
         try:
-            self._sel.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
-        conn.sock.close()
-        conn.ready = False
+            lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            lsock.bind((host, port))
+            lsock.listen(128)
+        except BaseException:
+            lsock.close()
+            raise
+        self.endpoint = f"tcp://{host}:{lsock.getsockname()[1]}"
+        super().__init__(lsock)
 
-    def _send(self, conn: _TcpConn, bufs: list) -> bool:
+    def _new_conn(self, sock: socket.socket) -> _TcpConn:
+        return _TcpConn(sock)
+
+    def _configure(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _send(self, conn: _TcpConn, bufs: Sequence[_Bytes]) -> bool:
         """Queue ``bufs`` and write what the socket takes now; the rest is flushed from ``poll``.
         Returns False (and drops ``conn``) when the client is gone."""
         was_empty = not conn.outq
@@ -529,7 +467,7 @@ class TcpServerListener(ServerListener):
         self._drop(conn)  # protocol violation
 
     def _collect(self) -> list[tuple[object, RequestFrame]]:
-        out = []
+        out: list[tuple[object, RequestFrame]] = []
         for conn in list(self._conns.values()):
             if conn.pending is None:
                 continue
@@ -573,14 +511,10 @@ class TcpServerListener(ServerListener):
                 remaining = (
                     self.send_timeout if remaining is None else min(remaining, self.send_timeout)
                 )
-            for key, events in self._sel.select(remaining):
-                if key.data is None:
-                    self._accept()
-                    continue
-                conn = key.data
-                if events & selectors.EVENT_WRITE and conn.fileno in self._conns:
+            for conn, events in self._select(remaining):
+                if events & selectors.EVENT_WRITE and self._is_live(conn):
                     self._on_writable(conn)
-                if events & selectors.EVENT_READ and conn.fileno in self._conns:
+                if events & selectors.EVENT_READ and self._is_live(conn):
                     self._read(conn)
             self._expire_writes()
             frames = self._collect()
@@ -591,9 +525,9 @@ class TcpServerListener(ServerListener):
         """Send ``frame`` on ``conn`` without blocking (unsent bytes are queued and flushed by
         ``poll``); a dead client is dropped. The output bytes are referenced, not copied, until
         sent: do not modify ``frame.output`` afterwards."""
-        assert isinstance(conn, _TcpConn)
+        conn = self._own(conn)
         conn.in_flight = False
-        if conn.fileno not in self._conns:
+        if not self._is_live(conn):
             return
         if frame.status == STATUS_OK and frame.output is not None:
             out = frame.output
@@ -616,13 +550,3 @@ class TcpServerListener(ServerListener):
             len(body),
         )
         self._send(conn, [hdr, body])
-
-    def close(self) -> None:
-        for conn in list(self._conns.values()):
-            self._drop(conn)
-        try:
-            self._sel.unregister(self._lsock)
-        except (KeyError, ValueError):
-            pass
-        self._sel.close()
-        self._lsock.close()

@@ -119,6 +119,11 @@ class ServeProcess:
                 return pid
         raise LookupError(f"no child with {fragment!r}")
 
+    def forget(self) -> None:
+        """After serve was killed outside :meth:`stop`: close the log, mark it stopped."""
+        self.stopped = True
+        self._log.close()
+
     def stop(self, check: bool = True) -> None:
         """SIGTERM serve; with ``check``, assert a clean exit, no orphans, no leftovers."""
         if self.stopped or self.proc is None:
@@ -144,7 +149,9 @@ class ServeProcess:
         if not check:
             return
         assert rc == 0, f"eaas serve exit code {rc}:\n{self.log()[-3000:]}"
-        time.sleep(0.2)
+        deadline = time.monotonic() + 30  # serve reaped them; wait out the kernel's bookkeeping
+        while any(alive(p, c) for p, c in kids.items()) and time.monotonic() < deadline:
+            time.sleep(0.1)
         left = {p: c for p, c in kids.items() if alive(p, c)}
         for p in left:
             os.kill(p, signal.SIGKILL)

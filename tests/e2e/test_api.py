@@ -388,18 +388,39 @@ def test_openai_client_raises_bad_request(deployment, model_name):
     assert ei.value.status_code == 400
 
 
-def test_stream_disconnect_stops_decode_within_1s(deployment, model_name):
-    def running() -> float:
-        return metric_sum(metric_values(deployment.base_url), "eaas_running_sequences")
+MAX_TOKENS_LONG = 1500  # far more than the client waits for; ignore_eos: only a cancel ends early
 
-    assert running() == 0
+
+def _running(base_url: str) -> float:
+    return metric_sum(metric_values(base_url), "eaas_running_sequences")
+
+
+def _decoded_tokens(base_url: str) -> float:
+    """Tokens decoded so far by all clients: one TTFT sample per first token, one ITL sample
+    per later token."""
+    v = metric_values(base_url)
+    return metric_sum(v, "eaas_ttft_seconds_count") + metric_sum(v, "eaas_itl_seconds_count")
+
+
+def _wait_idle(base_url: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _running(base_url) != 0:
+        assert time.monotonic() < deadline, metric_values(base_url)
+        time.sleep(0.05)
+
+
+def test_stream_disconnect_cancels_decode(deployment, model_name):
+    """Closing a stream takes its sequence out of the decode batch: it ends long before its
+    ``max_tokens`` (with ``ignore_eos`` nothing else can end it early)."""
+    _wait_idle(deployment.base_url)
+    before = _decoded_tokens(deployment.base_url)
     with httpx.stream(
         "POST",
         f"{deployment.base_url}/v1/completions",
         json={
             "model": model_name,
             "prompt": "Tell a long story",
-            "max_tokens": 1500,
+            "max_tokens": MAX_TOKENS_LONG,
             "temperature": 0,
             "stream": True,
             "ignore_eos": True,
@@ -413,27 +434,24 @@ def test_stream_disconnect_stops_decode_within_1s(deployment, model_name):
         n = 0
         while n < 3:
             n += next(lines).startswith("data: ")
-        assert running() == 1, metric_values(deployment.base_url)
-        t0 = time.monotonic()
+        assert _running(deployment.base_url) == 1, metric_values(deployment.base_url)
+        at_disconnect = _decoded_tokens(deployment.base_url) - before
     # leaving the block closed the connection
-    while running() != 0 and time.monotonic() - t0 < 5:
-        time.sleep(0.02)
-    elapsed = time.monotonic() - t0
-    assert running() == 0
-    assert elapsed < 1.0, f"decode stopped {elapsed:.2f} s after the disconnect"
+    _wait_idle(deployment.base_url)
+    decoded = _decoded_tokens(deployment.base_url) - before
+    assert 3 <= at_disconnect <= decoded < MAX_TOKENS_LONG, (at_disconnect, decoded)
+    # cancelled within the first half of what was left, not near the end
+    assert decoded - at_disconnect < (MAX_TOKENS_LONG - at_disconnect) / 2, (at_disconnect, decoded)
 
 
-def test_non_streaming_disconnect_stops_decode_within_1s(deployment, model_name):
+def test_non_streaming_disconnect_cancels_decode(deployment, model_name):
     """A non-streaming client that gives up (read timeout) cancels its sequence like a stream."""
-
-    def running() -> float:
-        return metric_sum(metric_values(deployment.base_url), "eaas_running_sequences")
-
-    assert running() == 0
+    _wait_idle(deployment.base_url)
+    before = _decoded_tokens(deployment.base_url)
     body = {
         "model": model_name,
         "prompt": "Tell a long story",
-        "max_tokens": 1500,
+        "max_tokens": MAX_TOKENS_LONG,
         "temperature": 0,
         "ignore_eos": True,
     }
@@ -444,25 +462,25 @@ def test_non_streaming_disconnect_stops_decode_within_1s(deployment, model_name)
             httpx.post(
                 f"{deployment.base_url}/v1/completions",
                 json=body,
-                timeout=httpx.Timeout(10, read=2.0),
+                timeout=httpx.Timeout(30, read=5.0),
             )
         except BaseException as exc:  # noqa: BLE001
             outcome.append(exc)
 
     t = threading.Thread(target=post)
     t.start()
-    deadline = time.monotonic() + 2
-    while running() != 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert running() == 1, "the request should be decoding before the client gives up"
-    t.join(30)
-    t0 = time.monotonic()  # the client closed its connection when it raised
+    seen_running = False
+    while t.is_alive():  # the sequence decodes while the client still waits
+        seen_running = seen_running or _running(deployment.base_url) == 1
+        time.sleep(0.05)
+    t.join()
     assert len(outcome) == 1 and isinstance(outcome[0], httpx.ReadTimeout), outcome
-    while running() != 0 and time.monotonic() - t0 < 5:
-        time.sleep(0.02)
-    elapsed = time.monotonic() - t0
-    assert running() == 0
-    assert elapsed < 1.0, f"decode stopped {elapsed:.2f} s after the disconnect"
+    assert seen_running, "the request should be decoding before the client gives up"
+    at_disconnect = _decoded_tokens(deployment.base_url) - before
+    _wait_idle(deployment.base_url)
+    decoded = _decoded_tokens(deployment.base_url) - before
+    assert 1 <= at_disconnect <= decoded < MAX_TOKENS_LONG, (at_disconnect, decoded)
+    assert decoded - at_disconnect < (MAX_TOKENS_LONG - at_disconnect) / 2, (at_disconnect, decoded)
 
 
 def test_routing_table_hot_reload_and_ack(deployment, model_name, prompts, references):
@@ -477,15 +495,35 @@ def test_routing_table_hot_reload_and_ack(deployment, model_name, prompts, refer
         v = metric_values(deployment.base_url)
         return {c: metric_sum(v, "eaas_routing_table_version", client_id=c) for c in ("0", "1")}
 
-    deadline = time.monotonic() + 10
-    while versions() != {"0": 2, "1": 2} and time.monotonic() < deadline:
+    def wait_versions(want: dict[str, float]) -> list[dict[str, float]]:
+        """Poll until both clients report ``want``; returns every distinct state seen."""
+        seen: list[dict[str, float]] = []
+        deadline = time.monotonic() + 60
+        while True:
+            v = versions()
+            if not seen or seen[-1] != v:
+                seen.append(v)
+            if v == want:
+                return seen
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.1)
+
+    wait_versions({"0": 2, "1": 2})
+    # An older table must be rejected: each client says so in the log ...
+    rejected = "rejecting routing table version 1: older than version 2 in use"
+    n0 = deployment.log().count(rejected)
+    write_table(path, t1)
+    deadline = time.monotonic() + 60
+    while deployment.log().count(rejected) < n0 + 2:
+        assert time.monotonic() < deadline, deployment.log()[-3000:]
         time.sleep(0.1)
-    assert versions() == {"0": 2, "1": 2}
-    write_table(path, t1)  # older: must be rejected
-    time.sleep(1.5)
-    assert versions() == {"0": 2, "1": 2}
+    # ... and a newer table written after it is applied, with version 1 never in use on the way.
+    t3 = RoutingTable(version=3, num_experts=t1.num_experts, servers=t1.servers, layers=t1.layers)
+    write_table(path, t3)
+    seen = wait_versions({"0": 3, "1": 3})
+    assert all(set(v.values()) <= {2, 3} for v in seen), seen
     assert (
-        httpx.get(f"{deployment.base_url}/health", timeout=10).json()["routing_table_version"] == 2
+        httpx.get(f"{deployment.base_url}/health", timeout=10).json()["routing_table_version"] == 3
     )
     r = complete_ids(deployment, model_name, prompts[0])
     assert r.choices[0].model_extra["token_ids"] == references[0]
@@ -507,7 +545,7 @@ def test_health_is_503_while_an_expert_has_no_replica(deployment, model_name, pr
     )
 
     def health_until(pred):
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while True:  # both clients answer on the port: wait until several answers agree
             hs = [httpx.get(f"{deployment.base_url}/health", timeout=10) for _ in range(6)]
             if all(pred(h) for h in hs) or time.monotonic() > deadline:

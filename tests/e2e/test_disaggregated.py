@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 from e2e_helpers import free_port
+from prometheus_client import REGISTRY
 
-from eaas.runtime import metrics
 from eaas.runtime.client.dispatch import (
     Dispatcher,
     NoLiveReplicaError,
@@ -186,26 +186,47 @@ def test_routing_table_watcher_hot_reload(servers, model_dir, prompt_ids, ref_lo
     d = Dispatcher(2, servers.info.hidden_size, torch.float32)
     w = RoutingTableWatcher(str(path), d, interval=0.05)
     assert w.load_now() and d.version == 5
+    # Rejected inputs, read synchronously (the polling thread is not started yet):
+    write_table(path, servers.table(version=3))  # older than the table in use
+    assert not w.load_now() and d.version == 5
+    path.write_text("{not json")  # malformed: ignored, the table in use stays
+    assert not w.load_now() and d.version == 5
     w.start()
     try:
-        write_table(path, servers.table(version=3))  # older: rejected
-        time.sleep(0.3)
-        assert d.version == 5
+        # ... and the positive marker: a newer table written after them is applied by the
+        # polling thread, and no version seen on the way is the rejected one.
         v6 = servers.table(version=5).without_servers(["s0"])  # version 6, s0 removed
         write_table(path, v6)
-        deadline = time.monotonic() + 5
-        while d.version != 6 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert d.version == 6
-        assert metrics.ROUTING_TABLE_VERSION.labels(client_id="2")._value.get() == 6
+        seen = wait_for_version(d, 6)
+        assert set(seen) <= {5, 6}, seen
+        assert client_version_metric("2") == 6
         assert_close(logits(remote_model(model_dir, d), prompt_ids), ref_logits)
         assert "s0" not in d.health()["servers"]
-        path.write_text("{not json")  # malformed: ignored, the table in use stays
-        time.sleep(0.3)
-        assert d.version == 6
     finally:
         w.stop()
         d.close()
+
+
+def wait_for_version(d: Dispatcher, version: int, timeout: float = 60.0) -> list[int]:
+    """Poll ``d.version`` until it is ``version``; returns every distinct version seen."""
+    seen: list[int] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        v = d.version
+        if not seen or seen[-1] != v:
+            seen.append(v)
+        if v == version:
+            return seen
+        assert time.monotonic() < deadline, f"version {version} not applied; saw {seen}"
+        time.sleep(0.02)
+
+
+def client_version_metric(client_id: str) -> float | None:
+    return REGISTRY.get_sample_value("eaas_routing_table_version", {"client_id": client_id})
+
+
+def failovers() -> float:
+    return REGISTRY.get_sample_value("eaas_failovers_total") or 0.0
 
 
 def test_hung_server_hits_deadline_and_fails_over(servers, model_dir, prompt_ids, ref_logits):
@@ -214,7 +235,7 @@ def test_hung_server_hits_deadline_and_fails_over(servers, model_dir, prompt_ids
     )
     model = remote_model(model_dir, d)
     assert_close(logits(model, prompt_ids), ref_logits)  # warm: all connected
-    fo = metrics.FAILOVERS._value.get()
+    fo = failovers()
     os.kill(servers.procs["s0"].pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
@@ -223,13 +244,17 @@ def test_hung_server_hits_deadline_and_fails_over(servers, model_dir, prompt_ids
     finally:
         os.kill(servers.procs["s0"].pid, signal.SIGCONT)
     assert_close(out, ref_logits)
-    assert 1.0 <= elapsed < 10.0
-    assert metrics.FAILOVERS._value.get() > fo
+    assert elapsed >= 1.0  # the client waited for its deadline before failing over
+    assert failovers() > fo
     assert d.health()["servers"]["s0"]["state"] == "down"
     # after retry_down_s the resumed server is reconnected and used again
-    time.sleep(0.6)
-    assert_close(logits(model, prompt_ids), ref_logits)
-    assert d.health()["servers"]["s0"]["state"] == "connected"
+    deadline = time.monotonic() + 60
+    while True:
+        assert_close(logits(model, prompt_ids), ref_logits)
+        if d.health()["servers"]["s0"]["state"] == "connected":
+            break
+        assert time.monotonic() < deadline, d.health()["servers"]["s0"]
+        time.sleep(0.1)
     d.close()
 
 
@@ -237,18 +262,19 @@ def test_killed_server_fails_over_then_no_live_replica(servers, model_dir, promp
     d = Dispatcher(4, servers.info.hidden_size, torch.float32, servers.table(), timeout=5.0)
     model = remote_model(model_dir, d)
     assert_close(logits(model, prompt_ids), ref_logits)
-    fo = metrics.FAILOVERS._value.get()
+    fo = failovers()
     servers.procs["s1"].kill()
     servers.procs["s1"].wait()
     assert_close(logits(model, prompt_ids), ref_logits)
-    assert metrics.FAILOVERS._value.get() > fo
-    assert metrics.SERVER_DOWN.labels(server="s1")._value.get() >= 1
+    assert failovers() > fo
+    marked_down = REGISTRY.get_sample_value("eaas_server_marked_down_total", {"server": "s1"})
+    assert marked_down is not None and marked_down >= 1
     servers.procs["s2"].kill()
     servers.procs["s2"].wait()
     # experts whose replicas were exactly {s1, s2} are gone: a clear, fast, retryable error
     t0 = time.monotonic()
     with pytest.raises(NoLiveReplicaError) as ei:
         logits(model, prompt_ids)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 60  # an error, not a hang
     assert "no live replica" in str(ei.value)
     d.close()

@@ -94,9 +94,8 @@ def test_serve_over_tcp(tokenizer, model_dir, tmp_path):
         assert len(kids) == 4, kids
         sp.proc.kill()
         sp.proc.wait()
-        sp.stopped = True
-        sp._log.close()
-        deadline = time.monotonic() + 20
+        sp.forget()
+        deadline = time.monotonic() + 60
         while any(alive(p, c) for p, c in kids.items()) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not {p: c for p, c in kids.items() if alive(p, c)}, (

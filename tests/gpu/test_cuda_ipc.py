@@ -29,8 +29,8 @@ from eaas.runtime.transport.base import (  # noqa: E402
     FrameError,
     PeerDeadError,
     RequestFrame,
-    connect,
 )
+from eaas.runtime.transport.factory import connect  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

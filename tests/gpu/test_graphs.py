@@ -36,7 +36,8 @@ def test_graph_round_trip_replays_and_times_out_on_a_stopped_server(tmp_path):
     import signal
 
     from eaas.runtime.gpu.graphs import DecodeRoundTripGraph
-    from eaas.runtime.transport.base import DeadlineExceeded, RequestFrame, connect
+    from eaas.runtime.transport.base import DeadlineExceeded, RequestFrame
+    from eaas.runtime.transport.factory import connect
 
     ep = f"cudaipc:{tmp_path}/g.sock"
     srv = subprocess.Popen(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eaas.runtime.transport.base import connect, listen
+from eaas.runtime.transport.factory import connect, listen
 from eaas.runtime.transport.nvshmem import (
     MembershipError,
     PeMembership,

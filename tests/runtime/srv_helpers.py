@@ -26,7 +26,7 @@ SEED = 7
 SPEC = "1:0-3;2:0-1"
 
 
-def _serve(endpoint, spec, hidden, inter, seed, dtype, metrics_port, window_us, pipe):
+def _serve(endpoint, spec, hidden, inter, seed, dtype, metrics_port, window_us, pipe, listener_kw):
     # First thing in a forked child: the parent's OpenMP pool does not survive fork; one thread
     # keeps torch from entering a parallel region (which can hang after fork).
     torch.set_num_threads(1)
@@ -36,7 +36,14 @@ def _serve(endpoint, spec, hidden, inter, seed, dtype, metrics_port, window_us, 
         start_http_server(metrics_port, addr="127.0.0.1")
     hosted = random_experts(parse_expert_spec(spec), hidden, inter, dtype, seed)
     server = ExpertServer(
-        endpoint, hosted, hidden, dtype, "s-test", batch_window_us=window_us, poll_timeout=0.05
+        endpoint,
+        hosted,
+        hidden,
+        dtype,
+        "s-test",
+        batch_window_us=window_us,
+        poll_timeout=0.05,
+        **listener_kw,
     )
     server.install_signal_handlers()
     pipe.send(("ready", server.endpoint))
@@ -90,12 +97,26 @@ def start_server(
     window_us: float = 0.0,
     hidden: int = HIDDEN,
     inter: int = INTER,
+    **listener_kw,
 ) -> ServerProc:
+    """Fork an expert server on ``endpoint``; ``listener_kw`` go to the transport listener
+    (e.g. ``send_timeout`` for tcp). Waits until it accepts connections."""
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe()
     p = ctx.Process(
         target=_serve,
-        args=(endpoint, spec, hidden, inter, SEED, dtype, metrics_port, window_us, child),
+        args=(
+            endpoint,
+            spec,
+            hidden,
+            inter,
+            SEED,
+            dtype,
+            metrics_port,
+            window_us,
+            child,
+            listener_kw,
+        ),
         daemon=True,
     )
     p.start()

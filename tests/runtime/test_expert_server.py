@@ -31,8 +31,8 @@ from eaas.runtime.transport.base import (
     STATUS_OK,
     RequestFrame,
     ResponseFrame,
-    connect,
 )
+from eaas.runtime.transport.factory import connect
 
 pytestmark = pytest.mark.timeout(90)
 

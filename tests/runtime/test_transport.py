@@ -17,8 +17,8 @@ from eaas.runtime.transport.base import (
     FrameError,
     PeerDeadError,
     RequestFrame,
-    connect,
 )
+from eaas.runtime.transport.factory import connect
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -100,10 +100,10 @@ def test_protocol_misuse_raises_frame_error(kind, tmp_path):
 @pytest.mark.parametrize("kind", ["unix", "tcp"])
 def test_connect_to_nothing_is_peer_dead(kind, tmp_path):
     ep = f"unix:{tmp_path}/none.sock" if kind == "unix" else "tcp://127.0.0.1:1"
-    t0 = time.monotonic()
+    # A refused connection is PeerDeadError at once; waiting out the (long) connect timeout
+    # would raise DeadlineExceeded instead.
     with pytest.raises(PeerDeadError):
-        connect(ep, "nobody", hidden_size=HIDDEN, dtype=torch.float32, connect_timeout=2)
-    assert time.monotonic() - t0 < 1.0
+        connect(ep, "nobody", hidden_size=HIDDEN, dtype=torch.float32, connect_timeout=30)
 
 
 @pytest.mark.parametrize("kind", ["unix", "tcp"])
@@ -115,13 +115,17 @@ def test_server_sigkill_mid_request_gives_peer_dead_fast(kind, tmp_path):
     os.kill(srv.pid, signal.SIGSTOP)  # the next request is surely in flight when it dies
     c.send(_frame(3, 1))
     os.kill(srv.pid, signal.SIGKILL)
-    t0 = time.monotonic()
+    # The server's death is seen on the socket (EOF), not by waiting out the deadline: that
+    # would raise DeadlineExceeded.
     with pytest.raises(PeerDeadError):
-        c.recv(time.monotonic() + 10)
-    assert time.monotonic() - t0 < 1.0
-    with pytest.raises(PeerDeadError):
-        c.send(_frame(1, 1)) if not c._outstanding else c.recv(time.monotonic() + 1)  # noqa: SLF001
+        c.recv(time.monotonic() + 60)
+    assert c.in_flight  # the request was never answered ...
+    with pytest.raises(PeerDeadError):  # ... and the connection stays dead
+        c.recv(time.monotonic() + 60)
     c.close()
+    assert not c.in_flight
+    with pytest.raises(PeerDeadError, match="closed"):
+        c.send(_frame(1, 1))
     srv.kill()
 
 
@@ -135,8 +139,9 @@ def test_stopped_server_hits_deadline_then_recovers(kind, tmp_path):
         c.send(f)
         t0 = time.monotonic()
         with pytest.raises(DeadlineExceeded):
-            c.recv(t0 + 0.3)
-        assert 0.25 < time.monotonic() - t0 < 1.0
+            c.recv(t0 + 2.0)
+        assert time.monotonic() - t0 >= 2.0  # the deadline was honoured, not cut short
+        assert c.in_flight
         os.kill(srv.pid, signal.SIGCONT)
         r = c.recv(time.monotonic() + 5)  # the late answer is still delivered
         assert r.status == STATUS_OK
@@ -180,7 +185,7 @@ def test_client_sigkill_does_not_disturb_server(kind, tmp_path):
     finally:
         stats = srv.stop()
     assert stats is not None and stats["errors"] == 0
-    assert wait_until(lambda: shm_entries() <= before, 2.0), shm_entries() - before
+    assert wait_until(lambda: shm_entries() <= before, 30.0), shm_entries() - before
 
 
 def test_no_shm_files_even_after_sigkill(tmp_path):
@@ -228,7 +233,11 @@ def _lazy_client(endpoint, hidden, ready):
 @pytest.mark.parametrize("kind", ["unix", "tcp"])
 def test_client_not_reading_does_not_stall_others(kind, tmp_path):
     hidden = 1024  # 4096 tokens x 4 KiB = 16 MiB response, more than the socket buffers hold
-    srv = start_server(_endpoint(kind, tmp_path), hidden=hidden)
+    # The server would drop the wedged client only after send_timeout; make that far longer
+    # than the other client's deadline, so a server loop stalled on the wedged client's
+    # socket shows up as DeadlineExceeded below instead of a late success.
+    listener_kw = {"send_timeout": 600.0} if kind == "tcp" else {}
+    srv = start_server(_endpoint(kind, tmp_path), hidden=hidden, **listener_kw)
     ctx = mp.get_context("fork")
     ready = ctx.Event()
     p = ctx.Process(target=_lazy_client, args=(srv.endpoint, hidden, ready), daemon=True)
@@ -237,7 +246,6 @@ def test_client_not_reading_does_not_stall_others(kind, tmp_path):
         assert ready.wait(20)
         c = connect(srv.endpoint, "s-test", hidden_size=hidden, dtype=torch.float32)
         for i in range(3):
-            t0 = time.monotonic()
             c.send(
                 RequestFrame(
                     1,
@@ -249,8 +257,9 @@ def test_client_not_reading_does_not_stall_others(kind, tmp_path):
                     torch.ones(2, 1),
                 )
             )
-            r = c.recv(t0 + 5)
-            assert r.status == STATUS_OK and time.monotonic() - t0 < 1.0
+            r = c.recv(time.monotonic() + 60)
+            assert r.status == STATUS_OK and r.seq == i
+        assert p.is_alive()  # the wedged client is still connected, still not reading
         c.close()
     finally:
         p.kill()

@@ -1,0 +1,90 @@
+"""The ``eaas`` command line as a user meets it: --version, --help, the operator's commands
+without torch (the operator image has none), a clear line for a missing extra, and text that
+cannot garble a terminal."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from eaas import __version__
+from eaas.text import printable
+
+pytestmark = pytest.mark.timeout(300)
+
+# Runs the CLI in a fresh interpreter where the named modules cannot be imported, and fails if
+# any heavy runtime module was imported anyway.
+BLOCKED = """
+import sys
+for name in {blocked!r}:
+    sys.modules[name] = None  # `import name` now raises ModuleNotFoundError
+sys.argv = ["eaas", *{argv!r}]
+from eaas.cli import main
+try:
+    main()
+finally:
+    heavy = sorted(m for m in ("torch", "transformers", "numpy", "safetensors") if sys.modules.get(m))
+    print("HEAVY:", ",".join(heavy), file=sys.stderr)
+"""
+
+
+def _run(argv: list[str], blocked: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    code = BLOCKED.format(blocked=list(blocked), argv=argv)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+
+
+def test_version():
+    r = subprocess.run(
+        [sys.executable, "-m", "eaas", "--version"], capture_output=True, text=True, timeout=240
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"eaas {__version__}"
+
+
+def test_help_gives_an_example_and_says_the_default_model_is_random():
+    r = _run(["--help"])
+    assert r.returncode == 0, r.stderr
+    assert "eaas serve" in r.stdout and "curl" in r.stdout and "second terminal" in r.stdout
+    assert "RANDOM" in r.stdout and "~/.cache/eaas/models/" in r.stdout
+
+
+def test_operator_commands_work_without_torch(tmp_path):
+    torchless = ("torch", "transformers", "safetensors", "tokenizers", "numpy", "fastapi")
+    r = _run(["crds", "--out", str(tmp_path)], blocked=torchless)
+    assert r.returncode == 0, r.stderr
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written and all(n.endswith(".yaml") for n in written), written
+    assert "HEAVY: \n" in r.stderr, r.stderr
+    for argv in (["operator", "--help"], ["testbed", "--help"], ["testbed", "env", "--help"]):
+        r = _run(argv, blocked=torchless)
+        assert r.returncode == 0, (argv, r.stderr)
+        assert "HEAVY: \n" in r.stderr, (argv, r.stderr)
+
+
+def test_missing_extra_names_the_extra(tmp_path):
+    r = _run(["serve", "--port", "1"], blocked=("torch",))
+    assert r.returncode == 1
+    assert "pip install 'eaas[runtime]'" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    r = _run(["crds", "--out", str(tmp_path)], blocked=("pydantic",))
+    assert r.returncode == 1
+    assert "'eaas[runtime] or eaas[operator]'" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    "raw, shown",
+    [
+        ("plain text, ünïcode", "plain text, ünïcode"),
+        ("a\rb", "a\\rb"),
+        ("page\x0cbreak", "page\\fbreak"),
+        ("nul\x00byte", "nul\\0byte"),
+        ("\x1b[2Jclear", "\\x1b[2Jclear"),
+        ("c1\x9bcsi", "c1\\x9bcsi"),
+        ("two\nlines\ttab", "two\nlines\ttab"),
+    ],
+)
+def test_printable_escapes_control_characters(raw, shown):
+    assert printable(raw) == shown
+    assert printable("a\nb\tc", keep_newlines=False) == "a\\nb\\tc"
