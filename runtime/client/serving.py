@@ -401,9 +401,12 @@ class OpenAIServer:
             offset += len(s)
             out.tokens.append(s)
             out.token_logprobs.append(ev.logprob)
-            top = {self.token_str(t): lp for t, lp in (ev.top_logprobs or [])[:k]}
+            top: dict[str, float] = {}
             if ev.logprob is not None:
-                top.setdefault(s, ev.logprob)
+                top[s] = ev.logprob
+            for t, lp in (ev.top_logprobs or [])[:k]:
+                # tokens that decode alike (e.g. partial UTF-8 bytes) share a key: keep the first
+                top.setdefault(self.token_str(t), lp)
             out.top_logprobs.append(top)
         return out
 
