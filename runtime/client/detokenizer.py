@@ -69,7 +69,7 @@ class IncrementalDetokenizer:
     def _step_text(self, token_id: int) -> str:
         """Text that ``token_id`` completes ("" while its bytes are incomplete)."""
         self._pending.append(token_id)
-        if self._stream is not None:
+        if self._stream is not None and self._backend is not None:
             out = self._stream.step(self._backend, token_id)
             if out is None:
                 return ""

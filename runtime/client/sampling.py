@@ -260,16 +260,13 @@ def sample(
     if raw_lp is not None:
         kmax = max(k for k in want_lp if k is not None)
         chosen = raw_lp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()  # (B,)
-        tv, ti = torch.topk(raw_lp, min(kmax, V), dim=-1) if kmax > 0 else (None, None)  # (B, kmax)
+        top_v, top_i = torch.topk(raw_lp, min(kmax, V), dim=-1)  # (B, kmax), kmax may be 0
+        tv, ti = top_v.tolist(), top_i.tolist()
         for b, k in enumerate(want_lp):
             if k is None:
                 continue
             lps[b] = chosen[b]
-            tops[b] = (
-                list(zip(ti[b, :k].tolist(), tv[b, :k].tolist(), strict=True))
-                if k > 0 and ti is not None
-                else []
-            )
+            tops[b] = list(zip(ti[b][:k], tv[b][:k], strict=True))
     return SampleOutput(token_ids, lps, tops)
 
 

@@ -104,7 +104,7 @@ class Prepared:
 class _Choice:
     index: int
     prompt: int
-    req: GenerationRequest | None = None
+    req: GenerationRequest
     events: list[TokenEvent] = field(default_factory=list)
     finish: str | None = None
     stop_reason: str | int | None = None
@@ -432,28 +432,27 @@ class OpenAIServer:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         n = len(prep.params)
-        choices = [
-            _Choice(index=p * n + i, prompt=p) for p in range(len(prep.prompts)) for i in range(n)
-        ]
-        for ch in choices:
+        choices: list[_Choice] = []
+        for p in range(len(prep.prompts)):
+            for i in range(n):
+                idx = len(choices)
 
-            def on_event(ev, _ch=ch) -> None:
-                loop.call_soon_threadsafe(q.put_nowait, (_ch, ev))
+                def on_event(ev, _idx=idx) -> None:
+                    loop.call_soon_threadsafe(q.put_nowait, (_idx, ev))
 
-            ch.req = self.engine.submit(
-                prep.prompts[ch.prompt], prep.params[ch.index % n], on_event
-            )
+                req = self.engine.submit(prep.prompts[p], prep.params[i], on_event)
+                choices.append(_Choice(index=idx, prompt=p, req=req))
         rid = ("chatcmpl-" if prep.chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         label = self.client_id
 
         def cancel_all() -> None:
             for ch in choices:
-                if ch.req is not None and not ch.req.done:
+                if not ch.req.done:
                     ch.req.cancel()
 
         def usage() -> UsageInfo:
-            pt = sum(len(p) for p in prep.prompts)
+            pt = sum(len(ids) for ids in prep.prompts)
             ct = sum(len(ch.req.output_ids) for ch in choices)
             return UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct)
 
@@ -473,15 +472,16 @@ class OpenAIServer:
                 log.debug("disconnect watcher stopped", exc_info=True)
                 return
             cancel_all()
-            q.put_nowait((None, _GONE))
+            q.put_nowait((-1, _GONE))
 
         watcher = asyncio.create_task(watch_disconnect())
         left = len(choices)
         try:
             while left:
-                ch, ev = await q.get()
+                idx, ev = await q.get()
                 if ev is _GONE:
                     raise _ClientGone()
+                ch = choices[idx]
                 if isinstance(ev, ErrorEvent):
                     cancel_all()
                     err = exc_error(ev.error)
@@ -581,7 +581,8 @@ class OpenAIServer:
             left = len(choices)
             first = {ch.index for ch in choices}
             while left:
-                ch, ev = await q.get()
+                idx, ev = await q.get()
+                ch = choices[idx]
                 if isinstance(ev, ErrorEvent):
                     cancel_all()
                     err = exc_error(ev.error)
