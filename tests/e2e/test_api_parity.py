@@ -479,3 +479,27 @@ def test_tokenizer_id_beyond_vocab_is_400(qwen3_clients):
             f"{c.base}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=120
         )
         assert ok.status_code == 200, ok.text
+
+
+def test_streamed_n_choices_with_usage(oai, model_name, prompt_ids, ref):
+    chunks = list(
+        oai.completions.create(
+            model=model_name,
+            prompt=prompt_ids,
+            max_tokens=12,
+            temperature=0,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    ids: dict[int, list[int]] = {0: [], 1: []}
+    finishes = {}
+    for c in chunks[:-1]:
+        (ch,) = c.choices
+        ids[ch.index].extend(ch.model_extra["token_ids"])
+        if ch.finish_reason is not None:
+            finishes[ch.index] = ch.finish_reason
+        assert c.usage is not None  # continuous usage stats: usage on every chunk
+    assert ids == {0: ref, 1: ref} and set(finishes) == {0, 1}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2 * len(ref)
