@@ -17,13 +17,15 @@ Scheduling (one iteration of the loop = one "step"):
    unbatched computation up to float summation order.
 4. Sleep on the admission queue only when nothing is waiting or running.
 
-Sampling: greedy (``argmax``) when ``temperature == 0``; otherwise softmax of ``logits /
-temperature`` restricted to the nucleus ``top_p``, drawn from a per-request ``torch.Generator``
-(seeded by ``seed`` when given, so a seeded request is reproducible).
+Sampling: one call per forward into :func:`eaas.runtime.client.sampling.sample` over all rows
+(logits processors, penalties, greedy / seeded sampling, logprobs); a seeded request draws from
+its own ``torch.Generator``, so it is reproducible whatever else is in the batch.
 
-Stops: an EOS token id of the tokenizer/model (unless ``ignore_eos``), ``max_tokens`` generated
-tokens, or one of the ``stop`` strings appearing in the generated text (the text is cut before
-it; streamed deltas hold back any suffix that could still become a stop string).
+Stops: an EOS token id of the tokenizer/model (unless ``ignore_eos``), a ``stop_token_ids`` id,
+``max_tokens`` generated tokens, or one of the ``stop`` strings appearing in the generated text.
+Text comes from an :class:`~eaas.runtime.client.detokenizer.IncrementalDetokenizer` per request
+(each token decoded once; the stop string is cut and streamed deltas hold back any suffix that
+could still become one).
 
 Failures: an exception in a forward (e.g. :class:`NoLiveReplicaError` from the dispatcher) fails
 exactly the requests of that forward (their caches may be half-updated) with an error event; the
@@ -44,29 +46,10 @@ from dataclasses import dataclass, field
 import torch
 
 from eaas.runtime import metrics
+from eaas.runtime.client.detokenizer import IncrementalDetokenizer
+from eaas.runtime.client.sampling import SampleOutput, SamplingParams, make_generator, sample
 
 log = logging.getLogger("eaas.client.engine")
-
-
-@dataclass
-class SamplingParams:
-    """How to generate.
-
-    Attributes:
-        max_tokens: tokens to generate at most (``>= 1``).
-        temperature: ``0`` = greedy; ``> 0`` = sampling.
-        top_p: nucleus mass in ``(0, 1]`` (sampling only).
-        seed: optional seed of the request's generator (sampling only).
-        stop: stop strings (not included in the output text).
-        ignore_eos: keep generating past EOS tokens (benchmarks, exact-length tests).
-    """
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: Sequence[str] = ()
-    ignore_eos: bool = False
 
 
 @dataclass
@@ -76,12 +59,19 @@ class TokenEvent:
     Attributes:
         token_id: the sampled token id.
         text: text delta to append (may be ``""`` while held back for detokenization/stops).
-        finish_reason: ``None`` while running; ``"stop"`` (EOS or stop string) or ``"length"``.
+        finish_reason: ``None`` while running; ``"stop"`` (EOS, stop token or stop string) or
+            ``"length"``.
+        logprob: raw logprob of ``token_id`` when the request asked for ``logprobs``.
+        top_logprobs: ``[(token_id, logprob)]`` of the ``logprobs`` most likely tokens.
+        stop_reason: the matched stop string or stop token id (``None`` for EOS / length).
     """
 
     token_id: int
     text: str
     finish_reason: str | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -120,7 +110,7 @@ class GenerationRequest:
     last_token_at: float | None = None
     _cancelled: threading.Event = field(default_factory=threading.Event)
     _generator: torch.Generator | None = None
-    _full_text: str = ""
+    _detok: IncrementalDetokenizer | None = None
 
     def cancel(self) -> None:
         """Abort (e.g. the HTTP client disconnected): the sequence leaves the batch next step."""
@@ -395,11 +385,12 @@ class Engine:
                 torch.arange(n).unsqueeze(0),
                 DynamicCache(),
             )
-            tok = self._sample(req, logits[0])
+            out = self._sample([req], logits)
         except Exception as exc:  # noqa: BLE001
             self._fail([req], exc)
             return
-        if self._emit(req, tok):
+        tok = out.token_ids[0]
+        if self._emit(req, tok, out.logprobs[0], out.top_logprobs[0]):
             return
         layers = [(layer.keys, layer.values) for layer in cache.layers]
         self._batch.add(req, layers, n, tok)
@@ -416,7 +407,8 @@ class Engine:
         try:
             cache = DynamicCache(ddp_cache_data=b.layers)
             logits, cache = self._forward(ids, mask, pos, cache)
-            toks = [self._sample(s, logits[i]) for i, s in enumerate(b.seqs)]
+            out = self._sample(b.seqs, logits)
+            toks = out.token_ids
         except Exception as exc:  # noqa: BLE001
             self._fail(list(b.seqs), exc)
             b.keep([])
@@ -426,7 +418,9 @@ class Engine:
         b.lengths = [n + 1 for n in b.lengths]
         b.next_tokens = toks
         rows = [
-            i for i, (s, t) in enumerate(zip(b.seqs, toks, strict=False)) if not self._emit(s, t)
+            i
+            for i, (s, t) in enumerate(zip(b.seqs, toks, strict=True))
+            if not self._emit(s, t, out.logprobs[i], out.top_logprobs[i])
         ]
         b.keep(rows)
 
@@ -440,26 +434,27 @@ class Engine:
             except Exception:  # noqa: BLE001
                 log.exception("event callback failed")
 
-    def _sample(self, req: GenerationRequest, logits: torch.Tensor) -> int:
-        """Pick the next token from ``logits`` (``[vocab]`` float32)."""
-        p = req.params
-        if p.temperature <= 0:
-            return int(torch.argmax(logits))
-        if req._generator is None:
-            req._generator = torch.Generator()
-            if p.seed is not None:
-                req._generator.manual_seed(int(p.seed))
-            else:
-                req._generator.seed()
-        probs = torch.softmax(logits / p.temperature, dim=-1)
-        if p.top_p < 1.0:
-            sp, si = torch.sort(probs, descending=True)
-            cum = torch.cumsum(sp, 0)
-            sp[(cum - sp) > p.top_p] = 0.0  # keep the smallest prefix whose mass reaches top_p
-            probs = torch.zeros_like(probs).scatter_(0, si, sp)
-        return int(torch.multinomial(probs, 1, generator=req._generator))
+    def _sample(self, reqs: list[GenerationRequest], logits: torch.Tensor) -> SampleOutput:
+        """One token per request from ``logits`` (``[B, vocab]`` float32), batched."""
+        for r in reqs:
+            if r._generator is None and r.params.seed is not None and r.params.temperature > 0:
+                r._generator = make_generator(r.params.seed)
+        return sample(
+            logits,
+            [r.params for r in reqs],
+            [r.prompt_ids for r in reqs],
+            [r.output_ids for r in reqs],
+            [r._generator for r in reqs],
+            self.eos_token_ids,
+        )
 
-    def _emit(self, req: GenerationRequest, tok: int) -> bool:
+    def _emit(
+        self,
+        req: GenerationRequest,
+        tok: int,
+        logprob: float | None = None,
+        top_logprobs: list[tuple[int, float]] | None = None,
+    ) -> bool:
         """Record ``tok``, deliver its event; return True when ``req`` finished."""
         now = time.monotonic()
         if req.last_token_at is None:
@@ -468,33 +463,34 @@ class Engine:
             metrics.ITL_SECONDS.observe(now - req.last_token_at)
         req.last_token_at = now
         p = req.params
+        if req._detok is None:
+            req._detok = IncrementalDetokenizer(
+                self.tokenizer,
+                skip_special_tokens=p.skip_special_tokens,
+                stop=p.stop,
+                include_stop_str_in_output=p.include_stop_str_in_output,
+                min_tokens=p.min_tokens,
+            )
         req.output_ids.append(tok)
+        stop_reason: str | int | None = None
+        stop_token = False
+        if tok in p.stop_token_ids:
+            stop_token, stop_reason = True, tok
+        elif not p.ignore_eos and tok in self.eos_token_ids:
+            stop_token = True
+        length = len(req.output_ids) >= p.max_tokens
+        delta, matched = req._detok.step(tok, stop_token=stop_token, final=length)
         finish = None
-        if not p.ignore_eos and tok in self.eos_token_ids:
+        if stop_token or matched is not None:
             finish = "stop"
-        full = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        if p.stop:
-            hits = [i for i in (full.find(s) for s in p.stop if s) if i >= 0]
-            if hits:
-                full = full[: min(hits)]
-                finish = "stop"
-        if finish is None and len(req.output_ids) >= p.max_tokens:
+            if matched is not None:
+                stop_reason = matched
+        elif length:
             finish = "length"
-        visible = full
-        if finish is None:
-            visible = visible.rstrip("\ufffd")  # incomplete multi-byte character
-            hold = 0
-            for s in p.stop:
-                for k in range(min(len(s) - 1, len(visible)), 0, -1):
-                    if visible.endswith(s[:k]):
-                        hold = max(hold, k)
-                        break
-            visible = visible[: len(visible) - hold]
-        delta = visible[len(req.text) :] if visible.startswith(req.text) else ""
         req.text += delta
         req.finish_reason = finish
         try:
-            req.on_event(TokenEvent(tok, delta, finish))
+            req.on_event(TokenEvent(tok, delta, finish, logprob, top_logprobs, stop_reason))
         except Exception:  # noqa: BLE001
             log.exception("event callback failed")
         return finish is not None

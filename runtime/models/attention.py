@@ -128,7 +128,7 @@ def load_attention_model(
 
     Returns:
         ``(model, tokenizer, info)``: the ``*ForCausalLM`` in eval mode, its tokenizer
-        (``AutoTokenizer``), and :class:`ModelInfo`. Callers run it under ``torch.no_grad()``.
+        (:func:`~eaas.runtime.models.tokenizer.load_tokenizer`: ``tokenizer.json`` wins), and :class:`ModelInfo`. Callers run it under ``torch.no_grad()``.
 
     With a factory, the routed experts' tensors are never read from disk nor allocated: the
     model is built on the meta device, the factory modules are installed, every other tensor is
@@ -140,11 +140,13 @@ def load_attention_model(
         TypeError: the factory returned something that is not an ``nn.Module``.
         RuntimeError: a tensor would be left on the meta device.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from eaas.runtime.models.tokenizer import load_tokenizer
 
     model_dir = Path(model_dir)
     info = read_model_info(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     if experts_factory is None:
         kw = (
             {}

@@ -1,0 +1,655 @@
+"""Serving logic of the OpenAI-compatible API: requests in, engine requests, responses out.
+
+:class:`OpenAIServer` turns a validated request body (:mod:`.protocol`) into engine requests
+(``n`` choices per prompt, each its own engine request; a seeded request's choice ``i`` uses seed
+``seed + i``), and the engine's token events into OpenAI responses or Server-Sent Event chunks.
+HTTP routing lives in :mod:`.api`; sampling in :mod:`.sampling`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from eaas.runtime import metrics
+from eaas.runtime.client.engine import Engine, ErrorEvent, GenerationRequest, TokenEvent
+from eaas.runtime.client.protocol import (
+    SEED_MAX,
+    SEED_MIN,
+    UNSUPPORTED,
+    APIError,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogProbs,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    TopLogprob,
+    UsageInfo,
+    _SamplingFields,
+    bad,
+    check_unsupported,
+    parse,
+)
+from eaas.runtime.client.sampling import SamplingParams
+
+log = logging.getLogger("eaas.client.api")
+
+DISCONNECT_POLL_S = 0.1
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected before the answer was ready."""
+
+
+_GONE = object()  # queued by the disconnect watcher of a non-streaming request
+
+
+def exc_error(exc: BaseException) -> APIError:
+    """The API error for an engine failure: 503 (retryable) when no replica is live, else 500."""
+    from eaas.runtime.client.dispatch import NoLiveReplicaError
+
+    if isinstance(exc, NoLiveReplicaError):
+        return APIError(503, f"{exc}; retry later", "service_unavailable", None, "no_live_replica")
+    return APIError(
+        500, f"internal error: {type(exc).__name__}: {exc}", "internal_error", None, None
+    )
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready for the engine.
+
+    Attributes:
+        prompts: token ids per prompt (one for chat).
+        echo_texts: per prompt, the text prepended to each choice (``echo``), or ``""``.
+        params: sampling parameters of choice ``i`` of each prompt (``n`` entries).
+        stream, include_usage, continuous_usage: the streaming options.
+        chat: chat completion (else text completion).
+        logprobs: ``None`` or the number of top logprobs per token.
+    """
+
+    prompts: list[list[int]]
+    echo_texts: list[str]
+    params: list[SamplingParams]
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    chat: bool
+    logprobs: int | None
+
+
+@dataclass
+class _Choice:
+    index: int
+    prompt: int
+    req: GenerationRequest
+    events: list[TokenEvent] = field(default_factory=list)
+    finish: str | None = None
+    stop_reason: str | int | None = None
+
+
+class OpenAIServer:
+    """State shared by the handlers.
+
+    Args:
+        engine: the running :class:`Engine`.
+        tokenizer: the model's tokenizer.
+        model_name: id served under ``/v1/models`` and accepted in ``model``.
+        max_context: ``max_position_embeddings`` (prompt + completion tokens limit).
+        vocab_size: valid token ids are ``[0, vocab_size)`` (the model's embedding rows).
+        client_id: label of this client (metrics, /health).
+        health_extra: callable returning extra /health fields (e.g. the dispatcher's view).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        model_name: str,
+        max_context: int,
+        vocab_size: int,
+        client_id: str,
+        health_extra=None,
+    ):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_context = int(max_context)
+        self.vocab_size = int(vocab_size)
+        self.client_id = str(client_id)
+        self.health_extra = health_extra
+        self.created = int(time.time())
+        self._token_strs: dict[int, str] = {}
+
+    # ---- validation -------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        """Raises: APIError 404 ``model_not_found`` for a model this server does not serve."""
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist; this server serves '{self.model_name}'",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        """Raises: APIError 400 when an id is outside ``[0, vocab_size)``."""
+        bad_ids = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad_ids:
+            raise bad(
+                f"'{param}' has token ids outside the model's vocabulary [0, {self.vocab_size}): "
+                f"{bad_ids[:5]}",
+                param,
+            )
+
+    def _params(
+        self, req: _SamplingFields, n_prompt: int, max_tokens: int | None, key: str, param: str
+    ) -> tuple[list[SamplingParams], int]:
+        room = self.max_context - n_prompt
+        if room <= 0:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_context} tokens; the prompt "
+                f"has {n_prompt} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            max_tokens = room
+        if n_prompt + max_tokens > self.max_context:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_context} tokens. However, you "
+                f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} "
+                "for the completion). Please reduce the prompt or max_tokens.",
+                param=key,
+                code="context_length_exceeded",
+            )
+        if req.min_tokens > max_tokens:
+            raise bad(
+                f"'min_tokens' ({req.min_tokens}) must be <= {key} ({max_tokens})", "min_tokens"
+            )
+        bias: dict[int, float] = {}
+        for k, v in (req.logit_bias or {}).items():
+            try:
+                t = int(k)
+            except ValueError:
+                raise bad(f"'logit_bias' keys must be token ids, got {k!r}", "logit_bias") from None
+            self.check_ids([t], "logit_bias")
+            bias[t] = float(v)
+        stop_ids = list(req.stop_token_ids or [])
+        self.check_ids(stop_ids, "stop_token_ids")
+        base = dict(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else float(req.temperature),
+            top_p=1.0 if req.top_p is None else float(req.top_p),
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            stop=req.stop_list(),
+            stop_token_ids=stop_ids,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=bias,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+        out = []
+        for i in range(req.n):
+            seed = None
+            if req.seed is not None:
+                seed = req.seed + i
+                if seed > SEED_MAX:  # wrap within torch's accepted range
+                    seed = seed - SEED_MAX - 1 + SEED_MIN
+            out.append(SamplingParams(seed=seed, **base))
+        return out, max_tokens
+
+    def prepare_completion(self, body: dict) -> Prepared:
+        """Validate a ``/v1/completions`` body. Raises: APIError (400 / 404)."""
+        check_unsupported(body)
+        req = parse(CompletionRequest, body)
+        self.check_model(req.model)
+        p = req.prompt
+        raw: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not raw:
+            raise bad("'prompt' must not be empty", "prompt")
+        prompts: list[list[int]] = []
+        echo_texts: list[str] = []
+        for i, item in enumerate(raw):
+            param = "prompt" if len(raw) == 1 else f"prompt[{i}]"
+            if isinstance(item, str):
+                if not item:
+                    raise bad(f"'{param}' must not be empty", param)
+                ids = list(self.tokenizer(item)["input_ids"])
+                text = item
+            else:
+                ids = list(item)
+                if not ids:
+                    raise bad(f"'{param}' must not be empty", param)
+                text = ""
+            if not ids:
+                raise bad(f"'{param}' tokenizes to zero tokens", param)
+            self.check_ids(ids, param)
+            if req.echo and not text:
+                text = self.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
+            prompts.append(ids)
+            echo_texts.append(text if req.echo else "")
+        if req.echo and req.logprobs is not None:
+            raise bad(
+                "'echo' with 'logprobs' needs prompt logprobs, which this server does not compute",
+                "echo",
+                "unsupported_parameter",
+            )
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        params: list[SamplingParams] = []
+        for ids in prompts:
+            ps, _ = self._params(req, len(ids), max_tokens, "max_tokens", "prompt")
+            params = ps  # identical per prompt apart from the length checks
+        for sp in params:
+            sp.logprobs = req.logprobs
+        so = req.stream_options
+        return Prepared(
+            prompts,
+            echo_texts,
+            params,
+            req.stream,
+            bool(so and so.include_usage),
+            bool(so and so.include_usage and so.continuous_usage_stats),
+            False,
+            req.logprobs,
+        )
+
+    def _messages(self, msgs: list, param: str = "messages") -> list[dict]:
+        norm = []
+        for i, m in enumerate(msgs):
+            content = m.content
+            if isinstance(content, list):
+                content = "".join(part.text for part in content)
+            elif content is None:
+                # OpenAI allows a null/missing content only on assistant messages (tool calls)
+                if m.role != "assistant":
+                    missing = "content" not in m.model_fields_set
+                    raise bad(
+                        f"'{param}[{i}].content' is {'missing' if missing else 'null'}; "
+                        f"{m.role} messages need a string or a list of text parts",
+                        f"{param}[{i}].content",
+                        "missing_required_parameter" if missing else "invalid_value",
+                    )
+                content = ""
+            if m.tool_calls or m.tool_call_id:
+                raise bad(
+                    "tool calls are not supported by this server",
+                    f"{param}[{i}].tool_calls" if m.tool_calls else f"{param}[{i}].tool_call_id",
+                    "unsupported_parameter",
+                )
+            d = {"role": m.role, "content": content}
+            if m.name is not None:
+                d["name"] = m.name
+            norm.append(d)
+        return norm
+
+    def prepare_chat(self, body: dict) -> Prepared:
+        """Validate a ``/v1/chat/completions`` body. Raises: APIError (400 / 404)."""
+        check_unsupported(body)
+        req = parse(ChatCompletionRequest, body)
+        self.check_model(req.model)
+        ids = self.render_chat(self._messages(req.messages))
+        self.check_ids(ids, "messages")
+        key = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params, _ = self._params(req, len(ids), mt, key, "messages")
+        lp = (req.top_logprobs or 0) if req.logprobs else None
+        for sp in params:
+            sp.logprobs = lp
+        so = req.stream_options
+        return Prepared(
+            [ids],
+            [""],
+            params,
+            req.stream,
+            bool(so and so.include_usage),
+            bool(so and so.include_usage and so.continuous_usage_stats),
+            True,
+            lp,
+        )
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` under the tokenizer's chat template (or a plain fallback)."""
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        else:  # plain fallback
+            text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+            if add_generation_prompt:
+                text += "<|assistant|>\n"
+            if getattr(tok, "bos_token", None):
+                text = tok.bos_token + text
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    # ---- tokenize / detokenize --------------------------------------------------------
+    def tokenize(self, body: dict) -> TokenizeResponse:
+        """``POST /tokenize``. Raises: APIError (400 / 404)."""
+        req = parse(TokenizeRequest, body)
+        self.check_model(req.model)
+        if req.messages is not None:
+            ids = self.render_chat(self._messages(req.messages), req.add_generation_prompt)
+            if req.add_special_tokens:
+                raise bad(
+                    "'add_special_tokens' with 'messages' is not supported (the chat template "
+                    "adds them)",
+                    "add_special_tokens",
+                    "unsupported_parameter",
+                )
+        else:
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = list(self.tokenizer(req.prompt, add_special_tokens=add)["input_ids"])
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return TokenizeResponse(
+            count=len(ids), max_model_len=self.max_context, tokens=ids, token_strs=strs
+        )
+
+    def detokenize(self, body: dict) -> DetokenizeResponse:
+        """``POST /detokenize``. Raises: APIError (400 / 404)."""
+        req = parse(DetokenizeRequest, body)
+        self.check_model(req.model)
+        self.check_ids(req.tokens, "tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+    # ---- generation -------------------------------------------------------------------
+    def token_str(self, token_id: int) -> str:
+        s = self._token_strs.get(token_id)
+        if s is None:
+            s = self.tokenizer.decode([token_id])
+            if len(self._token_strs) < 1_000_000:
+                self._token_strs[token_id] = s
+        return s
+
+    def completion_logprobs(
+        self, events: list[TokenEvent], offset: int, k: int
+    ) -> CompletionLogProbs:
+        out = CompletionLogProbs()
+        for ev in events:
+            s = self.token_str(ev.token_id)
+            out.text_offset.append(offset)
+            offset += len(s)
+            out.tokens.append(s)
+            out.token_logprobs.append(ev.logprob)
+            top: dict[str, float] = {}
+            if ev.logprob is not None:
+                top[s] = ev.logprob
+            for t, lp in (ev.top_logprobs or [])[:k]:
+                # tokens that decode alike (e.g. partial UTF-8 bytes) share a key: keep the first
+                top.setdefault(self.token_str(t), lp)
+            out.top_logprobs.append(top)
+        return out
+
+    def chat_logprobs(self, events: list[TokenEvent]) -> ChatLogProbs:
+        content = []
+        for ev in events:
+            s = self.token_str(ev.token_id)
+            tops = [
+                TopLogprob(
+                    token=self.token_str(t), logprob=lp, bytes=list(self.token_str(t).encode())
+                )
+                for t, lp in ev.top_logprobs or []
+            ]
+            content.append(
+                ChatTokenLogprob(
+                    token=s, logprob=ev.logprob, bytes=list(s.encode()), top_logprobs=tops
+                )
+            )
+        return ChatLogProbs(content=content)
+
+    async def generate(self, request: Request, prep: Prepared):
+        """Run ``prep`` on the engine; a JSON response, an SSE stream, or an error response."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        n = len(prep.params)
+        choices: list[_Choice] = []
+        for p in range(len(prep.prompts)):
+            for i in range(n):
+                idx = len(choices)
+
+                def on_event(ev, _idx=idx) -> None:
+                    loop.call_soon_threadsafe(q.put_nowait, (_idx, ev))
+
+                req = self.engine.submit(prep.prompts[p], prep.params[i], on_event)
+                choices.append(_Choice(index=idx, prompt=p, req=req))
+        rid = ("chatcmpl-" if prep.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        label = self.client_id
+
+        def cancel_all() -> None:
+            for ch in choices:
+                if not ch.req.done:
+                    ch.req.cancel()
+
+        def usage() -> UsageInfo:
+            pt = sum(len(ids) for ids in prep.prompts)
+            ct = sum(len(ch.req.output_ids) for ch in choices)
+            return UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct)
+
+        if prep.stream:
+            return StreamingResponse(
+                self._sse(prep, choices, q, rid, created, usage, cancel_all),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+
+        async def watch_disconnect() -> None:
+            # Polled on its own clock: while tokens keep arriving the event queue never idles.
+            try:
+                while not await request.is_disconnected():
+                    await asyncio.sleep(DISCONNECT_POLL_S)
+            except Exception:  # noqa: BLE001  (receive channel unusable: stop watching)
+                log.debug("disconnect watcher stopped", exc_info=True)
+                return
+            cancel_all()
+            q.put_nowait((-1, _GONE))
+
+        watcher = asyncio.create_task(watch_disconnect())
+        left = len(choices)
+        try:
+            while left:
+                idx, ev = await q.get()
+                if ev is _GONE:
+                    raise _ClientGone()
+                ch = choices[idx]
+                if isinstance(ev, ErrorEvent):
+                    cancel_all()
+                    err = exc_error(ev.error)
+                    metrics.REQUESTS.labels(client_id=label, status=str(err.status)).inc()
+                    return err.response()
+                ch.events.append(ev)
+                if ev.finish_reason is not None:
+                    ch.finish, ch.stop_reason = ev.finish_reason, ev.stop_reason
+                    left -= 1
+        except BaseException as exc:
+            cancel_all()
+            metrics.REQUESTS.labels(client_id=label, status="cancelled").inc()
+            if isinstance(exc, _ClientGone):
+                return Response(status_code=499)
+            raise
+        finally:
+            watcher.cancel()
+        metrics.REQUESTS.labels(client_id=label, status="200").inc()
+        if prep.chat:
+            return ChatCompletionResponse(
+                id=rid,
+                created=created,
+                model=self.model_name,
+                choices=[
+                    ChatChoice(
+                        index=ch.index,
+                        message=ChatMessageOut(content=ch.req.text),
+                        logprobs=self.chat_logprobs(ch.events)
+                        if prep.logprobs is not None
+                        else None,
+                        finish_reason=ch.finish,
+                        stop_reason=ch.stop_reason,
+                        token_ids=list(ch.req.output_ids),
+                    )
+                    for ch in choices
+                ],
+                usage=usage(),
+            ).model_dump()
+        return CompletionResponse(
+            id=rid,
+            created=created,
+            model=self.model_name,
+            choices=[
+                CompletionChoice(
+                    index=ch.index,
+                    text=prep.echo_texts[ch.prompt] + ch.req.text,
+                    logprobs=self.completion_logprobs(
+                        ch.events, len(prep.echo_texts[ch.prompt]), prep.logprobs
+                    )
+                    if prep.logprobs is not None
+                    else None,
+                    finish_reason=ch.finish,
+                    stop_reason=ch.stop_reason,
+                    token_ids=list(ch.req.output_ids),
+                )
+                for ch in choices
+            ],
+            usage=usage(),
+        ).model_dump()
+
+    async def _sse(self, prep, choices, q, rid, created, usage, cancel_all) -> AsyncIterator[str]:
+        label = self.client_id
+        status = "cancelled"
+
+        def data(obj: dict) -> str:
+            return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+        def dump(chunk) -> dict:
+            d = chunk.model_dump()
+            if prep.continuous_usage:
+                d["usage"] = usage().model_dump()
+            elif prep.include_usage:
+                d["usage"] = None
+            else:
+                d.pop("usage")
+            return d
+
+        offsets = {ch.index: len(prep.echo_texts[ch.prompt]) for ch in choices}
+        try:
+            if prep.chat:
+                for ch in choices:
+                    yield data(
+                        dump(
+                            ChatCompletionChunk(
+                                id=rid,
+                                created=created,
+                                model=self.model_name,
+                                choices=[
+                                    ChatChunkChoice(
+                                        index=ch.index,
+                                        delta=DeltaMessage(role="assistant", content=""),
+                                    )
+                                ],
+                            )
+                        )
+                    )
+            left = len(choices)
+            first = {ch.index for ch in choices}
+            while left:
+                idx, ev = await q.get()
+                ch = choices[idx]
+                if isinstance(ev, ErrorEvent):
+                    cancel_all()
+                    err = exc_error(ev.error)
+                    status = str(err.status)
+                    body = err.body()
+                    body["error"]["param"] = None
+                    yield data(body)
+                    yield "data: [DONE]\n\n"
+                    return
+                ch.events.append(ev)
+                if ev.finish_reason is not None:
+                    ch.finish, ch.stop_reason = ev.finish_reason, ev.stop_reason
+                    left -= 1
+                if prep.chat:
+                    chunk = ChatCompletionChunk(
+                        id=rid,
+                        created=created,
+                        model=self.model_name,
+                        choices=[
+                            ChatChunkChoice(
+                                index=ch.index,
+                                delta=DeltaMessage(content=ev.text),
+                                logprobs=self.chat_logprobs([ev])
+                                if prep.logprobs is not None
+                                else None,
+                                finish_reason=ev.finish_reason,
+                                stop_reason=ev.stop_reason,
+                                token_ids=[ev.token_id],
+                            )
+                        ],
+                    )
+                else:
+                    text = ev.text
+                    if ch.index in first:
+                        text = prep.echo_texts[ch.prompt] + text
+                    lp = None
+                    if prep.logprobs is not None:
+                        lp = self.completion_logprobs([ev], offsets[ch.index], prep.logprobs)
+                        offsets[ch.index] += len(self.token_str(ev.token_id))
+                    chunk = CompletionChunk(
+                        id=rid,
+                        created=created,
+                        model=self.model_name,
+                        choices=[
+                            CompletionChoice(
+                                index=ch.index,
+                                text=text,
+                                logprobs=lp,
+                                finish_reason=ev.finish_reason,
+                                stop_reason=ev.stop_reason,
+                                token_ids=[ev.token_id],
+                            )
+                        ],
+                    )
+                first.discard(ch.index)
+                yield data(dump(chunk))
+            if prep.include_usage:
+                cls = ChatCompletionChunk if prep.chat else CompletionChunk
+                final = cls(id=rid, created=created, model=self.model_name, choices=[])
+                d = final.model_dump()
+                d["usage"] = usage().model_dump()
+                yield data(d)
+            yield "data: [DONE]\n\n"
+            status = "200"
+        finally:
+            cancel_all()
+            metrics.REQUESTS.labels(client_id=label, status=status).inc()
+
+
+__all__ = ["OpenAIServer", "Prepared", "exc_error", "UNSUPPORTED"]

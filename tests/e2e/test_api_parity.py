@@ -1,0 +1,505 @@
+"""OpenAI API parity with vLLM's server, through a real ``eaas serve`` (2 expert servers) and the
+official ``openai`` client; bad input found as a new user would, each followed by a request that
+succeeds; tokenizer loading of Qwen3-MoE checkpoints through a real ``eaas attention-client``.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from e2e_helpers import free_port, start_serve
+
+from eaas.runtime.client.sampling import SamplingParams, apply_penalties
+from eaas.runtime.models.reference import reference_generate, reference_logits
+
+pytestmark = [pytest.mark.e2e, pytest.mark.engine]
+
+PROMPT = "The expert server hosts a set of experts and"
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    sp = start_serve(tmp_path_factory, "serve-parity", ["--expert-servers", "2", "--replicas", "1"])
+    yield sp
+    sp.stop(check=True)
+
+
+@pytest.fixture(scope="module")
+def model_name(deployment):
+    return httpx.get(f"{deployment.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def oai(deployment):
+    c = openai.OpenAI(
+        base_url=f"{deployment.base_url}/v1", api_key="unused", max_retries=0, timeout=120
+    )
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    return tokenizer(PROMPT)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def ref(model_dir, prompt_ids):
+    return reference_generate(model_dir, [prompt_ids], 12)[0]
+
+
+def _ok(deployment, model_name):
+    """A request that succeeds (the server keeps serving after a bad one)."""
+    r = httpx.post(
+        f"{deployment.base_url}/v1/completions",
+        json={"model": model_name, "prompt": "Hello", "max_tokens": 2, "temperature": 0},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["token_ids"]) >= 1
+
+
+def _post(deployment, path, body):
+    return httpx.post(f"{deployment.base_url}{path}", json=body, timeout=120)
+
+
+# ---- n, seeds, echo ------------------------------------------------------------------------------
+def test_n_choices_with_derived_seeds(oai, model_name, prompt_ids):
+    kw = dict(
+        model=model_name,
+        prompt=prompt_ids,
+        max_tokens=6,
+        temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )
+    r = oai.completions.create(n=3, seed=11, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    ids = [c.model_extra["token_ids"] for c in r.choices]
+    assert all(len(x) == 6 for x in ids)
+    # choice i is the n=1 request with seed + i
+    for i in range(3):
+        one = oai.completions.create(seed=11 + i, **kw)
+        assert one.choices[0].model_extra["token_ids"] == ids[i]
+    assert len({tuple(x) for x in ids}) > 1
+    assert r.usage.completion_tokens == 18 and r.usage.prompt_tokens == len(prompt_ids)
+
+
+def test_n_greedy_chat_and_batched_prompts(oai, model_name, deployment, prompt_ids, ref):
+    r = oai.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Hi"}],
+        n=2,
+        max_tokens=4,
+        temperature=0,
+    )
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].message.content == r.choices[1].message.content
+    b = oai.completions.create(
+        model=model_name, prompt=[prompt_ids, prompt_ids[:3]], max_tokens=12, temperature=0
+    )
+    assert len(b.choices) == 2 and b.choices[0].model_extra["token_ids"] == ref
+
+
+def test_echo_prepends_the_prompt(oai, model_name, tokenizer, prompt_ids, ref):
+    r = oai.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=12, temperature=0, echo=True
+    )
+    assert r.choices[0].text == PROMPT + tokenizer.decode(ref, skip_special_tokens=True)
+    s = oai.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=12, temperature=0, echo=True, stream=True
+    )
+    assert "".join(c.choices[0].text for c in s) == r.choices[0].text
+
+
+# ---- logprobs ------------------------------------------------------------------------------------
+def test_completion_logprobs_equal_the_reference(
+    oai, model_name, model_dir, prompt_ids, ref, tokenizer
+):
+    r = oai.completions.create(
+        model=model_name, prompt=prompt_ids, max_tokens=12, temperature=0, logprobs=3
+    )
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ref)
+    logits = reference_logits(model_dir, prompt_ids + ref)  # (T, V)
+    want = torch.log_softmax(logits[len(prompt_ids) - 1 : -1], -1)  # (n, V)
+    for i, t in enumerate(ref):
+        assert lp.token_logprobs[i] == pytest.approx(float(want[i, t]), abs=1e-3)
+        assert lp.tokens[i] == tokenizer.decode([t])
+        top = lp.top_logprobs[i]
+        assert top[lp.tokens[i]] == pytest.approx(lp.token_logprobs[i])
+        assert 1 <= len(top) <= 4 and max(top.values()) == pytest.approx(lp.token_logprobs[i])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+def test_chat_logprobs_and_top_logprobs(oai, model_name):
+    r = oai.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Name an expert."}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 2
+        assert item.top_logprobs[0].token == item.token  # greedy: the most likely token
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)
+        assert item.bytes == list(item.token.encode())
+    s = oai.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Name an expert."}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        stream=True,
+    )
+    streamed = [c.choices[0].logprobs.content[0].token for c in s if c.choices[0].logprobs]
+    assert streamed == [x.token for x in content]
+
+
+# ---- logits processors ---------------------------------------------------------------------------
+def test_penalties_follow_the_reference_step_by_step(oai, model_name, model_dir, prompt_ids):
+    p = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.8, presence_penalty=0.4)
+    out: list[int] = []
+    for _ in range(8):
+        logits = reference_logits(model_dir, prompt_ids + out)[-1:]  # (1, V)
+        out.append(int(apply_penalties(logits, [p], [prompt_ids], [out]).argmax()))
+    r = oai.completions.create(
+        model=model_name,
+        prompt=prompt_ids,
+        max_tokens=8,
+        temperature=0,
+        presence_penalty=0.4,
+        frequency_penalty=0.8,
+        extra_body={"repetition_penalty": 1.3, "ignore_eos": True},
+    )
+    assert r.choices[0].model_extra["token_ids"] == out
+
+
+def test_logit_bias_top_k_min_p(oai, model_name, prompt_ids, ref):
+    r = oai.completions.create(
+        model=model_name, prompt=prompt_ids, max_tokens=4, temperature=0, logit_bias={"77": 100}
+    )
+    assert r.choices[0].model_extra["token_ids"] == [77] * 4
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):
+        s = oai.completions.create(
+            model=model_name,
+            prompt=prompt_ids,
+            max_tokens=12,
+            temperature=1.5,
+            seed=3,
+            extra_body=extra,
+        )
+        assert s.choices[0].model_extra["token_ids"] == ref, extra  # only the top token survives
+
+
+def test_stop_token_ids_and_include_stop_str(oai, model_name, prompt_ids, ref, tokenizer):
+    j = 3
+    stop_id = ref[j]
+    j = ref.index(stop_id)
+    for include in (False, True):
+        r = oai.completions.create(
+            model=model_name,
+            prompt=prompt_ids,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"stop_token_ids": [stop_id], "include_stop_str_in_output": include},
+        )
+        ch = r.choices[0]
+        assert ch.model_extra["token_ids"] == ref[: j + 1]
+        assert ch.finish_reason == "stop" and ch.model_extra["stop_reason"] == stop_id
+        assert ch.text == tokenizer.decode(ref[: j + 1 if include else j], skip_special_tokens=True)
+    full = tokenizer.decode(ref, skip_special_tokens=True)
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    for include in (False, True):
+        r = oai.completions.create(
+            model=model_name,
+            prompt=prompt_ids,
+            max_tokens=12,
+            temperature=0,
+            stop=[stop],
+            extra_body={"include_stop_str_in_output": include},
+        )
+        cut = full.index(stop) + (len(stop) if include else 0)
+        assert r.choices[0].text == full[:cut]
+        assert r.choices[0].model_extra["stop_reason"] == stop
+
+
+def test_min_tokens_defers_stop_tokens(oai, model_name, prompt_ids, ref):
+    r = oai.completions.create(
+        model=model_name,
+        prompt=prompt_ids,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"stop_token_ids": [ref[0]], "min_tokens": 4},
+    )
+    ids = r.choices[0].model_extra["token_ids"]
+    assert len(ids) >= 4 and ref[0] not in ids[:4]
+
+
+def test_skip_special_tokens(oai, model_name, tokenizer):
+    pad = tokenizer.convert_tokens_to_ids("<|pad|>")
+    texts = {}
+    for skip in (True, False):
+        r = oai.completions.create(
+            model=model_name,
+            prompt="Hi",
+            max_tokens=2,
+            temperature=0,
+            logit_bias={str(pad): 100},
+            extra_body={"skip_special_tokens": skip, "ignore_eos": True},
+        )
+        assert r.choices[0].model_extra["token_ids"] == [pad, pad]
+        texts[skip] = r.choices[0].text
+    assert texts == {True: "", False: "<|pad|><|pad|>"}
+
+
+# ---- streaming usage -----------------------------------------------------------------------------
+def test_stream_include_usage(oai, model_name, deployment):
+    chunks = list(
+        oai.chat.completions.create(
+            model=model_name,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=3,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    assert all(c.usage is None for c in chunks[:-1])
+    with pytest.raises(openai.BadRequestError) as ei:  # stream_options without stream
+        oai.completions.create(
+            model=model_name, prompt="Hi", max_tokens=2, stream_options={"include_usage": True}
+        )
+    assert ei.value.body["param"] == "stream_options"
+    _ok(deployment, model_name)
+
+
+# ---- tokenize / detokenize / version -------------------------------------------------------------
+def test_tokenize_detokenize_version(deployment, model_name, tokenizer):
+    r = _post(deployment, "/tokenize", {"model": model_name, "prompt": PROMPT}).json()
+    assert r["tokens"] == tokenizer(PROMPT)["input_ids"] and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] > 0
+    msgs = [{"role": "user", "content": "Hi"}]
+    c = _post(deployment, "/tokenize", {"model": model_name, "messages": msgs}).json()
+    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert c["tokens"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    d = _post(deployment, "/detokenize", {"model": model_name, "tokens": r["tokens"]}).json()
+    assert d["prompt"] == tokenizer.decode(r["tokens"])
+    bad = _post(deployment, "/detokenize", {"model": model_name, "tokens": [10**6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    v = httpx.get(f"{deployment.base_url}/version", timeout=10).json()
+    assert v["version"] and v["version"] != "unknown"
+
+
+# ---- bad input: 400/404 naming the field, then a request that succeeds ---------------------------
+BAD = {
+    "tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", 400),
+    "response_format": ({"response_format": {"type": "json_object"}}, "response_format", 400),
+    "suffix": ({"suffix": "end"}, "suffix", 400),
+    "best_of": ({"best_of": 3}, "best_of", 400),
+    "unknown_field": ({"frobnicate": 1}, "frobnicate", 400),
+    "stream_options_no_stream": (
+        {"stream_options": {"include_usage": True}},
+        "stream_options",
+        400,
+    ),
+    "max_tokens_0_with_max_completion_tokens": (
+        {"max_tokens": 0, "max_completion_tokens": 4},
+        "max_tokens",
+        400,
+    ),
+    "max_tokens_and_max_completion_tokens_disagree": (
+        {"max_tokens": 3, "max_completion_tokens": 4},
+        "max_tokens",
+        400,
+    ),
+    "top_logprobs_without_logprobs": ({"top_logprobs": 2}, "top_logprobs", 400),
+    "logit_bias_out_of_vocab": ({"logit_bias": {"100000": 1}}, "logit_bias", 400),
+    "logit_bias_too_big": ({"logit_bias": {"5": 101}}, "logit_bias.5", 400),
+    "stop_token_ids_out_of_vocab": ({"stop_token_ids": [100000]}, "stop_token_ids", 400),
+    "min_tokens_above_max": ({"min_tokens": 9, "max_tokens": 4}, "min_tokens", 400),
+    "top_k_below_minus_one": ({"top_k": -2}, "top_k", 400),
+    "min_p_above_one": ({"min_p": 1.5}, "min_p", 400),
+    "repetition_penalty_zero": ({"repetition_penalty": 0}, "repetition_penalty", 400),
+    "presence_penalty_range": ({"presence_penalty": 3}, "presence_penalty", 400),
+    "unknown_model": ({"model": "gpt-17"}, "model", 404),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_chat_field_is_rejected_by_name(deployment, model_name, case):
+    extra, param, status = BAD[case]
+    body = {"model": model_name, "messages": [{"role": "user", "content": "Hi"}], **extra}
+    r = _post(deployment, "/v1/chat/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    if status == 404:
+        assert err["code"] == "model_not_found"
+    _ok(deployment, model_name)
+
+
+def test_completion_only_bad_fields(deployment, model_name, oai):
+    r = _post(
+        deployment,
+        "/v1/completions",
+        {"model": model_name, "prompt": "Hi", "echo": True, "logprobs": 1},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="gpt-17", prompt="Hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as ei:
+        oai.completions.create(model=model_name, prompt="Hi", max_tokens=2, suffix="x")
+    assert ei.value.body["param"] == "suffix"
+    _ok(deployment, model_name)
+
+
+# ---- Qwen3-MoE checkpoints: tokenizer.json wins; ids beyond the vocabulary are a 400 -------------
+def _qwen3(d: Path, tiny_dir: str, extra_token: bool) -> Path:
+    from tokenizers import Tokenizer
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(1)
+    cfg = Qwen3MoeConfig(
+        vocab_size=922,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+    )
+    Qwen3MoeForCausalLM(cfg).save_pretrained(d)
+    tok = Tokenizer.from_file(str(Path(tiny_dir) / "tokenizer.json"))
+    if extra_token:
+        tok.add_special_tokens(["<|endoftext|>"])  # id 922 == vocab_size: no embedding row
+        assert tok.token_to_id("<|endoftext|>") == 922
+    tok.save(str(d / "tokenizer.json"))
+    return d
+
+
+class _Client:
+    def __init__(self, model: Path, log: Path):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self._log = open(log, "wb")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "eaas",
+                "attention-client",
+                "--local-experts",
+                "--model",
+                str(model),
+                "--port",
+                str(self.port),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
+        line = self.proc.stdout.readline()
+        assert " ready on " in line, (line, log.read_text()[-2000:])
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def qwen3_clients(tmp_path_factory, model_dir):
+    base = tmp_path_factory.mktemp("qwen3")
+    only_file = _qwen3(base / "only-tokenizer-json", model_dir, extra_token=False)
+    extra = _qwen3(base / "endoftext-922", model_dir, extra_token=True)
+    assert sorted(p.name for p in only_file.iterdir() if p.name.startswith("tokenizer")) == [
+        "tokenizer.json"
+    ]
+    clients = {
+        "only_file": _Client(only_file, base / "a.log"),
+        "extra": _Client(extra, base / "b.log"),
+    }
+    yield clients, only_file
+    for c in clients.values():
+        c.stop()
+
+
+def test_tokenizer_json_wins_over_qwen_class(qwen3_clients):
+    from tokenizers import Tokenizer
+
+    clients, d = qwen3_clients
+    c = clients["only_file"]
+    want = Tokenizer.from_file(str(d / "tokenizer.json")).encode("1 2 3 4 5").ids
+    assert len(want) == 6
+    r = httpx.post(f"{c.base}/tokenize", json={"prompt": "1 2 3 4 5"}, timeout=60).json()
+    assert r["tokens"] == want
+    g = httpx.post(
+        f"{c.base}/v1/completions", json={"prompt": "1 2 3 4 5", "max_tokens": 2}, timeout=120
+    )
+    assert g.status_code == 200 and g.json()["usage"]["prompt_tokens"] == 6
+
+
+def test_tokenizer_id_beyond_vocab_is_400(qwen3_clients):
+    c = qwen3_clients[0]["extra"]
+    for path, body, param in (
+        ("/v1/completions", {"prompt": "Hello <|endoftext|>", "max_tokens": 2}, "prompt"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi <|endoftext|>"}], "max_tokens": 2},
+            "messages",
+        ),
+    ):
+        r = httpx.post(f"{c.base}{path}", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and "922" in err["message"]
+        ok = httpx.post(
+            f"{c.base}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=120
+        )
+        assert ok.status_code == 200, ok.text
+
+
+def test_streamed_n_choices_with_usage(oai, model_name, prompt_ids, ref):
+    chunks = list(
+        oai.completions.create(
+            model=model_name,
+            prompt=prompt_ids,
+            max_tokens=12,
+            temperature=0,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    ids: dict[int, list[int]] = {0: [], 1: []}
+    finishes = {}
+    for c in chunks[:-1]:
+        (ch,) = c.choices
+        ids[ch.index].extend(ch.model_extra["token_ids"])
+        if ch.finish_reason is not None:
+            finishes[ch.index] = ch.finish_reason
+        assert c.usage is not None  # continuous usage stats: usage on every chunk
+    assert ids == {0: ref, 1: ref} and set(finishes) == {0, 1}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2 * len(ref)
