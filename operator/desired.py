@@ -53,13 +53,17 @@ from eaas.operator.pool_placement import (
 )
 from eaas.operator.status import invalid_spec_status, pool_status, set_condition
 from eaas.operator.table import (
+    CONFIGMAP_DATA_LIMIT,
     build_routing_table,
+    configmap_too_large,
     coverage,
     next_routing_table,
     routing_table_configmap,
 )
 
 __all__ = [
+    "CONFIGMAP_DATA_LIMIT",
+    "configmap_too_large",
     "CLIENT_ROLE",
     "GPU_RESOURCE",
     "LOAD_KEY",

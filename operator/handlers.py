@@ -57,6 +57,7 @@ from eaas.operator.desired import (
     ObservedPod,
     Owner,
     compute_placement,
+    configmap_too_large,
     desired_server_pods,
     expert_load_configmap_name,
     fleet_deployment,
@@ -444,7 +445,7 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: logg
 
     deleted = {n for n, _, _ in plan.delete}
     live = [p for p in observed if p.live and p.name not in deleted]
-    table = _publish_table(state, core, body, owner, spec, live, old_status, logger)
+    table, table_error = _publish_table(state, core, body, owner, spec, live, old_status, logger)
 
     status = pool_status(
         owner=owner,
@@ -456,6 +457,7 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: logg
         table=table,
         old_conditions=old_conditions,
         now=_now(),
+        table_error=table_error,
     )
     if _write_status(custom, namespace, name, old_status, status):
         was = {c.get("type"): c.get("status") for c in old_conditions}
@@ -506,8 +508,10 @@ def _publish_table(
     live: list[ObservedPod],
     old_status: dict[str, Any],
     logger: logging.Logger,
-) -> RoutingTable:
-    """Create or update the routing-table ConfigMap if the live set changed; return the table in force."""
+) -> tuple[RoutingTable, str]:
+    """Create or update the routing-table ConfigMap if the live set changed. Returns the table
+    in force and, when the new table cannot be stored (too large), why (a Warning event says it
+    too; the previous table stays in force)."""
     cm_name = table_configmap_name(owner.name)
     try:
         cm = _raw(core.read_namespaced_config_map, cm_name, owner.namespace)
@@ -528,8 +532,12 @@ def _publish_table(
             logger.warning("ConfigMap %s holds no valid routing table; rewriting it", cm_name)
     table, changed = next_routing_table(spec, live, previous, floor)
     if not changed and cm is not None:
-        return table
+        return table, ""
     manifest = routing_table_configmap(owner, table)
+    too_large = configmap_too_large(manifest)
+    if too_large:
+        _event(body, "RoutingTableTooLarge", too_large, warning=True)
+        return (previous or table), too_large
     if cm is None:
         written = _raw(core.create_namespaced_config_map, owner.namespace, manifest)
     else:
@@ -544,7 +552,7 @@ def _publish_table(
         f"routing table version {table.version}: {len(table.servers)} live servers, "
         f"{len(table.uncovered())} uncovered experts",
     )
-    return table
+    return table, ""
 
 
 def _write_status(

@@ -37,8 +37,11 @@ def pool_status(
     table: RoutingTable,
     old_conditions: Sequence[Mapping[str, Any]],
     now: str,
+    table_error: str = "",
 ) -> dict[str, Any]:
     """The pool's ``status`` (camelCase dict) after one reconcile step.
+
+    ``table_error``: why the newest routing table could not be stored (e.g. too large), if so.
 
     Conditions:
 
@@ -46,8 +49,9 @@ def pool_status(
       has ``redundancy`` live replicas in the published table.
     * ``Progressing``: True while pods are created, replaced, removed or not yet Ready
       (reasons ScalingUp, ScalingDown, RePlacing, WaitingForServers); False/Reconciled when done.
-    * ``Degraded``: True if some expert has no live replica (ExpertsUncovered), fewer than
-      ``redundancy`` (BelowRedundancy), or a server pod failed (ServerFailed).
+    * ``Degraded``: True if some expert has no live replica (ExpertsUncovered), the routing table
+      cannot be stored (RoutingTableTooLarge), fewer than ``redundancy`` (BelowRedundancy), or a
+      server pod failed (ServerFailed).
     * ``ReplicasSpread``: True when every expert's live replicas span ``redundancy`` nodes (a
       node failure leaves every expert a replica); False with TooFewNodes or SharedNode.
     """
@@ -123,6 +127,8 @@ def pool_status(
             "ExpertsUncovered",
             f"{uncovered}/{total} logical experts have no live replica",
         )
+    elif table_error:
+        deg = ("True", "RoutingTableTooLarge", table_error)
     elif failed:
         deg = ("True", "ServerFailed", f"expert server pod(s) failed: {', '.join(sorted(failed))}")
     elif below:

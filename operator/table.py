@@ -77,8 +77,24 @@ def routing_table_configmap(owner: Owner, table: RoutingTable) -> dict[str, Any]
             "annotations": {ANNOTATION_TABLE_VERSION: str(table.version)},
             "ownerReferences": [owner.reference()],
         },
-        "data": {TABLE_KEY: table.to_json()},
+        "data": {TABLE_KEY: table.to_wire()},
     }
+
+
+#: Bytes of ConfigMap data the operator writes at most: the API server's 1 MiB object limit
+#: less room for metadata.
+CONFIGMAP_DATA_LIMIT = 1024 * 1024 - 32 * 1024
+
+
+def configmap_too_large(manifest: dict[str, Any]) -> str:
+    """A message when the ConfigMap's data exceeds :data:`CONFIGMAP_DATA_LIMIT`, else ``""``."""
+    size = sum(len(v.encode()) for v in (manifest.get("data") or {}).values())
+    if size <= CONFIGMAP_DATA_LIMIT:
+        return ""
+    return (
+        f"routing table is {size} bytes even in compact form; a ConfigMap holds at most "
+        f"{CONFIGMAP_DATA_LIMIT} bytes of data: the previous table stays in force"
+    )
 
 
 def coverage(table: RoutingTable, redundancy: int) -> tuple[int, int, int]:

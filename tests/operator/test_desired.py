@@ -628,3 +628,37 @@ def test_pods_on_a_dead_node_leave_the_table():
     assert "tiny-0" not in t.servers
     plan = plan_pods(pods, live, max_unavailable=1)
     assert not plan.delete and not plan.create  # not replaced: the node may come back
+
+
+def test_routing_table_too_large_is_reported():
+    from eaas.operator.desired import (
+        CONFIGMAP_DATA_LIMIT,
+        configmap_too_large,
+        routing_table_configmap,
+    )
+
+    spec = make_spec()
+    placement, pods = desired_for(spec)
+    live = observed_from(pods)
+    table, _ = next_routing_table(spec, live, None)
+    cm = routing_table_configmap(OWNER, table)
+    assert configmap_too_large(cm) == ""
+    huge = {**cm, "data": {"routing-table.json": "x" * (CONFIGMAP_DATA_LIMIT + 1)}}
+    msg = configmap_too_large(huge)
+    assert "at most" in msg and str(CONFIGMAP_DATA_LIMIT + 1) in msg
+    st = pool_status(
+        owner=OWNER,
+        spec=spec,
+        placement=placement,
+        revision="r",
+        observed=live,
+        plan=PodPlan(),
+        table=table,
+        old_conditions=[],
+        now="T",
+        table_error=msg,
+    )
+    cond = {c["type"]: c for c in st["conditions"]}
+    assert cond["Degraded"]["status"] == "True"
+    assert cond["Degraded"]["reason"] == "RoutingTableTooLarge"
+    assert cond["ReplicasSpread"]["status"] == "True"
