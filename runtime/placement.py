@@ -277,7 +277,8 @@ def place_experts(
         spread_ok &= ok
         for s, experts in enumerate(servers):
             total[s] += len(experts)
-            hosted[s].extend((layer, e) for e in experts)
+            if experts:
+                hosted[s] += [(layer, e) for e in experts]
     return Placement(
         layers=layers,
         num_experts=num_experts,
@@ -406,7 +407,7 @@ def _place_layer(
                 where[e].remove(s)
                 drops[s] += 1
     # 2c. two replicas of one expert in one domain while another domain is free of it
-    if num_domains > 1:
+    if 1 < num_domains < n:  # one server per domain: distinct servers are distinct domains
         for e in sorted(where):
             ds: dict[int, list[int]] = {}
             for s in where[e]:
@@ -417,8 +418,9 @@ def _place_layer(
                         hold[s].discard(e)
                         where[e].remove(s)
                         drops[s] += 1
-    for s in range(n):
-        changes[s] += drops[s]
+    for s, d in enumerate(drops):
+        if d:
+            changes[s] += d
 
     # 3. place missing replicas, hottest first, LPT over servers with a free slot
     load = [sum(rep_load[e] for e in h) for h in hold]
