@@ -232,7 +232,7 @@ async def _loop(
 # settings
 # ---------------------------------------------------------------------------------------------
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     """Operator-wide kopf settings (annotation-based persistence, standalone, quick watches) and
     the operator's in-memory state in the root ``memo``."""
     memo.eaas = OperatorState.from_env()
@@ -258,7 +258,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 @kopf.on.update(GROUP, VERSION, POOLS, field="spec")
 @kopf.on.resume(GROUP, VERSION, POOLS)
 async def pool_spec_changed(
-    body: kopf.Body, namespace: str, name: str, reason: str, memo: kopf.Memo, **_: Any
+    body: kopf.Body, namespace: str, name: str, reason: str, memo: Any, **_: Any
 ) -> None:
     """Announce the placement inputs for the new spec (as an Event) and wake the pool's daemon.
     The placement itself is computed by the daemon, incrementally from the pods."""
@@ -289,14 +289,14 @@ async def pool_spec_changed(
 
 @kopf.daemon(GROUP, VERSION, POOLS, cancellation_timeout=5)
 async def pool_daemon(
-    namespace: str, name: str, stopped: Any, logger: logging.Logger, memo: kopf.Memo, **_: Any
+    namespace: str, name: str, stopped: Any, logger: logging.Logger, memo: Any, **_: Any
 ) -> None:
     """Reconcile the pool now, on every wakeup and every ``resync_s`` seconds."""
     await _loop(_state(memo), "pool", namespace, name, stopped, reconcile_pool, logger)
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_POOL: kopf.PRESENT, LABEL_ROLE: SERVER_ROLE})
-async def server_pod_event(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+async def server_pod_event(namespace: str, labels: kopf.Labels, memo: Any, **_: Any) -> None:
     """Any change of an expert-server pod (readiness, IP, deletion) wakes its pool."""
     _state(memo).wake("pool", namespace, labels[LABEL_POOL])
 
@@ -317,9 +317,7 @@ def _parse_table(state: OperatorState, namespace: str, cm: dict[str, Any]) -> Ro
 
 
 @kopf.on.event("", "v1", "nodes")
-async def node_event(
-    name: str, status: kopf.Status, type: str | None, memo: kopf.Memo, **_: Any
-) -> None:
+async def node_event(name: str, status: kopf.Status, type: str | None, memo: Any, **_: Any) -> None:
     """Track node readiness. A node going NotReady (or Unknown: its kubelet stopped reporting)
     takes its expert servers out of the routing tables at once, long before their pods are
     evicted; every pool is woken when a node's readiness flips."""
@@ -578,14 +576,14 @@ def _write_status(
 @kopf.on.create(GROUP, VERSION, FLEETS)
 @kopf.on.update(GROUP, VERSION, FLEETS, field="spec")
 @kopf.on.resume(GROUP, VERSION, FLEETS)
-async def fleet_spec_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def fleet_spec_changed(namespace: str, name: str, memo: Any, **_: Any) -> None:
     """Wake the fleet's daemon on spec changes."""
     _state(memo).wake("fleet", namespace, name)
 
 
 @kopf.daemon(GROUP, VERSION, FLEETS, cancellation_timeout=5)
 async def fleet_daemon(
-    namespace: str, name: str, stopped: Any, logger: logging.Logger, memo: kopf.Memo, **_: Any
+    namespace: str, name: str, stopped: Any, logger: logging.Logger, memo: Any, **_: Any
 ) -> None:
     """Reconcile the fleet now, on every wakeup and every ``resync_s`` seconds."""
     await _loop(_state(memo), "fleet", namespace, name, stopped, reconcile_fleet, logger)

@@ -391,8 +391,8 @@ def _place_layer(
     for e in sorted(where):
         surplus = len(where[e]) - cnt[e]
         for _ in range(surplus):
-            over = [s for s in where[e] if len(hold[s]) > target[s]]
-            pool = over or where[e]
+            full = [s for s in where[e] if len(hold[s]) > target[s]]
+            pool = full or where[e]
             s = min(pool, key=drop_key)
             hold[s].discard(e)
             where[e].remove(s)
@@ -687,13 +687,13 @@ def format_expert_spec(pairs: Sequence[LayerExpert]) -> str:
     for layer, experts in by_layer.items():
         ranges = []
         start = prev = experts[0]
-        for e in experts[1:] + [None]:  # type: ignore[list-item]
-            if e is not None and e == prev + 1:
+        for e in experts[1:]:
+            if e == prev + 1:
                 prev = e
                 continue
             ranges.append(str(start) if start == prev else f"{start}-{prev}")
-            if e is not None:
-                start = prev = e
+            start = prev = e
+        ranges.append(str(start) if start == prev else f"{start}-{prev}")
         parts.append(f"{layer}:{','.join(ranges)}")
     return ";".join(parts)
 
