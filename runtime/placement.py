@@ -32,15 +32,17 @@ Algorithm (per MoE layer; layers are independent)
    (or ``redundancy`` each), one replica at a time is added to the expert with the highest load
    per replica, or removed from the expert whose load per replica stays lowest (EPLB's
    ``replicate_experts`` greedy, with ``redundancy`` as the floor instead of 1).
-2. **Keep.** Every surviving server keeps what it hosted, except: replicas above an expert's
-   new count, replicas above the server's new target count, and replicas that share a failure
-   domain with another replica of the same expert while a free domain exists. Drops are spread
-   over the servers (the server with the fewest drops so far goes first).
+2. **Keep.** Every surviving server keeps what it hosted, except replicas above an expert's
+   new count and replicas above the server's new target count. Drops are spread over the
+   servers (the server with the fewest drops so far goes first).
 3. **Place.** The missing replicas, hottest first, go to the least-loaded server with a free slot
    that does not host the expert, preferring a failure domain the expert is not in yet (greedy
    longest-processing-time, as EPLB's ``balanced_packing`` but never two replicas of one expert
    on one server).
-4. **Refine** (load-aware and from scratch, or when ``rebalance_swaps`` allows it): swap one
+4. **Spread** (when servers share failure domains): swap two replicas while that raises the
+   number of domains an expert spans toward ``redundancy`` without taking another expert below
+   it (every swap strictly improves, so a placement that cannot improve is a fixed point).
+5. **Refine** (load-aware and from scratch, or when ``rebalance_swaps`` allows it): swap one
    replica of the most-loaded server with a lighter replica elsewhere while that lowers the
    layer's maximum load.
 
@@ -406,18 +408,6 @@ def _place_layer(
                 hold[s].discard(e)
                 where[e].remove(s)
                 drops[s] += 1
-    # 2c. two replicas of one expert in one domain while another domain is free of it
-    if 1 < num_domains < n:  # one server per domain: distinct servers are distinct domains
-        for e in sorted(where):
-            ds: dict[int, list[int]] = {}
-            for s in where[e]:
-                ds.setdefault(dom[s], []).append(s)
-            if len(ds) < min(r, num_domains) and any(len(v) > 1 for v in ds.values()):
-                for v in ds.values():
-                    for s in sorted(v, key=drop_key)[: len(v) - 1]:
-                        hold[s].discard(e)
-                        where[e].remove(s)
-                        drops[s] += 1
     for s, d in enumerate(drops):
         if d:
             changes[s] += d

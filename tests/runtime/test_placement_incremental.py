@@ -175,3 +175,47 @@ def test_bad_inputs():
         place_experts([1], 8, 4, 2, domains=["a"])
     with pytest.raises(PlacementError, match="slots_per_server"):
         place_experts([1], 8, 4, 2, slots_per_server=-1)
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_random_rescales_are_valid_deterministic_fixed_points(seed):
+    """Random shapes, budgets, loads, failure domains and rescales: every result covers every
+    expert with >= redundancy replicas on distinct servers, fills the slot budget exactly, is
+    deterministic, and is a fixed point (placing it again changes nothing)."""
+    rng = random.Random(seed)
+    layers = (1, 2)
+    for _ in range(120):
+        experts = rng.choice([1, 2, 3, 5, 8, 16, 33])
+        r = rng.randint(1, 4)
+        n0, n1 = rng.randint(r, 20), rng.randint(r, 20)
+        slots = rng.choice([None, 0, rng.randint(1, 40)])
+        policy = rng.choice(["round-robin", "load-balanced"])
+        load = (
+            {(layer, e): rng.paretovariate(1.1) for layer in layers for e in range(experts)}
+            if rng.random() < 0.7
+            else None
+        )
+        nd = rng.choice([None, 1, 2, 3, 5])
+        d0 = None if nd is None else [f"d{rng.randrange(nd)}" for _ in range(n0)]
+        d1 = None if nd is None else [f"d{rng.randrange(nd)}" for _ in range(n1)]
+        args = dict(layers=layers, num_experts=experts, redundancy=r, policy=policy)
+        p = place_experts(
+            num_servers=n0, expert_load=load, slots_per_server=slots, domains=d0, **args
+        )
+        q = place_experts(
+            num_servers=n1, expert_load=load, previous=p, slots_per_server=slots, domains=d1, **args
+        )
+        again = place_experts(
+            num_servers=n1, expert_load=load, previous=p, slots_per_server=slots, domains=d1, **args
+        )
+        assert q == again
+        for pl in (p, q):
+            check_valid(pl)
+            if slots is not None:
+                for s in range(pl.num_servers):
+                    for layer in layers:
+                        assert len(per_layer(pl, s)[layer]) == pl.slots_per_server
+        fixed = place_experts(
+            num_servers=n1, expert_load=load, previous=q, slots_per_server=slots, domains=d1, **args
+        )
+        assert fixed == q
