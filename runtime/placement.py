@@ -49,7 +49,10 @@ Algorithm (per MoE layer; layers are independent)
 Movement bound (what a rescale costs, stated per MoE layer)
 -----------------------------------------------------------
 Let ``C`` be the slot budget before and after (the operator's automatic budget keeps the
-survivors' budget when scaling up, see ``slots_per_server``) and loads unchanged.
+survivors' budget when scaling up, see ``slots_per_server``), loads unchanged, no
+``rebalance_swaps`` and no failure-domain swap needed (each such swap moves 2 more replicas).
+Tested in ``tests/runtime/test_placement_incremental.py`` for 4→5, 8→9, 40→41, 41→40, 40→64 and
+64→40 on the DeepSeek-V3 shape.
 
 * ``N -> N' > N``: no surviving server changes (step 1 only adds replicas, every survivor is full,
   so all new replicas land on the new servers). Replicas moved = ``(N' - N) * C`` per layer, i.e.
