@@ -111,6 +111,14 @@ class PlacementSpec(_Model):
         "`expert-load.json`) when it exists. Either way placement is incremental: a rescale "
         "keeps what the servers already host.",
     )
+    topology_key: str = Field(
+        default="kubernetes.io/hostname",
+        min_length=1,
+        max_length=316,
+        description="Node label whose value is a failure domain: expert-server pods are spread "
+        "over its values (topologySpreadConstraints) and the ReplicasSpread condition reports "
+        "experts whose live replicas span fewer than `redundancy` domains.",
+    )
     slots_per_server: int = Field(
         default=0,
         ge=0,

@@ -96,6 +96,7 @@ class OperatorState:
         wakeups: ``(kind, namespace, name)`` -> the event that wakes that object's daemon.
         tables: ``(namespace, ConfigMap name)`` -> ``(resourceVersion, parsed table)``.
         node_ready: node name -> its Ready condition is True (from the node watch).
+        node_labels: node name -> its labels (from the node watch; failure domains).
         placements: bounded cache of computed placements (key: spec, pods' experts, load).
     """
 
@@ -103,6 +104,7 @@ class OperatorState:
     wakeups: dict[tuple[str, str, str], asyncio.Event] = field(default_factory=dict)
     tables: dict[tuple[str, str], tuple[str, RoutingTable]] = field(default_factory=dict)
     node_ready: dict[str, bool] = field(default_factory=dict)
+    node_labels: dict[str, dict[str, str]] = field(default_factory=dict)
     placements: collections.OrderedDict = field(default_factory=collections.OrderedDict)
     _api: k8s.ApiClient | None = None
     _pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -317,7 +319,14 @@ def _parse_table(state: OperatorState, namespace: str, cm: dict[str, Any]) -> Ro
 
 
 @kopf.on.event("", "v1", "nodes")
-async def node_event(name: str, status: kopf.Status, type: str | None, memo: Any, **_: Any) -> None:
+async def node_event(
+    name: str,
+    status: kopf.Status,
+    labels: kopf.Labels,
+    type: str | None,
+    memo: Any,
+    **_: Any,
+) -> None:
     """Track node readiness. A node going NotReady (or Unknown: its kubelet stopped reporting)
     takes its expert servers out of the routing tables at once, long before their pods are
     evicted; every pool is woken when a node's readiness flips."""
@@ -326,6 +335,10 @@ async def node_event(name: str, status: kopf.Status, type: str | None, memo: Any
         for c in (status.get("conditions") or [])
     )
     state = _state(memo)
+    if type == "DELETED":
+        state.node_labels.pop(name, None)
+    else:
+        state.node_labels[name] = dict(labels)
     if state.node_ready.get(name) != ready:
         state.node_ready[name] = ready
         for kind, namespace, pool in list(state.wakeups):
@@ -456,6 +469,11 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: logg
         old_conditions=old_conditions,
         now=_now(),
         table_error=table_error,
+        node_domains={
+            node: value
+            for node, labels in state.node_labels.items()
+            if (value := labels.get(spec.placement.topology_key))
+        },
     )
     if _write_status(custom, namespace, name, old_status, status):
         was = {c.get("type"): c.get("status") for c in old_conditions}

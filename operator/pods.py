@@ -81,7 +81,7 @@ def server_pod(
         "topologySpreadConstraints": [
             {
                 "maxSkew": 1,
-                "topologyKey": "kubernetes.io/hostname",
+                "topologyKey": spec.placement.topology_key,
                 "whenUnsatisfiable": "ScheduleAnyway",
                 "labelSelector": {"matchLabels": server_labels(owner.name)},
             }

@@ -108,14 +108,20 @@ def expert_load_configmap_name(pool: str) -> str:
     return f"{pool}-expert-load"
 
 
-def unspread_experts(live: Sequence[ObservedPod], redundancy: int) -> tuple[int, int]:
-    """``(experts, nodes)``: logical experts whose live replicas span fewer nodes than
-    ``min(redundancy, nodes with live servers)``, and the number of such nodes. Pods with no
-    node count as their own node."""
+def unspread_experts(
+    live: Sequence[ObservedPod],
+    redundancy: int,
+    node_domains: Mapping[str, str] | None = None,
+) -> tuple[int, int]:
+    """``(experts, domains)``: logical experts whose live replicas span fewer failure domains
+    than ``min(redundancy, domains with live servers)``, and the number of such domains.
+
+    ``node_domains``: node name -> its value of the pool's topology key; a node not in it is
+    its own domain, a pod with no node too."""
     hosting: dict[LayerExpert, set[str]] = {}
     nodes: set[str] = set()
     for p in live:
-        node = p.node or f"pod/{p.name}"
+        node = (node_domains or {}).get(p.node) or p.node or f"pod/{p.name}"
         nodes.add(node)
         for pair in p.experts:
             hosting.setdefault(pair, set()).add(node)

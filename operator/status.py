@@ -38,10 +38,12 @@ def pool_status(
     old_conditions: Sequence[Mapping[str, Any]],
     now: str,
     table_error: str = "",
+    node_domains: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The pool's ``status`` (camelCase dict) after one reconcile step.
 
     ``table_error``: why the newest routing table could not be stored (e.g. too large), if so.
+    ``node_domains``: node name -> failure domain (its ``spec.placement.topologyKey`` label).
 
     Conditions:
 
@@ -52,8 +54,9 @@ def pool_status(
     * ``Degraded``: True if some expert has no live replica (ExpertsUncovered), the routing table
       cannot be stored (RoutingTableTooLarge), fewer than ``redundancy`` (BelowRedundancy), or a
       server pod failed (ServerFailed).
-    * ``ReplicasSpread``: True when every expert's live replicas span ``redundancy`` nodes (a
-      node failure leaves every expert a replica); False with TooFewNodes or SharedNode.
+    * ``ReplicasSpread``: True when every expert's live replicas span ``redundancy`` failure
+      domains (values of ``spec.placement.topologyKey``; a domain failing leaves every expert a
+      replica); False with TooFewDomains or SharedDomain.
     """
     deleted = {n for n, _, _ in plan.delete}
     existing = [p for p in observed if not p.terminating and p.name not in deleted]
@@ -147,26 +150,30 @@ def pool_status(
         type="Degraded", status=deg[0], reason=deg[1], message=deg[2], observed_generation=gen
     )
 
-    unspread, nodes = unspread_experts([p for p in existing if p.live], spec.redundancy)
+    unspread, nodes = unspread_experts(
+        [p for p in existing if p.live], spec.redundancy, node_domains
+    )
+    key = spec.placement.topology_key
     if nodes and nodes < spec.redundancy:
         spread = (
             "False",
-            "TooFewNodes",
-            f"live expert servers run on {nodes} node(s): a node failure can take every replica "
-            f"of an expert (redundancy {spec.redundancy} needs {spec.redundancy} nodes)",
+            "TooFewDomains",
+            f"live expert servers span {nodes} value(s) of {key}: one domain failing can take "
+            f"every replica of an expert (redundancy {spec.redundancy} needs {spec.redundancy})",
         )
     elif unspread:
         spread = (
             "False",
-            "SharedNode",
-            f"{unspread}/{total} logical experts have all live replicas on fewer than "
-            f"{spec.redundancy} nodes",
+            "SharedDomain",
+            f"{unspread}/{total} logical experts have all live replicas in fewer than "
+            f"{spec.redundancy} values of {key}",
         )
     else:
         spread = (
             "True",
-            "DistinctNodes",
-            f"every logical expert's live replicas span >= {min(spec.redundancy, nodes)} nodes",
+            "DistinctDomains",
+            f"every logical expert's live replicas span >= {min(spec.redundancy, nodes)} "
+            f"values of {key}",
         )
     spread_c = Condition(
         type="ReplicasSpread",

@@ -662,3 +662,55 @@ def test_routing_table_too_large_is_reported():
     assert cond["Degraded"]["status"] == "True"
     assert cond["Degraded"]["reason"] == "RoutingTableTooLarge"
     assert cond["ReplicasSpread"]["status"] == "True"
+
+
+def test_replicas_spread_over_the_topology_key():
+    spec = make_spec(placement={"topologyKey": "topology.kubernetes.io/zone"})
+    placement, pods = desired_for(spec)
+    (tsc,) = pods["tiny-0"]["spec"]["topologySpreadConstraints"]
+    assert tsc["topologyKey"] == "topology.kubernetes.io/zone"
+    live = observed_from(pods)
+    # four servers on four nodes, the nodes in two zones: every expert spans both zones?
+    nodes = {p.name: f"node-{p.index}" for p in live}
+    live = [ObservedPod(**{**p.__dict__, "node": nodes[p.name]}) for p in live]
+    table, _ = next_routing_table(spec, live, None)
+
+    def spread(domains):
+        st = pool_status(
+            owner=OWNER,
+            spec=spec,
+            placement=placement,
+            revision="r",
+            observed=live,
+            plan=PodPlan(),
+            table=table,
+            old_conditions=[],
+            now="T",
+            node_domains=domains,
+        )
+        return {c["type"]: c for c in st["conditions"]}["ReplicasSpread"]
+
+    one_zone = spread({f"node-{i}": "zone-a" for i in range(4)})
+    assert one_zone["status"] == "False" and one_zone["reason"] == "TooFewDomains"
+    assert "topology.kubernetes.io/zone" in one_zone["message"]
+    # zones split so that servers 0 and 1 share a zone: experts whose replicas are all on
+    # servers 0 and 1 (or 2 and 3) are not spread
+    split = {"node-0": "a", "node-1": "a", "node-2": "b", "node-3": "b"}
+    shared = sum(
+        1
+        for where in placement.replicas().values()
+        if len({split[f"node-{s}"] for s in where}) == 1
+    )
+    assert shared > 0
+    c = spread(split)
+    assert c["status"] == "False" and c["reason"] == "SharedDomain"
+    assert c["message"].startswith(f"{shared}/96 ")
+    assert spread({"node-0": "a", "node-1": "b", "node-2": "a", "node-3": "b"})["status"] == (
+        "True"
+        if all(
+            len({("a", "b", "a", "b")[s] for s in where}) == 2
+            for where in placement.replicas().values()
+        )
+        else "False"
+    )
+    assert spread(None)["reason"] == "DistinctDomains"  # every node its own domain
