@@ -105,8 +105,28 @@ class PlacementSpec(_Model):
 
     policy: PlacementPolicy = Field(
         default="round-robin",
-        description="round-robin: deal replicas to servers in turn; load-balanced: greedy "
-        "longest-processing-time on expert load.",
+        description="round-robin: every expert counts as equally loaded; load-balanced: hot "
+        "experts get more replicas and replicas are packed to balance per-server load, using "
+        "the per-(layer, expert) load in the ConfigMap `<pool>-expert-load` (key "
+        "`expert-load.json`) when it exists. Either way placement is incremental: a rescale "
+        "keeps what the servers already host.",
+    )
+    topology_key: str = Field(
+        default="kubernetes.io/hostname",
+        min_length=1,
+        max_length=316,
+        description="Node label whose value is a failure domain: expert-server pods are spread "
+        "over its values (topologySpreadConstraints) and the ReplicasSpread condition reports "
+        "experts whose live replicas span fewer than `redundancy` domains.",
+    )
+    slots_per_server: int = Field(
+        default=0,
+        ge=0,
+        le=65536,
+        description="Replicas one server holds per MoE layer (GPU memory budget); all slots are "
+        "filled, the ones beyond `numExperts * redundancy` with extra replicas of hot experts. "
+        "0: automatic, ceil(numExperts * redundancy / replicas), never less than what the "
+        "servers already hold (so scaling up never moves a replica off a running server).",
     )
 
 

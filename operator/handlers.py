@@ -4,14 +4,17 @@ Run with ``eaas operator`` or ``kopf run -m eaas.operator.handlers --all-namespa
 
 Shape (per object, kopf's layering):
 
-* ``ExpertPool`` — a daemon per pool runs :func:`reconcile_pool` every ``RESYNC_S`` seconds and
+* ``ExpertPool`` — a daemon per pool runs :func:`reconcile_pool` every ``resync_s`` seconds and
   whenever woken: by the pool's create/update/resume handlers (spec changes, e.g.
   ``kubectl scale``) and by watch events of the pool's pods (readiness changes, deletions).
   One daemon per pool means reconciles of one pool never overlap.
 * ``AttentionFleet`` — same pattern with :func:`reconcile_fleet`.
 
-Nothing is kept in memory between steps: every step lists pods by label and reads the
-routing-table ConfigMap, so a killed and restarted operator continues exactly where it was
+All in-memory state is one :class:`OperatorState` in kopf's root ``memo`` (shared by every
+object's memo): the API client, the daemons' wakeup events, parse and placement caches, node
+readiness, the pod-creation threads. None of it is needed for correctness: every step lists pods
+by label and reads the routing-table ConfigMap, so a killed and restarted operator continues
+exactly where it was
 (names are deterministic; creations of an existing name fail with 409 and are ignored; the table
 version continues from ``max(ConfigMap, status)``). kopf's own progress and diff-base are stored
 in annotations (``eaas.io/…``), never in ``status`` (the structural schema would prune them).
@@ -20,12 +23,14 @@ in annotations (``eaas.io/…``), never in ``status`` (the structural schema wou
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import datetime as _dt
-import functools
 import json
 import logging
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -46,17 +51,21 @@ from eaas.operator.crd import (
     ExpertPoolSpec,
 )
 from eaas.operator.desired import (
+    LOAD_KEY,
     SERVER_ROLE,
     TABLE_KEY,
     ObservedPod,
     Owner,
     compute_placement,
+    configmap_too_large,
     desired_server_pods,
+    expert_load_configmap_name,
     fleet_deployment,
     fleet_service,
     fleet_status,
     invalid_spec_status,
     next_routing_table,
+    parse_expert_load,
     placement_revision,
     plan_pods,
     pool_status,
@@ -65,11 +74,9 @@ from eaas.operator.desired import (
     server_labels,
     table_configmap_name,
 )
-from eaas.runtime.placement import Placement, PlacementError
+from eaas.runtime.placement import LayerExpert, Placement, PlacementError, auto_slots
 from eaas.runtime.routing import RoutingTable, RoutingTableError
 
-#: Periodic resync of every pool/fleet (seconds), on top of event-driven wakeups.
-RESYNC_S = float(os.environ.get("EAAS_OPERATOR_RESYNC_S", "2.0"))
 POOLS = "expertpools"
 FLEETS = "attentionfleets"
 
@@ -77,26 +84,103 @@ log = logging.getLogger("eaas.operator")
 
 
 # ---------------------------------------------------------------------------------------------
-# API clients (built lazily: importing this module must not need a cluster)
+# in-memory state (one object in kopf's root memo)
 # ---------------------------------------------------------------------------------------------
-_api: k8s.ApiClient | None = None
+@dataclass
+class OperatorState:
+    """Everything the operator keeps in memory; rebuilt from the cluster after a restart.
+
+    Attributes:
+        resync_s: periodic resync of every pool/fleet (seconds), on top of event wakeups
+            (env ``EAAS_OPERATOR_RESYNC_S``, default 2).
+        wakeups: ``(kind, namespace, name)`` -> the event that wakes that object's daemon.
+        tables: ``(namespace, ConfigMap name)`` -> ``(resourceVersion, parsed table)``.
+        node_ready: node name -> its Ready condition is True (from the node watch).
+        node_labels: node name -> its labels (from the node watch; failure domains).
+        placements: bounded cache of computed placements (key: spec, pods' experts, load).
+    """
+
+    resync_s: float = 2.0
+    wakeups: dict[tuple[str, str, str], asyncio.Event] = field(default_factory=dict)
+    tables: dict[tuple[str, str], tuple[str, RoutingTable]] = field(default_factory=dict)
+    node_ready: dict[str, bool] = field(default_factory=dict)
+    node_labels: dict[str, dict[str, str]] = field(default_factory=dict)
+    placements: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+    _api: k8s.ApiClient | None = None
+    _pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> OperatorState:
+        """State with settings from the environment (``EAAS_OPERATOR_RESYNC_S``)."""
+        return cls(resync_s=float(env.get("EAAS_OPERATOR_RESYNC_S", "2.0")))
+
+    def api(self) -> k8s.ApiClient:
+        """Kubernetes ApiClient from the in-cluster config or the current kubeconfig (built on
+        first use: importing this module must not need a cluster)."""
+        if self._api is None:
+            try:
+                k8s_config.load_incluster_config()
+            except k8s_config.ConfigException:
+                k8s_config.load_kube_config()
+            self._api = k8s.ApiClient()
+        return self._api
+
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """Threads for concurrent pod creations (a 40-server pool: 40 POSTs)."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=8, thread_name_prefix="eaas-create"
+            )
+        return self._pool
+
+    def wake_event(self, kind: str, namespace: str, name: str) -> asyncio.Event:
+        return self.wakeups.setdefault((kind, namespace, name), asyncio.Event())
+
+    def wake(self, kind: str, namespace: str, name: str) -> None:
+        """Make the daemon of that object reconcile now (from the event loop's thread)."""
+        self.wake_event(kind, namespace, name).set()
+
+    def placement(
+        self,
+        spec: ExpertPoolSpec,
+        observed: list[ObservedPod],
+        load: dict[LayerExpert, float] | None,
+    ) -> Placement:
+        """:func:`compute_placement`, memoized on its inputs (64 entries; a DeepSeek-V3 pool
+        takes ~0.2 s of CPU and every reconcile step needs it).
+
+        Raises:
+            PlacementError: as :func:`compute_placement`.
+        """
+        key = (
+            spec.model_dump_json(include={"model", "replicas", "redundancy", "placement"}),
+            tuple(
+                sorted((p.index, p.experts) for p in observed if not (p.terminating or p.finished))
+            ),
+            tuple(sorted(load.items())) if load else None,
+        )
+        hit = self.placements.get(key)
+        if hit is None:
+            hit = compute_placement(spec, load, observed)
+            self.placements[key] = hit
+            while len(self.placements) > 64:
+                self.placements.popitem(last=False)
+        else:
+            self.placements.move_to_end(key)
+        return hit
 
 
-def api() -> k8s.ApiClient:
-    """Shared kubernetes ApiClient from the in-cluster config or the current kubeconfig."""
-    global _api
-    if _api is None:
-        try:
-            k8s_config.load_incluster_config()
-        except k8s_config.ConfigException:
-            k8s_config.load_kube_config()
-        _api = k8s.ApiClient()
-    return _api
+def _state(memo: Any) -> OperatorState:
+    """The operator's state in kopf's memo (made by :func:`configure`)."""
+    state = getattr(memo, "eaas", None)
+    if state is None:
+        state = memo.eaas = OperatorState.from_env()
+    return state
 
 
-def _plain(obj: Any) -> Any:
+def _plain(state: OperatorState, obj: Any) -> Any:
     """Kubernetes model object -> camelCase dict, as the API returns it."""
-    return api().sanitize_for_serialization(obj)
+    return state.api().sanitize_for_serialization(obj)
 
 
 def _raw(method: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -110,29 +194,20 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-# ---------------------------------------------------------------------------------------------
-# wakeups: asyncio events keyed by (namespace, name), set from watch handlers
-# ---------------------------------------------------------------------------------------------
-_wakeups: dict[tuple[str, str, str], asyncio.Event] = {}
-
-
-def _wake_event(kind: str, namespace: str, name: str) -> asyncio.Event:
-    return _wakeups.setdefault((kind, namespace, name), asyncio.Event())
-
-
-def wake(kind: str, namespace: str, name: str) -> None:
-    """Make the daemon of that object reconcile now (from the event loop's thread)."""
-    _wake_event(kind, namespace, name).set()
-
-
 async def _loop(
-    kind: str, namespace: str, name: str, stopped: Any, step: Any, logger: logging.Logger
+    state: OperatorState,
+    kind: str,
+    namespace: str,
+    name: str,
+    stopped: Any,
+    step: Any,
+    logger: logging.Logger,
 ) -> None:
-    event = _wake_event(kind, namespace, name)
+    event = state.wake_event(kind, namespace, name)
     try:
         while not stopped:
             try:
-                await asyncio.to_thread(step, namespace, name, logger)
+                await asyncio.to_thread(step, state, namespace, name, logger)
             except ApiException as exc:
                 if exc.status == 409:
                     logger.debug("conflict during reconcile of %s/%s; retrying", namespace, name)
@@ -147,20 +222,22 @@ async def _loop(
             except Exception:  # a bug must not kill the daemon: log it and retry on the next step
                 logger.exception("reconcile of %s/%s failed", namespace, name)
             try:
-                await asyncio.wait_for(event.wait(), timeout=RESYNC_S)
+                await asyncio.wait_for(event.wait(), timeout=state.resync_s)
             except asyncio.TimeoutError:
                 pass
             event.clear()
     finally:
-        _wakeups.pop((kind, namespace, name), None)
+        state.wakeups.pop((kind, namespace, name), None)
 
 
 # ---------------------------------------------------------------------------------------------
 # settings
 # ---------------------------------------------------------------------------------------------
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    """Operator-wide kopf settings: annotation-based persistence, standalone, quick watches."""
+def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+    """Operator-wide kopf settings (annotation-based persistence, standalone, quick watches) and
+    the operator's in-memory state in the root ``memo``."""
+    memo.eaas = OperatorState.from_env()
     settings.peering.standalone = True
     settings.posting.level = logging.INFO  # only explicit kopf.info/warn calls post Events
     settings.watching.server_timeout = int(os.environ.get("EAAS_OPERATOR_WATCH_TIMEOUT_S", "60"))
@@ -173,7 +250,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     )
     settings.execution.max_workers = 32
     settings.background.cancellation_polling = 1
-    api()
+    memo.eaas.api()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,87 +260,73 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 @kopf.on.update(GROUP, VERSION, POOLS, field="spec")
 @kopf.on.resume(GROUP, VERSION, POOLS)
 async def pool_spec_changed(
-    body: kopf.Body, namespace: str, name: str, reason: str, **_: Any
+    body: kopf.Body, namespace: str, name: str, reason: str, memo: Any, **_: Any
 ) -> None:
-    """Announce the placement for the new spec (as an Event) and wake the pool's daemon."""
+    """Announce the placement inputs for the new spec (as an Event) and wake the pool's daemon.
+    The placement itself is computed by the daemon, incrementally from the pods."""
     try:
         spec = ExpertPoolSpec.model_validate(dict(body["spec"]))
-        placement = await asyncio.to_thread(placement_of, spec)  # keep the event loop free
+        if spec.redundancy > spec.replicas:
+            raise PlacementError(
+                f"redundancy ({spec.redundancy}) cannot exceed the number of servers "
+                f"({spec.replicas})"
+            )
     except (ValidationError, PlacementError) as exc:
         kopf.warn(body, reason="InvalidSpec", message=str(exc).splitlines()[0])
     else:
-        eps = placement.experts_per_server()
         if reason != "resume":
+            slots = max(
+                spec.placement.slots_per_server,
+                auto_slots(spec.model.num_experts, spec.redundancy, spec.replicas),
+            )
             kopf.info(
                 body,
                 reason="PlacementComputed",
                 message=f"revision {placement_revision(spec)}: {spec.replicas} servers, redundancy "
-                f"{spec.redundancy}, {min(eps)}-{max(eps)} experts per server ({spec.placement.policy})",
+                f"{spec.redundancy}, >= {slots} experts per server per layer "
+                f"({spec.placement.policy}, incremental)",
             )
-    wake("pool", namespace, name)
+    _state(memo).wake("pool", namespace, name)
 
 
 @kopf.daemon(GROUP, VERSION, POOLS, cancellation_timeout=5)
 async def pool_daemon(
-    namespace: str, name: str, stopped: Any, logger: logging.Logger, **_: Any
+    namespace: str, name: str, stopped: Any, logger: logging.Logger, memo: Any, **_: Any
 ) -> None:
-    """Reconcile the pool now, on every wakeup and every ``RESYNC_S`` seconds."""
-    await _loop("pool", namespace, name, stopped, reconcile_pool, logger)
+    """Reconcile the pool now, on every wakeup and every ``resync_s`` seconds."""
+    await _loop(_state(memo), "pool", namespace, name, stopped, reconcile_pool, logger)
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_POOL: kopf.PRESENT, LABEL_ROLE: SERVER_ROLE})
-async def server_pod_event(namespace: str, labels: kopf.Labels, **_: Any) -> None:
+async def server_pod_event(namespace: str, labels: kopf.Labels, memo: Any, **_: Any) -> None:
     """Any change of an expert-server pod (readiness, IP, deletion) wakes its pool."""
-    wake("pool", namespace, labels[LABEL_POOL])
+    _state(memo).wake("pool", namespace, labels[LABEL_POOL])
 
 
-@functools.lru_cache(maxsize=64)
-def _placement_for(key: str) -> Placement:
-    return compute_placement(ExpertPoolSpec.model_validate_json(key))
-
-
-def placement_of(spec: ExpertPoolSpec) -> Placement:
-    """:func:`compute_placement`, memoized on the inputs that matter (a DeepSeek-V3-sized
-    load-balanced placement takes ~0.5 s of CPU; every reconcile step needs it).
-
-    Raises:
-        PlacementError: as :func:`compute_placement`.
-    """
-    key = ExpertPoolSpec.model_validate(
-        {
-            "model": spec.model.model_dump(by_alias=True),
-            "replicas": spec.replicas,
-            "redundancy": spec.redundancy,
-            "placement": spec.placement.model_dump(by_alias=True),
-        }
-    ).model_dump_json(by_alias=True)
-    return _placement_for(key)
-
-
-_table_cache: dict[tuple[str, str], tuple[str, RoutingTable]] = {}
-
-
-def _parse_table(namespace: str, cm: dict[str, Any]) -> RoutingTable:
+def _parse_table(state: OperatorState, namespace: str, cm: dict[str, Any]) -> RoutingTable:
     """Parse the ConfigMap's table, reusing the last parse while its resourceVersion is unchanged.
 
     Raises:
         RoutingTableError: the ConfigMap holds no valid table.
     """
     key = (namespace, cm["metadata"]["name"])
-    hit = _table_cache.get(key)
+    hit = state.tables.get(key)
     if hit and hit[0] == cm["metadata"]["resourceVersion"]:
         return hit[1]
     table = RoutingTable.from_json((cm.get("data") or {}).get(TABLE_KEY, ""))
-    _table_cache[key] = (cm["metadata"]["resourceVersion"], table)
+    state.tables[key] = (cm["metadata"]["resourceVersion"], table)
     return table
 
 
-#: node name -> its Ready condition is True, from the node watch below.
-_node_ready: dict[str, bool] = {}
-
-
 @kopf.on.event("", "v1", "nodes")
-async def node_event(name: str, status: kopf.Status, type: str | None, **_: Any) -> None:
+async def node_event(
+    name: str,
+    status: kopf.Status,
+    labels: kopf.Labels,
+    type: str | None,
+    memo: Any,
+    **_: Any,
+) -> None:
     """Track node readiness. A node going NotReady (or Unknown: its kubelet stopped reporting)
     takes its expert servers out of the routing tables at once, long before their pods are
     evicted; every pool is woken when a node's readiness flips."""
@@ -271,28 +334,20 @@ async def node_event(name: str, status: kopf.Status, type: str | None, **_: Any)
         c.get("type") == "Ready" and c.get("status") == "True"
         for c in (status.get("conditions") or [])
     )
-    if _node_ready.get(name) != ready:
-        _node_ready[name] = ready
-        for kind, namespace, pool in list(_wakeups):
+    state = _state(memo)
+    if type == "DELETED":
+        state.node_labels.pop(name, None)
+    else:
+        state.node_labels[name] = dict(labels)
+    if state.node_ready.get(name) != ready:
+        state.node_ready[name] = ready
+        for kind, namespace, pool in list(state.wakeups):
             if kind == "pool":
-                wake(kind, namespace, pool)
+                state.wake(kind, namespace, pool)
 
 
 def _event(body: dict[str, Any], reason: str, message: str, warning: bool = False) -> None:
     (kopf.warn if warning else kopf.info)(body, reason=reason, message=message)
-
-
-_executor: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def _pool_executor() -> concurrent.futures.ThreadPoolExecutor:
-    """Threads for concurrent pod creations (a 40-server pool: 40 POSTs)."""
-    global _executor
-    if _executor is None:
-        _executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=8, thread_name_prefix="eaas-create"
-        )
-    return _executor
 
 
 def _get_live(
@@ -312,7 +367,7 @@ def _get_live(
     return None if body["metadata"].get("deletionTimestamp") else body
 
 
-def reconcile_pool(namespace: str, name: str, logger: logging.Logger) -> None:
+def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: logging.Logger) -> None:
     """One reconcile step of ExpertPool ``namespace/name``.
 
     Reads the pool, its pods and its routing-table ConfigMap; creates/deletes/relabels pods as
@@ -322,17 +377,25 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger) -> None:
     Raises:
         ApiException: any API error but 404/409 on create/delete (the daemon logs and retries).
     """
-    custom = k8s.CustomObjectsApi(api())
-    core = k8s.CoreV1Api(api())
+    custom = k8s.CustomObjectsApi(state.api())
+    core = k8s.CoreV1Api(state.api())
     body = _get_live(custom, namespace, POOLS, name)
     if body is None:
         return
     owner = Owner.from_body(body)
     old_status = body.get("status") or {}
     old_conditions = old_status.get("conditions") or []
+    pods = _raw(
+        core.list_namespaced_pod, namespace, label_selector=selector_string(server_labels(name))
+    )["items"]
+    observed = [ObservedPod.from_pod(p, state.node_ready) for p in pods]
+    observed = [
+        p for p in observed if p.owner_uid == owner.uid
+    ]  # a same-named older pool's pods: GC's job
     try:
         spec = ExpertPoolSpec.model_validate(body["spec"])
-        placement = placement_of(spec)
+        load = _read_load(core, body, spec, logger)
+        placement = state.placement(spec, observed, load)
     except (ValidationError, PlacementError) as exc:
         status = invalid_spec_status(
             owner, str(exc).splitlines()[0], old_conditions, _now(), old_status
@@ -341,14 +404,6 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger) -> None:
         return
     revision = placement_revision(spec)
     desired = desired_server_pods(owner, spec, placement, revision)
-
-    pods = _raw(
-        core.list_namespaced_pod, namespace, label_selector=selector_string(server_labels(name))
-    )["items"]
-    observed = [ObservedPod.from_pod(p, _node_ready) for p in pods]
-    observed = [
-        p for p in observed if p.owner_uid == owner.uid
-    ]  # a same-named older pool's pods: GC's job
     plan = plan_pods(desired, observed, max_unavailable=max(1, spec.redundancy - 1))
 
     def create(manifest: dict[str, Any]) -> None:
@@ -360,7 +415,7 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger) -> None:
                 raise
 
     # list() re-raises the first failure; the others were attempted anyway
-    list(_pool_executor().map(create, plan.create))
+    list(state.executor().map(create, plan.create))
     if plan.create:
         _event(
             body,
@@ -401,7 +456,7 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger) -> None:
 
     deleted = {n for n, _, _ in plan.delete}
     live = [p for p in observed if p.live and p.name not in deleted]
-    table = _publish_table(core, body, owner, spec, live, old_status, logger)
+    table, table_error = _publish_table(state, core, body, owner, spec, live, old_status, logger)
 
     status = pool_status(
         owner=owner,
@@ -413,6 +468,12 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger) -> None:
         table=table,
         old_conditions=old_conditions,
         now=_now(),
+        table_error=table_error,
+        node_domains={
+            node: value
+            for node, labels in state.node_labels.items()
+            if (value := labels.get(spec.placement.topology_key))
+        },
     )
     if _write_status(custom, namespace, name, old_status, status):
         was = {c.get("type"): c.get("status") for c in old_conditions}
@@ -427,7 +488,35 @@ def reconcile_pool(namespace: str, name: str, logger: logging.Logger) -> None:
             _event(body, "ExpertsUncovered", now["Degraded"]["message"], warning=True)
 
 
+def _read_load(
+    core: k8s.CoreV1Api, body: dict[str, Any], spec: ExpertPoolSpec, logger: logging.Logger
+) -> dict[LayerExpert, float] | None:
+    """Expert load for ``load-balanced`` pools from ConfigMap ``<pool>-expert-load`` (key
+    ``expert-load.json``), or None (round-robin, no ConfigMap, or an invalid one: a Warning
+    event names the problem and the placement goes on without load)."""
+    if spec.placement.policy != "load-balanced":
+        return None
+    meta = body["metadata"]
+    try:
+        cm = _raw(
+            core.read_namespaced_config_map,
+            expert_load_configmap_name(meta["name"]),
+            meta["namespace"],
+        )
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    try:
+        return parse_expert_load((cm.get("data") or {}).get(LOAD_KEY, ""), spec) or None
+    except ValueError as exc:
+        logger.warning("ignoring expert load: %s", exc)
+        _event(body, "InvalidExpertLoad", str(exc), warning=True)
+        return None
+
+
 def _publish_table(
+    state: OperatorState,
     core: k8s.CoreV1Api,
     body: dict[str, Any],
     owner: Owner,
@@ -435,8 +524,10 @@ def _publish_table(
     live: list[ObservedPod],
     old_status: dict[str, Any],
     logger: logging.Logger,
-) -> RoutingTable:
-    """Create or update the routing-table ConfigMap if the live set changed; return the table in force."""
+) -> tuple[RoutingTable, str]:
+    """Create or update the routing-table ConfigMap if the live set changed. Returns the table
+    in force and, when the new table cannot be stored (too large), why (a Warning event says it
+    too; the previous table stays in force)."""
     cm_name = table_configmap_name(owner.name)
     try:
         cm = _raw(core.read_namespaced_config_map, cm_name, owner.namespace)
@@ -452,13 +543,17 @@ def _publish_table(
             int((cm["metadata"].get("annotations") or {}).get(ANNOTATION_TABLE_VERSION, "0") or 0),
         )
         try:
-            previous = _parse_table(owner.namespace, cm)
+            previous = _parse_table(state, owner.namespace, cm)
         except RoutingTableError:
             logger.warning("ConfigMap %s holds no valid routing table; rewriting it", cm_name)
     table, changed = next_routing_table(spec, live, previous, floor)
     if not changed and cm is not None:
-        return table
+        return table, ""
     manifest = routing_table_configmap(owner, table)
+    too_large = configmap_too_large(manifest)
+    if too_large:
+        _event(body, "RoutingTableTooLarge", too_large, warning=True)
+        return (previous or table), too_large
     if cm is None:
         written = _raw(core.create_namespaced_config_map, owner.namespace, manifest)
     else:
@@ -466,14 +561,14 @@ def _publish_table(
             "resourceVersion"
         ]  # optimistic concurrency
         written = _raw(core.replace_namespaced_config_map, cm_name, owner.namespace, manifest)
-    _table_cache[(owner.namespace, cm_name)] = (written["metadata"]["resourceVersion"], table)
+    state.tables[(owner.namespace, cm_name)] = (written["metadata"]["resourceVersion"], table)
     _event(
         body,
         "RoutingTablePublished",
         f"routing table version {table.version}: {len(table.servers)} live servers, "
         f"{len(table.uncovered())} uncovered experts",
     )
-    return table
+    return table, ""
 
 
 def _write_status(
@@ -499,25 +594,27 @@ def _write_status(
 @kopf.on.create(GROUP, VERSION, FLEETS)
 @kopf.on.update(GROUP, VERSION, FLEETS, field="spec")
 @kopf.on.resume(GROUP, VERSION, FLEETS)
-async def fleet_spec_changed(namespace: str, name: str, **_: Any) -> None:
+async def fleet_spec_changed(namespace: str, name: str, memo: Any, **_: Any) -> None:
     """Wake the fleet's daemon on spec changes."""
-    wake("fleet", namespace, name)
+    _state(memo).wake("fleet", namespace, name)
 
 
 @kopf.daemon(GROUP, VERSION, FLEETS, cancellation_timeout=5)
 async def fleet_daemon(
-    namespace: str, name: str, stopped: Any, logger: logging.Logger, **_: Any
+    namespace: str, name: str, stopped: Any, logger: logging.Logger, memo: Any, **_: Any
 ) -> None:
-    """Reconcile the fleet now, on every wakeup and every ``RESYNC_S`` seconds."""
-    await _loop("fleet", namespace, name, stopped, reconcile_fleet, logger)
+    """Reconcile the fleet now, on every wakeup and every ``resync_s`` seconds."""
+    await _loop(_state(memo), "fleet", namespace, name, stopped, reconcile_fleet, logger)
 
 
-def reconcile_fleet(namespace: str, name: str, logger: logging.Logger) -> None:
+def reconcile_fleet(
+    state: OperatorState, namespace: str, name: str, logger: logging.Logger
+) -> None:
     """One reconcile step of AttentionFleet ``namespace/name``: apply its Deployment and Service,
     then write the status (clients' readiness, the pool's routing-table version)."""
-    custom = k8s.CustomObjectsApi(api())
-    core = k8s.CoreV1Api(api())
-    apps = k8s.AppsV1Api(api())
+    custom = k8s.CustomObjectsApi(state.api())
+    core = k8s.CoreV1Api(state.api())
+    apps = k8s.AppsV1Api(state.api())
     body = _get_live(custom, namespace, FLEETS, name)
     if body is None:
         return
@@ -557,7 +654,7 @@ def reconcile_fleet(namespace: str, name: str, logger: logging.Logger) -> None:
     status = fleet_status(
         owner=owner,
         spec=spec,
-        deployment_status=(_plain(dep) or {}).get("status") if dep else None,
+        deployment_status=(_plain(state, dep) or {}).get("status") if dep else None,
         pool_found=pool is not None,
         table_version=table_version,
         old_conditions=old_status.get("conditions") or [],

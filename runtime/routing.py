@@ -14,13 +14,28 @@ JSON form (what the operator writes into the pool's ConfigMap under key ``routin
     }
 
 ``layers[str(l)][e]`` lists the server ids hosting logical expert ``e`` of model layer ``l``.
+
+Compact form (:meth:`RoutingTable.to_wire` when the plain form is large; a ConfigMap holds at most
+1 MiB, and a 4096-server pool with redundancy 4 and 63-character names needs ~4 MB as plain JSON)::
+
+    {"version": 7, "encoding": "zlib+base64", "table": "<base64 of zlib of the inner JSON>"}
+
+where the inner JSON names every server once and replicas by index into that list::
+
+    {"version": 7, "num_experts": 32, "servers": [["pool-0", "tcp://10.0.0.5:9000"], ...],
+     "layers": {"1": [[0, 1], ...], ...}}
+
+:meth:`RoutingTable.from_json` reads both forms.
 Endpoints: ``tcp://HOST:PORT`` (TCP transport) or ``unix:PATH`` (shared-memory transport; the
 Unix socket carries the memfd handshake and doorbells).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -127,8 +142,54 @@ class RoutingTable:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))
 
+    def to_compact_dict(self) -> dict:
+        """Inner compact form: servers once (sorted by id), replicas as indices into them."""
+        ids = sorted(self.servers)
+        index = {sid: i for i, sid in enumerate(ids)}
+        return {
+            "version": self.version,
+            "num_experts": self.num_experts,
+            "servers": [[sid, self.servers[sid]] for sid in ids],
+            "layers": {
+                str(layer): [[index[s] for s in r] for r in experts]
+                for layer, experts in sorted(self.layers.items())
+            },
+        }
+
+    def to_wire(self, compact_over: int = 256 * 1024) -> str:
+        """Text to store (ConfigMap, file): the plain JSON form, or the compact envelope
+        (``zlib+base64`` of :meth:`to_compact_dict`) when the plain form is longer than
+        ``compact_over`` characters. Readable by :meth:`from_json` either way."""
+        plain = self.to_json()
+        if len(plain) <= compact_over:
+            return plain
+        inner = json.dumps(self.to_compact_dict(), separators=(",", ":")).encode()
+        return json.dumps(
+            {
+                "version": self.version,
+                "encoding": "zlib+base64",
+                "table": base64.b64encode(zlib.compress(inner, 9)).decode("ascii"),
+            },
+            separators=(",", ":"),
+        )
+
     @classmethod
     def from_dict(cls, d: Mapping) -> RoutingTable:
+        """Parse the plain or compact form (see the module docstring).
+
+        Raises:
+            RoutingTableError: malformed (the message names the field).
+        """
+        if isinstance(d, Mapping) and "encoding" in d:
+            if d["encoding"] != "zlib+base64":
+                raise RoutingTableError(f"unknown routing table encoding {d['encoding']!r}")
+            try:
+                inner = json.loads(zlib.decompress(base64.b64decode(d["table"], validate=True)))
+            except (KeyError, TypeError, ValueError, binascii.Error, zlib.error) as exc:
+                raise RoutingTableError(
+                    f"malformed compact routing table field 'table': {exc}"
+                ) from None
+            return cls._from_compact(inner)
         try:
             version = int(d["version"])
             num_experts = int(d["num_experts"])
@@ -152,6 +213,26 @@ class RoutingTable:
                     if s not in servers:
                         raise RoutingTableError(f"layers[{layer}][{e}] names unknown server {s!r}")
         return cls(version=version, num_experts=num_experts, servers=servers, layers=layers)
+
+    @classmethod
+    def _from_compact(cls, d: Mapping) -> RoutingTable:
+        try:
+            pairs = [(str(sid), str(ep)) for sid, ep in d["servers"]]
+            ids = [sid for sid, _ in pairs]
+            plain = {
+                "version": d["version"],
+                "num_experts": d["num_experts"],
+                "servers": dict(pairs),
+                "layers": {
+                    k: [[ids[int(i)] for i in r] for r in experts]
+                    for k, experts in d["layers"].items()
+                },
+            }
+        except KeyError as exc:
+            raise RoutingTableError(f"routing table is missing field {exc.args[0]!r}") from None
+        except (TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise RoutingTableError(f"malformed compact routing table: {exc}") from None
+        return cls.from_dict(plain)
 
     @classmethod
     def from_json(cls, text: str) -> RoutingTable:

@@ -326,6 +326,29 @@ def test_scale_up_and_down(ns, operator):
         }
 
 
+@pytest.mark.elastic
+def test_scale_by_one_keeps_running_servers(ns, operator):
+    """Incremental placement end to end: 4 -> 5 -> 4 servers replaces none of the first four
+    pods (the fifth holds extra replicas only), and every published table stays covered."""
+    apply(pool_manifest("inc"), ns)
+    got = wait_for("pool Ready", lambda: converged(ns, "inc"), timeout=90)
+    uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in got["pods"]}
+    for k in (5, 4):
+        kubectl("scale", "expertpool/inc", "-n", ns, f"--replicas={k}")
+        got = wait_for(
+            f"Ready at {k} servers",
+            lambda k=k: (
+                converged(ns, "inc")
+                if get("expertpool", "inc", ns)["spec"]["replicas"] == k
+                else None
+            ),
+            timeout=120,
+        )
+        now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in got["pods"]}
+        assert {n: now[n] for n in uids} == uids, "a running server was replaced"
+        assert len(now) == k
+
+
 def test_scale_below_redundancy_rejected(ns, operator):
     apply(pool_manifest("low", replicas=2, redundancy=2), ns)
     wait_for("pool Ready", lambda: converged(ns, "low"), timeout=90)

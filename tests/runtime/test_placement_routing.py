@@ -142,3 +142,61 @@ def test_routing_table_rejects_malformed(mutate, match):
         RoutingTable.from_dict(d)
     with pytest.raises(RoutingTableError, match="JSON"):
         RoutingTable.from_json("{not json")
+
+
+def test_compact_wire_form_round_trips():
+    t = _table()
+    assert t.to_wire() == t.to_json()  # small tables stay plain, human-readable JSON
+    wire = t.to_wire(compact_over=0)
+    assert '"encoding":"zlib+base64"' in wire
+    assert RoutingTable.from_json(wire) == t
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda d: d.update(encoding="gzip"), "unknown routing table encoding"),
+        (lambda d: d.update(table="!!notbase64"), "table"),
+        (lambda d: d.pop("table"), "table"),
+    ],
+)
+def test_compact_wire_form_rejects_malformed(mutate, match):
+    import json
+
+    d = json.loads(_table().to_wire(compact_over=0))
+    mutate(d)
+    with pytest.raises(RoutingTableError, match=match):
+        RoutingTable.from_dict(d)
+
+
+def test_largest_pool_the_crd_accepts_fits_a_configmap():
+    """4096 servers x redundancy 4 x 58 MoE layers x 256 experts, 63-character server names:
+    the plain JSON (~4 MB) would not fit a ConfigMap (1 MiB); the compact form does."""
+    import random
+
+    from eaas.operator.desired import CONFIGMAP_DATA_LIMIT
+
+    rng = random.Random(0)
+    n, r, experts = 4096, 4, 256
+    names = [f"{'p' * 52}-{i:010d}" for i in range(n)]
+    assert all(len(x) == 63 for x in names)
+    layers = {}
+    for layer in range(3, 61):
+        order = list(range(n))
+        rng.shuffle(order)  # one replica per server per layer, random servers
+        layers[layer] = tuple(
+            tuple(names[order[e * r + k]] for k in range(r)) for e in range(experts)
+        )
+    t = RoutingTable(
+        version=12345,
+        num_experts=experts,
+        servers={
+            x: f"tcp://10.{i // 65536}.{i // 256 % 256}.{i % 256}:9000" for i, x in enumerate(names)
+        },
+        layers=layers,
+    )
+    plain = t.to_json()
+    wire = t.to_wire()
+    assert len(plain) > 1024 * 1024
+    assert len(wire.encode()) < CONFIGMAP_DATA_LIMIT, len(wire)
+    assert RoutingTable.from_json(wire) == t

@@ -1,0 +1,366 @@
+"""Expert-server pods (pure): their manifests, what the operator observes of them, and the
+plan that moves the observed pods toward the desired ones without uncovering an expert."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from eaas.operator.crd import (
+    ANNOTATION_EXPERTS,
+    ANNOTATION_SPEC_HASH,
+    LABEL_PLACEMENT_REVISION,
+    LABEL_SERVER_INDEX,
+    ExpertPoolSpec,
+)
+from eaas.operator.names import (
+    GPU_RESOURCE,
+    MANAGED_BY,
+    SERVER_ROLE,
+    Owner,
+    content_hash,
+    server_labels,
+    server_name,
+)
+from eaas.runtime.placement import (
+    LayerExpert,
+    Placement,
+    format_expert_spec,
+    parse_expert_spec,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# expert-server pods
+# ---------------------------------------------------------------------------------------------
+def server_command(
+    spec: ExpertPoolSpec, pod_name: str, experts: Sequence[LayerExpert]
+) -> list[str]:
+    """The expert server's command line (flag names fixed by the runtime)."""
+    return [
+        "eaas",
+        "expert-server",
+        "--model",
+        spec.model.uri,
+        "--server-id",
+        pod_name,
+        "--experts",
+        format_expert_spec(experts),
+        "--listen",
+        f"tcp://0.0.0.0:{spec.port}",
+    ]
+
+
+def server_resources(spec: ExpertPoolSpec) -> dict[str, Any]:
+    """``spec.resources`` plus ``nvidia.com/gpu: gpusPerServer`` and ``<rdmaResource>: 1`` in both
+    requests and limits (extended resources need requests == limits)."""
+    extra = {GPU_RESOURCE: str(spec.gpus_per_server)}
+    if spec.rdma_resource:
+        extra[spec.rdma_resource] = "1"
+    base = dict(spec.resources or {})
+    requests = {**(base.get("requests") or {}), **extra}
+    limits = {**(base.get("limits") or {}), **extra}
+    return {**base, "requests": requests, "limits": limits}
+
+
+def server_pod(
+    owner: Owner, spec: ExpertPoolSpec, index: int, experts: Sequence[LayerExpert], revision: str
+) -> dict[str, Any]:
+    """Manifest of expert-server pod ``index`` hosting ``experts``.
+
+    The annotation ``eaas.io/spec-hash`` hashes the pod spec (so also its experts): a pod whose
+    hash differs from the desired one is outdated and gets replaced. ``eaas.io/experts`` repeats
+    the ``--experts`` value so the routing table can be built from live pods alone.
+    """
+    name = server_name(owner.name, index)
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Always",
+        "nodeSelector": dict(spec.node_selector),
+        "tolerations": list(spec.tolerations),
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": spec.placement.topology_key,
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": server_labels(owner.name)},
+            }
+        ],
+        "containers": [
+            {
+                "name": SERVER_ROLE,
+                "image": spec.image,
+                "imagePullPolicy": spec.image_pull_policy,
+                "command": server_command(spec, name, experts),
+                "ports": [{"name": "experts", "containerPort": spec.port, "protocol": "TCP"}],
+                "env": [
+                    {"name": "EAAS_POOL", "value": owner.name},
+                    {
+                        "name": "EAAS_DISPATCH_TIMEOUT_MS",
+                        "value": str(spec.failure_detection.dispatch_timeout_ms),
+                    },
+                    {
+                        "name": "EAAS_SUSPECT_AFTER_MS",
+                        "value": str(spec.failure_detection.suspect_after_ms),
+                    },
+                ],
+                "resources": server_resources(spec),
+                "readinessProbe": {
+                    "tcpSocket": {"port": spec.port},
+                    "periodSeconds": 1,
+                    "failureThreshold": 2,
+                },
+            }
+        ],
+    }
+    if spec.affinity:
+        pod_spec["affinity"] = spec.affinity
+    spec_hash = content_hash(pod_spec)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": owner.namespace,
+            "labels": {
+                **server_labels(owner.name),
+                LABEL_SERVER_INDEX: str(index),
+                LABEL_PLACEMENT_REVISION: revision,
+                "app.kubernetes.io/name": "eaas",
+                "app.kubernetes.io/component": SERVER_ROLE,
+                "app.kubernetes.io/managed-by": MANAGED_BY,
+            },
+            "annotations": {
+                ANNOTATION_EXPERTS: format_expert_spec(experts),
+                ANNOTATION_SPEC_HASH: spec_hash,
+            },
+            "ownerReferences": [owner.reference()],
+        },
+        "spec": pod_spec,
+    }
+
+
+def desired_server_pods(
+    owner: Owner, spec: ExpertPoolSpec, placement: Placement, revision: str
+) -> dict[str, dict[str, Any]]:
+    """Pod name -> manifest for every server of ``placement`` (index order)."""
+    return {
+        server_name(owner.name, s): server_pod(owner, spec, s, experts, revision)
+        for s, experts in enumerate(placement.servers)
+    }
+
+
+@dataclass(frozen=True)
+class ObservedPod:
+    """What the operator needs to know about an existing expert-server pod.
+
+    Attributes:
+        name: pod name.
+        uid: pod uid (delete preconditions).
+        index: ``eaas.io/server-index`` label, or -1 if missing/malformed.
+        spec_hash: ``eaas.io/spec-hash`` annotation.
+        revision: ``eaas.io/placement-revision`` label.
+        experts: hosted (layer, expert) pairs from the ``eaas.io/experts`` annotation.
+        ready: the ``Ready`` condition is True.
+        ip: pod IP, or "".
+        terminating: ``deletionTimestamp`` is set.
+        phase: ``status.phase`` (Pending, Running, Succeeded, Failed, Unknown).
+        owner_uid: uid of its controller ownerReference, or "".
+        node: ``spec.nodeName``, or "".
+        node_ready: False when its node is known NotReady/Unknown (a dead node's pods still
+            look Ready until the node controller evicts them, minutes later).
+    """
+
+    name: str
+    uid: str = ""
+    index: int = -1
+    spec_hash: str = ""
+    revision: str = ""
+    experts: tuple[LayerExpert, ...] = ()
+    ready: bool = False
+    ip: str = ""
+    terminating: bool = False
+    phase: str = "Pending"
+    owner_uid: str = ""
+    node: str = ""
+    node_ready: bool = True
+
+    @property
+    def finished(self) -> bool:
+        """The pod's process ended for good (Failed/Succeeded): it must be replaced."""
+        return self.phase in ("Failed", "Succeeded")
+
+    @property
+    def live(self) -> bool:
+        """Usable by clients: Ready, has an IP, Running, not terminating, its node Ready."""
+        return (
+            self.ready
+            and bool(self.ip)
+            and not self.terminating
+            and self.phase == "Running"
+            and self.node_ready
+        )
+
+    @classmethod
+    def from_pod(
+        cls, pod: Mapping[str, Any], ready_nodes: Mapping[str, bool] | None = None
+    ) -> ObservedPod:
+        """Parse a pod as returned by the API (camelCase JSON dict). ``ready_nodes``: node name ->
+        Ready; nodes not in it count as Ready."""
+        meta = pod.get("metadata") or {}
+        status = pod.get("status") or {}
+        labels = meta.get("labels") or {}
+        annotations = meta.get("annotations") or {}
+        try:
+            index = int(labels.get(LABEL_SERVER_INDEX, "-1"))
+        except ValueError:
+            index = -1
+        try:
+            experts = tuple(parse_expert_spec(annotations.get(ANNOTATION_EXPERTS, "")))
+        except ValueError:
+            experts = ()
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in (status.get("conditions") or [])
+        )
+        owner_uid = next(
+            (r.get("uid", "") for r in (meta.get("ownerReferences") or []) if r.get("controller")),
+            "",
+        )
+        return cls(
+            name=meta.get("name", ""),
+            uid=meta.get("uid", ""),
+            index=index,
+            spec_hash=annotations.get(ANNOTATION_SPEC_HASH, ""),
+            revision=labels.get(LABEL_PLACEMENT_REVISION, ""),
+            experts=experts,
+            ready=ready,
+            ip=status.get("podIP") or "",
+            terminating=bool(meta.get("deletionTimestamp")),
+            phase=status.get("phase") or "Pending",
+            owner_uid=owner_uid,
+            node=(pod.get("spec") or {}).get("nodeName") or "",
+            node_ready=(ready_nodes or {}).get((pod.get("spec") or {}).get("nodeName") or "", True),
+        )
+
+
+@dataclass
+class PodPlan:
+    """What to do with expert-server pods in one reconcile step.
+
+    Attributes:
+        create: manifests to create (their names are free).
+        delete: ``(name, uid, why)`` to delete; ``why`` is ``failed``, ``excess`` or ``outdated``.
+        relabel: ``(name, revision)``: pods whose experts did not change but whose
+            placement-revision label is stale.
+        waiting: desired names still held by a terminating pod (created on a later step).
+        outdated: names of existing pods whose spec hash differs from the desired one.
+        excess: names of existing pods not in the desired set.
+        forced: an outdated/excess pod was deleted although that leaves some expert without a
+            live replica (only when nothing else could make progress).
+    """
+
+    create: list[dict[str, Any]] = field(default_factory=list)
+    delete: list[tuple[str, str, str]] = field(default_factory=list)
+    relabel: list[tuple[str, str]] = field(default_factory=list)
+    waiting: list[str] = field(default_factory=list)
+    outdated: list[str] = field(default_factory=list)
+    excess: list[str] = field(default_factory=list)
+    forced: bool = False
+
+    @property
+    def idle(self) -> bool:
+        return not (self.create or self.delete or self.relabel or self.waiting)
+
+
+def _covered(pods: Iterable[ObservedPod]) -> set[LayerExpert]:
+    out: set[LayerExpert] = set()
+    for p in pods:
+        out.update(p.experts)
+    return out
+
+
+def plan_pods(
+    desired: Mapping[str, Mapping[str, Any]],
+    observed: Sequence[ObservedPod],
+    max_unavailable: int,
+) -> PodPlan:
+    """Decide creations, deletions and relabels that move ``observed`` toward ``desired``.
+
+    Rules:
+
+    * missing desired pods are created at once (adding a server never hurts coverage);
+    * Failed/Succeeded pods are deleted at once (they serve nothing) and recreated next step;
+    * outdated pods (spec hash differs, e.g. their experts changed), then excess pods (index
+      beyond ``replicas``), are deleted one by one, only while fewer than ``max_unavailable`` desired
+      servers are unavailable, and only if every (layer, expert) that is live now stays live on
+      the remaining Ready pods. If that blocks all progress while every desired server is
+      available, one pod is deleted anyway (``forced``) so a re-placement always completes.
+
+    Args:
+        desired: pod name -> manifest (from :func:`desired_server_pods`).
+        observed: the pool's existing pods.
+        max_unavailable: how many desired servers may be down at once (>= 1).
+    """
+    plan = PodPlan()
+    by_name = {p.name: p for p in observed}
+    unavailable = 0
+    candidates: list[ObservedPod] = []
+    for name, manifest in desired.items():
+        pod = by_name.get(name)
+        want_hash = manifest["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
+        want_rev = manifest["metadata"]["labels"][LABEL_PLACEMENT_REVISION]
+        if pod is None:
+            plan.create.append(dict(manifest))
+            unavailable += 1
+            continue
+        if pod.terminating:
+            plan.waiting.append(name)
+            unavailable += 1
+            continue
+        if pod.finished:
+            plan.delete.append((name, pod.uid, "failed"))
+            unavailable += 1
+            continue
+        if not pod.live:
+            unavailable += 1
+        if pod.spec_hash != want_hash:
+            plan.outdated.append(name)
+            candidates.append(pod)
+        elif pod.revision != want_rev:
+            plan.relabel.append((name, want_rev))
+    excess = sorted(
+        (p for p in observed if p.name not in desired and not p.terminating), key=lambda p: -p.index
+    )
+    plan.excess = [p.name for p in excess]
+    for p in excess:
+        if not p.live:  # serves nothing: remove now
+            plan.delete.append((p.name, p.uid, "excess"))
+    excess_live = [p for p in excess if p.live]
+
+    removed: set[str] = {n for n, _, _ in plan.delete}
+    live = [p for p in observed if p.live and p.name not in removed]
+    must_cover = _covered(live)
+    budget = max(1, max_unavailable) - unavailable
+
+    def safe_without(pod: ObservedPod) -> bool:
+        rest = [p for p in live if p.name not in removed and p.name != pod.name]
+        return must_cover <= _covered(rest)
+
+    # replace outdated servers first while excess ones still hold their experts, then shrink
+    ordered = sorted(candidates, key=lambda p: p.index) + excess_live
+    for pod in ordered:
+        is_excess = pod.name not in desired
+        if not is_excess and budget <= 0:
+            continue
+        if not safe_without(pod):
+            continue
+        plan.delete.append((pod.name, pod.uid, "excess" if is_excess else "outdated"))
+        removed.add(pod.name)
+        if not is_excess:
+            budget -= 1
+    if ordered and unavailable == 0 and not any(n in removed for n in (p.name for p in ordered)):
+        pod = ordered[0]
+        plan.delete.append((pod.name, pod.uid, "excess" if pod.name not in desired else "outdated"))
+        plan.forced = True
+    return plan

@@ -1,0 +1,143 @@
+"""Placement decisions of the operator (pure): the placement in force read back from the
+pods, the next placement computed incrementally from it, expert load, failure-domain spread."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+
+from eaas.operator.crd import ExpertPoolSpec
+from eaas.operator.names import content_hash
+from eaas.operator.pods import ObservedPod
+from eaas.runtime.placement import LayerExpert, Placement, place_experts
+
+
+# ---------------------------------------------------------------------------------------------
+# placement
+# ---------------------------------------------------------------------------------------------
+def previous_placement(spec: ExpertPoolSpec, observed: Sequence[ObservedPod]) -> Placement | None:
+    """The placement in force, read back from the pods' ``eaas.io/experts`` annotations:
+    server ``i`` is pod ``<pool>-i``. Terminating and finished pods count as empty (their
+    replacement is placed afresh); pods without a valid index are ignored. None when no pod
+    hosts anything (a new pool: place from scratch)."""
+    by_index: dict[int, tuple[LayerExpert, ...]] = {}
+    for p in observed:
+        if p.index < 0 or p.terminating or p.finished:
+            continue
+        by_index[p.index] = p.experts
+    if not any(by_index.values()):
+        return None
+    width = max(by_index) + 1
+    return Placement(
+        layers=tuple(spec.model.layers()),
+        num_experts=spec.model.num_experts,
+        redundancy=spec.redundancy,
+        servers=tuple(tuple(sorted(by_index.get(i, ()))) for i in range(width)),
+    )
+
+
+def compute_placement(
+    spec: ExpertPoolSpec,
+    expert_load: Mapping[LayerExpert, float] | None = None,
+    observed: Sequence[ObservedPod] = (),
+) -> Placement:
+    """Placement of every (MoE layer, logical expert) on ``spec.replicas`` servers, computed
+    incrementally from what the ``observed`` pods host (:func:`previous_placement`): scaling by
+    one leaves the surviving servers' experts as they are (scale-up) or re-homes only what the
+    removed server held (scale-down); see :mod:`eaas.runtime.placement` for the bound. A
+    converged pool is a fixed point (the same pods give the same placement).
+
+    Args:
+        spec: the pool's spec (model shape, replicas, redundancy, placement policy and
+            ``slotsPerServer``).
+        expert_load: tokens per (layer, expert) per interval, for ``load-balanced``.
+        observed: the pool's existing pods.
+
+    Raises:
+        eaas.runtime.placement.PlacementError: redundancy above replicas or another impossible
+            request (the CRD's rules normally reject those before they reach the operator).
+    """
+    return place_experts(
+        layers=spec.model.layers(),
+        num_experts=spec.model.num_experts,
+        num_servers=spec.replicas,
+        redundancy=spec.redundancy,
+        policy=spec.placement.policy,
+        expert_load=expert_load,
+        previous=previous_placement(spec, observed),
+        slots_per_server=spec.placement.slots_per_server,
+    )
+
+
+def parse_expert_load(text: str, spec: ExpertPoolSpec) -> dict[LayerExpert, float]:
+    """Parse the pool's expert-load document (ConfigMap ``<pool>-expert-load``, key
+    ``expert-load.json``): ``{"layers": {"<layer>": [tokens of expert 0, 1, ...], ...}}``,
+    tokens per expert over any fixed interval (only ratios matter).
+
+    Raises:
+        ValueError: not JSON, a layer outside the model, a row whose length is not
+            ``numExperts``, or a negative / non-numeric load (the message names the field).
+    """
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"expert load is not valid JSON: {exc}") from None
+    layers = doc.get("layers") if isinstance(doc, dict) else None
+    if not isinstance(layers, dict):
+        raise ValueError("expert load needs an object field 'layers'")
+    valid = set(spec.model.layers())
+    out: dict[LayerExpert, float] = {}
+    for key, row in layers.items():
+        try:
+            layer = int(key)
+        except ValueError:
+            raise ValueError(f"layers[{key!r}]: not a layer index") from None
+        if layer not in valid:
+            raise ValueError(f"layers[{key!r}]: not a MoE layer of the model")
+        if not isinstance(row, list) or len(row) != spec.model.num_experts:
+            raise ValueError(f"layers[{key!r}]: expected a list of {spec.model.num_experts} loads")
+        for e, v in enumerate(row):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"layers[{key!r}][{e}]: load must be a number >= 0, got {v!r}")
+            out[(layer, e)] = float(v)
+    return out
+
+
+def expert_load_configmap_name(pool: str) -> str:
+    """Name of the ConfigMap the operator reads expert load from (written by a collector)."""
+    return f"{pool}-expert-load"
+
+
+def unspread_experts(
+    live: Sequence[ObservedPod],
+    redundancy: int,
+    node_domains: Mapping[str, str] | None = None,
+) -> tuple[int, int]:
+    """``(experts, domains)``: logical experts whose live replicas span fewer failure domains
+    than ``min(redundancy, domains with live servers)``, and the number of such domains.
+
+    ``node_domains``: node name -> its value of the pool's topology key; a node not in it is
+    its own domain, a pod with no node too."""
+    hosting: dict[LayerExpert, set[str]] = {}
+    nodes: set[str] = set()
+    for p in live:
+        node = (node_domains or {}).get(p.node) or p.node or f"pod/{p.name}"
+        nodes.add(node)
+        for pair in p.experts:
+            hosting.setdefault(pair, set()).add(node)
+    want = min(redundancy, len(nodes))
+    return sum(1 for ns in hosting.values() if len(ns) < want), len(nodes)
+
+
+def placement_revision(spec: ExpertPoolSpec) -> str:
+    """Short hash of the placement's inputs; changes exactly when the placement may change."""
+    return content_hash(
+        {
+            "layers": spec.model.layers(),
+            "numExperts": spec.model.num_experts,
+            "servers": spec.replicas,
+            "redundancy": spec.redundancy,
+            "policy": spec.placement.policy,
+            "slotsPerServer": spec.placement.slots_per_server,
+        }
+    )
