@@ -311,6 +311,12 @@ def test_node_stop_makes_node_not_ready_and_start_recovers(cluster, tmp_path):
     state = ["--state-dir", str(cluster.state_dir)]
     try:
         wait_ready(name)
+        # Ready comes when the container starts; the shell writes its pid a moment later
+        wait_for(
+            "pid file written",
+            lambda: (out / "pid").is_file() and (out / "pid").read_text().strip(),
+            timeout=60,
+        )
         pid = int((out / "pid").read_text())
         r = subprocess.run([*cli, "stop", node, *state], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
@@ -353,7 +359,12 @@ def test_node_stop_makes_node_not_ready_and_start_recovers(cluster, tmp_path):
         # the pod's container runs again on the restarted node, counted as a restart
         p = wait_ready(name)
         assert ctr_status(p)["restartCount"] >= 1
-        assert int((out / "pid").read_text()) != pid
+        # the restarted container writes its own pid (a moment after it starts)
+        wait_for(
+            "new container's pid written",
+            lambda: (t := (out / "pid").read_text().strip()) and int(t) != pid,
+            timeout=60,
+        )
     finally:
         kubectl("delete", "pod", name, "--wait=false", check=False)
 
