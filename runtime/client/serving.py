@@ -457,8 +457,16 @@ class OpenAIServer:
             return UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct)
 
         if prep.stream:
+            # An error before the first token (no live replica, a bad prompt found by the engine)
+            # is answered with its HTTP status, not as a 200 stream that carries the error.
+            head = await q.get()
+            if isinstance(head[1], ErrorEvent):
+                cancel_all()
+                err = exc_error(head[1].error)
+                metrics.REQUESTS.labels(client_id=label, status=str(err.status)).inc()
+                return err.response()
             return StreamingResponse(
-                self._sse(prep, choices, q, rid, created, usage, cancel_all),
+                self._sse(prep, choices, q, rid, created, usage, cancel_all, head),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -542,7 +550,10 @@ class OpenAIServer:
             usage=usage(),
         ).model_dump()
 
-    async def _sse(self, prep, choices, q, rid, created, usage, cancel_all) -> AsyncIterator[str]:
+    async def _sse(
+        self, prep, choices, q, rid, created, usage, cancel_all, head=None
+    ) -> AsyncIterator[str]:
+        """The SSE body; ``head`` is the first ``(choice index, event)``, already taken off ``q``."""
         label = self.client_id
         status = "cancelled"
 
@@ -581,7 +592,10 @@ class OpenAIServer:
             left = len(choices)
             first = {ch.index for ch in choices}
             while left:
-                idx, ev = await q.get()
+                if head is not None:
+                    (idx, ev), head = head, None
+                else:
+                    idx, ev = await q.get()
                 ch = choices[idx]
                 if isinstance(ev, ErrorEvent):
                     cancel_all()
