@@ -23,11 +23,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
+from pydantic.json_schema import JsonDict
 
 from eaas.runtime.placement import POLICIES
 
 PlacementPolicy = Literal["round-robin", "load-balanced"]
-assert set(PlacementPolicy.__args__) == set(POLICIES), (
+assert set(typing.get_args(PlacementPolicy)) == set(POLICIES), (
     "CRD enum out of sync with eaas.runtime.placement"
 )
 
@@ -46,7 +47,7 @@ ANNOTATION_SPEC_HASH = "eaas.io/spec-hash"
 ANNOTATION_TABLE_VERSION = "eaas.io/routing-table-version"
 RDMA_NODE_LABEL = "eaas.io/rdma"
 
-_K8S_OBJECT = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+_K8S_OBJECT: JsonDict = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
 
 
 class _Model(BaseModel):
@@ -223,11 +224,15 @@ class ExpertPoolSpec(_Model):
     )
 
 
+#: ``status`` of a Kubernetes condition.
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+
 class Condition(_Model):
     """A standard Kubernetes condition."""
 
     type: str = Field(description="Ready, Progressing or Degraded.")
-    status: Literal["True", "False", "Unknown"] = Field(description="Condition status.")
+    status: ConditionStatus = Field(description="Condition status.")
     reason: str = Field(default="", description="CamelCase reason.")
     message: str = Field(default="", description="Human-readable detail.")
     last_transition_time: str | None = Field(

@@ -29,9 +29,9 @@ import datetime as _dt
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import kopf
 from kubernetes import client as k8s
@@ -178,6 +178,33 @@ def _state(memo: Any) -> OperatorState:
     return state
 
 
+def _namespace(namespace: str | None) -> str:
+    """The namespace of a namespaced object's handler call.
+
+    kopf types ``namespace`` as ``str | None`` (cluster-scoped objects have none); ExpertPools,
+    AttentionFleets and pods are namespaced, so it is always set for them.
+
+    Raises:
+        kopf.PermanentError: ``namespace`` is None (a handler registered for a cluster-scoped
+            resource by mistake).
+    """
+    if namespace is None:
+        raise kopf.PermanentError("a namespaced resource's handler was called without a namespace")
+    return namespace
+
+
+def _json_object(obj: object) -> dict[str, Any]:
+    """A ``CustomObjectsApi`` read result as a dict (the client types it ``object``: it returns
+    the decoded JSON body, which for one object is a dict).
+
+    Raises:
+        TypeError: the body is not a JSON object.
+    """
+    if not isinstance(obj, dict):
+        raise TypeError(f"expected a JSON object from the API, got {type(obj).__name__}")
+    return obj
+
+
 def _plain(state: OperatorState, obj: Any) -> Any:
     """Kubernetes model object -> camelCase dict, as the API returns it."""
     return state.api().sanitize_for_serialization(obj)
@@ -199,9 +226,9 @@ async def _loop(
     kind: str,
     namespace: str,
     name: str,
-    stopped: Any,
-    step: Any,
-    logger: logging.Logger,
+    stopped: kopf.DaemonStopped,
+    step: Callable[[OperatorState, str, str, kopf.Logger], None],
+    logger: kopf.Logger,
 ) -> None:
     event = state.wake_event(kind, namespace, name)
     try:
@@ -260,7 +287,7 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
 @kopf.on.update(GROUP, VERSION, POOLS, field="spec")
 @kopf.on.resume(GROUP, VERSION, POOLS)
 async def pool_spec_changed(
-    body: kopf.Body, namespace: str, name: str, reason: str, memo: Any, **_: Any
+    body: kopf.Body, namespace: str | None, name: str, reason: str, memo: Any, **_: Any
 ) -> None:
     """Announce the placement inputs for the new spec (as an Event) and wake the pool's daemon.
     The placement itself is computed by the daemon, incrementally from the pods."""
@@ -286,21 +313,26 @@ async def pool_spec_changed(
                 f"{spec.redundancy}, >= {slots} experts per server per layer "
                 f"({spec.placement.policy}, incremental)",
             )
-    _state(memo).wake("pool", namespace, name)
+    _state(memo).wake("pool", _namespace(namespace), name)
 
 
 @kopf.daemon(GROUP, VERSION, POOLS, cancellation_timeout=5)
 async def pool_daemon(
-    namespace: str, name: str, stopped: Any, logger: logging.Logger, memo: Any, **_: Any
+    namespace: str | None,
+    name: str,
+    stopped: kopf.DaemonStopped,
+    logger: kopf.Logger,
+    memo: Any,
+    **_: Any,
 ) -> None:
     """Reconcile the pool now, on every wakeup and every ``resync_s`` seconds."""
-    await _loop(_state(memo), "pool", namespace, name, stopped, reconcile_pool, logger)
+    await _loop(_state(memo), "pool", _namespace(namespace), name, stopped, reconcile_pool, logger)
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_POOL: kopf.PRESENT, LABEL_ROLE: SERVER_ROLE})
-async def server_pod_event(namespace: str, labels: kopf.Labels, memo: Any, **_: Any) -> None:
+async def server_pod_event(namespace: str | None, labels: kopf.Labels, memo: Any, **_: Any) -> None:
     """Any change of an expert-server pod (readiness, IP, deletion) wakes its pool."""
-    _state(memo).wake("pool", namespace, labels[LABEL_POOL])
+    _state(memo).wake("pool", _namespace(namespace), labels[LABEL_POOL])
 
 
 def _parse_table(state: OperatorState, namespace: str, cm: dict[str, Any]) -> RoutingTable:
@@ -347,7 +379,9 @@ async def node_event(
 
 
 def _event(body: dict[str, Any], reason: str, message: str, warning: bool = False) -> None:
-    (kopf.warn if warning else kopf.info)(body, reason=reason, message=message)
+    """Post a Kubernetes Event about the object ``body`` (a custom object read from the API)."""
+    obj = kopf.Body(cast(kopf.RawBody, body))
+    (kopf.warn if warning else kopf.info)(obj, reason=reason, message=message)
 
 
 def _get_live(
@@ -359,7 +393,9 @@ def _get_live(
         ApiException: any API error but 404.
     """
     try:
-        body = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, plural, name)
+        body = _json_object(
+            custom.get_namespaced_custom_object(GROUP, VERSION, namespace, plural, name)
+        )
     except ApiException as exc:
         if exc.status == 404:
             return None
@@ -367,7 +403,7 @@ def _get_live(
     return None if body["metadata"].get("deletionTimestamp") else body
 
 
-def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: logging.Logger) -> None:
+def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf.Logger) -> None:
     """One reconcile step of ExpertPool ``namespace/name``.
 
     Reads the pool, its pods and its routing-table ConfigMap; creates/deletes/relabels pods as
@@ -408,7 +444,8 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: logg
 
     def create(manifest: dict[str, Any]) -> None:
         try:
-            core.create_namespaced_pod(namespace, manifest)
+            # the client's validate_call would turn the dict into a V1Pod the same way
+            core.create_namespaced_pod(namespace, k8s.V1Pod.model_validate(manifest))
             logger.info("created expert server %s", manifest["metadata"]["name"])
         except ApiException as exc:
             if exc.status != 409:  # 409: made by an earlier (killed) run
@@ -489,7 +526,7 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: logg
 
 
 def _read_load(
-    core: k8s.CoreV1Api, body: dict[str, Any], spec: ExpertPoolSpec, logger: logging.Logger
+    core: k8s.CoreV1Api, body: dict[str, Any], spec: ExpertPoolSpec, logger: kopf.Logger
 ) -> dict[LayerExpert, float] | None:
     """Expert load for ``load-balanced`` pools from ConfigMap ``<pool>-expert-load`` (key
     ``expert-load.json``), or None (round-robin, no ConfigMap, or an invalid one: a Warning
@@ -523,7 +560,7 @@ def _publish_table(
     spec: ExpertPoolSpec,
     live: list[ObservedPod],
     old_status: dict[str, Any],
-    logger: logging.Logger,
+    logger: kopf.Logger,
 ) -> tuple[RoutingTable, str]:
     """Create or update the routing-table ConfigMap if the live set changed. Returns the table
     in force and, when the new table cannot be stored (too large), why (a Warning event says it
@@ -594,22 +631,27 @@ def _write_status(
 @kopf.on.create(GROUP, VERSION, FLEETS)
 @kopf.on.update(GROUP, VERSION, FLEETS, field="spec")
 @kopf.on.resume(GROUP, VERSION, FLEETS)
-async def fleet_spec_changed(namespace: str, name: str, memo: Any, **_: Any) -> None:
+async def fleet_spec_changed(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
     """Wake the fleet's daemon on spec changes."""
-    _state(memo).wake("fleet", namespace, name)
+    _state(memo).wake("fleet", _namespace(namespace), name)
 
 
 @kopf.daemon(GROUP, VERSION, FLEETS, cancellation_timeout=5)
 async def fleet_daemon(
-    namespace: str, name: str, stopped: Any, logger: logging.Logger, memo: Any, **_: Any
+    namespace: str | None,
+    name: str,
+    stopped: kopf.DaemonStopped,
+    logger: kopf.Logger,
+    memo: Any,
+    **_: Any,
 ) -> None:
     """Reconcile the fleet now, on every wakeup and every ``resync_s`` seconds."""
-    await _loop(_state(memo), "fleet", namespace, name, stopped, reconcile_fleet, logger)
+    await _loop(
+        _state(memo), "fleet", _namespace(namespace), name, stopped, reconcile_fleet, logger
+    )
 
 
-def reconcile_fleet(
-    state: OperatorState, namespace: str, name: str, logger: logging.Logger
-) -> None:
+def reconcile_fleet(state: OperatorState, namespace: str, name: str, logger: kopf.Logger) -> None:
     """One reconcile step of AttentionFleet ``namespace/name``: apply its Deployment and Service,
     then write the status (clients' readiness, the pool's routing-table version)."""
     custom = k8s.CustomObjectsApi(state.api())
@@ -622,7 +664,9 @@ def reconcile_fleet(
     spec = AttentionFleetSpec.model_validate(body["spec"])
     pool_name = spec.expert_pool_ref.name
     try:
-        pool_body = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, POOLS, pool_name)
+        pool_body = _json_object(
+            custom.get_namespaced_custom_object(GROUP, VERSION, namespace, POOLS, pool_name)
+        )
         pool = ExpertPoolSpec.model_validate(pool_body["spec"])
     except ApiException as exc:
         if exc.status != 404:
@@ -646,7 +690,8 @@ def reconcile_fleet(
     table_version = 0
     try:
         cm = core.read_namespaced_config_map(table_configmap_name(pool_name), namespace)
-        table_version = int((cm.metadata.annotations or {}).get(ANNOTATION_TABLE_VERSION, "0") or 0)
+        annotations = (cm.metadata.annotations if cm.metadata else None) or {}
+        table_version = int(annotations.get(ANNOTATION_TABLE_VERSION, "0") or 0)
     except ApiException as exc:
         if exc.status != 404:
             raise

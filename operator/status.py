@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from eaas.operator.crd import Condition, ExpertPoolSpec, ExpertPoolStatus, PlacementSummary
+from eaas.operator.crd import (
+    Condition,
+    ConditionStatus,
+    ExpertPoolSpec,
+    ExpertPoolStatus,
+    PlacementSummary,
+)
 from eaas.operator.names import Owner, selector_string, server_labels, server_name
 from eaas.operator.pods import ObservedPod, PodPlan
 from eaas.operator.pool_placement import unspread_experts
@@ -98,6 +104,7 @@ def pool_status(
             observed_generation=gen,
         )
 
+    prog: tuple[ConditionStatus, str, str]  # (status, reason, message)
     if missing > 0:
         prog = ("True", "ScalingUp", f"creating {missing} expert server(s)")
     elif plan.excess:
@@ -124,6 +131,7 @@ def pool_status(
         type="Progressing", status=prog[0], reason=prog[1], message=prog[2], observed_generation=gen
     )
 
+    deg: tuple[ConditionStatus, str, str]  # (status, reason, message)
     if uncovered:
         deg = (
             "True",
@@ -154,6 +162,7 @@ def pool_status(
         [p for p in existing if p.live], spec.redundancy, node_domains
     )
     key = spec.placement.topology_key
+    spread: tuple[ConditionStatus, str, str]  # (status, reason, message)
     if nodes and nodes < spec.redundancy:
         spread = (
             "False",

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 _STATE_HELP = "Default: ~/.cache/eaas/testbed/run."
+
+
+def _state_path(state_dir: str | None) -> Path | None:
+    """``--state-dir`` as a path; None (the default state folder) when unset or empty."""
+    return Path(state_dir) if state_dir else None
 
 
 def register(app: typer.Typer) -> None:
@@ -57,7 +64,7 @@ def testbed_up(
         "--volume-sync-s",
         help="Delay before configMap/secret volume files follow a change (the kubelet's sync).",
     ),
-    state_dir: str = typer.Option(None, "--state-dir", help=_STATE_HELP),
+    state_dir: str | None = typer.Option(None, "--state-dir", help=_STATE_HELP),
     timeout: float = typer.Option(300, "--timeout", help="Seconds to wait for readiness."),
 ) -> None:
     """Build (once, cached) and start the testbed control plane and its nodes."""
@@ -65,7 +72,7 @@ def testbed_up(
 
     try:
         tb = up(
-            state_dir=state_dir,
+            state_dir=_state_path(state_dir),
             gpu_nodes=gpu_nodes,
             cpu_nodes=cpu_nodes,
             timeout=timeout,
@@ -86,22 +93,22 @@ def testbed_up(
 
 
 def testbed_down(
-    state_dir: str = typer.Option(None, "--state-dir", help=_STATE_HELP),
+    state_dir: str | None = typer.Option(None, "--state-dir", help=_STATE_HELP),
 ) -> None:
     """Stop the testbed (node agents and their containers first) and remove its state."""
     from eaas.testbed import down
 
-    down(state_dir=state_dir, echo=lambda m: typer.echo(m, err=True))
+    down(state_dir=_state_path(state_dir), echo=lambda m: typer.echo(m, err=True))
 
 
 def testbed_env(
-    state_dir: str = typer.Option(None, "--state-dir", help=_STATE_HELP),
+    state_dir: str | None = typer.Option(None, "--state-dir", help=_STATE_HELP),
 ) -> None:
     """Print shell exports to use the testbed: eval \"$(eaas testbed env)\"."""
     from eaas.testbed import TestbedError, env_lines
 
     try:
-        typer.echo(env_lines(state_dir), nl=False)
+        typer.echo(env_lines(_state_path(state_dir)), nl=False)
     except TestbedError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
@@ -109,7 +116,7 @@ def testbed_env(
 
 def node_stop(
     name: str = typer.Argument(..., help="Process node name, e.g. gpu-node-1."),
-    state_dir: str = typer.Option(None, "--state-dir", help=_STATE_HELP),
+    state_dir: str | None = typer.Option(None, "--state-dir", help=_STATE_HELP),
 ) -> None:
     """Power off a process node: its agent and containers stop, heartbeats stop, and the
     node-lifecycle controller marks it NotReady (about 20 s)."""
@@ -117,7 +124,7 @@ def node_stop(
     from eaas.testbed import node_stop as _stop
 
     try:
-        _stop(name, state_dir=state_dir)
+        _stop(name, state_dir=_state_path(state_dir))
     except TestbedError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
@@ -126,14 +133,14 @@ def node_stop(
 
 def node_start(
     name: str = typer.Argument(..., help="Process node name, e.g. gpu-node-1."),
-    state_dir: str = typer.Option(None, "--state-dir", help=_STATE_HELP),
+    state_dir: str | None = typer.Option(None, "--state-dir", help=_STATE_HELP),
 ) -> None:
     """Start a stopped process node's agent again (its pods' containers restart)."""
     from eaas.testbed import TestbedError
     from eaas.testbed import node_start as _start
 
     try:
-        _start(name, state_dir=state_dir)
+        _start(name, state_dir=_state_path(state_dir))
     except TestbedError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None

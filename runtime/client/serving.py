@@ -9,6 +9,7 @@ HTTP routing lives in :mod:`.api`; sampling in :mod:`.sampling`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -202,7 +203,7 @@ class OpenAIServer:
             bias[t] = float(v)
         stop_ids = list(req.stop_token_ids or [])
         self.check_ids(stop_ids, "stop_token_ids")
-        base = dict(
+        base = SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else float(req.temperature),
             top_p=1.0 if req.top_p is None else float(req.top_p),
@@ -226,7 +227,7 @@ class OpenAIServer:
                 seed = req.seed + i
                 if seed > SEED_MAX:  # wrap within torch's accepted range
                     seed = seed - SEED_MAX - 1 + SEED_MIN
-            out.append(SamplingParams(seed=seed, **base))
+            out.append(dataclasses.replace(base, seed=seed))
         return out, max_tokens
 
     def prepare_completion(self, body: dict) -> Prepared:
@@ -413,6 +414,8 @@ class OpenAIServer:
     def chat_logprobs(self, events: list[TokenEvent]) -> ChatLogProbs:
         content = []
         for ev in events:
+            if ev.logprob is None:  # the engine gives every token one when logprobs were asked
+                raise RuntimeError(f"token {ev.token_id} came without the requested logprob")
             s = self.token_str(ev.token_id)
             tops = [
                 TopLogprob(
@@ -560,7 +563,7 @@ class OpenAIServer:
         def data(obj: dict) -> str:
             return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
-        def dump(chunk) -> dict:
+        def dump(chunk: ChatCompletionChunk | CompletionChunk) -> dict:
             d = chunk.model_dump()
             if prep.continuous_usage:
                 d["usage"] = usage().model_dump()
@@ -610,6 +613,7 @@ class OpenAIServer:
                 if ev.finish_reason is not None:
                     ch.finish, ch.stop_reason = ev.finish_reason, ev.stop_reason
                     left -= 1
+                chunk: ChatCompletionChunk | CompletionChunk
                 if prep.chat:
                     chunk = ChatCompletionChunk(
                         id=rid,

@@ -28,6 +28,7 @@ import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from eaas.runtime.gpu import GpuUnavailableError
 
@@ -291,7 +292,8 @@ class Module:
 
         g = tuple(grid) + (1,) * (3 - len(tuple(grid)))
         b = tuple(block) + (1,) * (3 - len(tuple(block)))
-        vals, types = [], []
+        vals: list[int | None] = []  # kernel parameter values
+        types: list[type[ctypes._SimpleCData[Any]]] = []  # their C types
         for a in args:
             if isinstance(a, torch.Tensor):
                 vals.append(a.data_ptr())

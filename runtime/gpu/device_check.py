@@ -118,6 +118,7 @@ def _start_server(endpoint: str, H: int) -> subprocess.Popen:
          "--experts", "1:0", "--random", f"{H}:8:0", "--dtype", "bfloat16", "--device", "cuda"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
+    assert p.stdout is not None  # stdout=PIPE
     line = p.stdout.readline()
     if "ready on" not in line:
         p.kill()

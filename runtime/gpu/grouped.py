@@ -212,17 +212,20 @@ class GroupedExperts:
         if s is None:
             E, P, dev = self.num_local, n * k, self.device
             mt = max_tiles(P, E)
-            i32 = dict(dtype=torch.int32, device=dev)
+
+            def i32(size: int) -> torch.Tensor:
+                return torch.empty(size, dtype=torch.int32, device=dev)
+
             s = {
-                "counts": torch.empty(E, **i32),
-                "offsets": torch.empty(E + 1, **i32),
-                "cursor": torch.empty(E, **i32),
-                "active": torch.empty(E, **i32),
-                "tile_expert": torch.empty(mt, **i32),
-                "tile_row0": torch.empty(mt, **i32),
-                "pos": torch.empty(max(P, 1), **i32),
-                "row_pair": torch.empty(max(P, 1), **i32),
-                "meta": torch.zeros(4, **i32),
+                "counts": i32(E),
+                "offsets": i32(E + 1),
+                "cursor": i32(E),
+                "active": i32(E),
+                "tile_expert": i32(mt),
+                "tile_row0": i32(mt),
+                "pos": i32(max(P, 1)),
+                "row_pair": i32(max(P, 1)),
+                "meta": torch.zeros(4, dtype=torch.int32, device=dev),
                 "act": torch.empty(max(P, 1), self.inter, dtype=torch.float32, device=dev),
                 "y": torch.empty(max(P, 1), self.hidden_size, dtype=torch.float32, device=dev),
             }

@@ -53,7 +53,7 @@ import selectors
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -160,7 +160,8 @@ class _Payload:
         self.req_weights = view(lay["weights"], cap_tokens * cap_k, torch.float32)
         self.resp_out = view(lay["out"], cap_tokens * hidden, dtype).view(cap_tokens, hidden)
         self.is_cuda = raw.is_cuda
-        self._close = None  # callable releasing the memory
+        self._close: Callable[[], None] | None = None  # releases the memory
+        self._released = False
 
     def sync(self) -> None:
         """Payload writes issued on this device's current stream are complete."""
@@ -168,8 +169,12 @@ class _Payload:
             torch.cuda.current_stream(self.raw.device).synchronize()
 
     def release(self) -> None:
-        self.req_hidden = self.req_experts = self.req_weights = self.resp_out = None  # type: ignore
-        self.raw = None  # type: ignore
+        """Drop the views (using one afterwards raises AttributeError), then free the memory.
+        Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        del self.req_hidden, self.req_experts, self.req_weights, self.resp_out, self.raw
         close, self._close = self._close, None
         if close is not None:
             close()
@@ -247,9 +252,14 @@ class _Headers:
         self.req = np.frombuffer(mm, dtype=np.int64, count=8, offset=0)
         self.resp = np.frombuffer(mm, dtype=np.int64, count=8, offset=64)
         self.msg = np.frombuffer(mm, dtype=np.uint8, count=_MSG_BYTES, offset=128)
+        self._released = False
 
     def release(self) -> None:
-        self.req = self.resp = self.msg = None  # type: ignore
+        """Drop the views (using one afterwards raises AttributeError), then unmap the page
+        (unless a returned view still aliases it). Idempotent."""
+        if not self._released:
+            self._released = True
+            del self.req, self.resp, self.msg
         try:
             self.mm.close()
         except BufferError:
@@ -324,12 +334,13 @@ class CudaIpcClientConnection(ClientConnection):
         self._outstanding = False
         self._payload: _Payload | None = None
         self._hdr: _Headers | None = None
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._sock: socket.socket | None = sock  # None once closed
         deadline = time.monotonic() + connect_timeout
         try:
-            self._sock.settimeout(connect_timeout)
+            sock.settimeout(connect_timeout)
             try:
-                self._sock.connect(socket_path(endpoint))
+                sock.connect(socket_path(endpoint))
             except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError) as e:
                 raise PeerDeadError(
                     f"expert server {server_id} at {endpoint}: connect failed: {e}"
@@ -347,27 +358,47 @@ class CudaIpcClientConnection(ClientConnection):
                 self._map(max(1, int(max_tokens)), max(1, int(max_k)), _KIND_HELLO, hfd)
             finally:
                 os.close(hfd)
-            status, msg = self._wait_ack(deadline)
+            status, msg = self._wait_ack(sock, deadline)
             if status != STATUS_OK:
                 raise FrameError(
                     f"expert server {server_id} at {endpoint} refused the connection: {msg}"
                 )
-            self._sock.setblocking(False)
+            sock.setblocking(False)
         except BaseException:
             self.close()
             raise
 
+    def _closed(self) -> PeerDeadError:
+        return PeerDeadError(f"connection to {self.server_id} is closed")
+
     @property
     def headers(self) -> _Headers:
-        """The shared slot headers (for GPU-side signalling, :mod:`eaas.runtime.gpu.graphs`)."""
+        """The shared slot headers (for GPU-side signalling, :mod:`eaas.runtime.gpu.graphs`).
+
+        Raises:
+            PeerDeadError: the connection is closed.
+        """
+        if self._hdr is None:
+            raise self._closed()
         return self._hdr
 
     @property
     def payload(self) -> _Payload:
-        """The current payload buffer views (request hidden/experts/weights, response out)."""
+        """The current payload buffer views (request hidden/experts/weights, response out).
+
+        Raises:
+            PeerDeadError: the connection is closed.
+        """
+        if self._payload is None:
+            raise self._closed()
         return self._payload
 
-    def _map(self, cap_t: int, cap_k: int, kind: bytes, hdr_fd: int | None = None) -> None:
+    def _map(self, cap_t: int, cap_k: int, kind: bytes, hdr_fd: int | None = None) -> _Payload:
+        """Make a payload buffer of ``cap_t`` tokens x ``cap_k`` and send it to the server (hello
+        or remap); it becomes the current payload, which it returns."""
+        sock = self._sock
+        if sock is None:
+            raise self._closed()
         fds = [] if hdr_fd is None else [hdr_fd]
         handle = b"\0" * 64
         pfd = None
@@ -388,7 +419,7 @@ class CudaIpcClientConnection(ClientConnection):
             handle,
         )
         try:
-            socket.send_fds(self._sock, [pkt], fds)
+            socket.send_fds(sock, [pkt], fds)
         except (
             BrokenPipeError,
             ConnectionResetError,
@@ -406,17 +437,18 @@ class CudaIpcClientConnection(ClientConnection):
             self._payload.release()
             self._gen += 1
         self._payload = pl
+        return pl
 
-    def _wait_ack(self, deadline: float) -> tuple[int, str]:
+    def _wait_ack(self, sock: socket.socket, deadline: float) -> tuple[int, str]:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise DeadlineExceeded(
                     f"expert server {self.server_id} at {self.endpoint}: no hello ack"
                 )
-            self._sock.settimeout(remaining)
+            sock.settimeout(remaining)
             try:
-                data = self._sock.recv(4096)
+                data = sock.recv(4096)
             except TimeoutError:
                 continue
             except (ConnectionResetError, BrokenPipeError) as e:
@@ -432,34 +464,33 @@ class CudaIpcClientConnection(ClientConnection):
     def send(self, frame: RequestFrame, deadline: float | None = None) -> None:
         """Copy ``frame`` into the payload slot (stream-synchronised), set the ready counter,
         ring the doorbell. Never waits on the server. Raises FrameError / PeerDeadError."""
-        if self._sock is None:
-            raise PeerDeadError(f"connection to {self.server_id} is closed")
+        sock, hdr_page, p = self._sock, self._hdr, self._payload
+        if sock is None or hdr_page is None or p is None:
+            raise self._closed()
         if self._outstanding:
             raise FrameError(
                 f"connection to {self.server_id}: a request is already in flight (one at a time)"
             )
         h, ex, w = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
         n, k = int(h.shape[0]), int(ex.shape[1])
-        p = self._payload
         if n > p.cap_tokens or k > p.cap_k:
             cap_t = p.cap_tokens
             while cap_t < n:
                 cap_t *= 2
-            self._map(min(cap_t, MAX_TOKENS_HARD), max(k, p.cap_k), _KIND_REMAP)
-            p = self._payload
+            p = self._map(min(cap_t, MAX_TOKENS_HARD), max(k, p.cap_k), _KIND_REMAP)
         if n:
             p.req_hidden[:n].copy_(h, non_blocking=True)
             p.req_experts[: n * k].view(n, k).copy_(ex, non_blocking=True)
             p.req_weights[: n * k].view(n, k).copy_(w, non_blocking=True)
             p.sync()  # payload before flag
-        hdr = self._hdr.req
+        hdr = hdr_page.req
         hdr[1], hdr[2], hdr[3], hdr[4] = frame.layer, frame.table_version, n, k
         hdr[5], hdr[6], hdr[7] = self.client_id, frame.seq, self._gen
         self._counter += 1
         hdr[0] = self._counter  # written last: the ready flag
         self._outstanding = True
         try:
-            self._sock.send(_DOORBELL)
+            sock.send(_DOORBELL)
         except BlockingIOError:
             pass
         except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as e:
@@ -469,9 +500,12 @@ class CudaIpcClientConnection(ClientConnection):
             ) from None
 
     def _drain(self) -> None:
+        sock = self._sock
+        if sock is None:
+            raise self._closed()
         while True:
             try:
-                data = self._sock.recv(4096)
+                data = sock.recv(4096)
             except BlockingIOError:
                 return
             except (ConnectionResetError, BrokenPipeError) as e:
@@ -484,13 +518,16 @@ class CudaIpcClientConnection(ClientConnection):
                 )
 
     def _response(self) -> ResponseFrame:
-        hdr = self._hdr.resp
+        hdr_page, p = self._hdr, self._payload
+        if hdr_page is None or p is None:
+            raise self._closed()
+        hdr = hdr_page.resp
         self._outstanding = False
         status, n = int(hdr[2]), int(hdr[3])
         if status == STATUS_OK:
-            return ResponseFrame(int(hdr[5]), int(hdr[1]), status, self._payload.resp_out[:n])
+            return ResponseFrame(int(hdr[5]), int(hdr[1]), status, p.resp_out[:n])
         ln = min(int(hdr[4]), _MSG_BYTES)
-        msg = bytes(self._hdr.msg[:ln]).decode("utf-8", "replace")
+        msg = bytes(hdr_page.msg[:ln]).decode("utf-8", "replace")
         return ResponseFrame(int(hdr[5]), int(hdr[1]), status, None, msg)
 
     def recv(self, deadline: float) -> ResponseFrame:
@@ -499,11 +536,12 @@ class CudaIpcClientConnection(ClientConnection):
         Raises PeerDeadError (server gone), DeadlineExceeded (request stays in flight),
         FrameError (nothing in flight).
         """
-        if self._sock is None:
-            raise PeerDeadError(f"connection to {self.server_id} is closed")
+        sock, hdr_page = self._sock, self._hdr
+        if sock is None or hdr_page is None:
+            raise self._closed()
         if not self._outstanding:
             raise FrameError(f"connection to {self.server_id}: recv without a request in flight")
-        hdr, want = self._hdr.resp, self._counter
+        hdr, want = hdr_page.resp, self._counter
         spin_end = min(time.monotonic() + self.spin_s, deadline)
         while True:
             if hdr[0] == want:
@@ -521,7 +559,7 @@ class CudaIpcClientConnection(ClientConnection):
                     f"expert server {self.server_id} at {self.endpoint}: no response before the deadline"
                 )
             try:
-                select.select([self._sock], [], [], remaining)
+                select.select([sock], [], [], remaining)
             except ValueError:
                 raise PeerDeadError(f"connection to {self.server_id} is closed") from None
 
@@ -730,12 +768,13 @@ class CudaIpcServerListener(ServerListener):
             self._drop(conn)
             return
 
-    def _collect(self) -> list[tuple[object, RequestFrame]]:
-        out = []
+    def _collect(self) -> list[tuple[_Conn, RequestFrame]]:
+        out: list[tuple[_Conn, RequestFrame]] = []
         for conn in list(self._conns.values()):
-            if not conn.ready or conn.in_flight:
+            hdr_page = conn.hdr
+            if not conn.ready or conn.in_flight or hdr_page is None:  # ready: hdr and payload set
                 continue
-            hdr = conn.hdr.req
+            hdr = hdr_page.req
             c = int(hdr[0])
             if c == conn.last_seen:
                 continue
@@ -743,10 +782,12 @@ class CudaIpcServerListener(ServerListener):
                 self._read(conn)
                 if conn.fileno not in self._conns or int(hdr[7]) != conn.gen:
                     continue
+            p = conn.payload
+            if p is None:
+                continue
             conn.last_seen = c
             conn.in_flight = True
             n, k = int(hdr[3]), int(hdr[4])
-            p = conn.payload
             if not (0 <= n <= p.cap_tokens and 0 <= k <= p.cap_k):
                 self.respond(
                     conn,
@@ -800,9 +841,10 @@ class CudaIpcServerListener(ServerListener):
         """Copy the output into the client's response slot (stream-synchronised), then the done
         counter, then the doorbell. A vanished client is dropped silently."""
         assert isinstance(conn, _Conn)
-        if conn.fileno not in self._conns or conn.payload is None:
+        hdr_page, p = conn.hdr, conn.payload
+        if conn.fileno not in self._conns or hdr_page is None or p is None:
             return
-        hdr, p = conn.hdr.resp, conn.payload
+        hdr = hdr_page.resp
         hdr[1], hdr[2], hdr[5] = frame.layer, frame.status, frame.seq
         if frame.status == STATUS_OK and frame.output is not None:
             n = int(frame.output.shape[0])
@@ -812,7 +854,7 @@ class CudaIpcServerListener(ServerListener):
             hdr[3], hdr[4] = n, 0
         else:
             msg = frame.message.encode("utf-8")[:_MSG_BYTES]
-            conn.hdr.msg[: len(msg)] = np.frombuffer(msg, dtype=np.uint8)
+            hdr_page.msg[: len(msg)] = np.frombuffer(msg, dtype=np.uint8)
             hdr[3], hdr[4] = 0, len(msg)
         hdr[0] = conn.last_seen  # written last: done flag
         conn.in_flight = False

@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -294,6 +296,10 @@ def connect(endpoint: str, server_id: str, **kw) -> NvshmemClientConnection:
     return NvshmemClientConnection(endpoint, server_id, **kw)
 
 
+#: A request's connection handle: (client PE, the value of its request signal).
+_Handle = tuple[int, int]
+
+
 class NvshmemServerListener(ServerListener):
     """Server end of ``nvshmem:PE``: polls the request signal of every peer PE of the world.
 
@@ -324,8 +330,9 @@ class NvshmemServerListener(ServerListener):
         self.in_flight = [False] * world.spec.max_pes
         self._staging = torch.zeros(world.spec.response_bytes(), dtype=torch.uint8, device="cuda")
 
-    def _collect(self) -> list[tuple[object, RequestFrame]]:
-        wd, spec, out = self.world, self.world.spec, []
+    def _collect(self) -> list[tuple[_Handle, RequestFrame]]:
+        wd, spec = self.world, self.world.spec
+        out: list[tuple[_Handle, RequestFrame]] = []
         esz = torch.empty((), dtype=self.dtype).element_size()
         for pe in range(spec.max_pes):
             if pe == wd.rank or self.in_flight[pe]:
@@ -348,7 +355,7 @@ class NvshmemServerListener(ServerListener):
             out.append(((pe, c), frame))
         return out
 
-    def poll(self, timeout: float | None):
+    def poll(self, timeout: float | None) -> Sequence[tuple[object, RequestFrame]]:
         """Ready frames of all peers: spin ``spin_us``, then poll every 50 us until ``timeout``."""
         end = None if timeout is None else time.monotonic() + timeout
         spin_end = time.monotonic() + self.spin_s
@@ -363,23 +370,18 @@ class NvshmemServerListener(ServerListener):
 
     def respond(self, conn: object, frame: ResponseFrame) -> None:
         """Stage ``[header | message | output]`` and put-with-signal it to the client PE."""
-        pe, counter = conn  # type: ignore[misc]
+        pe, counter = cast(_Handle, conn)  # made by _collect
         st = self._staging
         msg = frame.message.encode("utf-8")[:1024]
-        n = (
-            int(frame.output.shape[0])
-            if frame.status == STATUS_OK and frame.output is not None
-            else 0
-        )
+        output = frame.output if frame.status == STATUS_OK else None
+        n = int(output.shape[0]) if output is not None else 0
         hdr = torch.tensor([counter, frame.layer, frame.status, n, len(msg), frame.seq, 0, 0])
         st[:64].view(torch.int64).copy_(hdr)
         if msg:
             st[64 : 64 + len(msg)].copy_(torch.frombuffer(bytearray(msg), dtype=torch.uint8))
-        if n:
-            esz = frame.output.element_size()
-            st[1088 : 1088 + n * self.hidden_size * esz].view(self.dtype).view(n, -1).copy_(
-                frame.output
-            )
+        if output is not None and n:
+            esz = output.element_size()
+            st[1088 : 1088 + n * self.hidden_size * esz].view(self.dtype).view(n, -1).copy_(output)
         torch.cuda.current_stream().synchronize()
         wd = self.world
         wd.put_signal(wd.resp[wd.rank], st, wd.resp_sig[wd.rank], counter, pe)
