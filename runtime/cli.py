@@ -56,6 +56,21 @@ def expert_server(
     batch_window_us: float = typer.Option(
         0.0, "--batch-window-us", help="Extra gather time per dynamic batch."
     ),
+    http_port: int = typer.Option(
+        None,
+        "--http-port",
+        min=0,
+        max=65535,
+        help="Serve GET /health (200 only when weights are loaded, the listener is bound and the "
+        "serving loop ran within --health-stale-s) and GET /metrics on this port (default: none).",
+    ),
+    http_host: str = typer.Option("0.0.0.0", "--http-host", help="Bind address of --http-port."),
+    health_stale_s: float = typer.Option(
+        5.0,
+        "--health-stale-s",
+        min=0.001,
+        help="/health answers 503 when the serving loop's last iteration is older (s).",
+    ),
 ) -> None:
     """Run one expert server (the process an expert-server pod runs).
 
@@ -67,7 +82,7 @@ def expert_server(
     """
     import torch
 
-    from eaas.runtime.expert_server import ExpertServer, run
+    from eaas.runtime.expert_server import ExpertServer, run, start_http
     from eaas.runtime.placement import parse_expert_spec
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -96,6 +111,7 @@ def expert_server(
             )
     else:
         pairs = [(l, e) for l in info.moe_layers for e in range(info.num_experts)]
+    health = start_http(server_id, http_port, health_stale_s, http_host)  # 503 while loading
     hosted = load_expert_weights(model, pairs, dtypes[dtype], progress=False)
     server = ExpertServer(
         listen,
@@ -106,7 +122,7 @@ def expert_server(
         num_threads=threads,
         batch_window_us=batch_window_us,
     )
-    run(server, metrics_port)
+    run(server, metrics_port, health)
     _exit_now(f"expert-server {server_id}")
 
 
