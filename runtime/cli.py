@@ -172,6 +172,25 @@ def attention_client(
         None, "--served-model-name", help="Model id in the API (default: directory name)."
     ),
     max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Decode batch size cap."),
+    routing_table_configmap: str = typer.Option(
+        None,
+        "--routing-table-configmap",
+        help="NAMESPACE/NAME of the routing-table ConfigMap to watch through the Kubernetes API "
+        "(in-cluster credentials or KUBECONFIG); newer versions are applied.",
+    ),
+    push_token_file: str = typer.Option(
+        None,
+        "--push-token-file",
+        envvar="EAAS_PUSH_TOKEN_FILE",
+        help="File with the bearer token (a mounted Secret) that PUT /routing-table requires and "
+        "failure reports carry; without it pushes are refused (403).",
+    ),
+    failure_report_url: str = typer.Option(
+        None,
+        "--failure-report-url",
+        help="POST a JSON report here when an expert server is marked down (background, bounded "
+        "queue, dropped on overflow).",
+    ),
 ) -> None:
     """Run one attention client with the OpenAI-compatible API (the process a client pod runs).
 
@@ -179,8 +198,22 @@ def attention_client(
     """
     from eaas.runtime.client.main import run_attention_client
 
-    if not local_experts and not routing_table:
-        raise typer.BadParameter("--routing-table is required unless --local-experts is given")
+    if not local_experts and not routing_table and not routing_table_configmap:
+        raise typer.BadParameter(
+            "--routing-table or --routing-table-configmap is required unless --local-experts "
+            "is given"
+        )
+    if routing_table_configmap:
+        from eaas.runtime.client.table_watch import parse_configmap_ref
+
+        try:
+            parse_configmap_ref(routing_table_configmap)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+    if failure_report_url and not failure_report_url.startswith(("http://", "https://")):
+        raise typer.BadParameter(
+            f"--failure-report-url must be http:// or https://, got {failure_report_url!r}"
+        )
     run_attention_client(
         model_dir=model,
         routing_table=routing_table,
@@ -194,6 +227,9 @@ def attention_client(
         served_model_name=served_model_name,
         max_num_seqs=max_num_seqs,
         reuse_port=reuse_port,
+        routing_table_configmap=routing_table_configmap,
+        push_token_file=push_token_file,
+        failure_report_url=failure_report_url,
     )
     _exit_now(f"attention-client {client_id}")
 
