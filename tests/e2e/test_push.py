@@ -239,3 +239,22 @@ def test_failure_reporter_never_blocks_and_drops_on_overflow():
         assert reporter.sent == 0
     with pytest.raises(ValueError, match="http"):
         FailureReporter("ftp://x", "9")
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--routing-table-configmap", "nons"], "NAMESPACE/NAME"),
+        (["--routing-table-configmap", "a/b/c"], "NAMESPACE/NAME"),
+        (["--routing-table", "x.json", "--failure-report-url", "ftp://x"], "http://"),
+        ([], "--routing-table-configmap"),
+    ],
+)
+def test_cli_rejects_bad_flags(args, needle):
+    r = subprocess.run(
+        [sys.executable, "-m", "eaas", "attention-client", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
