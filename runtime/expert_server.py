@@ -378,7 +378,12 @@ def start_http(server_id: str, http_port: int | None, stale_after_s: float, host
     from eaas.runtime.server_http import ServerHealth, ServerHTTP
 
     health = ServerHealth(server_id, stale_after_s)
-    ServerHTTP(health, http_port, host).start()
+    http = ServerHTTP(health, http_port, host).start()
+    print(
+        f"expert-server {server_id} http on {host}:{http.port} (/health, /metrics)",
+        file=sys.stderr,
+        flush=True,
+    )
     return health
 
 

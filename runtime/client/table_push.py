@@ -244,6 +244,62 @@ class TablePush:
         }
 
 
+@dataclass(frozen=True)
+class PushResult:
+    """Outcome of :func:`push_routing_table`: HTTP ``status`` and the versions in the answer."""
+
+    status: int
+    acknowledged_version: int | None  # set on 200
+    applied_version: int | None  # set on 409: the version the client holds
+    message: str
+
+
+def push_routing_table(
+    base_url: str, table_json: str | bytes, token: str, timeout_s: float = 5.0
+) -> PushResult:
+    """The pusher's side (for the operator): PUT one table to one attention client.
+
+    Args:
+        base_url: the client's API address, ``http://POD_IP:PORT``.
+        table_json: the routing table JSON (:meth:`RoutingTable.to_json`).
+        token: the bearer token (the Secret's value).
+        timeout_s: connect + read timeout.
+
+    Returns:
+        :class:`PushResult` for any HTTP answer (200 acknowledged, 409 stale, 401, 400, ...).
+
+    Raises:
+        OSError: the client is unreachable (refused, timed out): it did not acknowledge.
+    """
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = table_json.encode() if isinstance(table_json, str) else table_json
+    req = urllib.request.Request(
+        base_url.rstrip("/") + "/routing-table",
+        data=data,
+        method="PUT",
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = {}
+    err = body.get("error") or {}
+    return PushResult(
+        status,
+        body.get("acknowledged_version"),
+        body.get("applied_version"),
+        err.get("message", "") if isinstance(err, dict) else str(err),
+    )
+
+
 def _state(request: Request) -> TablePush | None:
     return getattr(request.app.state, "table_push", None)
 

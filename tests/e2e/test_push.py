@@ -23,6 +23,7 @@ import openai
 import pytest
 from e2e_helpers import free_port
 
+from eaas.runtime.client.table_push import push_routing_table
 from eaas.runtime.models.arch import read_model_info
 from eaas.runtime.routing import RoutingTable
 
@@ -191,8 +192,11 @@ def test_push_applies_and_acknowledges(deployment):
     h = httpx.get(f"{deployment['url']}/health", timeout=30).json()
     assert h["routing_table_version"] == 3 and set(h["servers"]) == {"a", "b"}
 
-    r = put(deployment, table(info, 2, eps).to_json())  # older than the one in use
-    assert r.status_code == 409 and r.json()["applied_version"] == 3
+    # the pusher's helper (what the operator calls): older than the one in use -> 409
+    res = push_routing_table(deployment["url"], table(info, 2, eps).to_json(), TOKEN)
+    assert (res.status, res.applied_version, res.acknowledged_version) == (409, 3, None)
+    assert "not newer" in res.message
+    assert push_routing_table(deployment["url"], "{}", "wrong").status == 401
     assert complete(deployment) == deployment["reference"]
     h = httpx.get(f"{deployment['url']}/health", timeout=30).json()
     assert all(s["tokens_sent"] > 0 for s in h["servers"].values()), h["servers"]

@@ -99,7 +99,7 @@ def test_expert_server_process_health_metrics_and_sigstop(model_dir, tmp_path):
         + ["--server-id", "hs0", "--experts", "1:0-3", "--listen", listen]
         + ["--http-port", str(port), "--http-host", "127.0.0.1", "--health-stale-s", "2"],
         stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stderr=open(tmp_path / "stderr.log", "w"),
         env={k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"},
         text=True,
     )
@@ -107,6 +107,7 @@ def test_expert_server_process_health_metrics_and_sigstop(model_dir, tmp_path):
     try:
         line = proc.stdout.readline()
         assert " ready on " in line, f"{line!r} (exit {proc.poll()})"
+        assert f"http on 127.0.0.1:{port}" in (tmp_path / "stderr.log").read_text()
         body = wait_status(f"{url}/health", 200).json()
         assert body["server_id"] == "hs0" and body["experts"] == 4
         assert body["endpoint"] == listen
