@@ -56,6 +56,21 @@ def expert_server(
     batch_window_us: float = typer.Option(
         0.0, "--batch-window-us", help="Extra gather time per dynamic batch."
     ),
+    http_port: int = typer.Option(
+        None,
+        "--http-port",
+        min=0,
+        max=65535,
+        help="Serve GET /health (200 only when weights are loaded, the listener is bound and the "
+        "serving loop ran within --health-stale-s) and GET /metrics on this port (default: none).",
+    ),
+    http_host: str = typer.Option("0.0.0.0", "--http-host", help="Bind address of --http-port."),
+    health_stale_s: float = typer.Option(
+        5.0,
+        "--health-stale-s",
+        min=0.001,
+        help="/health answers 503 when the serving loop's last iteration is older (s).",
+    ),
 ) -> None:
     """Run one expert server (the process an expert-server pod runs).
 
@@ -67,7 +82,7 @@ def expert_server(
     """
     import torch
 
-    from eaas.runtime.expert_server import ExpertServer, run
+    from eaas.runtime.expert_server import ExpertServer, run, start_http
     from eaas.runtime.placement import parse_expert_spec
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -96,6 +111,7 @@ def expert_server(
             )
     else:
         pairs = [(l, e) for l in info.moe_layers for e in range(info.num_experts)]
+    health = start_http(server_id, http_port, health_stale_s, http_host)  # 503 while loading
     hosted = load_expert_weights(model, pairs, dtypes[dtype], progress=False)
     server = ExpertServer(
         listen,
@@ -106,7 +122,7 @@ def expert_server(
         num_threads=threads,
         batch_window_us=batch_window_us,
     )
-    run(server, metrics_port)
+    run(server, metrics_port, health)
     _exit_now(f"expert-server {server_id}")
 
 
@@ -156,6 +172,25 @@ def attention_client(
         None, "--served-model-name", help="Model id in the API (default: directory name)."
     ),
     max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Decode batch size cap."),
+    routing_table_configmap: str = typer.Option(
+        None,
+        "--routing-table-configmap",
+        help="NAMESPACE/NAME of the routing-table ConfigMap to watch through the Kubernetes API "
+        "(in-cluster credentials or KUBECONFIG); newer versions are applied.",
+    ),
+    push_token_file: str = typer.Option(
+        None,
+        "--push-token-file",
+        envvar="EAAS_PUSH_TOKEN_FILE",
+        help="File with the bearer token (a mounted Secret) that PUT /routing-table requires and "
+        "failure reports carry; without it pushes are refused (403).",
+    ),
+    failure_report_url: str = typer.Option(
+        None,
+        "--failure-report-url",
+        help="POST a JSON report here when an expert server is marked down (background, bounded "
+        "queue, dropped on overflow).",
+    ),
 ) -> None:
     """Run one attention client with the OpenAI-compatible API (the process a client pod runs).
 
@@ -163,8 +198,22 @@ def attention_client(
     """
     from eaas.runtime.client.main import run_attention_client
 
-    if not local_experts and not routing_table:
-        raise typer.BadParameter("--routing-table is required unless --local-experts is given")
+    if not local_experts and not routing_table and not routing_table_configmap:
+        raise typer.BadParameter(
+            "--routing-table or --routing-table-configmap is required unless --local-experts "
+            "is given"
+        )
+    if routing_table_configmap:
+        from eaas.runtime.client.table_watch import parse_configmap_ref
+
+        try:
+            parse_configmap_ref(routing_table_configmap)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+    if failure_report_url and not failure_report_url.startswith(("http://", "https://")):
+        raise typer.BadParameter(
+            f"--failure-report-url must be http:// or https://, got {failure_report_url!r}"
+        )
     run_attention_client(
         model_dir=model,
         routing_table=routing_table,
@@ -178,6 +227,9 @@ def attention_client(
         served_model_name=served_model_name,
         max_num_seqs=max_num_seqs,
         reuse_port=reuse_port,
+        routing_table_configmap=routing_table_configmap,
+        push_token_file=push_token_file,
+        failure_report_url=failure_report_url,
     )
     _exit_now(f"attention-client {client_id}")
 

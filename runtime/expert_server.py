@@ -139,6 +139,8 @@ class ExpertServer:
         self.listener = listen(listen_endpoint, hidden_size=hidden_size, dtype=dtype, **listener_kw)
         self.endpoint = self.listener.endpoint
         self._stop = threading.Event()
+        # time.monotonic() of the loop's last turn (None: not started); read by /health
+        self.last_iteration: float | None = None
         # Plain counters for tests/introspection (also exported as Prometheus metrics).
         self.stats = {
             "batches": 0,
@@ -154,6 +156,7 @@ class ExpertServer:
         closes the listener (unlinking a Unix socket path) on the way out."""
         try:
             while not self._stop.is_set():
+                self.last_iteration = time.monotonic()
                 frames = list(self.listener.poll(self.poll_timeout))
                 if frames and self.batch_window_s > 0:
                     end = time.monotonic() + self.batch_window_s
@@ -295,12 +298,16 @@ def random_experts(
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def run(
-    server: ExpertServer,
-    metrics_port: int = 0,
-) -> None:
-    """Start metrics (if asked), install signal handlers, print the ready line, serve."""
+def run(server: ExpertServer, metrics_port: int = 0, health=None) -> None:
+    """Start metrics (if asked), install signal handlers, print the ready line, serve.
+
+    ``health``: the :class:`eaas.runtime.server_http.ServerHealth` of ``--http-port`` (if any);
+    it gets the server now and is marked stopping when the loop ends.
+    """
     from eaas.runtime.metrics import multiprocess_dir
+
+    if health is not None:
+        health.attach(server)
 
     if metrics_port and not multiprocess_dir():
         from prometheus_client import start_http_server
@@ -308,7 +315,11 @@ def run(
         start_http_server(int(metrics_port))
     server.install_signal_handlers()
     print(server.ready_line(), flush=True)
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    finally:
+        if health is not None:
+            health.stopping = True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -325,6 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--metrics-port", type=int, default=0)
+    p.add_argument("--http-port", type=int, default=None, help="/health + /metrics port")
+    p.add_argument("--health-stale-s", type=float, default=5.0)
     p.add_argument("--batch-window-us", type=float, default=0.0)
     p.add_argument("--spin-us", type=float, default=None)
     p.add_argument(
@@ -343,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
             for key, w in hosted.items()
         }
     kw = {} if a.spin_us is None else {"spin_us": a.spin_us}
+    health = start_http(a.server_id, a.http_port, a.health_stale_s)
     server = ExpertServer(
         a.listen,
         hosted,
@@ -353,7 +367,24 @@ def main(argv: list[str] | None = None) -> None:
         batch_window_us=a.batch_window_us,
         **kw,
     )
-    run(server, a.metrics_port)
+    run(server, a.metrics_port, health)
+
+
+def start_http(server_id: str, http_port: int | None, stale_after_s: float, host: str = "0.0.0.0"):
+    """Start ``/health`` + ``/metrics`` (:mod:`eaas.runtime.server_http`) before the weights load;
+    returns its :class:`~eaas.runtime.server_http.ServerHealth` (None without ``http_port``)."""
+    if http_port is None:
+        return None
+    from eaas.runtime.server_http import ServerHealth, ServerHTTP
+
+    health = ServerHealth(server_id, stale_after_s)
+    http = ServerHTTP(health, http_port, host).start()
+    print(
+        f"expert-server {server_id} http on {host}:{http.port} (/health, /metrics)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return health
 
 
 if __name__ == "__main__":  # pragma: no cover

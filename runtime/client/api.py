@@ -57,6 +57,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from eaas.runtime import metrics
 from eaas.runtime.client.protocol import APIError, bad
 from eaas.runtime.client.serving import DISCONNECT_POLL_S, OpenAIServer
+from eaas.runtime.client.table_push import router as table_push_router
 
 __all__ = ["APIError", "DISCONNECT_POLL_S", "OpenAIServer", "create_app", "error_response"]
 
@@ -111,6 +112,8 @@ def create_app(server: OpenAIServer) -> FastAPI:
         if not isinstance(body, dict):
             raise bad("request body must be a JSON object", None, "invalid_json")
         return body
+
+    app.include_router(table_push_router)  # PUT/GET /routing-table: push and acknowledge
 
     @app.get("/v1/models")
     async def models():

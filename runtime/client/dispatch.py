@@ -131,6 +131,9 @@ class Dispatcher:
         self._servers: dict[str, _Server] = {}
         self._rr: dict[tuple[int, int], int] = {}
         self._version_gauge = metrics.ROUTING_TABLE_VERSION.labels(client_id=str(self.client_id))
+        # called as (server_id, endpoint, table_version, reason) when a server is marked down,
+        # under the lock: must not block (failure_report.FailureReporter.report only enqueues)
+        self.on_server_down: Callable[[str, str, int, str], object] | None = None
         if table is not None:
             self.set_table(table)
 
@@ -320,6 +323,11 @@ class Dispatcher:
                 s.endpoint,
                 why,
             )
+            if self.on_server_down is not None:
+                try:
+                    self.on_server_down(s.server_id, s.endpoint, self.version, why)
+                except Exception:  # noqa: BLE001
+                    log.exception("on_server_down hook failed")
 
     def _usable(self, sid: str, now: float) -> bool:
         s = self._servers.get(sid)

@@ -63,12 +63,23 @@ def run_attention_client(
     max_num_seqs: int = 64,
     reuse_port: bool = False,
     log_level: str = "warning",
+    routing_table_configmap: str | None = None,
+    push_token_file: str | None = None,
+    failure_report_url: str | None = None,
 ) -> None:
     """Run one attention client until SIGINT/SIGTERM.
 
+    Routing-table sources (any of them; newer versions win): ``routing_table`` (a JSON file,
+    polled), ``routing_table_configmap`` (``NAMESPACE/NAME``, watched through the API:
+    :mod:`.table_watch`) and pushes to ``PUT /routing-table`` authenticated with the token in
+    ``push_token_file`` (:mod:`.table_push`). ``failure_report_url``: where servers marked down
+    are reported (:mod:`.failure_report`, same token).
+
     Raises:
-        ValueError: neither ``routing_table`` nor ``local_experts``, or a bad ``dtype``.
-        OSError / RoutingTableError: unreadable routing table at start-up, port in use.
+        ValueError: no routing-table source and not ``local_experts``, a bad ``dtype``,
+            ``routing_table_configmap`` or ``failure_report_url``, an empty token file.
+        OSError / RoutingTableError: unreadable routing table or token file at start-up, port
+            in use.
     """
     import torch
 
@@ -90,23 +101,45 @@ def run_attention_client(
 
         model_dir = str(default_model_dir())
 
-    dispatcher = watcher = None
+    from eaas.runtime.client.failure_report import FailureReporter
+    from eaas.runtime.client.table_push import BearerToken, TablePush
+
+    token = None
+    if push_token_file:
+        token = BearerToken(push_token_file)
+        token.get()  # a missing/empty Secret fails the start, loudly
+    dispatcher = watcher = cm_watcher = reporter = None
     if local_experts:
         model, tokenizer, info = load_attention_model(model_dir, torch_dtype)
     else:
-        if not routing_table:
-            raise ValueError("--routing-table is required unless --local-experts is given")
+        if not routing_table and not routing_table_configmap:
+            raise ValueError(
+                "--routing-table or --routing-table-configmap is required unless "
+                "--local-experts is given"
+            )
         from eaas.runtime.client.dispatch import Dispatcher, RoutingTableWatcher, experts_factory
         from eaas.runtime.models.arch import read_model_info
 
         info = read_model_info(model_dir)
         dispatcher = Dispatcher(client_id, info.hidden_size, torch_dtype, timeout=dispatch_timeout)
-        watcher = RoutingTableWatcher(routing_table, dispatcher)
-        watcher.load_now()
+        if failure_report_url:
+            reporter = FailureReporter(failure_report_url, str(client_id), token).start()
+            dispatcher.on_server_down = reporter.report
+        if routing_table:
+            watcher = RoutingTableWatcher(routing_table, dispatcher)
+            watcher.load_now()
+        if routing_table_configmap:
+            from eaas.runtime.client.table_watch import ConfigMapTableWatcher
+
+            cm_watcher = ConfigMapTableWatcher(routing_table_configmap, dispatcher)
+            cm_watcher.load_now()
         model, tokenizer, info = load_attention_model(
             model_dir, torch_dtype, experts_factory=experts_factory(dispatcher)
         )
-        watcher.start()
+        if watcher is not None:
+            watcher.start()
+        if cm_watcher is not None:
+            cm_watcher.start()
 
     from eaas.runtime.client.api import OpenAIServer, create_app
     from eaas.runtime.client.engine import Engine
@@ -117,7 +150,11 @@ def run_attention_client(
     def health_extra() -> dict:
         if dispatcher is None:
             return {"mode": "local-experts"}
-        return {"mode": "disaggregated", **dispatcher.health()}
+        out = {"mode": "disaggregated", **dispatcher.health()}
+        if dispatcher.table is None:  # e.g. the ConfigMap does not exist yet: nothing is served
+            out["uncovered_experts"] = len(info.moe_layers) * info.num_experts
+            out["reason"] = "no routing table yet"
+        return out
 
     name = served_model_name or Path(model_dir).name
     server = OpenAIServer(
@@ -130,6 +167,9 @@ def run_attention_client(
         health_extra,
     )
     app = create_app(server)
+    app.state.table_push = TablePush(
+        dispatcher, token, str(client_id), info.num_experts, tuple(info.moe_layers)
+    )
 
     import contextlib
     import signal
@@ -175,6 +215,10 @@ def run_attention_client(
         engine.stop()
         if watcher is not None:
             watcher.stop()
+        if cm_watcher is not None:
+            cm_watcher.stop()
+        if reporter is not None:
+            reporter.close()
         if dispatcher is not None:
             dispatcher.close()
         sock.close()
