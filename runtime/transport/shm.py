@@ -31,7 +31,8 @@ response region::
 
 Data path
 ---------
-Client ``send``: copy tensors into the request slot, write header fields, write the ready counter
+Client ``send``: copy tensors into the request slot (the hidden rows once: a frame with ``rows``
+is gathered straight from the caller's batch into the slot), write header fields, write the ready counter
 (a fresh per-connection counter, not the caller's seq), then send one doorbell packet ``b"D"``.
 Server ``poll``: spin up to ``spin_us`` reading every connection's ready counter; then block in
 ``select`` on all sockets (idle server: ~0 CPU). Server ``respond``: copy the output into the
@@ -333,7 +334,8 @@ class ShmClientConnection(SocketClientConnection):
         ``deadline`` is accepted for interface compatibility).
 
         Args:
-            frame: ``hidden`` ``[n, H]`` in this connection's dtype; ``experts`` ``[n, k]`` int
+            frame: ``hidden`` ``[n, H]`` (or ``[T, H]`` with ``rows`` ``[n]`` int64, gathered
+                straight into the slot) in this connection's dtype; ``experts`` ``[n, k]`` int
                 (any int dtype, converted to int32); ``weights`` ``[n, k]`` float (converted
                 to float32).
 
@@ -343,8 +345,9 @@ class ShmClientConnection(SocketClientConnection):
             PeerDeadError: the server is gone.
         """
         sock = self._sock_for_send()
-        h, ex, w = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
-        n, k = int(h.shape[0]), int(ex.shape[1])
+        h, rows, ex, w = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
+        n = int(h.shape[0]) if rows is None else int(rows.shape[0])
+        k = int(ex.shape[1])
         s = self._slots_now()
         if n > s.cap_tokens or k > s.cap_k:
             cap_t = s.cap_tokens
@@ -353,7 +356,11 @@ class ShmClientConnection(SocketClientConnection):
             self._map(min(cap_t, MAX_TOKENS_HARD), max(k, s.cap_k), _KIND_REMAP)
             s = self._slots_now()
         if n:
-            s.req_hidden[:n].copy_(h)
+            # the one copy of the hidden states: straight from the caller's tensor into the slot
+            if rows is None:
+                s.req_hidden[:n].copy_(h)
+            else:
+                torch.index_select(h, 0, rows, out=s.req_hidden[:n])
             s.req_experts[: n * k].view(n, k).copy_(ex)
             s.req_weights[: n * k].view(n, k).copy_(w)
         hdr = s.req_hdr
