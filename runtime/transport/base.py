@@ -160,7 +160,11 @@ def check_request(
         raise FrameError(
             f"frame of {n} tokens x k={k} exceeds the limit {MAX_TOKENS_HARD} x {MAX_K_HARD}"
         )
-    return h, rows, ex.to(torch.int32), w.to(torch.float32)
+    if ex.dtype != torch.int32:
+        ex = ex.to(torch.int32)
+    if w.dtype != torch.float32:
+        w = w.to(torch.float32)
+    return h, rows, ex, w
 
 
 class ClientConnection(abc.ABC):

@@ -18,6 +18,7 @@ request region::
 
     header   int64[8]   [0] ready counter (written LAST)  [1] layer  [2] table_version
                         [3] n tokens  [4] k  [5] client_id  [6] caller seq
+                        [7] server waiting (1 while the server blocks in select)
     hidden   [cap_tokens, H]  dtype (float32 | bfloat16)  -- first n*H used
     experts  [cap_tokens * cap_k] int32                   -- first n*k used, [n, k] row major
     weights  [cap_tokens * cap_k] float32                 -- same
@@ -25,7 +26,7 @@ request region::
 response region::
 
     header   int64[8]   [0] done counter (written LAST) [1] layer [2] status [3] n [4] msg len
-                        [5] caller seq
+                        [5] caller seq  [7] client waiting (1 while the client blocks in select)
     message  1024 bytes utf-8 (error text)
     output   [cap_tokens, H] dtype
 
@@ -45,6 +46,12 @@ and then writes the frame into the new slot; the server switches mappings when i
 remap packet, which always precedes the doorbell. So callers never chunk. Hard cap:
 ``MAX_TOKENS_HARD`` tokens per frame (:class:`FrameError` above it).
 
+Doorbells only when the peer sleeps: a side about to block in ``select`` first sets its
+*waiting* flag, fences, and checks the counter once more; a writer stores the counter, fences,
+and sends the doorbell only if the peer's waiting flag is set (Dekker-style; the fence is an
+uncontended lock, a locked instruction = full barrier on x86). A ping-pong within the spin
+windows therefore costs no syscall at all.
+
 Ordering: payload stores happen before the counter store and x86 keeps stores (and loads) in
 order, so a reader that sees the new counter sees the payload. Other CPU architectures would
 need explicit fences here. The blocking path goes through a syscall (full barrier) anyway.
@@ -61,6 +68,7 @@ import os
 import select
 import socket
 import struct
+import threading
 import time
 from collections.abc import Sequence
 
@@ -98,6 +106,14 @@ _DOORBELL = b"D"
 
 
 _yield = os.sched_yield  # spin politely: let the peer run when cores are oversubscribed
+_FENCE = threading.Lock()
+
+
+def _fence() -> None:
+    """Full memory barrier (store-load order) between a flag store and a counter load: an
+    uncontended lock acquire is a locked instruction on x86."""
+    with _FENCE:
+        pass
 
 
 def _align(x: int, a: int) -> int:
@@ -175,11 +191,39 @@ class _Slots:
             mm, dtype=dtype, count=cap_tokens * hidden, offset=off
         ).view(cap_tokens, hidden)
 
+        self._req_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._resp_views: dict[int, torch.Tensor] = {}
+
+    def req_views(self, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(hidden [n, H], experts [n, k] int32, weights [n, k] float32)`` views of the request
+        region, cached per shape (slicing a tensor costs microseconds; a frame reuses them)."""
+        v = self._req_views.get((n, k))
+        if v is None:
+            if len(self._req_views) > 64:
+                self._req_views.clear()
+            v = (
+                self.req_hidden[:n],
+                self.req_experts[: n * k].view(n, k),
+                self.req_weights[: n * k].view(n, k),
+            )
+            self._req_views[(n, k)] = v
+        return v
+
+    def resp_view(self, n: int) -> torch.Tensor:
+        """``[n, H]`` view of the response output region, cached per ``n``."""
+        v = self._resp_views.get(n)
+        if v is None:
+            if len(self._resp_views) > 64:
+                self._resp_views.clear()
+            v = self._resp_views[n] = self.resp_out[:n]
+        return v
+
     def release(self) -> None:
         """Drop our views and unmap if no caller still holds a view (else unmapped on GC)."""
         mm = self.mm
         self.req_hdr = self.req_hidden = self.req_experts = self.req_weights = None  # type: ignore
         self.resp_hdr = self.resp_msg = self.resp_out = None  # type: ignore
+        self._req_views, self._resp_views = {}, {}
         self.mm = None  # type: ignore
         if mm is not None:
             try:
@@ -356,13 +400,14 @@ class ShmClientConnection(SocketClientConnection):
             self._map(min(cap_t, MAX_TOKENS_HARD), max(k, s.cap_k), _KIND_REMAP)
             s = self._slots_now()
         if n:
+            vh, ve, vw = s.req_views(n, k)
             # the one copy of the hidden states: straight from the caller's tensor into the slot
             if rows is None:
-                s.req_hidden[:n].copy_(h)
+                vh.copy_(h)
             else:
-                torch.index_select(h, 0, rows, out=s.req_hidden[:n])
-            s.req_experts[: n * k].view(n, k).copy_(ex)
-            s.req_weights[: n * k].view(n, k).copy_(w)
+                torch.index_select(h, 0, rows, out=vh)
+            ve.copy_(ex)
+            vw.copy_(w)
         hdr = s.req_hdr
         hdr[1] = frame.layer
         hdr[2] = frame.table_version
@@ -373,6 +418,9 @@ class ShmClientConnection(SocketClientConnection):
         self._counter += 1
         hdr[0] = self._counter  # written last: the ready flag
         self._outstanding = True
+        _fence()
+        if not hdr[7]:
+            return  # the server is spinning or busy: it will see the counter without a doorbell
         try:
             sock.send(_DOORBELL)
         except BlockingIOError:
@@ -404,17 +452,11 @@ class ShmClientConnection(SocketClientConnection):
         s = self._slots_now()
         hdr = s.resp_hdr
         self._outstanding = False
-        status = int(hdr[2])
-        n = int(hdr[3])
+        _, layer, status, n, ln, seq, _, _ = hdr.tolist()  # one read of the header
         if status == STATUS_OK:
-            return ResponseFrame(
-                seq=int(hdr[5]), layer=int(hdr[1]), status=status, output=s.resp_out[:n]
-            )
-        ln = min(int(hdr[4]), _MSG_BYTES)
-        msg = bytes(s.resp_msg[:ln]).decode("utf-8", "replace")
-        return ResponseFrame(
-            seq=int(hdr[5]), layer=int(hdr[1]), status=status, output=None, message=msg
-        )
+            return ResponseFrame(seq, layer, status, s.resp_view(n))
+        msg = bytes(s.resp_msg[: min(ln, _MSG_BYTES)]).decode("utf-8", "replace")
+        return ResponseFrame(seq, layer, status, None, msg)
 
     def recv(self, deadline: float) -> ResponseFrame:
         """Wait for the response to the last ``send`` until ``deadline`` (``time.monotonic()``).
@@ -438,19 +480,25 @@ class ShmClientConnection(SocketClientConnection):
             if hdr[0] == want:
                 return self._response()
             _yield()
-        while True:
-            self._drain()
-            if hdr[0] == want:
-                return self._response()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DeadlineExceeded(
-                    f"expert server {self.server_id} at {self.endpoint}: no response before the deadline"
-                )
-            try:
-                select.select([sock], [], [], remaining)
-            except ValueError:  # socket closed under us
-                raise PeerDeadError(f"connection to {self.server_id} is closed") from None
+        hdr[7] = 1  # waiting: the server rings the doorbell from now on
+        try:
+            while True:
+                _fence()
+                self._drain()
+                if hdr[0] == want:
+                    return self._response()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DeadlineExceeded(
+                        f"expert server {self.server_id} at {self.endpoint}: no response before the deadline"
+                    )
+                try:
+                    select.select([sock], [], [], remaining)
+                except ValueError:  # socket closed under us
+                    raise PeerDeadError(f"connection to {self.server_id} is closed") from None
+        finally:
+            if self._slots is not None:
+                self._slots.resp_hdr[7] = 0
 
 
 class _ServerConn(ServerConn):
@@ -614,30 +662,19 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
             if c == conn.last_seen:
                 continue
             conn.last_seen = c
-            n, k = int(hdr[3]), int(hdr[4])
+            _, layer, version, n, k, client_id, seq, _ = hdr.tolist()  # one read of the header
             if not (0 <= n <= s.cap_tokens and 0 <= k <= s.cap_k):
                 conn.in_flight = True
                 self.respond(
                     conn,
                     ResponseFrame(
-                        int(hdr[6]),
-                        int(hdr[1]),
-                        STATUS_BAD_FRAME,
-                        None,
-                        f"bad frame size n={n} k={k}",
+                        seq, layer, STATUS_BAD_FRAME, None, f"bad frame size n={n} k={k}"
                     ),
                 )
                 continue
             conn.in_flight = True
-            frame = RequestFrame(
-                client_id=int(hdr[5]),
-                layer=int(hdr[1]),
-                table_version=int(hdr[2]),
-                seq=int(hdr[6]),
-                hidden=s.req_hidden[:n],
-                experts=s.req_experts[: n * k].view(n, k),
-                weights=s.req_weights[: n * k].view(n, k),
-            )
+            vh, ve, vw = s.req_views(n, k)
+            frame = RequestFrame(client_id, layer, version, seq, vh, ve, vw)
             out.append((conn, frame))
         return out
 
@@ -659,14 +696,28 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
             if frames:
                 return frames
             _yield()
-        while True:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            for conn, _ in self._select(remaining):
-                if self._is_live(conn):
-                    self._read(conn)
-            frames = self._collect()
-            if frames or (deadline is not None and time.monotonic() >= deadline):
-                return frames
+        try:
+            while True:
+                self._set_waiting(1)  # clients ring the doorbell from now on
+                _fence()
+                frames = self._collect()
+                if frames:
+                    return frames
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                for conn, _ in self._select(remaining):
+                    if self._is_live(conn):
+                        self._read(conn)
+                frames = self._collect()
+                if frames or (deadline is not None and time.monotonic() >= deadline):
+                    return frames
+        finally:
+            self._set_waiting(0)
+
+    def _set_waiting(self, flag: int) -> None:
+        """Set the server-waiting flag in every connection's request header."""
+        for conn in self._conns.values():
+            if conn.slots is not None:
+                conn.slots.req_hdr[7] = flag
 
     def respond(self, conn: object, frame: ResponseFrame) -> None:
         """Copy ``frame`` into ``conn``'s response slot, set the done counter, ring the doorbell.
@@ -685,7 +736,7 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
         if frame.status == STATUS_OK and frame.output is not None:
             n = int(frame.output.shape[0])
             if n:
-                s.resp_out[:n].copy_(frame.output)
+                s.resp_view(n).copy_(frame.output)
             hdr[3] = n
             hdr[4] = 0
         else:
@@ -695,6 +746,9 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
             hdr[4] = len(msg)
         hdr[0] = conn.last_seen  # written last: done flag, echoes the request counter
         conn.in_flight = False
+        _fence()
+        if not hdr[7]:
+            return  # the client is spinning: no doorbell needed
         try:
             conn.sock.send(_DOORBELL)
         except (BlockingIOError, InterruptedError):
