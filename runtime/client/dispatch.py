@@ -382,6 +382,7 @@ class Dispatcher:
                 s.connecting = True
         back = 0
         for s in due:
+            conn: ClientConnection | None
             try:
                 conn = self._connect(
                     s.endpoint,
