@@ -137,7 +137,12 @@ class ReplicaMap:
 
 
 def choose_replicas(
-    experts: torch.Tensor, replicas: torch.Tensor, usable: torch.Tensor, start: torch.Tensor
+    experts: torch.Tensor,
+    replicas: torch.Tensor,
+    usable: torch.Tensor,
+    start: torch.Tensor,
+    *,
+    live: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one usable replica per ``(token, selected expert)`` pair, as tensor operations.
 
@@ -152,6 +157,7 @@ def choose_replicas(
             (:attr:`ReplicaMap.replicas` of one layer).
         usable: ``[S]`` bool, whether each server may receive pairs now.
         start: ``[E]`` int64 rotation offset per expert.
+        live: ``live_replicas(replicas, usable)`` when the caller has it cached.
 
     Returns:
         ``(assign [T, k] int64, counts [E] int64)``: ``assign`` holds the chosen server index per
@@ -160,32 +166,61 @@ def choose_replicas(
         advancing ``start``).
     """
     T, k = experts.shape
-    E = int(replicas.shape[0])
+    E, R = int(replicas.shape[0]), int(replicas.shape[1])
     flat = experts.reshape(-1)  # (T*k,)
-    assign = torch.full_like(flat, NO_SERVER)
-    valid = flat >= 0
-    inrange = valid & (flat < E)
-    assign[valid & ~inrange] = NO_REPLICA
-    pos = inrange.nonzero().squeeze(1)  # (P,) flat positions of real pairs
-    ev = flat.index_select(0, pos)  # (P,) expert per pair
+    if flat.numel() == 0:
+        return flat.view(T, k).clone(), torch.zeros(E, dtype=torch.int64)
+    lo, hi = torch.aminmax(flat)
+    if int(lo) >= 0 and int(hi) < E:  # common case: every pair is a real, known expert
+        pos, ev = None, flat  # (P,) = (T*k,)
+        assign = None
+    else:
+        assign = torch.full_like(flat, NO_SERVER)
+        valid = flat >= 0
+        inrange = valid & (flat < E)
+        assign[valid & ~inrange] = NO_REPLICA
+        pos = inrange.nonzero().squeeze(1)  # (P,) flat positions of real pairs
+        ev = flat.index_select(0, pos)  # (P,) expert per pair
     counts = torch.bincount(ev, minlength=E)  # (E,)
     if ev.numel() == 0:
+        assert assign is not None
         return assign.view(T, k), counts
-    live = (replicas >= 0) & usable[replicas.clamp(min=0)]  # (E, R)
-    nlive = live.sum(1)  # (E,)
-    # usable replicas first, table order kept: (E, R)
-    order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)
-    live_reps = replicas.gather(1, order)
-    # rank of each pair among the pairs of its expert (stable: token order)
-    srt = torch.argsort(ev, stable=True)  # (P,)
-    group_start = torch.cumsum(counts, 0) - counts  # (E,)
-    rank = torch.empty_like(ev)
-    rank[srt] = torch.arange(ev.numel()) - group_start[ev[srt]]
-    m = nlive[ev]  # (P,)
-    slot = (start[ev] + rank) % m.clamp(min=1)  # (P,)
-    chosen = live_reps[ev, slot]  # (P,)
-    assign[pos] = torch.where(m > 0, chosen, NO_REPLICA)
+    live_reps, nlive = live if live is not None else live_replicas(replicas, usable)
+    if int(counts.max()) > 1:
+        # rank of each pair among the pairs of its expert (stable: token order)
+        srt = torch.argsort(ev, stable=True)  # (P,)
+        group_start = torch.cumsum(counts, 0) - counts  # (E,)
+        rank = torch.empty_like(ev)
+        rank[srt] = torch.arange(ev.numel()) - group_start.index_select(0, ev.index_select(0, srt))
+        slot = start.index_select(0, ev) + rank  # (P,)
+    else:  # every expert at most once (decode): every rank is 0
+        slot = start.index_select(0, ev)
+    m = nlive.index_select(0, ev)  # (P,)
+    slot = slot % m.clamp(min=1)
+    chosen = live_reps.view(-1).index_select(0, ev * R + slot)  # (P,)
+    chosen = torch.where(m > 0, chosen, NO_REPLICA)
+    if assign is None:
+        return chosen.view(T, k), counts
+    assign[pos] = chosen
     return assign.view(T, k), counts
+
+
+def live_replicas(
+    replicas: torch.Tensor, usable: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Usable replicas of every expert moved to the front, table order kept.
+
+    Args:
+        replicas: ``[E, R]`` int64 server index per replica, ``-1`` padding.
+        usable: ``[S]`` bool per server.
+
+    Returns:
+        ``(live_reps [E, R] int64, nlive [E] int64)``: the first ``nlive[e]`` entries of
+        ``live_reps[e]`` are ``e``'s usable replicas.
+    """
+    live = (replicas >= 0) & usable[replicas.clamp(min=0)]  # (E, R)
+    order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)  # (E, R)
+    return replicas.gather(1, order), live.sum(1)
 
 
 class Dispatcher:
@@ -239,6 +274,8 @@ class Dispatcher:
         self._thread: threading.Thread | None = None
         self._table: RoutingTable | None = None
         self._map: ReplicaMap | None = None
+        # (layer, usable servers) -> live_replicas(...) of the table in use
+        self._live: dict[tuple[int, tuple[bool, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
         self._servers: dict[str, _Server] = {}
         self._rr: dict[int, torch.Tensor] = {}  # layer -> [E] int64 rotation offsets
         self._version_gauge = metrics.ROUTING_TABLE_VERSION.labels(client_id=str(self.client_id))
@@ -293,6 +330,7 @@ class Dispatcher:
             self._servers = new
             self._table = table
             self._map = rmap
+            self._live = {}
             self._rr = {
                 layer: torch.zeros(int(r.shape[0]), dtype=torch.int64)
                 for layer, r in rmap.replicas.items()
@@ -497,14 +535,15 @@ class Dispatcher:
     # ---- dispatch / combine --------------------------------------------------------------
     def _plan(
         self, layer: int, idx64: torch.Tensor, exclude: set[str]
-    ) -> tuple[torch.Tensor, list[_Server], RoutingTable]:
+    ) -> tuple[torch.Tensor, list[int], list[_Server], RoutingTable]:
         """Under the state lock: choose servers for every pair; reserve their connections.
 
         Waits (releasing the lock) while servers this call needs have their first connection
         attempt in progress, at most ``timeout`` seconds.
 
         Returns:
-            ``(assign [T, k] int64 server index per pair or NO_SERVER, servers by index, table)``.
+            ``(assign [T, k] int64 server index per pair or NO_SERVER, indices of the servers
+            used, servers by index, table)``.
 
         Raises:
             NoLiveReplicaError: some selected expert has no usable replica.
@@ -517,12 +556,11 @@ class Dispatcher:
                 if table is None or rmap is None:
                     raise RuntimeError("no routing table loaded")
                 servers = [self._servers[sid] for sid in rmap.sids]
-                usable = torch.tensor(
-                    [
-                        s.conn is not None and not s.busy and s.server_id not in exclude
-                        for s in servers
-                    ]
+                ukey = tuple(
+                    s.conn is not None and not s.busy and s.server_id not in exclude
+                    for s in servers
                 )
+                usable = torch.tensor(ukey)
                 replicas = rmap.replicas.get(layer)
                 if replicas is None:
                     e = int(idx64.max()) if idx64.numel() else 0
@@ -530,7 +568,12 @@ class Dispatcher:
                         layer, e, f"layer {layer} is not in routing table version {table.version}"
                     )
                 rr = self._rr[layer]
-                assign, counts = choose_replicas(idx64, replicas, usable, rr)
+                live = self._live.get((layer, ukey))
+                if live is None:  # usable set changed: recompute once (few per table)
+                    if len(self._live) > 256:
+                        self._live.clear()
+                    live = self._live[(layer, ukey)] = live_replicas(replicas, usable)
+                assign, counts = choose_replicas(idx64, replicas, usable, rr, live=live)
                 missing = assign == NO_REPLICA
                 if not bool(missing.any()):
                     break
@@ -558,9 +601,10 @@ class Dispatcher:
                     layer, e, f"all replicas of layer {layer} expert {e} are down: {list(reps)}"
                 )
             rr += counts  # round-robin continues where this call left off
-            for si in torch.unique(assign[assign >= 0]).tolist():  # loop over servers
+            used = torch.unique(assign[assign >= 0]).tolist()
+            for si in used:  # loop over servers
                 servers[si].busy = True
-            return assign, servers, table
+            return assign, used, servers, table
 
     def _release(self, servers: list[_Server], used: list[int]) -> None:
         with self._lock:
@@ -607,8 +651,7 @@ class Dispatcher:
             exclude: set[str] = set()  # servers that failed during this call
             sel = idx64
             while bool(pending.any()):
-                assign, servers, table = self._plan(layer, sel, exclude)
-                used = torch.unique(assign[assign >= 0]).tolist()
+                assign, used, servers, table = self._plan(layer, sel, exclude)
                 try:
                     failed = self._round(
                         layer, hidden, idx64, w32, assign, used, servers, table, out

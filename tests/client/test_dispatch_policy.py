@@ -76,6 +76,13 @@ def test_choose_replicas_matches_the_per_pair_policy(seed):
     assert torch.equal(assign, reference_choice(experts, replicas, usable, start))
     valid = (experts >= 0) & (experts < E)
     assert torch.equal(counts, torch.bincount(experts[valid], minlength=E))
+    # the fast paths: every id a known expert (with repeats), and one token of distinct experts
+    known = experts.clamp(0, E - 1)
+    a2, _ = choose_replicas(known, replicas, usable, start)
+    assert torch.equal(a2, reference_choice(known, replicas, usable, start))
+    one = torch.randperm(E, generator=g)[:k].view(1, k)
+    a3, _ = choose_replicas(one, replicas, usable, start)
+    assert torch.equal(a3, reference_choice(one, replicas, usable, start))
     # never a server that is not usable, never one that is not a replica of the pair's expert
     for t, j in (assign >= 0).nonzero().tolist():
         s, e = int(assign[t, j]), int(experts[t, j])
