@@ -37,8 +37,9 @@ is gathered straight from the caller's batch into the slot), write header fields
 (a fresh per-connection counter, not the caller's seq), then send one doorbell packet ``b"D"``.
 Server ``poll``: spin up to ``spin_us`` reading every connection's ready counter; then block in
 ``select`` on all sockets (idle server: ~0 CPU). Server ``respond``: copy the output into the
-response slot, write the done counter last, send a doorbell. Client ``recv``: spin, then block
-on the socket until the done counter matches or the deadline passes.
+response slot, write the done counter last, send a doorbell. Client ``recv``: spin (at least
+``spin_us``, up to 1.5x the moving average of recent round trips, at most 2 ms), then block on
+the socket until the done counter matches or the deadline passes.
 
 Frames larger than the slot: ``send`` transparently grows the slot. It creates a new memfd sized
 for the frame (capacity at least doubled), sends it in a *remap* packet (same format as hello),
@@ -92,6 +93,7 @@ from eaas.runtime.transport.base import (
 from eaas.runtime.transport.sockets import ServerConn, SocketClientConnection, SocketServerListener
 
 DEFAULT_SPIN_US = 80.0
+MAX_ADAPTIVE_SPIN_S = 2e-3  # the client never spins longer than this for one response
 _PAGE = mmap.PAGESIZE
 _HDR_BYTES = 64
 _MSG_BYTES = 1024
@@ -257,7 +259,8 @@ class ShmClientConnection(SocketClientConnection):
         client_id: this attention client's id (default: pid).
         max_tokens: initial slot capacity in tokens (grown on demand, see module doc).
         max_k: initial expert entries per token capacity (grown on demand).
-        spin_us: busy-poll time before blocking in ``recv``, microseconds.
+        spin_us: least busy-poll time before blocking in ``recv``, microseconds (longer, up to
+            ``MAX_ADAPTIVE_SPIN_S``, when recent round trips took longer).
         connect_timeout: seconds to connect and get the server's ack.
 
     Raises:
@@ -285,6 +288,8 @@ class ShmClientConnection(SocketClientConnection):
     ):
         self._init_common(endpoint, server_id, hidden_size, dtype, client_id)
         self.spin_s = spin_us * 1e-6
+        self._rtt = 0.0  # moving average of recent round trips, seconds (adaptive spin)
+        self._sent_at = 0.0
         self._counter = 0
         self._slots: _Slots | None = None
         path = unix_path(endpoint)
@@ -418,6 +423,7 @@ class ShmClientConnection(SocketClientConnection):
         self._counter += 1
         hdr[0] = self._counter  # written last: the ready flag
         self._outstanding = True
+        self._sent_at = time.monotonic()
         _fence()
         if not hdr[7]:
             return  # the server is spinning or busy: it will see the counter without a doorbell
@@ -452,6 +458,7 @@ class ShmClientConnection(SocketClientConnection):
         s = self._slots_now()
         hdr = s.resp_hdr
         self._outstanding = False
+        self._rtt = 0.75 * self._rtt + 0.25 * (time.monotonic() - self._sent_at)
         _, layer, status, n, ln, seq, _, _ = hdr.tolist()  # one read of the header
         if status == STATUS_OK:
             return ResponseFrame(seq, layer, status, s.resp_view(n))
@@ -475,7 +482,10 @@ class ShmClientConnection(SocketClientConnection):
         want = self._counter
         if hdr[0] == want:
             return self._response()
-        spin_end = min(time.monotonic() + self.spin_s, deadline)
+        # spin at least spin_us, and up to 1.5x the recent round trip (large frames take longer
+        # than spin_us to copy both ways; blocking then costs a doorbell and a wake-up)
+        now = time.monotonic()
+        spin_end = min(now + max(self.spin_s, min(MAX_ADAPTIVE_SPIN_S, 1.5 * self._rtt)), deadline)
         while time.monotonic() < spin_end:
             if hdr[0] == want:
                 return self._response()
