@@ -56,7 +56,11 @@ def grouped_expert_sum(
     """Per-token weighted sum of selected experts; each expert runs once on all of its tokens.
 
     Same result as :func:`eaas.runtime.experts.weighted_expert_sum` (experts accumulated in
-    ascending id order), but groups with one stable sort instead of one scan per expert.
+    ascending id order), but groups without Python work per token: one stable argsort of the
+    pairs by expert, ``bincount`` for the group sizes, one gather of the hidden rows, each
+    expert run on a contiguous slice, one weighted ``index_add_`` back. The weighted sum is
+    accumulated in float32 and rounded once (bfloat16 activations: at least as accurate as the
+    per-expert reference, which rounds after every expert).
 
     Args:
         hidden: ``[N, H]`` float32/bfloat16 (dtype of the weights).
@@ -72,24 +76,36 @@ def grouped_expert_sum(
     out = torch.zeros_like(hidden)
     if n == 0 or k == 0:
         return out, {}
-    flat = experts.reshape(-1).to(torch.int64)
-    order = torch.argsort(flat, stable=True)
-    ids_sorted = flat[order]
-    uniq, counts = torch.unique_consecutive(ids_sorted, return_counts=True)
-    wflat = weights.reshape(-1)
-    loads: dict[int, int] = {}
+    flat = experts.reshape(-1).to(torch.int64)  # (n*k,)
+    pos = (flat >= 0).nonzero().squeeze(1)  # (P,) flat positions of real pairs
+    if pos.numel() == 0:
+        return out, {}
+    ev = flat.index_select(0, pos)  # (P,) expert per pair
+    order = torch.argsort(ev, stable=True)  # pairs grouped by expert, token order kept
+    pos = pos.index_select(0, order)  # (P,)
+    counts = torch.bincount(ev)  # (E,) pairs per expert id
+    tok = torch.div(pos, k, rounding_mode="floor")  # (P,) token of each grouped pair
+    xs = hidden.index_select(0, tok)  # (P, H) one gather for all experts
+    ys = torch.empty_like(xs)  # (P, H)
+    present = counts.nonzero().squeeze(1)
+    loads = dict(zip(present.tolist(), counts.index_select(0, present).tolist(), strict=True))
     start = 0
-    for e, c in zip(uniq.tolist(), counts.tolist(), strict=False):
-        idx = order[start : start + c]
+    for e, c in loads.items():  # loop over experts, contiguous slices, no per-token work
+        ys[start : start + c] = expert_forward(xs[start : start + c], hosted[e])
         start += c
-        if e < 0:
-            continue
-        tok = idx // k
-        y = expert_forward(hidden[tok], hosted[e])  # (c, H)
-        y = y * wflat[idx].to(y.dtype).unsqueeze(-1)
-        out.index_add_(0, tok, y)
-        loads[e] = c
-    return out, loads
+    # weighted sum accumulated in float32 (a no-op cast for float32 activations), rounded once
+    acc = ys.float() if ys.dtype != torch.float32 else ys  # (P, H) float32
+    acc *= weights.reshape(-1).index_select(0, pos).to(torch.float32).unsqueeze(-1)
+    # index_add_ walks the pairs in order: per token, experts are added in ascending id order
+    if out.dtype == torch.float32:
+        out.index_add_(0, tok, acc)
+        return out, loads
+    out32 = torch.zeros(out.shape, dtype=torch.float32)
+    out32.index_add_(0, tok, acc)
+    return out32.to(out.dtype), loads
+
+
+_NOTHING_HOSTED = torch.zeros(1, dtype=torch.bool)  # mask of a layer this server does not host
 
 
 class ExpertServer:
@@ -134,6 +150,13 @@ class ExpertServer:
         first = next(iter(hosted.values()), None)
         self.device = first.gate.device if first is not None else torch.device("cpu")
         self._gpu_layers: dict[int, object] = {}
+        # layer -> [max hosted id + 1] bool: hosted or not (frame checks without Python per id)
+        self._hosted_mask: dict[int, torch.Tensor] = {}
+        for layer, experts in self.by_layer.items():
+            m = torch.zeros(max(experts) + 1, dtype=torch.bool)
+            m[list(experts)] = True
+            self._hosted_mask[layer] = m
+        self._load_metrics: dict[tuple[int, int], object] = {}
         self.batch_window_s = batch_window_us * 1e-6
         self.poll_timeout = poll_timeout
         self.listener = listen(listen_endpoint, hidden_size=hidden_size, dtype=dtype, **listener_kw)
@@ -210,10 +233,14 @@ class ExpertServer:
             return STATUS_BAD_FRAME, f"hidden must be [n, {self.hidden_size}] {self.dtype}"
         if f.experts.shape != f.weights.shape or f.experts.shape[0] != f.hidden.shape[0]:
             return STATUS_BAD_FRAME, "experts/weights must be [n, k] matching hidden"
-        layer_experts = self.by_layer.get(f.layer, {})
-        want = set(torch.unique(f.experts).tolist()) - {-1}
-        bad = sorted(e for e in want if e not in layer_experts)
-        if bad:
+        hosted = self._hosted_mask.get(f.layer, _NOTHING_HOSTED)
+        ex = f.experts
+        # one pass, no Python per token: ids outside [-1, len) or not hosted are "not hosted"
+        inrange = (ex >= 0) & (ex < hosted.numel())
+        bad_mask = ((ex >= 0) & ~inrange) | (ex < -1)
+        bad_mask |= inrange & ~hosted[ex.clamp(0, hosted.numel() - 1).to(torch.int64)]
+        if bool(bad_mask.any()):
+            bad = torch.unique(ex[bad_mask]).tolist()
             return STATUS_NOT_HOSTED, (
                 f"expert server {self.server_id} does not host layer {f.layer} expert(s) {bad[:16]}"
             )
@@ -250,7 +277,10 @@ class ExpertServer:
         ntok = int(hidden.shape[0])
         SERVER_BATCH_TOKENS.observe(ntok)
         for e, c in loads.items():
-            EXPERT_TOKENS.labels(str(layer), str(e)).inc(c)
+            child = self._load_metrics.get((layer, e))
+            if child is None:
+                child = self._load_metrics[(layer, e)] = EXPERT_TOKENS.labels(str(layer), str(e))
+            child.inc(c)  # type: ignore[attr-defined]
         self.stats["batches"] += 1
         self.stats["tokens"] += ntok
         clients = len({f.client_id for _, f in group})

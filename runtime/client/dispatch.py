@@ -7,29 +7,34 @@ local, so the MoE block computes ``shared(x) + RemoteExperts(x, top_k_index, top
 :class:`Dispatcher` (one per attention client process) holds the routing table and one transport
 connection per expert server. Per MoE layer call (:meth:`Dispatcher.dispatch`):
 
-1. **Pick replicas.** For every ``(token, selected expert, weight)`` pair it picks ONE live replica
-   of ``(layer, expert)``: the one with the fewest tokens already assigned to it in this call,
-   ties broken round-robin (a rotating start per ``(layer, expert)``). A pair is never sent to two
-   servers.
-2. **Dispatch.** One :class:`RequestFrame` per target server: each token's hidden row once, plus
-   its ``[k]`` expert ids / weights in which the pairs assigned to other servers are padded with
-   ``-1`` / ``0``; send to all targets, then wait for all of them with one deadline
-   (``timeout`` seconds).
+1. **Pick replicas** (:func:`choose_replicas`, tensor operations, no Python work per token).
+   For every ``(token, selected expert, weight)`` pair ONE connected replica of
+   ``(layer, expert)``: the pairs of an expert are dealt round-robin over its usable replicas,
+   continuing across calls (a rotation offset per ``(layer, expert)`` advanced by the expert's
+   pair count), so an expert's load splits evenly. A pair is never sent to two servers.
+2. **Dispatch.** One :class:`RequestFrame` per target server (a loop over servers, not tokens):
+   each token's hidden row once -- gathered by the transport straight from the ``[T, H]`` batch
+   into its send buffer (``RequestFrame.rows``), the only copy -- plus its ``[k]`` expert ids /
+   weights in which the pairs assigned to other servers are padded with ``-1`` / ``0``; send to
+   all targets, then wait for all of them with one deadline (``timeout`` seconds).
 3. **Failover.** A server that raises :class:`PeerDeadError` / :class:`DeadlineExceeded` /
    another transport error, or answers an error status, is marked down (``eaas_server_marked_down``
-   metric, a log line, connection closed); ONLY its pairs are re-assigned to other live replicas
-   and sent again (``eaas_failovers_total`` += 1 per failed server batch); repeat. If some
-   expert has no live replica left, :class:`NoLiveReplicaError` is raised (retryable; the API
-   answers 503). A down server is retried (reconnected, with a connect timeout of at most 2 s)
-   after ``retry_down_s``, doubling per consecutive failure up to 30 s (on the next dispatch
-   that needs it, or by :class:`RoutingTableWatcher` calling :meth:`Dispatcher.reconnect_down`,
-   so it also happens without traffic), and immediately when a newer routing table lists it
-   again. :meth:`Dispatcher.uncovered` lists the experts without a live replica (GET /health
-   answers 503 while there are any).
-4. **Combine.** The per-server partial sums are added into one ``[T, H]`` tensor.
+   metric, a log line, connection closed); ONLY its pairs are re-assigned to other connected
+   replicas and sent again (``eaas_failovers_total`` += 1 per failed server batch); repeat. If
+   some expert has no live replica left, :class:`NoLiveReplicaError` is raised (retryable; the
+   API answers 503). :meth:`Dispatcher.uncovered` lists the experts without a live replica
+   (GET /health answers 503 while there are any).
+4. **Combine.** The per-server partial sums are added (``index_add_``) into one ``[T, H]``
+   tensor, returned on the caller's device.
 
-Routing table updates: :meth:`Dispatcher.set_table` (thread safe; waits for a layer call in
-progress) accepts only strictly newer versions; :class:`RoutingTableWatcher` polls a JSON file
+Connections are opened only by the dispatcher's connector thread, never on the request path: at
+once for a new server, and for a down one after ``retry_down_s``, doubling per consecutive
+failure up to 30 s (connect timeout at most 2 s), and immediately when a newer routing table
+lists it again. The state lock is never held across network I/O, so ``/health`` answers while a
+layer call waits for a hung (e.g. SIGSTOPped) server.
+
+Routing table updates: :meth:`Dispatcher.set_table` (thread safe; never waits for a layer call)
+accepts only strictly newer versions; :class:`RoutingTableWatcher` polls a JSON file
 (e.g. a Kubernetes ConfigMap mount) by mtime/size/inode and feeds it in. The version in use is
 published in the ``eaas_routing_table_version{client_id}`` gauge and by :meth:`Dispatcher.health`
 (GET /health) -- that is the client's acknowledgement.
@@ -49,7 +54,7 @@ from torch import nn
 
 from eaas.runtime import metrics
 from eaas.runtime.routing import RoutingTable, RoutingTableError
-from eaas.runtime.transport.base import STATUS_OK, ClientConnection, RequestFrame
+from eaas.runtime.transport.base import STATUS_OK, ClientConnection, PeerDeadError, RequestFrame
 
 log = logging.getLogger("eaas.client.dispatch")
 
@@ -85,6 +90,9 @@ class _Server:
     failures: int = 0
     consecutive: int = 0  # failures since the last successful response (reconnect back-off)
     last_error: str = ""
+    connecting: bool = False  # the connector is opening a connection right now
+    busy: bool = False  # a dispatch call is using ``conn`` outside the lock
+    retired: bool = False  # dropped by a newer table while busy: the dispatch call closes it
 
 
 Connector = Callable[..., ClientConnection]
@@ -96,8 +104,135 @@ def _default_connect(endpoint: str, server_id: str, **kw) -> ClientConnection:
     return connect(endpoint, server_id, **kw)
 
 
+NO_SERVER = -1  # pair not selected (``top_k_index`` -1)
+NO_REPLICA = -2  # pair whose expert has no usable replica
+
+
+@dataclass(frozen=True)
+class ReplicaMap:
+    """A routing table as tensors, for :func:`choose_replicas`.
+
+    Attributes:
+        sids: server ids; a server's index in this list is its number in ``replicas``.
+        replicas: ``{layer: [E, R] int64}`` server index of each replica of each logical expert,
+            ``-1`` padding (``R`` = the most replicas any expert of the layer has).
+    """
+
+    sids: tuple[str, ...]
+    replicas: dict[int, torch.Tensor]
+
+    @classmethod
+    def from_table(cls, table: RoutingTable) -> ReplicaMap:
+        sids = tuple(table.servers)
+        index = {s: i for i, s in enumerate(sids)}
+        reps: dict[int, torch.Tensor] = {}
+        for layer, experts in table.layers.items():
+            r = max((len(x) for x in experts), default=0)
+            m = torch.full((len(experts), max(r, 1)), -1, dtype=torch.int64)
+            for e, x in enumerate(experts):  # once per table, not per call
+                if x:
+                    m[e, : len(x)] = torch.tensor([index[s] for s in x], dtype=torch.int64)
+            reps[int(layer)] = m
+        return cls(sids, reps)
+
+
+def choose_replicas(
+    experts: torch.Tensor,
+    replicas: torch.Tensor,
+    usable: torch.Tensor,
+    start: torch.Tensor,
+    *,
+    live: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one usable replica per ``(token, selected expert)`` pair, as tensor operations.
+
+    Policy: the pairs of each expert are dealt round-robin over its usable replicas (in routing
+    table order), beginning at ``start[e]``; so an expert's tokens split evenly (counts differ by
+    at most one), and a rotation that the caller advances by the expert's token count spreads
+    single tokens (decode) over the replicas across calls. No Python work per token.
+
+    Args:
+        experts: ``[T, k]`` int64 logical expert ids; ``-1`` = no expert.
+        replicas: ``[E, R]`` int64 server index per replica, ``-1`` padding
+            (:attr:`ReplicaMap.replicas` of one layer).
+        usable: ``[S]`` bool, whether each server may receive pairs now.
+        start: ``[E]`` int64 rotation offset per expert.
+        live: ``live_replicas(replicas, usable)`` when the caller has it cached.
+
+    Returns:
+        ``(assign [T, k] int64, counts [E] int64)``: ``assign`` holds the chosen server index per
+        pair, :data:`NO_SERVER` where ``experts`` is -1, :data:`NO_REPLICA` where the expert has
+        no usable replica (or is not in ``replicas``); ``counts`` = pairs per expert (for
+        advancing ``start``).
+    """
+    T, k = experts.shape
+    E, R = int(replicas.shape[0]), int(replicas.shape[1])
+    flat = experts.reshape(-1)  # (T*k,)
+    if flat.numel() == 0:
+        return flat.view(T, k).clone(), torch.zeros(E, dtype=torch.int64)
+    lo, hi = torch.aminmax(flat)
+    if int(lo) >= 0 and int(hi) < E:  # common case: every pair is a real, known expert
+        pos, ev = None, flat  # (P,) = (T*k,)
+        assign = None
+    else:
+        assign = torch.full_like(flat, NO_SERVER)
+        valid = flat >= 0
+        inrange = valid & (flat < E)
+        assign[valid & ~inrange] = NO_REPLICA
+        pos = inrange.nonzero().squeeze(1)  # (P,) flat positions of real pairs
+        ev = flat.index_select(0, pos)  # (P,) expert per pair
+    counts = torch.bincount(ev, minlength=E)  # (E,)
+    if ev.numel() == 0:
+        assert assign is not None
+        return assign.view(T, k), counts
+    live_reps, nlive = live if live is not None else live_replicas(replicas, usable)
+    if int(counts.max()) > 1:
+        # rank of each pair among the pairs of its expert (stable: token order)
+        srt = torch.argsort(ev, stable=True)  # (P,)
+        group_start = torch.cumsum(counts, 0) - counts  # (E,)
+        rank = torch.empty_like(ev)
+        rank[srt] = torch.arange(ev.numel()) - group_start.index_select(0, ev.index_select(0, srt))
+        slot = start.index_select(0, ev) + rank  # (P,)
+    else:  # every expert at most once (decode): every rank is 0
+        slot = start.index_select(0, ev)
+    m = nlive.index_select(0, ev)  # (P,)
+    slot = slot % m.clamp(min=1)
+    chosen = live_reps.view(-1).index_select(0, ev * R + slot)  # (P,)
+    chosen = torch.where(m > 0, chosen, NO_REPLICA)
+    if assign is None:
+        return chosen.view(T, k), counts
+    assign[pos] = chosen
+    return assign.view(T, k), counts
+
+
+def live_replicas(
+    replicas: torch.Tensor, usable: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Usable replicas of every expert moved to the front, table order kept.
+
+    Args:
+        replicas: ``[E, R]`` int64 server index per replica, ``-1`` padding.
+        usable: ``[S]`` bool per server.
+
+    Returns:
+        ``(live_reps [E, R] int64, nlive [E] int64)``: the first ``nlive[e]`` entries of
+        ``live_reps[e]`` are ``e``'s usable replicas.
+    """
+    live = (replicas >= 0) & usable[replicas.clamp(min=0)]  # (E, R)
+    order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)  # (E, R)
+    return replicas.gather(1, order), live.sum(1)
+
+
 class Dispatcher:
     """Per-client dispatch/combine over the expert servers of the current routing table.
+
+    Threads: :meth:`dispatch` calls are serialized among themselves; the state lock is held only
+    for bookkeeping (never across a send, a receive or a connect), so :meth:`health`,
+    :meth:`uncovered` and :meth:`set_table` answer at once even while a layer call waits for a
+    hung server. Connections are opened by a background connector thread (started with the
+    first table, stopped by :meth:`close`), never on the request path: a layer call uses only
+    connected servers, and waits (up to ``timeout``) only while the first connection attempts
+    of the servers it needs are still in progress.
 
     Args:
         client_id: this attention client's id (frames' ``client_id``, metric label).
@@ -105,8 +240,11 @@ class Dispatcher:
         dtype: activation dtype sent to servers (the model's dtype).
         table: initial routing table (may be ``None`` until :meth:`set_table`).
         timeout: seconds to wait for all servers of one dispatch round.
-        retry_down_s: seconds before a down server is tried again.
+        retry_down_s: seconds before a down server is tried again (doubling per consecutive
+            failure, at most 30 s).
         connect: connection factory (``eaas.runtime.transport.factory.connect``).
+        connect_in_background: run the connector thread (default True). False leaves connecting
+            to explicit :meth:`reconnect_down` calls (unit tests of the bookkeeping).
     """
 
     def __init__(
@@ -119,6 +257,7 @@ class Dispatcher:
         timeout: float = 5.0,
         retry_down_s: float = 2.0,
         connect: Connector = _default_connect,
+        connect_in_background: bool = True,
     ) -> None:
         self.client_id = int(client_id)
         self.hidden_size = int(hidden_size)
@@ -126,10 +265,19 @@ class Dispatcher:
         self.timeout = float(timeout)
         self.retry_down_s = float(retry_down_s)
         self._connect = connect
-        self._lock = threading.RLock()
+        self._background = bool(connect_in_background)
+        self._lock = threading.RLock()  # state: table, servers, rotation (never held over I/O)
+        self._changed = threading.Condition(self._lock)  # a connection attempt finished
+        self._call_lock = threading.Lock()  # serializes dispatch calls (they share connections)
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
         self._table: RoutingTable | None = None
+        self._map: ReplicaMap | None = None
+        # (layer, usable servers) -> live_replicas(...) of the table in use
+        self._live: dict[tuple[int, tuple[bool, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
         self._servers: dict[str, _Server] = {}
-        self._rr: dict[tuple[int, int], int] = {}
+        self._rr: dict[int, torch.Tensor] = {}  # layer -> [E] int64 rotation offsets
         self._version_gauge = metrics.ROUTING_TABLE_VERSION.labels(client_id=str(self.client_id))
         # called as (server_id, endpoint, table_version, reason) when a server is marked down,
         # under the lock: must not block (failure_report.FailureReporter.report only enqueues)
@@ -151,12 +299,15 @@ class Dispatcher:
     def set_table(self, table: RoutingTable) -> bool:
         """Switch to ``table`` if it is strictly newer than the one in use.
 
-        Servers no longer listed (or whose endpoint changed) are disconnected; every listed
-        server starts as up (a server that re-appears is reconnected on its next use).
+        Servers no longer listed (or whose endpoint changed) are disconnected (a connection in
+        use by a layer call is closed when that call is done with it); every listed server that
+        was down or is new is (re)connected by the connector thread at once. Never waits for a
+        layer call in progress.
 
         Returns:
             True if applied, False if rejected as older/equal.
         """
+        rmap = ReplicaMap.from_table(table)
         with self._lock:
             if self._table is not None and table.version <= self._table.version:
                 if table.version < self._table.version:
@@ -174,13 +325,19 @@ class Dispatcher:
                     new[sid] = prev
                 else:
                     if prev is not None:
-                        self._close(prev)
+                        self._retire(prev)
                     new[sid] = _Server(sid, ep)
             for sid, prev in old.items():
                 if sid not in new:
-                    self._close(prev)
+                    self._retire(prev)
             self._servers = new
             self._table = table
+            self._map = rmap
+            self._live = {}
+            self._rr = {
+                layer: torch.zeros(int(r.shape[0]), dtype=torch.int64)
+                for layer, r in rmap.replicas.items()
+            }
             self._version_gauge.set(table.version)
             uncovered = table.uncovered()
             log.info(
@@ -190,6 +347,7 @@ class Dispatcher:
                 len(new),
                 f", {len(uncovered)} experts without replica" if uncovered else "",
             )
+            self._start_connector()
             return True
 
     def uncovered(self) -> list[dict]:
@@ -222,22 +380,50 @@ class Dispatcher:
                         )
             return out
 
-    def reconnect_down(self) -> int:
-        """Try to reconnect every down server whose back-off has expired (without this, a client
-        that gets no traffic -- e.g. taken out of a Service by its readiness probe -- would never
-        notice a recovered server). Returns how many came back.
+    # ---- connections (connector thread; never the request path) --------------------------
+    def _start_connector(self) -> None:
+        self._wake.set()
+        if self._background and self._thread is None and not self._closed.is_set():
+            self._thread = threading.Thread(
+                target=self._connector, name=f"eaas-connect-{self.client_id}", daemon=True
+            )
+            self._thread.start()
 
-        Connecting (up to ``min(timeout, 2 s)`` against a dead pod IP) happens outside the
-        dispatch lock, so MoE layer calls never wait on it.
+    def _connector(self) -> None:
+        while not self._closed.is_set():
+            self._wake.wait(0.1)
+            self._wake.clear()
+            if self._closed.is_set():
+                return
+            try:
+                self.reconnect_down()
+            except Exception:  # noqa: BLE001
+                log.exception("client %d: connector failed", self.client_id)
+
+    def reconnect_down(self) -> int:
+        """Connect every server that has no connection yet and every down server whose back-off
+        has expired. Returns how many got a connection.
+
+        Runs in the connector thread (and may be called from another, e.g. the routing table
+        watcher); each connect (at most ``min(timeout, 2 s)`` against a hung or dead peer)
+        happens outside the state lock, so layer calls and :meth:`health` never wait on it.
         """
         connect_timeout = min(self.timeout, 2.0)
         with self._lock:
             now = time.monotonic()
-            due = [s for s in self._servers.values() if s.down and now >= s.retry_at]
-            for s in due:  # keep the dispatch path off these servers while we try them
-                s.retry_at = now + connect_timeout + 1.0
+            due = [
+                s
+                for s in self._servers.values()
+                if not s.connecting
+                and s.conn is None
+                and (not s.down or now >= s.retry_at)
+                and not self._closed.is_set()
+            ]
+            for s in due:
+                s.connecting = True
         back = 0
         for s in due:
+            conn: ClientConnection | None
             try:
                 conn = self._connect(
                     s.endpoint,
@@ -249,26 +435,36 @@ class Dispatcher:
                 )
             except Exception as exc:  # noqa: BLE001
                 with self._lock:
-                    if self._servers.get(s.server_id) is s and s.down:
-                        self._mark_down(s, f"reconnect: {type(exc).__name__}: {exc}")
+                    s.connecting = False
+                    if self._servers.get(s.server_id) is s:
+                        self._mark_down(s, f"connect: {type(exc).__name__}: {exc}")
+                    self._changed.notify_all()
                 continue
             with self._lock:
-                if self._servers.get(s.server_id) is s and s.down and s.conn is None:
+                s.connecting = False
+                if (
+                    self._servers.get(s.server_id) is s
+                    and s.conn is None
+                    and not self._closed.is_set()
+                ):
+                    if s.down:
+                        log.info(
+                            "client %d: reconnected to expert server %s",
+                            self.client_id,
+                            s.server_id,
+                        )
                     s.conn, s.down = conn, False
-                    log.info(
-                        "client %d: reconnected to expert server %s", self.client_id, s.server_id
-                    )
                     back += 1
                     conn = None
-            if (
-                conn is not None
-            ):  # the table changed meanwhile, or the dispatch path got there first
+                self._changed.notify_all()
+            if conn is not None:  # the table changed meanwhile, or we are closing
                 conn.close()
         return back
 
     def health(self) -> dict:
         """JSON-able view: table version, per-server state, experts without a live replica
-        (``uncovered_experts`` = how many, ``uncovered`` = the first :data:`HEALTH_MAX_UNCOVERED`)."""
+        (``uncovered_experts`` = how many, ``uncovered`` = the first :data:`HEALTH_MAX_UNCOVERED`).
+        Never waits for network I/O."""
         with self._lock:
             uncovered = self.uncovered()
             return {
@@ -290,11 +486,18 @@ class Dispatcher:
             }
 
     def close(self) -> None:
+        """Stop the connector thread and close every connection (idle ones at once, one in use
+        by a layer call when that call finishes)."""
+        self._closed.set()
+        self._wake.set()
         with self._lock:
             for s in self._servers.values():
-                self._close(s)
+                self._retire(s)
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(5.0)
 
-    # ---- connection state ----------------------------------------------------------------
+    # ---- connection state (callers hold self._lock) ----------------------------------------
     @staticmethod
     def _close(s: _Server) -> None:
         if s.conn is not None:
@@ -303,6 +506,13 @@ class Dispatcher:
             except Exception:  # noqa: BLE001
                 pass
             s.conn = None
+
+    def _retire(self, s: _Server) -> None:
+        """Close ``s``'s connection now, or when the layer call using it is done."""
+        if s.busy:
+            s.retired = True
+        else:
+            self._close(s)
 
     def _mark_down(self, s: _Server, why: str) -> None:
         self._close(s)
@@ -329,73 +539,90 @@ class Dispatcher:
                 except Exception:  # noqa: BLE001
                     log.exception("on_server_down hook failed")
 
-    def _usable(self, sid: str, now: float) -> bool:
-        s = self._servers.get(sid)
-        if s is None:
-            return False
-        return not s.down or now >= s.retry_at
-
-    def _ensure_conn(self, s: _Server) -> ClientConnection:
-        if s.conn is None:
-            s.conn = self._connect(
-                s.endpoint,
-                s.server_id,
-                hidden_size=self.hidden_size,
-                dtype=self.dtype,
-                client_id=self.client_id,
-                connect_timeout=min(self.timeout, 2.0),  # a hung server must not stall us long
-            )
-            if s.down:
-                log.info("client %d: reconnected to expert server %s", self.client_id, s.server_id)
-            s.down = False
-        return s.conn
+        self._wake.set()
 
     # ---- dispatch / combine --------------------------------------------------------------
-    def _assign(
-        self,
-        layer: int,
-        groups: dict[int, list[tuple[int, int]]],
-        assign: list[list[int]],
-        load: list[int],
-        index: dict[str, int],
-        exclude: set[str],
-        now: float,
-    ) -> None:
-        """Pick one live replica per ``(token, slot)`` pair; writes server indices into ``assign``.
+    def _plan(
+        self, layer: int, idx64: torch.Tensor, exclude: set[str]
+    ) -> tuple[torch.Tensor, list[int], list[_Server], RoutingTable]:
+        """Under the state lock: choose servers for every pair; reserve their connections.
 
-        ``groups``: expert id -> its ``(t, j)`` positions in ``top_k_index``. Least outstanding
-        tokens in this call (``load``, indexed like ``index``) wins; ties go to the replica that
-        comes first in a per-``(layer, expert)`` rotation advanced once per call (round-robin).
+        Waits (releasing the lock) while servers this call needs have their first connection
+        attempt in progress, at most ``timeout`` seconds.
+
+        Returns:
+            ``(assign [T, k] int64 server index per pair or NO_SERVER, indices of the servers
+            used, servers by index, table)``.
 
         Raises:
-            NoLiveReplicaError: an expert with no usable replica outside ``exclude``.
+            NoLiveReplicaError: some selected expert has no usable replica.
+            RuntimeError: no routing table yet.
         """
-        table = self._table
-        for e, pairs in groups.items():
-            try:
-                reps = table.replicas(layer, e)
-            except (KeyError, IndexError):
-                reps = ()
-            if not reps:
-                raise NoLiveReplicaError(
-                    layer,
-                    e,
-                    f"no replica of layer {layer} expert {e} in routing table version {table.version}",
+        wait_until = time.monotonic() + self.timeout
+        with self._lock:
+            while True:
+                table, rmap = self._table, self._map
+                if table is None or rmap is None:
+                    raise RuntimeError("no routing table loaded")
+                servers = [self._servers[sid] for sid in rmap.sids]
+                ukey = tuple(
+                    s.conn is not None and not s.busy and s.server_id not in exclude
+                    for s in servers
                 )
-            live = [index[r] for r in reps if r not in exclude and self._usable(r, now)]
-            if not live:
+                usable = torch.tensor(ukey)
+                replicas = rmap.replicas.get(layer)
+                if replicas is None:
+                    e = int(idx64.max()) if idx64.numel() else 0
+                    raise NoLiveReplicaError(
+                        layer, e, f"layer {layer} is not in routing table version {table.version}"
+                    )
+                rr = self._rr[layer]
+                live = self._live.get((layer, ukey))
+                if live is None:  # usable set changed: recompute once (few per table)
+                    if len(self._live) > 256:
+                        self._live.clear()
+                    live = self._live[(layer, ukey)] = live_replicas(replicas, usable)
+                assign, counts = choose_replicas(idx64, replicas, usable, rr, live=live)
+                missing = assign == NO_REPLICA
+                if not bool(missing.any()):
+                    break
+                e = int(idx64[missing][0])
+                # wait only for first connections that could cover a missing expert
+                pending = torch.tensor(
+                    [s.conn is None and not s.down and s.server_id not in exclude for s in servers]
+                )
+                mexp = torch.unique(idx64[missing])
+                mexp = mexp[mexp < int(replicas.shape[0])]
+                cand = replicas.index_select(0, mexp).reshape(-1)
+                could = bool(pending[cand[cand >= 0]].any())
+                if self._background and could and time.monotonic() < wait_until:
+                    self._wake.set()  # first connections still being opened: wait for them
+                    self._changed.wait(max(0.0, wait_until - time.monotonic()))
+                    continue
+                reps = table.replicas(layer, e) if 0 <= e < int(replicas.shape[0]) else ()
+                if not reps:
+                    raise NoLiveReplicaError(
+                        layer,
+                        e,
+                        f"no replica of layer {layer} expert {e} in routing table version {table.version}",
+                    )
                 raise NoLiveReplicaError(
                     layer, e, f"all replicas of layer {layer} expert {e} are down: {list(reps)}"
                 )
-            key = (layer, e)
-            start = self._rr.get(key, 0)
-            self._rr[key] = start + 1
-            m = len(live)
-            order = [live[(start + i) % m] for i in range(m)]
-            for t, j in pairs:
-                best = min(order, key=load.__getitem__)  # first minimum = rotation order on ties
-                load[best] += 1
-                assign[t][j] = best
+            rr += counts  # round-robin continues where this call left off
+            used = torch.unique(assign[assign >= 0]).tolist()
+            for si in used:  # loop over servers
+                servers[si].busy = True
+            return assign, used, servers, table
+
+    def _release(self, servers: list[_Server], used: list[int]) -> None:
+        with self._lock:
+            for si in used:
+                s = servers[si]
+                s.busy = False
+                if s.retired:
+                    s.retired = False
+                    self._close(s)
 
     def dispatch(
         self,
@@ -413,63 +640,51 @@ class Dispatcher:
             top_k_weights: ``[T, k]`` gate weights (already scaled by the model).
 
         Returns:
-            ``[T, H]`` in ``hidden.dtype``: ``sum_j w[t, j] * E_{idx[t, j]}(hidden[t])``.
+            ``[T, H]`` in ``hidden.dtype`` on ``hidden.device``:
+            ``sum_j w[t, j] * E_{idx[t, j]}(hidden[t])``.
 
         Raises:
             NoLiveReplicaError: a selected expert has no live replica (after failover).
             RuntimeError: no routing table yet.
         """
         t0 = time.perf_counter()
-        in_dtype = hidden.dtype
+        in_dtype, device = hidden.dtype, hidden.device
         T, H = hidden.shape
-        k = int(top_k_index.shape[1])
-        hidden = hidden.to(self.dtype).contiguous()
-        idx64 = top_k_index.to(torch.int64)
-        w32 = top_k_weights.to(torch.float32)
+        # frames travel from host memory: (T, H) in the wire dtype, contiguous
+        hidden = hidden.to(device="cpu", dtype=self.dtype).contiguous()
+        idx64 = top_k_index.to(device="cpu", dtype=torch.int64)
+        w32 = top_k_weights.to(device="cpu", dtype=torch.float32)
         out = torch.zeros(T, H, dtype=self.dtype)
-        idx_l = idx64.tolist()
-        with self._lock:
-            if self._table is None:
-                raise RuntimeError("no routing table loaded")
-            sids = list(self._servers)
-            index = {s: i for i, s in enumerate(sids)}
-            load = [0] * len(sids)
-            assign = [[-1] * k for _ in range(T)]
-            groups: dict[int, list[tuple[int, int]]] = {}
-            for t, row in enumerate(idx_l):
-                for j, e in enumerate(row):
-                    if e >= 0:
-                        groups.setdefault(e, []).append((t, j))
-            self._assign(layer, groups, assign, load, index, set(), time.monotonic())
-            A = torch.tensor(assign, dtype=torch.int64).view(
-                T, k
-            )  # server index per pair, -1 = none
-            pending = A >= 0
-            failed_here: set[str] = set()
+        with self._call_lock:
+            pending = idx64 >= 0  # (T, k) pairs still to compute
+            exclude: set[str] = set()  # servers that failed during this call
+            sel = idx64
             while bool(pending.any()):
-                failed = self._round(layer, hidden, idx64, w32, A, pending, sids, out)
+                assign, used, servers, table = self._plan(layer, sel, exclude)
+                try:
+                    failed = self._round(
+                        layer, hidden, idx64, w32, assign, used, servers, table, out
+                    )
+                finally:
+                    self._release(servers, used)
                 if not failed:
                     break
                 redo = torch.zeros_like(pending)
                 for si in failed:
-                    redo |= pending & (A == si)
-                    failed_here.add(sids[si])
+                    redo |= assign == si
+                    exclude.add(servers[si].server_id)
                     metrics.FAILOVERS.inc()
-                groups = {}
-                for t, j in redo.nonzero().tolist():
-                    groups.setdefault(idx_l[t][j], []).append((t, j))
-                self._assign(layer, groups, assign, load, index, failed_here, time.monotonic())
-                A = torch.tensor(assign, dtype=torch.int64).view(T, k)
                 pending = redo
+                sel = torch.where(redo, idx64, -1)
                 log.info(
                     "client %d: layer %d: re-sent %d token-expert pairs of server(s) %s",
                     self.client_id,
                     layer,
                     int(redo.sum()),
-                    ", ".join(sids[si] for si in failed),
+                    ", ".join(servers[si].server_id for si in failed),
                 )
         metrics.DISPATCH_SECONDS.observe(time.perf_counter() - t0)
-        return out.to(in_dtype)
+        return out.to(device=device, dtype=in_dtype)
 
     def _round(
         self,
@@ -477,56 +692,79 @@ class Dispatcher:
         hidden: torch.Tensor,
         idx64: torch.Tensor,
         w32: torch.Tensor,
-        A: torch.Tensor,
-        pending: torch.Tensor,
-        sids: list[str],
+        assign: torch.Tensor,
+        used: list[int],
+        servers: list[_Server],
+        table: RoutingTable,
         out: torch.Tensor,
     ) -> list[int]:
-        """Send one frame per server holding ``pending`` pairs, wait for all, add into ``out``.
+        """Send one frame per server in ``used``, wait for all, add into ``out``. No lock held.
 
-        A frame carries each of its tokens' hidden row once and the token's ``[k]`` expert ids /
-        weights with pairs of other servers masked to ``-1`` / ``0``. Returns the indices (into
-        ``sids``) of servers that failed; they are marked down.
+        A frame carries each of its tokens' hidden row once (gathered by the transport straight
+        into its buffer) and the token's ``[k]`` expert ids / weights with pairs of other servers
+        masked to ``-1`` / ``0``. Returns the indices (into ``servers``) of servers that failed;
+        they are marked down.
         """
+        T = int(hidden.shape[0])
         failed: list[int] = []
-        sent: list[tuple[_Server, int, torch.Tensor, int]] = []
-        version = self._table.version
-        for si in torch.unique(A[pending]).tolist():
-            s = self._servers[sids[si]]
-            m = pending & (A == si)  # [T, k]
-            rows = m.any(dim=1).nonzero().squeeze(1)  # [n]
+        sent: list[tuple[_Server, int, torch.Tensor | None, int]] = []
+        for si in used:  # loop over servers, tensor ops inside
+            s = servers[si]
+            m = assign == si  # (T, k)
+            rows: torch.Tensor | None = m.any(dim=1).nonzero().squeeze(1)  # (n,)
+            assert rows is not None
+            ex = torch.where(m, idx64, -1)
+            w = torch.where(m, w32, 0.0)
+            if int(rows.shape[0]) == T:
+                rows = None  # every token: the hidden batch as is
+            else:
+                ex, w = ex.index_select(0, rows), w.index_select(0, rows)
             s.seq += 1
             frame = RequestFrame(
                 client_id=self.client_id,
                 layer=layer,
-                table_version=version,
+                table_version=table.version,
                 seq=s.seq,
-                hidden=hidden.index_select(0, rows),
-                experts=torch.where(m, idx64, -1).index_select(0, rows).to(torch.int32),
-                weights=torch.where(m, w32, 0.0).index_select(0, rows),
+                hidden=hidden,
+                experts=ex.to(torch.int32),
+                weights=w,
+                rows=rows,
             )
+            conn = s.conn
             try:
-                self._ensure_conn(s).send(frame)
+                if conn is None:
+                    raise PeerDeadError("connection closed")
+                conn.send(frame)
             except Exception as exc:  # noqa: BLE001  (PeerDeadError, FrameError, OSError, ...)
-                self._mark_down(s, f"send: {type(exc).__name__}: {exc}")
+                self._failed(s, f"send: {type(exc).__name__}: {exc}")
                 failed.append(si)
                 continue
             sent.append((s, si, rows, s.seq))
         deadline = time.monotonic() + self.timeout
         for s, si, rows, seq in sent:
             try:
+                assert s.conn is not None
                 resp = s.conn.recv(deadline)
                 if resp.seq != seq:
                     raise RuntimeError(f"response seq {resp.seq} != request seq {seq}")
-                if resp.status != STATUS_OK:
+                if resp.status != STATUS_OK or resp.output is None:
                     raise RuntimeError(f"error status {resp.status}: {resp.message}")
-                out.index_add_(0, rows, resp.output.to(out.dtype))
-                s.tokens_sent += int(rows.numel())
+                if rows is None:
+                    out.add_(resp.output)
+                else:
+                    out.index_add_(0, rows, resp.output)
+                s.tokens_sent += T if rows is None else int(rows.shape[0])
                 s.consecutive = 0
             except Exception as exc:  # noqa: BLE001
-                self._mark_down(s, f"recv: {type(exc).__name__}: {exc}")
+                self._failed(s, f"recv: {type(exc).__name__}: {exc}")
                 failed.append(si)
         return failed
+
+    def _failed(self, s: _Server, why: str) -> None:
+        with self._lock:
+            s.busy = False  # _mark_down closes the connection now
+            s.retired = False
+            self._mark_down(s, why)
 
 
 class RemoteExperts(nn.Module):

@@ -74,6 +74,10 @@ class RequestFrame:
         experts: ``[n, k]`` int32 logical expert ids this server must run per token; ``-1`` pads.
         weights: ``[n, k]`` float32 gate weights matching ``experts`` (already scaled by the
             model's routed scaling factor where the model does so); ignored where expert is -1.
+        rows: optional ``[n]`` int64 row indices into ``hidden``. When given, ``hidden`` is the
+            caller's whole ``[T, hidden]`` batch and the frame's tokens are ``hidden[rows]``: the
+            transport gathers them straight into its send buffer (one copy, no intermediate
+            tensor). ``None`` (default): the frame's tokens are all of ``hidden``.
     """
 
     client_id: int
@@ -83,10 +87,15 @@ class RequestFrame:
     hidden: torch.Tensor
     experts: torch.Tensor
     weights: torch.Tensor
+    rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
-        return int(self.hidden.shape[0])
+        return int(self.hidden.shape[0] if self.rows is None else self.rows.shape[0])
+
+    def token_hidden(self) -> torch.Tensor:
+        """``[n, hidden]`` hidden states of the frame's tokens (gathers ``hidden[rows]``)."""
+        return self.hidden if self.rows is None else self.hidden.index_select(0, self.rows)
 
 
 @dataclass
@@ -110,26 +119,36 @@ class ResponseFrame:
 
 def check_request(
     frame: RequestFrame, *, hidden_size: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Validate a request frame's tensors and bring them to wire form.
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Validate a request frame's tensors and bring experts / weights to wire form.
+
+    Checks shapes and dtypes only (a few attribute reads, no pass over the data).
 
     Args:
-        frame: ``hidden`` ``[n, hidden_size]`` in ``dtype``; ``experts`` and ``weights`` ``[n, k]``
-            (or ``[n]`` for k = 1), any int / float dtype.
+        frame: ``hidden`` ``[n, hidden_size]`` (or ``[T, hidden_size]`` with ``rows`` ``[n]``
+            int64) in ``dtype``; ``experts`` and ``weights`` ``[n, k]`` (or ``[n]`` for k = 1),
+            any int / float dtype.
         hidden_size, dtype: what the connection was opened with.
 
     Returns:
-        ``(hidden [n, H], experts [n, k] int32, weights [n, k] float32)``.
+        ``(hidden, rows, experts [n, k] int32, weights [n, k] float32)``: ``hidden`` and
+        ``rows`` as given (``hidden[rows]``, or all of ``hidden`` when ``rows`` is None, are the
+        frame's tokens).
 
     Raises:
         FrameError: wrong shapes or dtype, or ``n``/``k`` above ``MAX_TOKENS_HARD``/``MAX_K_HARD``.
     """
-    h, ex, w = frame.hidden, frame.experts, frame.weights
+    h, ex, w, rows = frame.hidden, frame.experts, frame.weights, frame.rows
     if h.dim() != 2 or h.shape[1] != hidden_size:
         raise FrameError(f"hidden must be [n, {hidden_size}], got {tuple(h.shape)}")
     if h.dtype != dtype:
         raise FrameError(f"hidden dtype {h.dtype} != connection dtype {dtype}")
-    n = int(h.shape[0])
+    if rows is None:
+        n = int(h.shape[0])
+    else:
+        if rows.dim() != 1 or rows.dtype != torch.int64:
+            raise FrameError(f"rows must be [n] int64, got {tuple(rows.shape)} {rows.dtype}")
+        n = int(rows.shape[0])
     if ex.dim() == 1:
         ex = ex.unsqueeze(1)
     if w.dim() == 1:
@@ -143,7 +162,11 @@ def check_request(
         raise FrameError(
             f"frame of {n} tokens x k={k} exceeds the limit {MAX_TOKENS_HARD} x {MAX_K_HARD}"
         )
-    return h, ex.to(torch.int32), w.to(torch.float32)
+    if ex.dtype != torch.int32:
+        ex = ex.to(torch.int32)
+    if w.dtype != torch.float32:
+        w = w.to(torch.float32)
+    return h, rows, ex, w
 
 
 class ClientConnection(abc.ABC):

@@ -18,6 +18,7 @@ request region::
 
     header   int64[8]   [0] ready counter (written LAST)  [1] layer  [2] table_version
                         [3] n tokens  [4] k  [5] client_id  [6] caller seq
+                        [7] server waiting (1 while the server blocks in select)
     hidden   [cap_tokens, H]  dtype (float32 | bfloat16)  -- first n*H used
     experts  [cap_tokens * cap_k] int32                   -- first n*k used, [n, k] row major
     weights  [cap_tokens * cap_k] float32                 -- same
@@ -25,24 +26,32 @@ request region::
 response region::
 
     header   int64[8]   [0] done counter (written LAST) [1] layer [2] status [3] n [4] msg len
-                        [5] caller seq
+                        [5] caller seq  [7] client waiting (1 while the client blocks in select)
     message  1024 bytes utf-8 (error text)
     output   [cap_tokens, H] dtype
 
 Data path
 ---------
-Client ``send``: copy tensors into the request slot, write header fields, write the ready counter
+Client ``send``: copy tensors into the request slot (the hidden rows once: a frame with ``rows``
+is gathered straight from the caller's batch into the slot), write header fields, write the ready counter
 (a fresh per-connection counter, not the caller's seq), then send one doorbell packet ``b"D"``.
 Server ``poll``: spin up to ``spin_us`` reading every connection's ready counter; then block in
 ``select`` on all sockets (idle server: ~0 CPU). Server ``respond``: copy the output into the
-response slot, write the done counter last, send a doorbell. Client ``recv``: spin, then block
-on the socket until the done counter matches or the deadline passes.
+response slot, write the done counter last, send a doorbell. Client ``recv``: spin (at least
+``spin_us``, up to 1.5x the moving average of recent round trips, at most 2 ms), then block on
+the socket until the done counter matches or the deadline passes.
 
 Frames larger than the slot: ``send`` transparently grows the slot. It creates a new memfd sized
 for the frame (capacity at least doubled), sends it in a *remap* packet (same format as hello),
 and then writes the frame into the new slot; the server switches mappings when it reads the
 remap packet, which always precedes the doorbell. So callers never chunk. Hard cap:
 ``MAX_TOKENS_HARD`` tokens per frame (:class:`FrameError` above it).
+
+Doorbells only when the peer sleeps: a side about to block in ``select`` first sets its
+*waiting* flag, fences, and checks the counter once more; a writer stores the counter, fences,
+and sends the doorbell only if the peer's waiting flag is set (Dekker-style; the fence is an
+uncontended lock, a locked instruction = full barrier on x86). A ping-pong within the spin
+windows therefore costs no syscall at all.
 
 Ordering: payload stores happen before the counter store and x86 keeps stores (and loads) in
 order, so a reader that sees the new counter sees the payload. Other CPU architectures would
@@ -60,6 +69,7 @@ import os
 import select
 import socket
 import struct
+import threading
 import time
 from collections.abc import Sequence
 
@@ -83,6 +93,7 @@ from eaas.runtime.transport.base import (
 from eaas.runtime.transport.sockets import ServerConn, SocketClientConnection, SocketServerListener
 
 DEFAULT_SPIN_US = 80.0
+MAX_ADAPTIVE_SPIN_S = 2e-3  # the client never spins longer than this for one response
 _PAGE = mmap.PAGESIZE
 _HDR_BYTES = 64
 _MSG_BYTES = 1024
@@ -97,6 +108,14 @@ _DOORBELL = b"D"
 
 
 _yield = os.sched_yield  # spin politely: let the peer run when cores are oversubscribed
+_FENCE = threading.Lock()
+
+
+def _fence() -> None:
+    """Full memory barrier (store-load order) between a flag store and a counter load: an
+    uncontended lock acquire is a locked instruction on x86."""
+    with _FENCE:
+        pass
 
 
 def _align(x: int, a: int) -> int:
@@ -174,11 +193,39 @@ class _Slots:
             mm, dtype=dtype, count=cap_tokens * hidden, offset=off
         ).view(cap_tokens, hidden)
 
+        self._req_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._resp_views: dict[int, torch.Tensor] = {}
+
+    def req_views(self, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(hidden [n, H], experts [n, k] int32, weights [n, k] float32)`` views of the request
+        region, cached per shape (slicing a tensor costs microseconds; a frame reuses them)."""
+        v = self._req_views.get((n, k))
+        if v is None:
+            if len(self._req_views) > 64:
+                self._req_views.clear()
+            v = (
+                self.req_hidden[:n],
+                self.req_experts[: n * k].view(n, k),
+                self.req_weights[: n * k].view(n, k),
+            )
+            self._req_views[(n, k)] = v
+        return v
+
+    def resp_view(self, n: int) -> torch.Tensor:
+        """``[n, H]`` view of the response output region, cached per ``n``."""
+        v = self._resp_views.get(n)
+        if v is None:
+            if len(self._resp_views) > 64:
+                self._resp_views.clear()
+            v = self._resp_views[n] = self.resp_out[:n]
+        return v
+
     def release(self) -> None:
         """Drop our views and unmap if no caller still holds a view (else unmapped on GC)."""
         mm = self.mm
         self.req_hdr = self.req_hidden = self.req_experts = self.req_weights = None  # type: ignore
         self.resp_hdr = self.resp_msg = self.resp_out = None  # type: ignore
+        self._req_views, self._resp_views = {}, {}
         self.mm = None  # type: ignore
         if mm is not None:
             try:
@@ -212,7 +259,8 @@ class ShmClientConnection(SocketClientConnection):
         client_id: this attention client's id (default: pid).
         max_tokens: initial slot capacity in tokens (grown on demand, see module doc).
         max_k: initial expert entries per token capacity (grown on demand).
-        spin_us: busy-poll time before blocking in ``recv``, microseconds.
+        spin_us: least busy-poll time before blocking in ``recv``, microseconds (longer, up to
+            ``MAX_ADAPTIVE_SPIN_S``, when recent round trips took longer).
         connect_timeout: seconds to connect and get the server's ack.
 
     Raises:
@@ -240,6 +288,8 @@ class ShmClientConnection(SocketClientConnection):
     ):
         self._init_common(endpoint, server_id, hidden_size, dtype, client_id)
         self.spin_s = spin_us * 1e-6
+        self._rtt = 0.0  # moving average of recent round trips, seconds (adaptive spin)
+        self._sent_at = 0.0
         self._counter = 0
         self._slots: _Slots | None = None
         path = unix_path(endpoint)
@@ -333,7 +383,8 @@ class ShmClientConnection(SocketClientConnection):
         ``deadline`` is accepted for interface compatibility).
 
         Args:
-            frame: ``hidden`` ``[n, H]`` in this connection's dtype; ``experts`` ``[n, k]`` int
+            frame: ``hidden`` ``[n, H]`` (or ``[T, H]`` with ``rows`` ``[n]`` int64, gathered
+                straight into the slot) in this connection's dtype; ``experts`` ``[n, k]`` int
                 (any int dtype, converted to int32); ``weights`` ``[n, k]`` float (converted
                 to float32).
 
@@ -343,8 +394,9 @@ class ShmClientConnection(SocketClientConnection):
             PeerDeadError: the server is gone.
         """
         sock = self._sock_for_send()
-        h, ex, w = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
-        n, k = int(h.shape[0]), int(ex.shape[1])
+        h, rows, ex, w = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
+        n = int(h.shape[0]) if rows is None else int(rows.shape[0])
+        k = int(ex.shape[1])
         s = self._slots_now()
         if n > s.cap_tokens or k > s.cap_k:
             cap_t = s.cap_tokens
@@ -353,9 +405,14 @@ class ShmClientConnection(SocketClientConnection):
             self._map(min(cap_t, MAX_TOKENS_HARD), max(k, s.cap_k), _KIND_REMAP)
             s = self._slots_now()
         if n:
-            s.req_hidden[:n].copy_(h)
-            s.req_experts[: n * k].view(n, k).copy_(ex)
-            s.req_weights[: n * k].view(n, k).copy_(w)
+            vh, ve, vw = s.req_views(n, k)
+            # the one copy of the hidden states: straight from the caller's tensor into the slot
+            if rows is None:
+                vh.copy_(h)
+            else:
+                torch.index_select(h, 0, rows, out=vh)
+            ve.copy_(ex)
+            vw.copy_(w)
         hdr = s.req_hdr
         hdr[1] = frame.layer
         hdr[2] = frame.table_version
@@ -366,6 +423,10 @@ class ShmClientConnection(SocketClientConnection):
         self._counter += 1
         hdr[0] = self._counter  # written last: the ready flag
         self._outstanding = True
+        self._sent_at = time.monotonic()
+        _fence()
+        if not hdr[7]:
+            return  # the server is spinning or busy: it will see the counter without a doorbell
         try:
             sock.send(_DOORBELL)
         except BlockingIOError:
@@ -397,17 +458,12 @@ class ShmClientConnection(SocketClientConnection):
         s = self._slots_now()
         hdr = s.resp_hdr
         self._outstanding = False
-        status = int(hdr[2])
-        n = int(hdr[3])
+        self._rtt = 0.75 * self._rtt + 0.25 * (time.monotonic() - self._sent_at)
+        _, layer, status, n, ln, seq, _, _ = hdr.tolist()  # one read of the header
         if status == STATUS_OK:
-            return ResponseFrame(
-                seq=int(hdr[5]), layer=int(hdr[1]), status=status, output=s.resp_out[:n]
-            )
-        ln = min(int(hdr[4]), _MSG_BYTES)
-        msg = bytes(s.resp_msg[:ln]).decode("utf-8", "replace")
-        return ResponseFrame(
-            seq=int(hdr[5]), layer=int(hdr[1]), status=status, output=None, message=msg
-        )
+            return ResponseFrame(seq, layer, status, s.resp_view(n))
+        msg = bytes(s.resp_msg[: min(ln, _MSG_BYTES)]).decode("utf-8", "replace")
+        return ResponseFrame(seq, layer, status, None, msg)
 
     def recv(self, deadline: float) -> ResponseFrame:
         """Wait for the response to the last ``send`` until ``deadline`` (``time.monotonic()``).
@@ -426,24 +482,33 @@ class ShmClientConnection(SocketClientConnection):
         want = self._counter
         if hdr[0] == want:
             return self._response()
-        spin_end = min(time.monotonic() + self.spin_s, deadline)
+        # spin at least spin_us, and up to 1.5x the recent round trip (large frames take longer
+        # than spin_us to copy both ways; blocking then costs a doorbell and a wake-up)
+        now = time.monotonic()
+        spin_end = min(now + max(self.spin_s, min(MAX_ADAPTIVE_SPIN_S, 1.5 * self._rtt)), deadline)
         while time.monotonic() < spin_end:
             if hdr[0] == want:
                 return self._response()
             _yield()
-        while True:
-            self._drain()
-            if hdr[0] == want:
-                return self._response()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DeadlineExceeded(
-                    f"expert server {self.server_id} at {self.endpoint}: no response before the deadline"
-                )
-            try:
-                select.select([sock], [], [], remaining)
-            except ValueError:  # socket closed under us
-                raise PeerDeadError(f"connection to {self.server_id} is closed") from None
+        hdr[7] = 1  # waiting: the server rings the doorbell from now on
+        try:
+            while True:
+                _fence()
+                self._drain()
+                if hdr[0] == want:
+                    return self._response()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DeadlineExceeded(
+                        f"expert server {self.server_id} at {self.endpoint}: no response before the deadline"
+                    )
+                try:
+                    select.select([sock], [], [], remaining)
+                except ValueError:  # socket closed under us
+                    raise PeerDeadError(f"connection to {self.server_id} is closed") from None
+        finally:
+            if self._slots is not None:
+                self._slots.resp_hdr[7] = 0
 
 
 class _ServerConn(ServerConn):
@@ -607,30 +672,19 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
             if c == conn.last_seen:
                 continue
             conn.last_seen = c
-            n, k = int(hdr[3]), int(hdr[4])
+            _, layer, version, n, k, client_id, seq, _ = hdr.tolist()  # one read of the header
             if not (0 <= n <= s.cap_tokens and 0 <= k <= s.cap_k):
                 conn.in_flight = True
                 self.respond(
                     conn,
                     ResponseFrame(
-                        int(hdr[6]),
-                        int(hdr[1]),
-                        STATUS_BAD_FRAME,
-                        None,
-                        f"bad frame size n={n} k={k}",
+                        seq, layer, STATUS_BAD_FRAME, None, f"bad frame size n={n} k={k}"
                     ),
                 )
                 continue
             conn.in_flight = True
-            frame = RequestFrame(
-                client_id=int(hdr[5]),
-                layer=int(hdr[1]),
-                table_version=int(hdr[2]),
-                seq=int(hdr[6]),
-                hidden=s.req_hidden[:n],
-                experts=s.req_experts[: n * k].view(n, k),
-                weights=s.req_weights[: n * k].view(n, k),
-            )
+            vh, ve, vw = s.req_views(n, k)
+            frame = RequestFrame(client_id, layer, version, seq, vh, ve, vw)
             out.append((conn, frame))
         return out
 
@@ -652,14 +706,28 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
             if frames:
                 return frames
             _yield()
-        while True:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            for conn, _ in self._select(remaining):
-                if self._is_live(conn):
-                    self._read(conn)
-            frames = self._collect()
-            if frames or (deadline is not None and time.monotonic() >= deadline):
-                return frames
+        try:
+            while True:
+                self._set_waiting(1)  # clients ring the doorbell from now on
+                _fence()
+                frames = self._collect()
+                if frames:
+                    return frames
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                for conn, _ in self._select(remaining):
+                    if self._is_live(conn):
+                        self._read(conn)
+                frames = self._collect()
+                if frames or (deadline is not None and time.monotonic() >= deadline):
+                    return frames
+        finally:
+            self._set_waiting(0)
+
+    def _set_waiting(self, flag: int) -> None:
+        """Set the server-waiting flag in every connection's request header."""
+        for conn in self._conns.values():
+            if conn.slots is not None:
+                conn.slots.req_hdr[7] = flag
 
     def respond(self, conn: object, frame: ResponseFrame) -> None:
         """Copy ``frame`` into ``conn``'s response slot, set the done counter, ring the doorbell.
@@ -678,7 +746,7 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
         if frame.status == STATUS_OK and frame.output is not None:
             n = int(frame.output.shape[0])
             if n:
-                s.resp_out[:n].copy_(frame.output)
+                s.resp_view(n).copy_(frame.output)
             hdr[3] = n
             hdr[4] = 0
         else:
@@ -688,6 +756,9 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
             hdr[4] = len(msg)
         hdr[0] = conn.last_seen  # written last: done flag, echoes the request counter
         conn.in_flight = False
+        _fence()
+        if not hdr[7]:
+            return  # the client is spinning: no doorbell needed
         try:
             conn.sock.send(_DOORBELL)
         except (BlockingIOError, InterruptedError):

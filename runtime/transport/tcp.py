@@ -277,8 +277,8 @@ class TcpClientConnection(SocketClientConnection):
         """Write ``frame`` (header + raw bytes).
 
         Args:
-            frame: ``hidden`` ``[n, H]`` in the connection dtype; ``experts``/``weights``
-                ``[n, k]`` (converted to int32 / float32).
+            frame: ``hidden`` ``[n, H]`` (or ``[T, H]`` with ``rows`` ``[n]``) in the connection
+                dtype; ``experts``/``weights`` ``[n, k]`` (converted to int32 / float32).
             deadline: optional ``time.monotonic()`` bound for a blocked write (default now +
                 ``send_timeout``).
 
@@ -288,7 +288,9 @@ class TcpClientConnection(SocketClientConnection):
             DeadlineExceeded: the server does not read (e.g. SIGSTOPped with full buffers).
         """
         sock = self._sock_for_send()
-        h, ex, w = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
+        h, rows, ex, w = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
+        if rows is not None:
+            h = h.index_select(0, rows)  # the one copy: gathered rows, sent from here
         n, k = int(h.shape[0]), int(ex.shape[1])
         payload = [_as_bytes(h), _as_bytes(ex), _as_bytes(w)]
         nbytes = sum(len(p) for p in payload)

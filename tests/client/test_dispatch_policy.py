@@ -1,13 +1,26 @@
-"""Replica choice and routing-table versioning of the Dispatcher (no connections are opened)."""
+"""Replica choice (pure tensor logic) and routing-table bookkeeping of the Dispatcher.
+
+No expert server is started here; dispatch against real servers (failover, a hung server) is in
+``tests/runtime/test_dispatch_servers.py``.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from eaas.runtime.client.dispatch import Dispatcher, NoLiveReplicaError
+from eaas.runtime.client.dispatch import (
+    NO_REPLICA,
+    NO_SERVER,
+    Dispatcher,
+    NoLiveReplicaError,
+    ReplicaMap,
+    choose_replicas,
+)
 from eaas.runtime.placement import place_experts
 from eaas.runtime.routing import RoutingTable
+
+pytestmark = pytest.mark.engine
 
 
 def table(version=1, servers=3, redundancy=2, experts=4):
@@ -18,52 +31,92 @@ def table(version=1, servers=3, redundancy=2, experts=4):
     )
 
 
-def pick(
-    d: Dispatcher, layer: int, expert: int, n: int, exclude=frozenset(), now: float = 0.0
-) -> list[str]:
-    """Servers chosen for ``n`` tokens that all selected ``expert`` (one Dispatcher call)."""
-    sids = list(d._servers)
-    index = {s: i for i, s in enumerate(sids)}
-    assign = [[-1] for _ in range(n)]
-    d._assign(
-        layer,
-        {expert: [(t, 0) for t in range(n)]},
-        assign,
-        [0] * len(sids),
-        index,
-        set(exclude),
-        now,
+def reference_choice(experts, replicas, usable, start):
+    """The policy written as the obvious per-pair Python loop (the oracle)."""
+    T, k = experts.shape
+    out = [[NO_SERVER] * k for _ in range(T)]
+    seen: dict[int, int] = {}
+    for t in range(T):
+        for j in range(k):
+            e = int(experts[t, j])
+            if e < 0:
+                continue
+            if e >= replicas.shape[0]:
+                out[t][j] = NO_REPLICA
+                continue
+            live = [int(r) for r in replicas[e] if r >= 0 and usable[r]]
+            rank = seen.get(e, 0)
+            seen[e] = rank + 1
+            out[t][j] = live[(int(start[e]) + rank) % len(live)] if live else NO_REPLICA
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def test_replica_map_from_table():
+    t = table()
+    rm = ReplicaMap.from_table(t)
+    assert rm.sids == ("s0", "s1", "s2")
+    for layer in (1, 2):
+        r = rm.replicas[layer]
+        assert r.shape == (4, 2) and r.dtype == torch.int64
+        for e in range(4):
+            assert [rm.sids[i] for i in r[e].tolist()] == list(t.replicas(layer, e))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_choose_replicas_matches_the_per_pair_policy(seed):
+    g = torch.Generator().manual_seed(seed)
+    E, R, S, T, k = 6, 3, 5, 37, 3
+    replicas = torch.randint(0, S, (E, R), generator=g)
+    replicas[torch.rand(E, R, generator=g) < 0.3] = -1  # some experts have fewer replicas
+    replicas[2] = -1  # expert 2: no replica at all
+    usable = torch.rand(S, generator=g) < 0.7
+    start = torch.randint(0, 50, (E,), generator=g)
+    experts = torch.randint(-1, E + 1, (T, k), generator=g)  # -1 pads, E = not in the table
+    assign, counts = choose_replicas(experts, replicas, usable, start)
+    assert torch.equal(assign, reference_choice(experts, replicas, usable, start))
+    valid = (experts >= 0) & (experts < E)
+    assert torch.equal(counts, torch.bincount(experts[valid], minlength=E))
+    # the fast paths: every id a known expert (with repeats), and one token of distinct experts
+    known = experts.clamp(0, E - 1)
+    a2, _ = choose_replicas(known, replicas, usable, start)
+    assert torch.equal(a2, reference_choice(known, replicas, usable, start))
+    one = torch.randperm(E, generator=g)[:k].view(1, k)
+    a3, _ = choose_replicas(one, replicas, usable, start)
+    assert torch.equal(a3, reference_choice(one, replicas, usable, start))
+    # never a server that is not usable, never one that is not a replica of the pair's expert
+    for t, j in (assign >= 0).nonzero().tolist():
+        s, e = int(assign[t, j]), int(experts[t, j])
+        assert usable[s] and s in replicas[e].tolist()
+
+
+def test_choose_replicas_splits_evenly_and_rotates():
+    replicas = torch.tensor([[0, 1], [1, 2]])
+    usable = torch.ones(3, dtype=torch.bool)
+    experts = torch.zeros(10, 1, dtype=torch.int64)  # ten tokens choosing expert 0
+    assign, counts = choose_replicas(experts, replicas, usable, torch.zeros(2, dtype=torch.int64))
+    assert (assign == 0).sum() == 5 and (assign == 1).sum() == 5
+    assert counts.tolist() == [10, 0]
+    # one token per call (decode): a start advanced by the counts alternates the replicas
+    start = torch.zeros(2, dtype=torch.int64)
+    firsts = []
+    for _ in range(4):
+        a, c = choose_replicas(torch.tensor([[0]]), replicas, usable, start)
+        start += c
+        firsts.append(int(a[0, 0]))
+    assert firsts == [0, 1, 0, 1]
+    # a replica that is not usable is skipped; none usable -> NO_REPLICA
+    a, _ = choose_replicas(
+        torch.tensor([[0, 1]]), replicas, torch.tensor([False, True, False]), start
     )
-    return [sids[a[0]] for a in assign]
-
-
-def test_least_loaded_with_round_robin_ties():
-    t = table()
-    d = Dispatcher(0, 8, torch.float32, t)
-    reps = t.replicas(1, 0)
-    picks = pick(d, 1, 0, 10)  # ten tokens choosing the same expert
-    assert set(picks) == set(reps)
-    assert abs(picks.count(reps[0]) - picks.count(reps[1])) <= 1  # balanced
-    # equal load -> the rotation moves the first choice between calls
-    firsts = {pick(d, 1, 0, 1)[0] for _ in range(4)}
-    assert firsts == set(reps)
-
-
-def test_excluded_and_down_replicas_are_skipped():
-    t = table()
-    d = Dispatcher(0, 8, torch.float32, t, retry_down_s=60)
-    a, b = t.replicas(2, 3)
-    assert set(pick(d, 2, 3, 3, exclude={a})) == {b}
-    d._mark_down(d._servers[b], "test")
-    with pytest.raises(NoLiveReplicaError) as ei:
-        pick(d, 2, 3, 1, exclude={a})
-    assert ei.value.layer == 2 and ei.value.expert == 3
-    # a down server becomes eligible again after retry_down_s
-    assert pick(d, 2, 3, 1, exclude={a}, now=d._servers[b].retry_at + 1) == [b]
+    assert a.tolist() == [[1, 1]]
+    a, _ = choose_replicas(torch.tensor([[1]]), replicas, torch.tensor([True, False, False]), start)
+    assert a.tolist() == [[NO_REPLICA]]
+    a, c = choose_replicas(torch.full((3, 2), -1), replicas, usable, start)
+    assert (a == NO_SERVER).all() and c.tolist() == [0, 0]
 
 
 def test_only_newer_tables_are_accepted():
-    d = Dispatcher(0, 8, torch.float32, table(version=3))
+    d = Dispatcher(0, 8, torch.float32, table(version=3), connect_in_background=False)
     assert d.version == 3
     assert not d.set_table(table(version=2))
     assert not d.set_table(table(version=3))
@@ -74,20 +127,30 @@ def test_only_newer_tables_are_accepted():
 
 
 def test_dispatch_without_any_live_replica_raises_fast():
-    d = Dispatcher(0, 8, torch.float32, table(), timeout=1.0)
+    d = Dispatcher(0, 8, torch.float32, table(), timeout=30.0)
     hidden = torch.randn(3, 8)
     idx = torch.tensor([[0, 1], [1, 2], [3, 0]])
     w = torch.rand(3, 2)
-    # every endpoint is a missing socket: each server is marked down as its send fails, its
-    # pairs fail over, and finally an expert runs out of replicas
-    with pytest.raises(NoLiveReplicaError):
+    # every endpoint is a missing socket: the connector marks each server down on its first
+    # attempt, and the call stops waiting for connections as soon as none is pending (long
+    # before the 30 s timeout, which would fail the test through pytest's own limits)
+    with pytest.raises(NoLiveReplicaError, match="are down"):
         d.dispatch(1, hidden, idx, w)
     assert all(s["state"] == "down" for s in d.health()["servers"].values())
+    d.close()
+
+
+def test_dispatch_of_a_layer_or_expert_not_in_the_table():
+    d = Dispatcher(0, 8, torch.float32, table(), connect_in_background=False)
+    with pytest.raises(NoLiveReplicaError, match="layer 7 is not in routing table version 1"):
+        d.dispatch(7, torch.randn(1, 8), torch.tensor([[0]]), torch.ones(1, 1))
+    with pytest.raises(NoLiveReplicaError, match="no replica of layer 1 expert 9"):
+        d.dispatch(1, torch.randn(1, 8), torch.tensor([[9]]), torch.ones(1, 1))
 
 
 def test_uncovered_experts_and_messages():
     t = table()
-    d = Dispatcher(0, 8, torch.float32, t, retry_down_s=60)
+    d = Dispatcher(0, 8, torch.float32, t, retry_down_s=60, connect_in_background=False)
     assert d.uncovered() == [] and d.health()["uncovered_experts"] == 0
     # all replicas of (2, 3) marked down -> uncovered, and the 503 message says so
     a, b = t.replicas(2, 3)
@@ -99,7 +162,7 @@ def test_uncovered_experts_and_messages():
     h = d.health()
     assert h["uncovered_experts"] == len(down) and h["uncovered"] == down[: len(h["uncovered"])]
     with pytest.raises(NoLiveReplicaError) as ei:
-        pick(d, 2, 3, 1)
+        d.dispatch(2, torch.randn(1, 8), torch.tensor([[3]]), torch.ones(1, 1))
     assert f"all replicas of layer 2 expert 3 are down: {[a, b]}" in str(ei.value)
     # a table without any replica of layer 1 expert 0: reported as such, not as "replicas [] all down"
     layers = dict(t.layers)
@@ -109,35 +172,46 @@ def test_uncovered_experts_and_messages():
         8,
         torch.float32,
         RoutingTable(version=7, num_experts=t.num_experts, servers=t.servers, layers=layers),
+        connect_in_background=False,
     )
     assert d2.uncovered() == [
         {"layer": 1, "expert": 0, "reason": "no replica in routing table version 7", "replicas": []}
     ]
+    d2._mark_down(d2._servers["s0"], "test")  # nothing pending: the call does not wait
+    d2._mark_down(d2._servers["s1"], "test")
+    d2._mark_down(d2._servers["s2"], "test")
     with pytest.raises(NoLiveReplicaError) as ei:
-        pick(d2, 1, 0, 1)
+        d2.dispatch(1, torch.randn(1, 8), torch.tensor([[0]]), torch.ones(1, 1))
     assert "no replica of layer 1 expert 0 in routing table version 7" in str(ei.value)
     assert "[]" not in str(ei.value)
 
 
 def test_reconnect_down_after_back_off():
     t = table()
-    conns = []
+    refused = []
 
     class FakeConn:
+        closed = False
+
         def close(self):
-            pass
+            self.closed = True
 
     def connect(endpoint, server_id, **kw):
-        if server_id == "s0" and not conns:
-            conns.append(server_id)
+        if server_id == "s0" and not refused:
+            refused.append(server_id)
             raise ConnectionRefusedError("still down")
         return FakeConn()
 
-    d = Dispatcher(0, 8, torch.float32, t, retry_down_s=0.0, connect=connect)
-    d._mark_down(d._servers["s0"], "test")
-    assert d.reconnect_down() == 0  # first attempt refused: stays down, back-off grows
-    assert d._servers["s0"].down and d._servers["s0"].failures == 2
-    assert d.reconnect_down() == 1
+    d = Dispatcher(
+        0, 8, torch.float32, t, retry_down_s=0.0, connect=connect, connect_in_background=False
+    )
+    # first round connects every new server; s0 is refused and marked down
+    assert d.reconnect_down() == 2
+    assert d._servers["s0"].down and d._servers["s0"].failures == 1
+    assert d.health()["servers"]["s1"]["state"] == "connected"
+    assert d.reconnect_down() == 1  # back-off of 0 s expired: s0 comes back
     assert not d._servers["s0"].down and d.health()["servers"]["s0"]["state"] == "connected"
-    # servers that are not down are left alone (no connection opened)
-    assert d.health()["servers"]["s1"]["state"] == "idle"
+    assert d.reconnect_down() == 0  # connected servers are left alone
+    conns = [s.conn for s in d._servers.values()]
+    d.close()
+    assert all(c.closed for c in conns)

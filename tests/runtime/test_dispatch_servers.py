@@ -1,0 +1,153 @@
+"""Dispatcher against real expert-server processes: results, a hung server, reconnect.
+
+Two forked servers host the same experts (every expert has two replicas); the Dispatcher talks
+to them over the shared-memory transport. A SIGSTOPped server must not block ``health()`` (what
+the attention client's GET /health returns) nor a routing-table update, its pairs must fail over
+to the other replica once the deadline passes, and it must be reconnected by the connector
+thread after SIGCONT without any traffic.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from prometheus_client import REGISTRY
+from srv_helpers import HIDDEN, reference, start_server, wait_until
+
+from eaas.runtime.client.dispatch import Dispatcher
+from eaas.runtime.routing import RoutingTable
+
+pytestmark = pytest.mark.engine
+
+LAYER = 1  # SPEC hosts layer 1 experts 0-3 on every server
+
+
+@pytest.fixture
+def two_servers(tmp_path):
+    procs = {sid: start_server(f"unix:{tmp_path}/{sid}.sock") for sid in ("s0", "s1")}
+    yield procs
+    for p in procs.values():
+        p.stop()
+
+
+def make_table(procs, version=1) -> RoutingTable:
+    sids = sorted(procs)
+    layers = {LAYER: tuple(tuple(sids) for _ in range(4)), 2: tuple(tuple(sids) for _ in range(2))}
+    return RoutingTable(
+        version=version,
+        num_experts=4,
+        servers={sid: procs[sid].endpoint for sid in sids},
+        layers=layers,
+    )
+
+
+def batch(T=8, k=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, HIDDEN, generator=g)
+    idx = torch.stack([torch.randperm(4, generator=g)[:k] for _ in range(T)])
+    idx[0, 1] = -1  # a padded slot
+    w = torch.rand(T, k, generator=g)
+    return hidden, idx, w
+
+
+def failovers() -> float:
+    return REGISTRY.get_sample_value("eaas_failovers_total") or 0.0
+
+
+def test_dispatch_matches_reference_and_spreads_over_replicas(two_servers):
+    d = Dispatcher(0, HIDDEN, torch.float32, make_table(two_servers), timeout=30.0)
+    try:
+        for seed in range(3):
+            hidden, idx, w = batch(seed=seed)
+            out = d.dispatch(LAYER, hidden, idx, w)
+            torch.testing.assert_close(out, reference(LAYER, hidden, idx, w))
+        # a bf16 caller gets bf16 back (frames travel in the dispatcher's dtype)
+        out16 = d.dispatch(LAYER, hidden.bfloat16(), idx, w)
+        assert out16.dtype == torch.bfloat16
+        h = d.health()
+        assert all(s["state"] == "connected" for s in h["servers"].values())
+        assert all(s["tokens_sent"] > 0 for s in h["servers"].values())  # both replicas used
+    finally:
+        d.close()
+
+
+def test_health_answers_while_a_server_is_hung_and_pairs_fail_over(two_servers):
+    d = Dispatcher(1, HIDDEN, torch.float32, make_table(two_servers), timeout=3.0, retry_down_s=0.2)
+    hidden, idx, w = batch(T=16)
+    ref = reference(LAYER, hidden, idx, w)
+    try:
+        torch.testing.assert_close(d.dispatch(LAYER, hidden, idx, w), ref)  # both connected
+        fo = failovers()
+        pid = two_servers["s0"].pid
+        os.kill(pid, signal.SIGSTOP)
+        result: dict = {}
+
+        def call():
+            try:
+                result["out"] = d.dispatch(LAYER, hidden, idx, w)
+            except Exception as exc:  # noqa: BLE001
+                result["error"] = exc
+
+        th = threading.Thread(target=call)
+        try:
+            th.start()
+            # health() and a table update answer while the layer call waits for the hung
+            # server (it waits up to its 3 s deadline): each returns before the call ends
+            answered_during_call = 0
+            applied_during_call = False
+            worst = 0.0
+            while th.is_alive():
+                t0 = time.perf_counter()
+                h = d.health()
+                worst = max(worst, time.perf_counter() - t0)
+                if th.is_alive():
+                    answered_during_call += 1
+                    assert h["routing_table_version"] >= 1
+                    if not applied_during_call:
+                        applied_during_call = d.set_table(make_table(two_servers, version=2))
+                        assert applied_during_call or not th.is_alive()
+                time.sleep(0.01)
+            th.join()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        print(f"worst health() latency while a server was hung: {worst * 1e3:.2f} ms")
+        assert answered_during_call > 0 and applied_during_call
+        assert "error" not in result, result.get("error")
+        torch.testing.assert_close(result["out"], ref)  # s0's pairs were re-sent to s1
+        assert failovers() > fo
+        assert d.health()["servers"]["s0"]["state"] == "down"
+        assert d.version == 2
+        # the connector thread reconnects the resumed server without any traffic
+        assert wait_until(
+            lambda: d.health()["servers"]["s0"]["state"] == "connected", timeout=60
+        ), d.health()["servers"]["s0"]
+        torch.testing.assert_close(d.dispatch(LAYER, hidden, idx, w), ref)
+    finally:
+        d.close()
+
+
+def test_killed_server_fails_over_then_recovers_by_table(two_servers, tmp_path):
+    d = Dispatcher(2, HIDDEN, torch.float32, make_table(two_servers), timeout=30.0)
+    hidden, idx, w = batch(T=12, seed=3)
+    ref = reference(LAYER, hidden, idx, w)
+    try:
+        torch.testing.assert_close(d.dispatch(LAYER, hidden, idx, w), ref)
+        two_servers["s1"].kill()
+        fo = failovers()
+        torch.testing.assert_close(d.dispatch(LAYER, hidden, idx, w), ref)
+        assert failovers() > fo  # a dead peer is noticed at once (EOF), not by the deadline
+        assert d.health()["servers"]["s1"]["state"] == "down"
+        # a new s1 at another path, announced by a newer table: used again
+        two_servers["s1"] = start_server(f"unix:{tmp_path}/s1b.sock")
+        assert d.set_table(make_table(two_servers, version=2))
+        assert wait_until(lambda: d.health()["servers"]["s1"]["state"] == "connected", timeout=60)
+        before = d.health()["servers"]["s1"]["tokens_sent"]
+        torch.testing.assert_close(d.dispatch(LAYER, hidden, idx, w), ref)
+        assert d.health()["servers"]["s1"]["tokens_sent"] > before
+    finally:
+        d.close()
