@@ -471,7 +471,9 @@ class CudaIpcClientConnection(ClientConnection):
             raise FrameError(
                 f"connection to {self.server_id}: a request is already in flight (one at a time)"
             )
-        h, ex, w = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
+        h, rows, ex, w = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
+        if rows is not None:  # the frame's tokens are hidden[rows] (dispatch gathers late)
+            h = h.index_select(0, rows.to(h.device))
         n, k = int(h.shape[0]), int(ex.shape[1])
         if n > p.cap_tokens or k > p.cap_k:
             cap_t = p.cap_tokens

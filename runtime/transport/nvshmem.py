@@ -241,7 +241,9 @@ class NvshmemClientConnection(ClientConnection):
     def send(self, frame: RequestFrame, deadline: float | None = None) -> None:
         if self._outstanding:
             raise FrameError(f"connection to {self.server_id}: a request is already in flight")
-        h, ex, w = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
+        h, rows, ex, w = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
+        if rows is not None:  # the frame's tokens are hidden[rows] (dispatch gathers late)
+            h = h.index_select(0, rows.to(h.device))
         n, k = int(h.shape[0]), int(ex.shape[1])
         spec = self.world.spec
         if n > spec.cap_tokens or k > spec.cap_k:
