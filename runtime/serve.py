@@ -122,6 +122,9 @@ class Deployment:
         dispatch_timeout: clients' per-round deadline in seconds.
         dtype: activation/weight dtype of every process.
         client_threads / server_threads: torch intra-op threads per process.
+        client_device: attention clients' ``--device`` (auto, cpu, cuda, cuda:N).
+        kv_cache_memory: attention clients' ``--kv-cache-memory`` (e.g. ``"1GiB"``; None: default).
+        max_num_batched_tokens: attention clients' ``--max-num-batched-tokens``.
     """
 
     def __init__(
@@ -138,6 +141,9 @@ class Deployment:
         dtype: str = "float32",
         client_threads: int = 1,
         server_threads: int = 1,
+        client_device: str = "auto",
+        kv_cache_memory: str | None = None,
+        max_num_batched_tokens: int = 512,
         ready_timeout: float = 300.0,
     ) -> None:
         if transport not in ("shm", "tcp"):
@@ -148,6 +154,12 @@ class Deployment:
             raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
         if not 1 <= port <= 65535:
             raise ValueError(f"--port must be in 1..65535, got {port}")
+        if kv_cache_memory is not None:
+            from eaas.runtime.client.kv_cache import parse_memory_size
+
+            parse_memory_size(kv_cache_memory)  # ValueError before any process starts
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {max_num_batched_tokens}")
         _check_port_free(host, port)
         if model_dir is None:
             from eaas.runtime.models.tiny import default_model_dir
@@ -166,6 +178,9 @@ class Deployment:
         self.dispatch_timeout = dispatch_timeout
         self.dtype = dtype
         self.client_threads, self.server_threads = client_threads, server_threads
+        self.client_device = client_device
+        self.kv_cache_memory = kv_cache_memory
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.ready_timeout = ready_timeout
         self.children: list[Child] = []
         self.run_dir: Path | None = None
@@ -235,26 +250,34 @@ class Deployment:
                 ]
                 self._spawn(Child(sid, "expert-server", argv, server_id=sid), env)
             for c in range(self.m):
-                argv = py + [
-                    "attention-client",
-                    "--model",
-                    self.model_dir,
-                    "--routing-table",
-                    str(self.table_path),
-                    "--client-id",
-                    str(c),
-                    "--host",
-                    self.host,
-                    "--port",
-                    str(self.port),
-                    "--dispatch-timeout",
-                    str(self.dispatch_timeout),
-                    "--dtype",
-                    self.dtype,
-                    "--reuse-port",
-                    "--threads",
-                    str(self.client_threads),
-                ]
+                argv = (
+                    py
+                    + [
+                        "attention-client",
+                        "--model",
+                        self.model_dir,
+                        "--routing-table",
+                        str(self.table_path),
+                        "--client-id",
+                        str(c),
+                        "--host",
+                        self.host,
+                        "--port",
+                        str(self.port),
+                        "--dispatch-timeout",
+                        str(self.dispatch_timeout),
+                        "--dtype",
+                        self.dtype,
+                        "--reuse-port",
+                        "--threads",
+                        str(self.client_threads),
+                        "--device",
+                        self.client_device,
+                        "--max-num-batched-tokens",
+                        str(self.max_num_batched_tokens),
+                    ]
+                    + (["--kv-cache-memory", self.kv_cache_memory] if self.kv_cache_memory else [])
+                )
                 self._spawn(Child(f"attention-client-{c}", "attention-client", argv), env)
             deadline = time.monotonic() + self.ready_timeout
             while not all(ch.ready for ch in self.children):

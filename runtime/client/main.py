@@ -48,6 +48,34 @@ def bind_listener(host: str, port: int, reuse_port: bool = False) -> socket.sock
     return sock
 
 
+def resolve_device(name: str):
+    """``torch.device`` for a ``--device`` value.
+
+    ``"auto"``: ``cuda`` when a CUDA device is available, else ``cpu``.
+
+    Raises:
+        ValueError: an unknown device string, or ``cuda`` asked for where none is available.
+    """
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device: {e}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: no CUDA device is available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) available"
+            )
+    return dev
+
+
 def run_attention_client(
     *,
     model_dir: str | None,
@@ -63,11 +91,21 @@ def run_attention_client(
     max_num_seqs: int = 64,
     reuse_port: bool = False,
     log_level: str = "warning",
+    device: str = "auto",
+    kv_cache_memory: str | None = None,
+    max_num_batched_tokens: int = 512,
 ) -> None:
     """Run one attention client until SIGINT/SIGTERM.
 
+    Args:
+        device: ``"auto"`` (cuda when available, else cpu), ``"cpu"``, ``"cuda"``, ``"cuda:N"``:
+            where the model and its KV cache live.
+        kv_cache_memory: KV-cache budget such as ``"2GiB"`` (``None``: the engine's default).
+        max_num_batched_tokens: tokens per forward (decode tokens + prefill chunks).
+
     Raises:
-        ValueError: neither ``routing_table`` nor ``local_experts``, or a bad ``dtype``.
+        ValueError: neither ``routing_table`` nor ``local_experts``, a bad ``dtype``, ``device``
+            or ``kv_cache_memory``, or a cache smaller than one longest sequence.
         OSError / RoutingTableError: unreadable routing table at start-up, port in use.
     """
     import torch
@@ -83,6 +121,10 @@ def run_attention_client(
     if dtype not in dtypes:
         raise ValueError(f"--dtype must be one of {sorted(dtypes)}, got {dtype!r}")
     torch_dtype = dtypes[dtype]
+    from eaas.runtime.client.kv_cache import parse_memory_size
+
+    dev = resolve_device(device)
+    kv_bytes = None if kv_cache_memory in (None, "", "auto") else parse_memory_size(kv_cache_memory)
     if threads > 0:
         torch.set_num_threads(threads)
     if model_dir is None:
@@ -92,7 +134,7 @@ def run_attention_client(
 
     dispatcher = watcher = None
     if local_experts:
-        model, tokenizer, info = load_attention_model(model_dir, torch_dtype)
+        model, tokenizer, info = load_attention_model(model_dir, torch_dtype, device=dev)
     else:
         if not routing_table:
             raise ValueError("--routing-table is required unless --local-experts is given")
@@ -104,20 +146,36 @@ def run_attention_client(
         watcher = RoutingTableWatcher(routing_table, dispatcher)
         watcher.load_now()
         model, tokenizer, info = load_attention_model(
-            model_dir, torch_dtype, experts_factory=experts_factory(dispatcher)
+            model_dir, torch_dtype, experts_factory=experts_factory(dispatcher), device=dev
         )
         watcher.start()
 
     from eaas.runtime.client.api import OpenAIServer, create_app
     from eaas.runtime.client.engine import Engine
 
-    engine = Engine(model, tokenizer, client_id=str(client_id), max_num_seqs=max_num_seqs)
+    engine = Engine(
+        model,
+        tokenizer,
+        client_id=str(client_id),
+        max_num_seqs=max_num_seqs,
+        kv_cache_memory=kv_bytes,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
     engine.start()
+    kv = engine.kv_cache_usage()
+    log.info(
+        "device %s, KV cache %d blocks x %d tokens (%.1f MiB)",
+        dev,
+        kv["blocks_total"],
+        kv["block_size"],
+        kv["bytes"] / 2**20,
+    )
 
     def health_extra() -> dict:
+        extra = {"device": str(dev), "kv_cache": engine.kv_cache_usage()}
         if dispatcher is None:
-            return {"mode": "local-experts"}
-        return {"mode": "disaggregated", **dispatcher.health()}
+            return {"mode": "local-experts", **extra}
+        return {"mode": "disaggregated", **extra, **dispatcher.health()}
 
     name = served_model_name or Path(model_dir).name
     server = OpenAIServer(
