@@ -319,3 +319,18 @@ def test_scheduler_preempts_latest_and_readmits_first():
     # b is recomputed first (prompt + its 2 generated tokens), ahead of c
     assert [(ch.seq, ch.start, ch.n) for ch in plan.chunks][0] == (sb, 0, 5)
     assert alloc.num_free + sum(len(q.block_table) for q in s.running) == 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_engine_on_cuda_equals_generate(arch, models):
+    """--device cuda: model and KV cache on the GPU, same greedy tokens as the CPU reference."""
+    model, tok, _ = load_attention_model(models[arch], torch.float32, device="cuda")
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    refs = reference_generate(models[arch], prompts, 10)
+    eng = Engine(model, tok, client_id=f"cuda-{arch}", max_num_batched_tokens=8, block_size=4)
+    assert eng.kv_cache_usage()["blocks_total"] > 0
+    reqs = _run_all(eng, prompts, [SamplingParams(max_tokens=10) for _ in prompts])
+    assert all(t.is_cuda for t in (eng.kv_cache.latent or eng.kv_cache.keys))
+    for req, ref in zip(reqs, refs, strict=True):
+        assert req.output_ids == ref
