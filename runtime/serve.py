@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -158,6 +159,10 @@ class Deployment:
             from eaas.runtime.client.kv_cache import parse_memory_size
 
             parse_memory_size(kv_cache_memory)  # ValueError before any process starts
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", client_device):
+            raise ValueError(
+                f"--client-device must be auto, cpu, cuda or cuda:N, got {client_device!r}"
+            )
         if max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {max_num_batched_tokens}")
         _check_port_free(host, port)

@@ -56,16 +56,15 @@ def resolve_device(name: str):
     Raises:
         ValueError: an unknown device string, or ``cuda`` asked for where none is available.
     """
+    import re
+
     import torch
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError as e:
-        raise ValueError(f"--device: {e}") from None
-    if dev.type not in ("cpu", "cuda"):
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
         raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    dev = torch.device(name)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"--device {name}: no CUDA device is available")

@@ -334,3 +334,28 @@ def test_engine_on_cuda_equals_generate(arch, models):
     assert all(t.is_cuda for t in (eng.kv_cache.latent or eng.kv_cache.keys))
     for req, ref in zip(reqs, refs, strict=True):
         assert req.output_ids == ref
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--kv-cache-memory", "1KiB"], "is below one sequence of"),
+        (["--kv-cache-memory", "lots"], "bad memory size 'lots'"),
+        (["--device", "tpu"], "--device must be auto, cpu, cuda"),
+    ],
+)
+def test_attention_client_rejects_bad_engine_options(args, message):
+    """Exit code 2 and one message naming the problem, before serving anything."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "eaas", "attention-client", "--local-experts", "--port", "1", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out
+    assert message in " ".join(out.split()), out
+    assert "Traceback" not in out and "ready on" not in out, out
