@@ -219,9 +219,10 @@ def run_attention_client(
         while not userver.started and not task.done():
             await asyncio.sleep(0.05)
         if userver.started:
+            mode = "local experts" if dispatcher is None else f"routing table v{dispatcher.version}"
             print(
                 f"attention-client {client_id} ready on http://{host}:{port} (model {name}, "
-                f"{'local experts' if local_experts else f'routing table v{dispatcher.version}'})",
+                f"{mode}, {dev})",
                 flush=True,
             )
         await task

@@ -56,6 +56,7 @@ class _DecodeBatch:
         if not self.seqs:
             self.layers, self.mask = list(layers), m
         else:
+            assert self.mask is not None
             cur = self.mask.shape[1]
             L = max(cur, length)
             self.layers = [
@@ -81,12 +82,14 @@ class _DecodeBatch:
         if len(rows) == len(self.seqs):
             return
         if not rows:
-            self.__init__()
+            self.seqs, self.layers, self.mask = [], [], None
+            self.lengths, self.next_tokens = [], []
             return
         idx = torch.tensor(rows, dtype=torch.long)
         self.seqs = [self.seqs[i] for i in rows]
         self.lengths = [self.lengths[i] for i in rows]
         self.next_tokens = [self.next_tokens[i] for i in rows]
+        assert self.mask is not None
         mask = self.mask.index_select(0, idx)
         trim = mask.shape[1] - max(self.lengths)
         self.mask = mask[:, trim:]
@@ -186,6 +189,7 @@ class ReferenceEngine(EngineBase):
         self.stats["max_batch"] = max(self.stats["max_batch"], len(b))
         ids = torch.tensor(b.next_tokens, dtype=torch.long).unsqueeze(1)  # [B, 1]
         pos = torch.tensor(b.lengths, dtype=torch.long).unsqueeze(1)  # [B, 1]
+        assert b.mask is not None
         mask = torch.cat([b.mask, torch.ones(len(b), 1, dtype=torch.long)], dim=1)  # [B, L+1]
         try:
             cache = DynamicCache(ddp_cache_data=b.layers)

@@ -103,13 +103,13 @@ class PagedModelRunner:
                 w_uv_t = w[:, dn:, :].transpose(1, 2).contiguous()  # (H, r, dv)
                 self._absorbed.append((w_uk, w_uv_t))
         elif mt == "qwen3_moe":
-            from transformers.models.qwen3_moe import modeling_qwen3_moe as m
+            from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-            self._rope = m.apply_rotary_pos_emb
+            self._rope = modeling_qwen3_moe.apply_rotary_pos_emb
         elif mt == "mixtral":
-            from transformers.models.mixtral import modeling_mixtral as m
+            from transformers.models.mixtral import modeling_mixtral
 
-            self._rope = m.apply_rotary_pos_emb
+            self._rope = modeling_mixtral.apply_rotary_pos_emb
         else:
             raise ValueError(f"no paged attention for model type {mt!r}")
 
