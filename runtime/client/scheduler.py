@@ -4,9 +4,10 @@ Pure bookkeeping (no tensors, no model): sequences, the waiting and running queu
 budget and the KV-cache blocks (through :class:`~eaas.runtime.client.kv_cache.BlockAllocator`).
 The policy follows vLLM's V1 scheduler (chunked prefill, recompute preemption):
 
-1. **Running sequences first**, in admission order. A sequence whose tokens are all cached but
-   the last sampled one *decodes* (1 token); a sequence still prefilling gets its next chunk
-   (``min(remaining, budget left)`` tokens). All of them go into ONE forward.
+1. **Running sequences first**, in admission order: first every sequence whose tokens are all
+   cached but the last sampled one (*decode*, 1 token), then every sequence still prefilling (its
+   next chunk, ``min(remaining, budget left)`` tokens), so a long prompt never takes the budget of
+   the decoding sequences. All of them go into ONE forward.
 2. A decode that needs a new block when none is free **preempts** the most recently admitted
    running sequence (its blocks are freed, it returns to the head of the waiting queue and is
    recomputed later: its prompt plus everything it generated is prefilled again, so generation
@@ -162,11 +163,16 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
         scheduled: set[int] = set()
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            remaining = seq.num_tokens() - seq.num_computed
-            n = min(remaining, budget)
+        # decodes first, then the prefill chunks of running sequences: a long prompt being
+        # prefilled never takes the budget of the sequences that are decoding
+        decoding = [q for q in self.running if q.num_tokens() - q.num_computed == 1]
+        prefilling = [q for q in self.running if q.num_tokens() - q.num_computed > 1]
+        for seq in decoding + prefilling:
+            if budget <= 0:
+                break
+            if seq not in self.running:  # preempted earlier in this step
+                continue
+            n = min(seq.num_tokens() - seq.num_computed, budget)
             ok = self._grow(seq, seq.num_computed + n)
             while not ok:
                 victim = self.running[-1]
@@ -178,11 +184,10 @@ class Scheduler:
                     break
                 ok = self._grow(seq, seq.num_computed + n)
             if not ok:
-                continue  # seq preempted itself; self.running[i] is now the next one
+                continue
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             scheduled.add(id(seq))
             budget -= n
-            i += 1
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]

@@ -359,3 +359,57 @@ def test_attention_client_rejects_bad_engine_options(args, message):
     assert r.returncode == 2, out
     assert message in " ".join(out.split()), out
     assert "Traceback" not in out and "ready on" not in out, out
+
+
+def _poll(cond, timeout: float = WAIT) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return bool(cond())
+        time.sleep(0.002)
+    return True
+
+
+def test_long_prompt_is_chunked_while_others_decode_and_cancels_mid_prefill(models, loaded):
+    model, tok, _ = loaded["deepseek_v3"]
+    words = " ".join(["expert server routing table attention client"] * 240)
+    ids = tok(words)["input_ids"]
+    long_a, long_b = ids[:200], ids[200:1400]
+    assert len(long_b) == 1200
+    ref = reference_generate(models["deepseek_v3"], [long_a], 2)[0]
+    eng = Engine(model, tok, client_id="chunks", max_num_batched_tokens=8)
+    eng.start()
+    try:
+        r1 = eng.submit(
+            tok("Hello")["input_ids"],
+            SamplingParams(max_tokens=2000, ignore_eos=True),
+            lambda ev: None,
+        )
+        assert _poll(lambda: len(r1.output_ids) >= 2)
+        n_before = len(r1.output_ids)
+        at_first: list[int] = []
+        r2 = eng.submit(
+            long_a,
+            SamplingParams(max_tokens=2),
+            lambda ev: at_first.append(len(r1.output_ids)) if not at_first else None,
+        )
+        assert _poll(lambda: r2.done)
+        assert r2.output_ids == ref
+        # r1 decoded in every step of r2's ~200 / 7 prefill chunks (8 tokens per step)
+        assert at_first[0] - n_before >= len(long_a) // 8, (at_first, n_before)
+        assert eng.stats["max_step_tokens"] <= 8
+        # a 1200-token prompt takes ~170 steps to prefill: cancel it as soon as it is admitted
+        r3 = eng.submit(long_b, SamplingParams(max_tokens=5), lambda ev: None)
+        assert _poll(lambda: eng.num_running == 2)
+        r3.cancel()
+        assert _poll(lambda: eng.num_running == 1)
+        assert r3.finish_reason == "cancelled" and r3.output_ids == []
+        n1 = len(r1.output_ids)
+        assert _poll(lambda: len(r1.output_ids) > n1 + 2)  # r1 still decoding
+        # only r1's blocks are left
+        assert eng.kv_cache_usage()["blocks_used"] <= -(-(1 + len(r1.output_ids) + 8) // 16)
+    finally:
+        r1.cancel()
+        eng.stop()
