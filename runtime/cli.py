@@ -159,7 +159,7 @@ def attention_client(
 
     Prints ``attention-client <id> ready on http://HOST:PORT ...`` once serving.
     """
-    from eaas.runtime.client.main import run_attention_client as _run_attention_client
+    from eaas.runtime.client.main import run_attention_client
 
     if not local_experts and not routing_table:
         raise typer.BadParameter("--routing-table is required unless --local-experts is given")
@@ -172,26 +172,23 @@ def attention_client(
         resolve_device(device)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
-    try:
-        _run_attention_client(
-            model_dir=model,
-            routing_table=routing_table,
-            client_id=client_id,
-            host=host,
-            port=port,
-            dispatch_timeout=dispatch_timeout,
-            local_experts=local_experts,
-            dtype=dtype,
-            threads=threads,
-            served_model_name=served_model_name,
-            max_num_seqs=max_num_seqs,
-            reuse_port=reuse_port,
-            device=device,
-            kv_cache_memory=kv_cache_memory,
-            max_num_batched_tokens=max_num_batched_tokens,
-        )
-    except ValueError as e:  # e.g. a KV cache smaller than one longest sequence
-        raise typer.BadParameter(str(e)) from None
+    run_attention_client(
+        model_dir=model,
+        routing_table=routing_table,
+        client_id=client_id,
+        host=host,
+        port=port,
+        dispatch_timeout=dispatch_timeout,
+        local_experts=local_experts,
+        dtype=dtype,
+        threads=threads,
+        served_model_name=served_model_name,
+        max_num_seqs=max_num_seqs,
+        reuse_port=reuse_port,
+        device=device,
+        kv_cache_memory=kv_cache_memory,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
 
 
 def serve(

@@ -255,34 +255,30 @@ class Deployment:
                 ]
                 self._spawn(Child(sid, "expert-server", argv, server_id=sid), env)
             for c in range(self.m):
-                argv = (
-                    py
-                    + [
-                        "attention-client",
-                        "--model",
-                        self.model_dir,
-                        "--routing-table",
-                        str(self.table_path),
-                        "--client-id",
-                        str(c),
-                        "--host",
-                        self.host,
-                        "--port",
-                        str(self.port),
-                        "--dispatch-timeout",
-                        str(self.dispatch_timeout),
-                        "--dtype",
-                        self.dtype,
-                        "--reuse-port",
-                        "--threads",
-                        str(self.client_threads),
-                        "--device",
-                        self.client_device,
-                        "--max-num-batched-tokens",
-                        str(self.max_num_batched_tokens),
-                    ]
-                    + (["--kv-cache-memory", self.kv_cache_memory] if self.kv_cache_memory else [])
-                )
+                argv = py + [
+                    "attention-client",
+                    "--model",
+                    self.model_dir,
+                    "--routing-table",
+                    str(self.table_path),
+                    "--client-id",
+                    str(c),
+                    "--host",
+                    self.host,
+                    "--port",
+                    str(self.port),
+                    "--dispatch-timeout",
+                    str(self.dispatch_timeout),
+                    "--dtype",
+                    self.dtype,
+                    "--reuse-port",
+                    "--threads",
+                    str(self.client_threads),
+                ]
+                argv += ["--device", self.client_device]
+                argv += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+                if self.kv_cache_memory:
+                    argv += ["--kv-cache-memory", self.kv_cache_memory]
                 self._spawn(Child(f"attention-client-{c}", "attention-client", argv), env)
             deadline = time.monotonic() + self.ready_timeout
             while not all(ch.ready for ch in self.children):

@@ -104,7 +104,8 @@ def run_attention_client(
 
     Raises:
         ValueError: neither ``routing_table`` nor ``local_experts``, a bad ``dtype``, ``device``
-            or ``kv_cache_memory``, or a cache smaller than one longest sequence.
+            or ``kv_cache_memory``.
+        typer.BadParameter: a KV cache smaller than one longest sequence (exit code 2 in the CLI).
         OSError / RoutingTableError: unreadable routing table at start-up, port in use.
     """
     import torch
@@ -152,14 +153,19 @@ def run_attention_client(
     from eaas.runtime.client.api import OpenAIServer, create_app
     from eaas.runtime.client.engine import Engine
 
-    engine = Engine(
-        model,
-        tokenizer,
-        client_id=str(client_id),
-        max_num_seqs=max_num_seqs,
-        kv_cache_memory=kv_bytes,
-        max_num_batched_tokens=max_num_batched_tokens,
-    )
+    try:
+        engine = Engine(
+            model,
+            tokenizer,
+            client_id=str(client_id),
+            max_num_seqs=max_num_seqs,
+            kv_cache_memory=kv_bytes,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+    except ValueError as e:  # e.g. a KV cache smaller than one longest sequence: usage error
+        import typer
+
+        raise typer.BadParameter(str(e)) from None
     engine.start()
     kv = engine.kv_cache_usage()
     log.info(
