@@ -544,7 +544,8 @@ class RemoteExperts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        return self.dispatcher.dispatch(self.layer_idx, hidden_states, top_k_index, top_k_weights)
+        out = self.dispatcher.dispatch(self.layer_idx, hidden_states, top_k_index, top_k_weights)
+        return out.to(hidden_states.device)  # the combine buffer is host memory
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, client_id={self.dispatcher.client_id}"
