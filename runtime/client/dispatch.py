@@ -238,6 +238,7 @@ class Dispatcher:
                 s.retry_at = now + connect_timeout + 1.0
         back = 0
         for s in due:
+            conn: ClientConnection | None
             try:
                 conn = self._connect(
                     s.endpoint,
@@ -369,8 +370,11 @@ class Dispatcher:
 
         Raises:
             NoLiveReplicaError: an expert with no usable replica outside ``exclude``.
+            RuntimeError: no routing table yet.
         """
         table = self._table
+        if table is None:
+            raise RuntimeError("no routing table loaded")
         for e, pairs in groups.items():
             try:
                 reps = table.replicas(layer, e)
@@ -489,7 +493,9 @@ class Dispatcher:
         ``sids``) of servers that failed; they are marked down.
         """
         failed: list[int] = []
-        sent: list[tuple[_Server, int, torch.Tensor, int]] = []
+        sent: list[tuple[_Server, ClientConnection, int, torch.Tensor, int]] = []
+        if self._table is None:
+            raise RuntimeError("no routing table loaded")
         version = self._table.version
         for si in torch.unique(A[pending]).tolist():
             s = self._servers[sids[si]]
@@ -506,20 +512,23 @@ class Dispatcher:
                 weights=torch.where(m, w32, 0.0).index_select(0, rows),
             )
             try:
-                self._ensure_conn(s).send(frame)
+                conn = self._ensure_conn(s)
+                conn.send(frame)
             except Exception as exc:  # noqa: BLE001  (PeerDeadError, FrameError, OSError, ...)
                 self._mark_down(s, f"send: {type(exc).__name__}: {exc}")
                 failed.append(si)
                 continue
-            sent.append((s, si, rows, s.seq))
+            sent.append((s, conn, si, rows, s.seq))
         deadline = time.monotonic() + self.timeout
-        for s, si, rows, seq in sent:
+        for s, conn, si, rows, seq in sent:
             try:
-                resp = s.conn.recv(deadline)
+                resp = conn.recv(deadline)
                 if resp.seq != seq:
                     raise RuntimeError(f"response seq {resp.seq} != request seq {seq}")
                 if resp.status != STATUS_OK:
                     raise RuntimeError(f"error status {resp.status}: {resp.message}")
+                if resp.output is None:
+                    raise RuntimeError("OK response without output")
                 out.index_add_(0, rows, resp.output.to(out.dtype))
                 s.tokens_sent += int(rows.numel())
                 s.consecutive = 0
