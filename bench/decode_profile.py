@@ -96,9 +96,7 @@ def profile_engine(kind: str, model, tok, args) -> dict:
         else 0.0,
         "sdpa": _sdpa_ct(st),
         "moe_mlp": _ct(st, [t.forward for t in mlp_types]),
-        "sampling": _ct(st, [type(eng)._sample_batch, type(eng)._sample])
-        if kind == "paged"
-        else _ct(st, [type(eng)._sample]),
+        "sampling": _ct(st, [type(eng)._sample]),
         "events": _ct(st, [type(eng)._emit]),
     }
     total = sum(_ct(st, [type(eng)._step]) for _ in [0])  # cumulative time of all profiled steps
