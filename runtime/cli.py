@@ -171,7 +171,7 @@ def attention_client(
     served_model_name: str = typer.Option(
         None, "--served-model-name", help="Model id in the API (default: directory name)."
     ),
-    max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Decode batch size cap."),
+    max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Running sequences at most."),
     routing_table_configmap: str = typer.Option(
         None,
         "--routing-table-configmap",
@@ -190,6 +190,21 @@ def attention_client(
         "--failure-report-url",
         help="POST a JSON report here when an expert server is marked down (background, bounded "
         "queue, dropped on overflow).",
+    ),
+    max_num_batched_tokens: int = typer.Option(
+        512,
+        "--max-num-batched-tokens",
+        min=1,
+        help="Tokens per forward (decode tokens + prefill chunks); longer prompts are chunked.",
+    ),
+    kv_cache_memory: str = typer.Option(
+        None,
+        "--kv-cache-memory",
+        help="Preallocated paged KV cache, e.g. 512MiB or 2GiB (default: max-num-seqs full-length "
+        "sequences, at most 4GiB; at least one full-length sequence).",
+    ),
+    device: str = typer.Option(
+        "auto", "--device", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N."
     ),
 ) -> None:
     """Run one attention client with the OpenAI-compatible API (the process a client pod runs).
@@ -214,6 +229,15 @@ def attention_client(
         raise typer.BadParameter(
             f"--failure-report-url must be http:// or https://, got {failure_report_url!r}"
         )
+    from eaas.runtime.client.kv_cache import parse_memory_size
+    from eaas.runtime.client.main import resolve_device
+
+    try:
+        if kv_cache_memory is not None:
+            parse_memory_size(kv_cache_memory)
+        resolve_device(device)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     run_attention_client(
         model_dir=model,
         routing_table=routing_table,
@@ -230,6 +254,9 @@ def attention_client(
         routing_table_configmap=routing_table_configmap,
         push_token_file=push_token_file,
         failure_report_url=failure_report_url,
+        device=device,
+        kv_cache_memory=kv_cache_memory,
+        max_num_batched_tokens=max_num_batched_tokens,
     )
     _exit_now(f"attention-client {client_id}")
 
@@ -264,6 +291,15 @@ def serve(
     server_threads: int = typer.Option(
         1, "--server-threads", help="torch threads per expert server."
     ),
+    kv_cache_memory: str = typer.Option(
+        None, "--kv-cache-memory", help="Each attention client's KV cache, e.g. 512MiB."
+    ),
+    max_num_batched_tokens: int = typer.Option(
+        512, "--max-num-batched-tokens", min=1, help="Each attention client's tokens per forward."
+    ),
+    client_device: str = typer.Option(
+        "auto", "--client-device", help="Attention clients' device: auto, cpu, cuda, cuda:N."
+    ),
 ) -> None:
     """Start a whole deployment on this machine: expert servers + attention clients."""
     from eaas.runtime.placement import PlacementError
@@ -282,6 +318,9 @@ def serve(
             dtype=dtype,
             client_threads=client_threads,
             server_threads=server_threads,
+            kv_cache_memory=kv_cache_memory,
+            max_num_batched_tokens=max_num_batched_tokens,
+            client_device=client_device,
         )
     except (PlacementError, ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from None

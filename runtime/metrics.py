@@ -13,6 +13,8 @@ Names (keep exact; dashboards and issues refer to them):
   (dispatch + combine, all servers, including failover).
 * ``eaas_failovers_total`` counter: token batches re-sent to another replica.
 * ``eaas_ttft_seconds`` / ``eaas_itl_seconds`` histograms: time to first token, inter-token latency.
+* ``eaas_kv_cache_blocks{client_id,state}`` / ``eaas_kv_cache_bytes{client_id}`` gauges and
+  ``eaas_preemptions_total{client_id}``: the attention client's paged KV cache.
 """
 
 from __future__ import annotations
@@ -76,6 +78,23 @@ RUNNING_SEQS = Gauge(
     "Sequences in the decode batch",
     ["client_id"],
     multiprocess_mode="livesum",
+)
+KV_CACHE_BLOCKS = Gauge(
+    "eaas_kv_cache_blocks",
+    "Paged KV-cache blocks of an attention client (state: total, used)",
+    ["client_id", "state"],
+    multiprocess_mode="livesum",
+)
+KV_CACHE_BYTES = Gauge(
+    "eaas_kv_cache_bytes",
+    "Preallocated KV-cache memory of an attention client",
+    ["client_id"],
+    multiprocess_mode="livesum",
+)
+PREEMPTIONS = Counter(
+    "eaas_preemptions",
+    "Sequences preempted (KV cache full; recomputed when readmitted)",
+    ["client_id"],
 )
 ROUTING_TABLE_VERSION = Gauge(
     "eaas_routing_table_version",

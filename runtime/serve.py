@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -130,6 +131,9 @@ class Deployment:
         dispatch_timeout: clients' per-round deadline in seconds.
         dtype: activation/weight dtype of every process.
         client_threads / server_threads: torch intra-op threads per process.
+        client_device: attention clients' ``--device`` (auto, cpu, cuda, cuda:N).
+        kv_cache_memory: attention clients' ``--kv-cache-memory`` (e.g. ``"1GiB"``; None: default).
+        max_num_batched_tokens: attention clients' ``--max-num-batched-tokens``.
     """
 
     def __init__(
@@ -146,6 +150,9 @@ class Deployment:
         dtype: str = "float32",
         client_threads: int = 1,
         server_threads: int = 1,
+        client_device: str = "auto",
+        kv_cache_memory: str | None = None,
+        max_num_batched_tokens: int = 512,
         ready_timeout: float = 300.0,
     ) -> None:
         if transport not in ("shm", "tcp"):
@@ -156,6 +163,16 @@ class Deployment:
             raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
         if not 1 <= port <= 65535:
             raise ValueError(f"--port must be in 1..65535, got {port}")
+        if kv_cache_memory is not None:
+            from eaas.runtime.client.kv_cache import parse_memory_size
+
+            parse_memory_size(kv_cache_memory)  # ValueError before any process starts
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", client_device):
+            raise ValueError(
+                f"--client-device must be auto, cpu, cuda or cuda:N, got {client_device!r}"
+            )
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {max_num_batched_tokens}")
         _check_port_free(host, port)
         if model_dir is None:
             from eaas.runtime.models.tiny import default_model_dir
@@ -174,6 +191,9 @@ class Deployment:
         self.dispatch_timeout = dispatch_timeout
         self.dtype = dtype
         self.client_threads, self.server_threads = client_threads, server_threads
+        self.client_device = client_device
+        self.kv_cache_memory = kv_cache_memory
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.ready_timeout = ready_timeout
         self.children: list[Child] = []
         self.run_dir: Path | None = None
@@ -279,6 +299,10 @@ class Deployment:
                     "--threads",
                     str(self.client_threads),
                 ]
+                argv += ["--device", self.client_device]
+                argv += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+                if self.kv_cache_memory:
+                    argv += ["--kv-cache-memory", self.kv_cache_memory]
                 self._spawn(Child(f"attention-client-{c}", "attention-client", argv), env)
             deadline = time.monotonic() + self.ready_timeout
             while not all(ch.ready for ch in self.children):

@@ -1,20 +1,22 @@
 """Continuous-batching generation engine of one attention client.
 
-One scheduler thread owns the model (and with it the KV caches and, through
-:class:`~eaas.runtime.client.dispatch.RemoteExperts`, the connections to the expert servers).
-API handlers talk to it only through :meth:`Engine.submit` (thread safe) and
+One scheduler thread owns the model, the paged KV cache and (through
+:class:`~eaas.runtime.client.dispatch.RemoteExperts`) the connections to the expert servers. API
+handlers talk to it only through :meth:`Engine.submit` (thread safe) and
 :meth:`GenerationRequest.cancel`.
 
-Scheduling (one iteration of the loop = one "step"):
+One iteration of the loop (a "step"):
 
-1. Admit every newly submitted request into the waiting queue; drop cancelled requests (a
-   cancelled running sequence leaves the decode batch here, i.e. within one step).
-2. Prefill at most one waiting request (its own forward over the whole prompt, batch 1) and sample
-   its first token (TTFT ends here); unless it already finished, it joins the decode batch.
-3. Decode all running sequences in ONE forward: every sequence contributes one new token; the
-   per-sequence KV caches live in one left-padded batch cache (see :class:`_DecodeBatch`) with a
-   2-D attention mask (0 on padding) and explicit per-sequence position ids, so results equal the
-   unbatched computation up to float summation order.
+1. Take newly submitted requests into the waiting queue; drop cancelled requests (waiting or
+   running: a running one leaves within one step, i.e. within one prefill chunk).
+2. Plan the step (:class:`~eaas.runtime.client.scheduler.Scheduler`): every running sequence's
+   decode token, the next chunks of prompts being prefilled, and newly admitted prompts, under a
+   token budget (``max_num_batched_tokens``) and the free KV-cache blocks; preemption (recompute)
+   when a decode finds the cache full.
+3. Run ONE forward over all of them (:class:`~eaas.runtime.models.paged.PagedModelRunner`: varlen
+   batch over the paged cache, MLA decode in the weight-absorbed form), sample the next token of
+   every sequence whose chunk reached its end (one call: :meth:`EngineBase._sample`), deliver the
+   events (:meth:`EngineBase._emit`: stops, detokenization).
 4. Sleep on the admission queue only when nothing is waiting or running.
 
 Sampling: one call per forward into :func:`eaas.runtime.client.sampling.sample` over all rows
@@ -25,16 +27,18 @@ Stops: an EOS token id of the tokenizer/model (unless ``ignore_eos``), a ``stop_
 ``max_tokens`` generated tokens, or one of the ``stop`` strings appearing in the generated text.
 Text comes from an :class:`~eaas.runtime.client.detokenizer.IncrementalDetokenizer` per request
 (each token decoded once; the stop string is cut and streamed deltas hold back any suffix that
-could still become one).
+could still become one); ``"length"`` also when the sequence reaches ``max_model_len``.
 
 Failures: an exception in a forward (e.g. :class:`NoLiveReplicaError` from the dispatcher) fails
-exactly the requests of that forward (their caches may be half-updated) with an error event; the
-engine keeps serving.
+exactly the requests of that forward with an error event (their blocks are freed); the engine
+keeps serving.
+
+:class:`~eaas.runtime.client.reference_engine.ReferenceEngine` keeps the previous engine
+(transformers' own forward over a merged left-padded cache) as an exactness oracle for tests.
 """
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 import queue
@@ -120,98 +124,25 @@ class GenerationRequest:
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
+    def num_tokens(self) -> int:
+        """Current sequence length: prompt plus generated tokens."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
 
-class _DecodeBatch:
-    """The running sequences and their merged, left-padded KV cache.
+class EngineBase:
+    """What every engine shares: the request queue, the scheduler thread, sampling and events.
 
-    Per model layer the cache holds ``(keys, values)`` shaped ``[B, heads, L, d]`` (for MLA
-    models ``heads == 1`` and ``d`` = latent widths); row ``b`` holds sequence ``b``'s
-    ``lengths[b]`` cached positions right-aligned, ``mask[b]`` (``[B, L]`` int64) is 1 on them and
-    0 on the left padding. Adding a sequence re-pads; removing one selects rows and trims columns
-    that became all padding.
-    """
-
-    def __init__(self) -> None:
-        self.seqs: list[GenerationRequest] = []
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.mask: torch.Tensor | None = None  # [B, L]
-        self.lengths: list[int] = []  # cached tokens per sequence (= next position id)
-        self.next_tokens: list[int] = []  # last sampled token per sequence (input of the next step)
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    @staticmethod
-    def _lpad(t: torch.Tensor, n: int) -> torch.Tensor:
-        if n == 0:
-            return t
-        pad = t.new_zeros(*t.shape[:-2], n, t.shape[-1])
-        return torch.cat([pad, t], dim=-2)
-
-    def add(
-        self,
-        seq: GenerationRequest,
-        layers: list[tuple[torch.Tensor, torch.Tensor]],
-        length: int,
-        token: int,
-    ) -> None:
-        """Append a prefilled sequence; ``layers`` are its ``[1, heads, length, d]`` caches."""
-        m = torch.ones(1, length, dtype=torch.long)
-        if not self.seqs:
-            self.layers, self.mask = list(layers), m
-        else:
-            cur = self.mask.shape[1]
-            L = max(cur, length)
-            self.layers = [
-                (
-                    torch.cat([self._lpad(k, L - cur), self._lpad(nk, L - length)], dim=0),
-                    torch.cat([self._lpad(v, L - cur), self._lpad(nv, L - length)], dim=0),
-                )
-                for (k, v), (nk, nv) in zip(self.layers, layers, strict=False)
-            ]
-            self.mask = torch.cat(
-                [
-                    torch.cat([self.mask.new_zeros(len(self.seqs), L - cur), self.mask], 1),
-                    torch.cat([m.new_zeros(1, L - length), m], 1),
-                ],
-                0,
-            )
-        self.seqs.append(seq)
-        self.lengths.append(length)
-        self.next_tokens.append(token)
-
-    def keep(self, rows: list[int]) -> None:
-        """Keep only ``rows`` (indices into the batch), in that order."""
-        if len(rows) == len(self.seqs):
-            return
-        if not rows:
-            self.__init__()
-            return
-        idx = torch.tensor(rows, dtype=torch.long)
-        self.seqs = [self.seqs[i] for i in rows]
-        self.lengths = [self.lengths[i] for i in rows]
-        self.next_tokens = [self.next_tokens[i] for i in rows]
-        mask = self.mask.index_select(0, idx)
-        trim = mask.shape[1] - max(self.lengths)
-        self.mask = mask[:, trim:]
-        self.layers = [
-            (k.index_select(0, idx)[..., trim:, :], v.index_select(0, idx)[..., trim:, :])
-            for k, v in self.layers
-        ]
-
-
-class Engine:
-    """Continuous-batching engine around one Hugging Face causal LM.
+    Subclasses implement :meth:`_enqueue`, :meth:`_step`, :attr:`num_running`, :attr:`num_waiting`.
 
     Args:
         model: a transformers ``*ForCausalLM`` (local experts or with ``RemoteExperts``), eval mode.
         tokenizer: its tokenizer (used for detokenization and EOS ids).
         client_id: label of this client's metrics.
-        max_num_seqs: decode batch size cap; further requests wait.
+        max_num_seqs: running sequences at most; further requests wait.
         eos_token_ids: override of the stop token ids (default: tokenizer + generation config).
     """
 
@@ -231,11 +162,7 @@ class Engine:
         self.eos_token_ids = set(
             eos_token_ids if eos_token_ids is not None else self._default_eos()
         )
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._inbox: queue.SimpleQueue[GenerationRequest | None] = queue.SimpleQueue()
-        self._waiting: list[GenerationRequest] = []
-        self._batch = _DecodeBatch()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.steps = 0
@@ -267,18 +194,22 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def _check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt must contain at least one token")
+        if params.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+
     def submit(
         self, prompt_ids: Sequence[int], params: SamplingParams, on_event: Callable[[Event], None]
     ) -> GenerationRequest:
         """Queue a request; events arrive on ``on_event`` from the scheduler thread.
 
         Raises:
-            ValueError: empty prompt or ``max_tokens < 1``.
+            ValueError: empty prompt, ``max_tokens < 1``, or a prompt longer than the engine's
+                ``max_model_len``.
         """
-        if not prompt_ids:
-            raise ValueError("prompt must contain at least one token")
-        if params.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
+        self._check(prompt_ids, params)
         req = GenerationRequest(prompt_ids=list(prompt_ids), params=params, on_event=on_event)
         self._inbox.put(req)
         return req
@@ -307,11 +238,11 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self._batch)
+        raise NotImplementedError
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        raise NotImplementedError
 
     # ---- scheduler thread ------------------------------------------------------------------
     def _loop(self) -> None:
@@ -323,106 +254,25 @@ class Engine:
                     log.exception("engine step failed")
                     time.sleep(0.05)
 
+    def _step(self) -> None:
+        raise NotImplementedError
+
+    def _enqueue(self, req: GenerationRequest) -> None:
+        raise NotImplementedError
+
     def _admit(self, block: bool) -> None:
+        """Move submitted requests into the engine's waiting queue (``block``: wait up to 0.5 s)."""
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
             if item is not None:
-                self._waiting.append(item)
+                self._enqueue(item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-
-    def _step(self) -> None:
-        self._admit(block=not self._waiting and not len(self._batch))
-        # Drop cancelled requests (waiting or running).
-        for r in [r for r in self._waiting if r.cancelled]:
-            self._waiting.remove(r)
-            r.finish_reason = "cancelled"
-            self.stats["cancelled"] += 1
-        if any(s.cancelled for s in self._batch.seqs):
-            rows = []
-            for i, s in enumerate(self._batch.seqs):
-                if s.cancelled:
-                    s.finish_reason = "cancelled"
-                else:
-                    rows.append(i)
-            self.stats["cancelled"] += len(self._batch) - len(rows)
-            self._batch.keep(rows)
-            self._running_gauge.set(len(self._batch))
-        if self._waiting and len(self._batch) < self.max_num_seqs:
-            self._prefill(self._waiting.pop(0))
-        if len(self._batch):
-            self._decode()
-        self._running_gauge.set(len(self._batch))
-        self.steps += 1
-
-    def _forward(self, input_ids, attention_mask, position_ids, cache):
-        kw = {self._cache_kw: cache}
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=1,
-            **kw,
-        )
-        return out.logits[:, -1, :].float(), cache
-
-    def _prefill(self, req: GenerationRequest) -> None:
-        from transformers import DynamicCache
-
-        n = len(req.prompt_ids)
-        self.stats["prefills"] += 1
-        ids = torch.tensor([req.prompt_ids], dtype=torch.long)
-        try:
-            logits, cache = self._forward(
-                ids,
-                torch.ones(1, n, dtype=torch.long),
-                torch.arange(n).unsqueeze(0),
-                DynamicCache(),
-            )
-            out = self._sample([req], logits)
-        except Exception as exc:  # noqa: BLE001
-            self._fail([req], exc)
-            return
-        tok = out.token_ids[0]
-        if self._emit(req, tok, out.logprobs[0], out.top_logprobs[0]):
-            return
-        layers = [(layer.keys, layer.values) for layer in cache.layers]
-        self._batch.add(req, layers, n, tok)
-
-    def _decode(self) -> None:
-        from transformers import DynamicCache
-
-        b = self._batch
-        self.stats["decode_steps"] += 1
-        self.stats["max_batch"] = max(self.stats["max_batch"], len(b))
-        ids = torch.tensor(b.next_tokens, dtype=torch.long).unsqueeze(1)  # [B, 1]
-        pos = torch.tensor(b.lengths, dtype=torch.long).unsqueeze(1)  # [B, 1]
-        mask = torch.cat([b.mask, torch.ones(len(b), 1, dtype=torch.long)], dim=1)  # [B, L+1]
-        try:
-            cache = DynamicCache(ddp_cache_data=b.layers)
-            logits, cache = self._forward(ids, mask, pos, cache)
-            out = self._sample(b.seqs, logits)
-            toks = out.token_ids
-        except Exception as exc:  # noqa: BLE001
-            self._fail(list(b.seqs), exc)
-            b.keep([])
-            return
-        b.layers = [(layer.keys, layer.values) for layer in cache.layers]
-        b.mask = mask
-        b.lengths = [n + 1 for n in b.lengths]
-        b.next_tokens = toks
-        rows = [
-            i
-            for i, (s, t) in enumerate(zip(b.seqs, toks, strict=True))
-            if not self._emit(s, t, out.logprobs[i], out.top_logprobs[i])
-        ]
-        b.keep(rows)
 
     def _fail(self, reqs: list[GenerationRequest], exc: BaseException) -> None:
         log.warning("forward failed for %d request(s): %s: %s", len(reqs), type(exc).__name__, exc)
@@ -435,7 +285,13 @@ class Engine:
                 log.exception("event callback failed")
 
     def _sample(self, reqs: list[GenerationRequest], logits: torch.Tensor) -> SampleOutput:
-        """One token per request from ``logits`` (``[B, vocab]`` float32), batched."""
+        """One token per request from ``logits`` (``[B, vocab]`` float32), batched.
+
+        Sampling runs on the CPU (its seeded generators are CPU generators, so a seeded request
+        draws the same tokens whatever the model's device): device logits are copied over.
+        """
+        if logits.device.type != "cpu":
+            logits = logits.cpu()  # (B, vocab)
         for r in reqs:
             if r._generator is None and r.params.seed is not None and r.params.temperature > 0:
                 r._generator = make_generator(r.params.seed)
@@ -454,8 +310,13 @@ class Engine:
         tok: int,
         logprob: float | None = None,
         top_logprobs: list[tuple[int, float]] | None = None,
+        at_limit: bool = False,
     ) -> bool:
-        """Record ``tok``, deliver its event; return True when ``req`` finished."""
+        """Record ``tok``, deliver its event; return True when ``req`` finished.
+
+        ``logprob`` / ``top_logprobs``: from :class:`SampleOutput` when the request asked for them.
+        ``at_limit``: the sequence cannot grow further (``max_model_len``): finish with "length".
+        """
         now = time.monotonic()
         if req.last_token_at is None:
             metrics.TTFT_SECONDS.observe(now - req.submitted_at)
@@ -478,7 +339,7 @@ class Engine:
             stop_token, stop_reason = True, tok
         elif not p.ignore_eos and tok in self.eos_token_ids:
             stop_token = True
-        length = len(req.output_ids) >= p.max_tokens
+        length = at_limit or len(req.output_ids) >= p.max_tokens
         delta, matched = req._detok.step(tok, stop_token=stop_token, final=length)
         finish = None
         if stop_token or matched is not None:
@@ -494,3 +355,174 @@ class Engine:
         except Exception:  # noqa: BLE001
             log.exception("event callback failed")
         return finish is not None
+
+
+DEFAULT_KV_CACHE_CAP = 4 * 2**30  # bytes: default cache budget at most (vLLM CPU's default space)
+
+
+def default_kv_cache_memory(bytes_per_token: int, max_model_len: int, max_num_seqs: int) -> int:
+    """Default KV-cache budget: ``max_num_seqs`` sequences of ``max_model_len`` tokens, capped at
+    :data:`DEFAULT_KV_CACHE_CAP` bytes but never below one sequence of ``max_model_len``."""
+    one = bytes_per_token * max_model_len
+    return max(one, min(one * max_num_seqs, DEFAULT_KV_CACHE_CAP))
+
+
+class Engine(EngineBase):
+    """Continuous-batching engine over a paged KV cache (see the module docstring).
+
+    Args:
+        model: a transformers DeepSeek-V3 / Qwen3-MoE / Mixtral ``*ForCausalLM`` (local experts or
+            with ``RemoteExperts``), eval mode, on its device (the cache goes there too).
+        tokenizer: its tokenizer (used for detokenization and EOS ids).
+        client_id: label of this client's metrics.
+        max_num_seqs: running sequences at most; further requests wait.
+        eos_token_ids: override of the stop token ids (default: tokenizer + generation config).
+        kv_cache_memory: KV-cache bytes (``--kv-cache-memory``); ``None``: see
+            :func:`default_kv_cache_memory`.
+        max_num_batched_tokens: tokens per forward at most (decode tokens plus prefill chunks);
+            longer prompts are prefilled in chunks.
+        block_size: tokens per KV-cache block.
+        max_model_len: longest sequence (prompt + output) in tokens; default the model's
+            ``max_position_embeddings``. The cache must hold one such sequence.
+
+    Raises:
+        ValueError: a cache budget below one ``max_model_len`` sequence (the message names the
+            minimum), or bad sizes.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        client_id: str = "0",
+        max_num_seqs: int = 64,
+        eos_token_ids: Sequence[int] | None = None,
+        kv_cache_memory: int | None = None,
+        max_num_batched_tokens: int = 512,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+    ) -> None:
+        from eaas.runtime.client.kv_cache import PagedKVCache, kv_cache_spec
+        from eaas.runtime.client.scheduler import Scheduler
+        from eaas.runtime.models.paged import PagedModelRunner
+
+        super().__init__(
+            model,
+            tokenizer,
+            client_id=client_id,
+            max_num_seqs=max_num_seqs,
+            eos_token_ids=eos_token_ids,
+        )
+        self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
+        spec = kv_cache_spec(model)
+        if kv_cache_memory is None:
+            kv_cache_memory = default_kv_cache_memory(
+                spec.bytes_per_token, self.max_model_len, max_num_seqs
+            )
+        minimum = spec.bytes_per_token * block_size * (-(-self.max_model_len // block_size))
+        if kv_cache_memory < minimum:
+            raise ValueError(
+                f"--kv-cache-memory {kv_cache_memory} B is below one sequence of max_model_len "
+                f"{self.max_model_len} tokens ({minimum} B at {spec.bytes_per_token} B per token)"
+            )
+        device = next(model.parameters()).device
+        self.kv_cache = PagedKVCache(
+            spec, kv_cache_memory, block_size=block_size, device=device, client_id=self.client_id
+        )
+        self.runner = PagedModelRunner(model, self.kv_cache)
+        self.scheduler = Scheduler(
+            self.kv_cache.allocator,
+            block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            watermark_blocks=max(1, self.kv_cache.num_blocks // 100),
+        )
+        self._arrivals = itertools.count()
+        self._preempt_counter = metrics.PREEMPTIONS.labels(client_id=self.client_id)
+        self.stats.update({"preemptions": 0, "prefill_chunks": 0, "max_step_tokens": 0})
+
+    def _check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        super()._check(prompt_ids, params)
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}"
+            )
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def kv_cache_usage(self) -> dict:
+        """``{"blocks_total", "blocks_used", "block_size", "bytes"}`` of the KV cache."""
+        return self.kv_cache.usage()
+
+    def _enqueue(self, req: GenerationRequest) -> None:
+        from eaas.runtime.client.scheduler import Sequence as Seq
+
+        self.scheduler.add(Seq(req, req.num_tokens, next(self._arrivals)))
+
+    @staticmethod
+    def _tokens(req: GenerationRequest, start: int, n: int) -> list[int]:
+        lp = len(req.prompt_ids)
+        if start + n <= lp:
+            return req.prompt_ids[start : start + n]
+        if start >= lp:
+            return req.output_ids[start - lp : start - lp + n]
+        return req.prompt_ids[start:] + req.output_ids[: start + n - lp]
+
+    def _step(self) -> None:
+        from eaas.runtime.models.paged import Chunk
+
+        sched = self.scheduler
+        self._admit(block=not sched.waiting and not sched.running)
+        for seq in [s for s in (*sched.running, *sched.waiting) if s.request.cancelled]:
+            sched.remove(seq)
+            seq.request.finish_reason = "cancelled"
+            self.stats["cancelled"] += 1
+        plan = sched.schedule()
+        if plan.preempted:
+            self.stats["preemptions"] += len(plan.preempted)
+            self._preempt_counter.inc(len(plan.preempted))
+        if not plan.chunks:
+            self._publish()
+            return
+        chunks = [
+            Chunk(self._tokens(c.seq.request, c.start, c.n), c.start, c.seq.block_table, c.samples)
+            for c in plan.chunks
+        ]
+        sampling = [c for c in plan.chunks if c.samples]
+        reqs = [c.seq.request for c in sampling]
+        try:
+            logits = self.runner.forward(chunks)  # (len(sampling), V) float32
+            out = self._sample(reqs, logits)
+        except Exception as exc:  # noqa: BLE001
+            for c in plan.chunks:
+                sched.remove(c.seq)
+            self._fail([c.seq.request for c in plan.chunks], exc)
+            self._publish()
+            return
+        sched.advance(plan)
+        st = self.stats
+        st["decode_steps"] += any(c.n == 1 and c.start > 0 for c in plan.chunks)
+        st["prefills"] += sum(1 for c in plan.chunks if c.start == 0)
+        st["prefill_chunks"] += sum(1 for c in plan.chunks if c.n > 1 or c.start == 0)
+        st["max_batch"] = max(st["max_batch"], len(plan.chunks))
+        st["max_step_tokens"] = max(st["max_step_tokens"], plan.num_tokens)
+        for i, c in enumerate(sampling):
+            at_limit = c.seq.num_tokens() + 1 >= self.max_model_len
+            tok = out.token_ids[i]
+            if self._emit(
+                c.seq.request, tok, out.logprobs[i], out.top_logprobs[i], at_limit=at_limit
+            ):
+                sched.remove(c.seq)
+        self.steps += 1
+        self._publish()
+
+    def _publish(self) -> None:
+        self._running_gauge.set(len(self.scheduler.running))
+        self.kv_cache.report()

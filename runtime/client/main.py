@@ -48,6 +48,33 @@ def bind_listener(host: str, port: int, reuse_port: bool = False) -> socket.sock
     return sock
 
 
+def resolve_device(name: str):
+    """``torch.device`` for a ``--device`` value.
+
+    ``"auto"``: ``cuda`` when a CUDA device is available, else ``cpu``.
+
+    Raises:
+        ValueError: an unknown device string, or ``cuda`` asked for where none is available.
+    """
+    import re
+
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: no CUDA device is available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) available"
+            )
+    return dev
+
+
 def run_attention_client(
     *,
     model_dir: str | None,
@@ -66,6 +93,9 @@ def run_attention_client(
     routing_table_configmap: str | None = None,
     push_token_file: str | None = None,
     failure_report_url: str | None = None,
+    device: str = "auto",
+    kv_cache_memory: str | None = None,
+    max_num_batched_tokens: int = 512,
 ) -> None:
     """Run one attention client until SIGINT/SIGTERM.
 
@@ -75,9 +105,17 @@ def run_attention_client(
     ``push_token_file`` (:mod:`.table_push`). ``failure_report_url``: where servers marked down
     are reported (:mod:`.failure_report`, same token).
 
+    Args:
+        device: ``"auto"`` (cuda when available, else cpu), ``"cpu"``, ``"cuda"``, ``"cuda:N"``:
+            where the model and its KV cache live.
+        kv_cache_memory: KV-cache budget such as ``"2GiB"`` (``None``: the engine's default).
+        max_num_batched_tokens: tokens per forward (decode tokens + prefill chunks).
+
     Raises:
         ValueError: no routing-table source and not ``local_experts``, a bad ``dtype``,
-            ``routing_table_configmap`` or ``failure_report_url``, an empty token file.
+            ``device``, ``kv_cache_memory``, ``routing_table_configmap`` or
+            ``failure_report_url``, an empty token file.
+        typer.BadParameter: a KV cache smaller than one longest sequence (exit code 2 in the CLI).
         OSError / RoutingTableError: unreadable routing table or token file at start-up, port
             in use.
     """
@@ -94,6 +132,10 @@ def run_attention_client(
     if dtype not in dtypes:
         raise ValueError(f"--dtype must be one of {sorted(dtypes)}, got {dtype!r}")
     torch_dtype = dtypes[dtype]
+    from eaas.runtime.client.kv_cache import parse_memory_size
+
+    dev = resolve_device(device)
+    kv_bytes = None if kv_cache_memory in (None, "", "auto") else parse_memory_size(kv_cache_memory)
     if threads > 0:
         torch.set_num_threads(threads)
     if model_dir is None:
@@ -110,7 +152,7 @@ def run_attention_client(
         token.get()  # a missing/empty Secret fails the start, loudly
     dispatcher = watcher = cm_watcher = reporter = None
     if local_experts:
-        model, tokenizer, info = load_attention_model(model_dir, torch_dtype)
+        model, tokenizer, info = load_attention_model(model_dir, torch_dtype, device=dev)
     else:
         if not routing_table and not routing_table_configmap:
             raise ValueError(
@@ -134,7 +176,7 @@ def run_attention_client(
             cm_watcher = ConfigMapTableWatcher(routing_table_configmap, dispatcher)
             cm_watcher.load_now()
         model, tokenizer, info = load_attention_model(
-            model_dir, torch_dtype, experts_factory=experts_factory(dispatcher)
+            model_dir, torch_dtype, experts_factory=experts_factory(dispatcher), device=dev
         )
         if watcher is not None:
             watcher.start()
@@ -144,13 +186,34 @@ def run_attention_client(
     from eaas.runtime.client.api import OpenAIServer, create_app
     from eaas.runtime.client.engine import Engine
 
-    engine = Engine(model, tokenizer, client_id=str(client_id), max_num_seqs=max_num_seqs)
+    try:
+        engine = Engine(
+            model,
+            tokenizer,
+            client_id=str(client_id),
+            max_num_seqs=max_num_seqs,
+            kv_cache_memory=kv_bytes,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+    except ValueError as e:  # e.g. a KV cache smaller than one longest sequence: usage error
+        import typer
+
+        raise typer.BadParameter(str(e)) from None
     engine.start()
+    kv = engine.kv_cache_usage()
+    log.info(
+        "device %s, KV cache %d blocks x %d tokens (%.1f MiB)",
+        dev,
+        kv["blocks_total"],
+        kv["block_size"],
+        kv["bytes"] / 2**20,
+    )
 
     def health_extra() -> dict:
+        extra = {"device": str(dev), "kv_cache": engine.kv_cache_usage()}
         if dispatcher is None:
-            return {"mode": "local-experts"}
-        out = {"mode": "disaggregated", **dispatcher.health()}
+            return {"mode": "local-experts", **extra}
+        out = {"mode": "disaggregated", **extra, **dispatcher.health()}
         if dispatcher.table is None:  # e.g. the ConfigMap does not exist yet: nothing is served
             out["uncovered_experts"] = len(info.moe_layers) * info.num_experts
             out["reason"] = "no routing table yet"
@@ -202,9 +265,10 @@ def run_attention_client(
         while not userver.started and not task.done():
             await asyncio.sleep(0.05)
         if userver.started:
+            mode = "local experts" if dispatcher is None else f"routing table v{dispatcher.version}"
             print(
                 f"attention-client {client_id} ready on http://{host}:{port} (model {name}, "
-                f"{'local experts' if local_experts else f'routing table v{dispatcher.version}'})",
+                f"{mode}, {dev})",
                 flush=True,
             )
         await task

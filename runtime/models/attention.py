@@ -90,15 +90,25 @@ def local_experts_factory(
     return factory
 
 
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """``model.model.layers`` of a transformers ``*ForCausalLM`` (the decoder layers)."""
+    layers = model.get_submodule("model.layers")
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"model.model.layers is a {type(layers).__name__}, not a ModuleList")
+    return layers
+
+
 def _moe_block(model: nn.Module, layer: int) -> nn.Module:
-    mlp = model.model.layers[layer].mlp
+    mlp = _decoder_layers(model)[layer].get_submodule("mlp")
     if not (hasattr(mlp, "experts") and hasattr(mlp, "gate")):
         raise ValueError(f"layer {layer} is not an MoE layer in this model ({type(mlp).__name__})")
     return mlp
 
 
 def _check_moe_layers(model: nn.Module, info: ModelInfo) -> None:
-    actual = tuple(i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts"))
+    actual = tuple(
+        i for i, layer in enumerate(_decoder_layers(model)) if hasattr(layer.mlp, "experts")
+    )
     if actual != info.moe_layers:
         raise ValueError(
             f"config.json implies MoE layers {info.moe_layers} but transformers built {actual} "
@@ -153,10 +163,10 @@ def load_attention_model(
             if experts_implementation is None
             else {"experts_implementation": experts_implementation}
         )
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kw)
-        _check_moe_layers(model, info)
-        model.to(device).eval()
-        return model, tokenizer, info
+        loaded: nn.Module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kw)
+        _check_moe_layers(loaded, info)
+        loaded.to(device).eval()
+        return loaded, tokenizer, info
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):

@@ -1,7 +1,7 @@
 """Engine (continuous batching) on the tiny model with local experts, against transformers' generate.
 
-No expert servers here: this isolates the scheduler, the merged left-padded KV cache, sampling,
-stops and cancellation. The disaggregated path is covered in tests/e2e.
+No expert servers here: this isolates the scheduler, the paged KV cache, sampling, stops and
+cancellation. The disaggregated path is covered in tests/e2e.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams, Token
 from eaas.runtime.models.attention import load_attention_model
 from eaas.runtime.models.reference import reference_generate
 from eaas.runtime.models.tiny import default_model_dir
+
+pytestmark = pytest.mark.engine
 
 TEXTS = [
     "Hello world",
@@ -89,18 +91,27 @@ def test_batched_greedy_equals_reference(engine, loaded, model_dir):
 
 
 def test_late_arrival_joins_running_batch(engine, loaded, model_dir):
-    """A request admitted while others decode (re-padding of the batch cache) is still exact."""
+    """A request submitted while another decodes joins its forwards (it does not wait for it to
+    finish) and both stay exact."""
     _, tok, _ = loaded
     prompts = _prompts(tok)
     refs = reference_generate(model_dir, [prompts[4], prompts[2]], 16)
     engine.start()
-    r1, _, d1 = _collect(engine, prompts[4], SamplingParams(max_tokens=16, temperature=0.0))
-    while len(r1.output_ids) < 5 and not d1.is_set():
-        time.sleep(0.005)
-    r2, _, d2 = _collect(engine, prompts[2], SamplingParams(max_tokens=16, temperature=0.0))
-    assert d1.wait(120) and d2.wait(120)
-    assert r1.output_ids == refs[0]
+    r1, _, d1 = _collect(engine, prompts[4], SamplingParams(max_tokens=48, ignore_eos=True))
+    assert _wait(lambda: len(r1.output_ids) >= 5)
+    n1_at_submit = len(r1.output_ids)
+    r2, ev2, d2 = _collect(engine, prompts[2], SamplingParams(max_tokens=16, temperature=0.0))
+    assert d2.wait(120)
+    # r1 was still decoding when r2 finished: r2 did not wait for r1 to complete
+    assert not r1.done
+    n1_at_r2_done = len(r1.output_ids)
+    assert n1_at_r2_done < 48
+    # and r1 kept producing tokens while r2 ran (they shared forwards)
+    assert n1_at_r2_done - n1_at_submit >= len(r2.output_ids) - 1
+    assert d1.wait(120)
+    assert r1.output_ids[: len(refs[0])] == refs[0]
     assert r2.output_ids == refs[1]
+    assert engine.stats["max_batch"] >= 2
 
 
 def test_stop_string_cuts_text(engine, loaded):
@@ -134,6 +145,16 @@ def test_seeded_sampling_is_reproducible(engine, loaded):
     assert a != greedy  # temperature 1.5 over 12 tokens: sampling really happened
 
 
+def _wait(cond, timeout: float = 120.0) -> bool:
+    """Poll ``cond`` until true or ``timeout`` seconds passed; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return bool(cond())
+        time.sleep(0.005)
+    return True
+
+
 def test_cancel_leaves_batch_quickly(engine, loaded):
     _, tok, _ = loaded
     engine.start()
@@ -141,24 +162,19 @@ def test_cancel_leaves_batch_quickly(engine, loaded):
     long = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
     r1, ev1, _ = _collect(engine, prompts[0], long)
     r2, ev2, _ = _collect(engine, prompts[1], long)
-    deadline = time.monotonic() + 60
-    while (len(ev1) < 3 or len(ev2) < 3) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert _wait(lambda: len(ev1) >= 3 and len(ev2) >= 3)
     assert engine.num_running == 2
-    t0 = time.monotonic()
     r1.cancel()
-    while engine.num_running != 1 and time.monotonic() - t0 < 5:
-        time.sleep(0.005)
-    assert time.monotonic() - t0 < 1.0
+    assert _wait(lambda: engine.num_running == 1)
+    n1 = len(r1.output_ids)
     assert r1.finish_reason == "cancelled"
     n2 = len(r2.output_ids)
-    time.sleep(0.3)
-    assert len(r2.output_ids) > n2  # the other sequence keeps decoding
+    assert _wait(lambda: len(r2.output_ids) >= n2 + 3)  # the other sequence keeps decoding
+    assert len(r1.output_ids) == n1  # ... and the cancelled one got nothing more meanwhile
     r2.cancel()
-    while engine.num_running and time.monotonic() - t0 < 5:
-        time.sleep(0.005)
-    assert engine.num_running == 0
+    assert _wait(lambda: engine.num_running == 0)
     assert all(isinstance(e, TokenEvent) and e.finish_reason is None for e in ev1)
+    assert engine.kv_cache_usage()["blocks_used"] == 0
 
 
 def test_submit_rejects_bad_input(engine):

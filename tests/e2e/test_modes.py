@@ -127,6 +127,8 @@ def _taken_port():
         (["--dtype", "float16"], "--dtype must be float32 or bfloat16"),
         (["--port", "70000"], "less than or equal to 65535"),
         (["--replicas", "5", "--expert-servers", "2"], "redundancy (5) cannot exceed"),
+        (["--kv-cache-memory", "lots"], "bad memory size 'lots'"),
+        (["--client-device", "tpu"], "--client-device must be auto, cpu, cuda or cuda:N"),
     ],
 )
 def test_serve_rejects_bad_options_before_starting_anything(args, message):

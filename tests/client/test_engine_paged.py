@@ -1,0 +1,415 @@
+"""Paged engine: exactness against transformers for all three architectures, with chunked and
+batched prefill and with preemption forced; the KV cache manager; the scheduler's policy.
+
+Ground truth: transformers' ``generate`` (greedy, fp32, one prompt at a time) and its forward's
+logits; the previous engine (:class:`ReferenceEngine`, transformers' forward over a merged cache)
+for seeded sampling. Local experts only (the disaggregated path is covered in tests/e2e).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from engine_models import small_mixtral, small_qwen3
+
+from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams
+from eaas.runtime.client.kv_cache import (
+    BlockAllocator,
+    PagedKVCache,
+    kv_cache_spec,
+    parse_memory_size,
+)
+from eaas.runtime.client.reference_engine import ReferenceEngine
+from eaas.runtime.client.scheduler import Scheduler, Sequence
+from eaas.runtime.models.attention import load_attention_model
+from eaas.runtime.models.paged import Chunk, PagedModelRunner
+from eaas.runtime.models.reference import reference_generate, reference_logits
+from eaas.runtime.models.tiny import default_model_dir
+
+pytestmark = pytest.mark.engine
+
+TEXTS = [
+    "Hello world",
+    "The expert server hosts a set of experts and",
+    "Kubernetes",
+    "def main(): print",
+    "A routing table maps every logical expert to its live replicas, so the client",
+]
+WAIT = 300  # s: generous, the machine is shared
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    tiny = default_model_dir()
+    return {
+        "deepseek_v3": str(tiny),
+        "qwen3_moe": str(small_qwen3(tmp_path_factory.mktemp("qwen3"), tiny)),
+        "mixtral": str(small_mixtral(tmp_path_factory.mktemp("mixtral"), tiny)),
+    }
+
+
+@pytest.fixture(scope="module")
+def loaded(models):
+    torch.set_num_threads(1)
+    return {k: load_attention_model(d, torch.float32) for k, d in models.items()}
+
+
+def _run_all(eng, prompts, params_list):
+    """Submit everything before the engine starts, wait for all; returns the requests."""
+    done = [threading.Event() for _ in prompts]
+    errors: list = []
+
+    def cb(i):
+        def f(ev):
+            if isinstance(ev, ErrorEvent):
+                errors.append(ev.error)
+                done[i].set()
+            elif ev.finish_reason is not None:
+                done[i].set()
+
+        return f
+
+    reqs = [
+        eng.submit(p, sp, cb(i)) for i, (p, sp) in enumerate(zip(prompts, params_list, strict=True))
+    ]
+    eng.start()
+    try:
+        for d in done:
+            assert d.wait(WAIT)
+    finally:
+        eng.stop()
+    assert not errors, errors
+    return reqs
+
+
+ARCHS = ["deepseek_v3", "qwen3_moe", "mixtral"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_runner_logits_match_transformers(arch, models, loaded):
+    """Chunked prefill, batched prefills, and decode (MLA: absorbed) give transformers' logits."""
+    model, _, _ = loaded[arch]
+    cache = PagedKVCache(kv_cache_spec(model), 1 << 20, block_size=4)
+    runner = PagedModelRunner(model, cache)
+    toks = [list(range(5, 28)), list(range(100, 109))]  # 23 and 9 tokens
+    ref = [reference_logits(models[arch], t) for t in toks]  # (T, V) each
+    bt = [cache.allocator.allocate(cache.blocks_for(len(t))) for t in toks]
+    # step 1: first chunk of seq 0 (10 tokens) + first 8 tokens of seq 1
+    got = runner.forward([Chunk(toks[0][:10], 0, bt[0]), Chunk(toks[1][:8], 0, bt[1])])
+    torch.testing.assert_close(got[0], ref[0][9], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1], ref[1][7], atol=1e-4, rtol=1e-4)
+    # step 2: second chunk of seq 0 together with a decode token of seq 1
+    got = runner.forward([Chunk(toks[0][10:22], 10, bt[0]), Chunk(toks[1][8:9], 8, bt[1])])
+    torch.testing.assert_close(got[0], ref[0][21], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1], ref[1][8], atol=1e-4, rtol=1e-4)
+    # step 3: decode of seq 0 alone
+    got = runner.forward([Chunk(toks[0][22:23], 22, bt[0])])
+    torch.testing.assert_close(got[0], ref[0][22], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_equals_generate_chunked_and_batched_prefill(arch, models, loaded):
+    model, tok, _ = loaded[arch]
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    max_new = [12, 7, 12, 3, 10]
+    refs = [
+        reference_generate(models[arch], [p], n)[0] for p, n in zip(prompts, max_new, strict=True)
+    ]
+    # budget of 8 tokens per step: prompts longer than that are chunked, several short prompts
+    # are prefilled in one step, and prefill chunks share forwards with decode tokens
+    eng = Engine(model, tok, client_id=f"t-{arch}", max_num_batched_tokens=8, block_size=4)
+    reqs = _run_all(eng, prompts, [SamplingParams(max_tokens=n) for n in max_new])
+    for req, ref in zip(reqs, refs, strict=True):
+        assert req.output_ids == ref
+    st = eng.stats
+    assert st["max_step_tokens"] <= 8
+    assert st["prefill_chunks"] > st["prefills"], st  # some prompt was really chunked
+    assert st["max_batch"] >= 3, st  # several sequences per forward
+    assert eng.kv_cache_usage()["blocks_used"] == 0  # every block came back
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_equals_generate_with_preemption(arch, models, loaded):
+    """A cache of exactly one longest sequence: running sequences are preempted and recomputed."""
+    model, tok, _ = loaded[arch]
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    n = 20
+    refs = reference_generate(models[arch], prompts, n)
+    spec = kv_cache_spec(model)
+    max_len = 48
+    eng = Engine(
+        model,
+        tok,
+        client_id=f"p-{arch}",
+        block_size=4,
+        max_model_len=max_len,
+        kv_cache_memory=spec.bytes_per_token * max_len,
+        max_num_batched_tokens=16,
+    )
+    reqs = _run_all(eng, prompts, [SamplingParams(max_tokens=n) for _ in prompts])
+    assert eng.stats["preemptions"] > 0, eng.stats
+    for req, ref in zip(reqs, refs, strict=True):
+        assert req.output_ids == ref
+    assert eng.kv_cache_usage()["blocks_used"] == 0
+
+
+def test_seeded_sampling_equals_reference_engine(loaded):
+    """The previous engine (transformers' forward) and the paged one draw the same tokens."""
+    model, tok, _ = loaded["deepseek_v3"]
+    prompts = [tok(t)["input_ids"] for t in TEXTS[:3]]
+    params = [
+        SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7 + i, ignore_eos=True)
+        for i in range(3)
+    ]
+    new = _run_all(Engine(model, tok, client_id="s-new"), prompts, params)
+    old = _run_all(ReferenceEngine(model, tok, client_id="s-old"), prompts, params)
+    assert [r.output_ids for r in new] == [r.output_ids for r in old]
+    assert all(len(r.output_ids) == 10 for r in new)
+
+
+def test_kv_cache_is_preallocated_and_never_copied(loaded):
+    model, tok, _ = loaded["deepseek_v3"]
+    eng = Engine(model, tok, client_id="kv", kv_cache_memory=4 << 20)
+    spec = eng.kv_cache.spec
+    assert spec.kind == "mla"
+    # MLA caches the compressed latent only: kv_lora_rank + qk_rope_head_dim per token and layer
+    cfg = model.config
+    assert spec.key_dim == cfg.kv_lora_rank + cfg.qk_rope_head_dim and spec.value_dim == 0
+    usage = eng.kv_cache_usage()
+    assert usage["bytes"] <= 4 << 20
+    assert usage["blocks_total"] == (4 << 20) // (usage["block_size"] * spec.bytes_per_token)
+    ptrs = [t.data_ptr() for t in eng.kv_cache.latent]
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    seen_used: list[int] = []
+
+    def watch(ev):
+        seen_used.append(eng.kv_cache_usage()["blocks_used"])
+
+    eng.start()
+    try:
+        reqs = [eng.submit(p, SamplingParams(max_tokens=8), watch) for p in prompts]
+        for r in reqs:
+            _wait_done(r)
+    finally:
+        eng.stop()
+    assert max(seen_used) > 0
+    assert [t.data_ptr() for t in eng.kv_cache.latent] == ptrs  # same storage throughout
+    assert eng.kv_cache_usage()["blocks_used"] == 0
+
+
+def _wait_done(req, timeout=WAIT):
+    ev = threading.Event()
+
+    def poll():
+        while not req.done and not ev.wait(0.01):
+            pass
+
+    t = threading.Thread(target=poll)
+    t.start()
+    t.join(timeout)
+    ev.set()
+    assert req.done, "request did not finish"
+
+
+def test_kv_cache_memory_below_one_sequence_is_rejected(loaded):
+    model, tok, _ = loaded["deepseek_v3"]
+    spec = kv_cache_spec(model)
+    with pytest.raises(ValueError, match="kv-cache-memory"):
+        Engine(model, tok, max_model_len=64, kv_cache_memory=spec.bytes_per_token * 48)
+    eng = Engine(model, tok, max_model_len=64, kv_cache_memory=spec.bytes_per_token * 64)
+    with pytest.raises(ValueError, match="max_model_len"):
+        eng.submit(list(range(64)), SamplingParams(), lambda ev: None)
+
+
+def test_sequence_stops_at_max_model_len(loaded):
+    model, tok, _ = loaded["deepseek_v3"]
+    spec = kv_cache_spec(model)
+    eng = Engine(
+        model, tok, max_model_len=20, block_size=4, kv_cache_memory=spec.bytes_per_token * 20
+    )
+    eng.start()
+    try:
+        req = eng.generate(list(range(3, 13)), SamplingParams(max_tokens=50, ignore_eos=True))
+    finally:
+        eng.stop()
+    assert req.finish_reason == "length"
+    assert len(req.prompt_ids) + len(req.output_ids) == 20
+
+
+def test_parse_memory_size():
+    assert parse_memory_size("512MiB") == 512 * 2**20
+    assert parse_memory_size("2GiB") == 2 * 2**30
+    assert parse_memory_size("1.5GB") == 1_500_000_000
+    assert parse_memory_size("4096") == 4096
+    for bad in ("", "-1GiB", "12 parsecs", "0"):
+        with pytest.raises(ValueError, match="memory size"):
+            parse_memory_size(bad)
+
+
+# ---- scheduler policy (pure logic) ---------------------------------------------------------
+class _Req:
+    def __init__(self, prompt: int):
+        self.prompt, self.out = prompt, 0
+
+
+def _seq(req: _Req, arrival: int) -> Sequence:
+    return Sequence(req, lambda: req.prompt + req.out, arrival)
+
+
+def _finish_step(s: Scheduler, plan) -> None:
+    s.advance(plan)
+    for c in plan.chunks:
+        if c.samples:
+            c.seq.request.out += 1
+
+
+def test_scheduler_budget_chunks_and_batched_prefills():
+    s = Scheduler(BlockAllocator(100), 4, max_num_seqs=8, max_num_batched_tokens=10)
+    a, b, c = _Req(3), _Req(4), _Req(30)
+    for i, r in enumerate((a, b, c)):
+        s.add(_seq(r, i))
+    plan = s.schedule()
+    # two whole prompts and the first 3 tokens of the long one, 10 tokens in one step
+    assert [(ch.seq.request, ch.start, ch.n) for ch in plan.chunks] == [
+        (a, 0, 3),
+        (b, 0, 4),
+        (c, 0, 3),
+    ]
+    assert [ch.samples for ch in plan.chunks] == [True, True, False]
+    _finish_step(s, plan)
+    plan = s.schedule()
+    # a and b decode while c's prompt continues in a chunk of the remaining budget
+    assert [(ch.seq.request, ch.start, ch.n) for ch in plan.chunks] == [
+        (a, 3, 1),
+        (b, 4, 1),
+        (c, 3, 8),
+    ]
+    _finish_step(s, plan)
+    for _ in range(3):
+        plan = s.schedule()
+        assert plan.num_tokens <= 10
+        assert {ch.seq.request for ch in plan.chunks if ch.n == 1} >= {a, b}  # decode never stalls
+        _finish_step(s, plan)
+    assert c.out == 1  # 3 + 8 + 8 + 8 + 3 = 30 prompt tokens, then its first token
+
+
+def test_scheduler_preempts_latest_and_readmits_first():
+    # 4 blocks of 2 tokens: a (3 tokens) and b (3 tokens) take 2 blocks each
+    alloc = BlockAllocator(4)
+    s = Scheduler(alloc, 2, max_num_seqs=4, max_num_batched_tokens=16)
+    a, b, c = _Req(3), _Req(3), _Req(2)
+    sa, sb, sc = _seq(a, 0), _seq(b, 1), _seq(c, 2)
+    for q in (sa, sb, sc):
+        s.add(q)
+    plan = s.schedule()
+    assert [ch.seq for ch in plan.chunks] == [sa, sb]  # c waits: no free block
+    _finish_step(s, plan)  # a, b: 3 cached + 1 sampled; position 3 still fits in 2 blocks
+    plan = s.schedule()
+    assert [(ch.seq, ch.n) for ch in plan.chunks] == [(sa, 1), (sb, 1)] and not plan.preempted
+    _finish_step(s, plan)  # position 4 needs a third block each; none is free
+    plan = s.schedule()
+    assert plan.preempted == [sb]  # the latest admitted gives its blocks to a
+    assert [ch.seq for ch in plan.chunks] == [sa]
+    assert list(s.waiting) == [sb, sc] and sb.num_computed == 0 and not sb.block_table
+    _finish_step(s, plan)
+    s.remove(sa)  # a finishes
+    plan = s.schedule()
+    # b is recomputed first (prompt + its 2 generated tokens), ahead of c
+    assert [(ch.seq, ch.start, ch.n) for ch in plan.chunks][0] == (sb, 0, 5)
+    assert alloc.num_free + sum(len(q.block_table) for q in s.running) == 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_engine_on_cuda_equals_generate(arch, models):
+    """--device cuda: model and KV cache on the GPU, same greedy tokens as the CPU reference."""
+    model, tok, _ = load_attention_model(models[arch], torch.float32, device="cuda")
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    refs = reference_generate(models[arch], prompts, 10)
+    eng = Engine(model, tok, client_id=f"cuda-{arch}", max_num_batched_tokens=8, block_size=4)
+    assert eng.kv_cache_usage()["blocks_total"] > 0
+    reqs = _run_all(eng, prompts, [SamplingParams(max_tokens=10) for _ in prompts])
+    assert all(t.is_cuda for t in (eng.kv_cache.latent or eng.kv_cache.keys))
+    for req, ref in zip(reqs, refs, strict=True):
+        assert req.output_ids == ref
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--kv-cache-memory", "1KiB"], "is below one sequence of"),
+        (["--kv-cache-memory", "lots"], "bad memory size 'lots'"),
+        (["--device", "tpu"], "--device must be auto, cpu, cuda"),
+    ],
+)
+def test_attention_client_rejects_bad_engine_options(args, message):
+    """Exit code 2 and one message naming the problem, before serving anything."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "eaas", "attention-client", "--local-experts", "--port", "1", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out
+    assert message in " ".join(out.split()), out
+    assert "Traceback" not in out and "ready on" not in out, out
+
+
+def _poll(cond, timeout: float = WAIT) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return bool(cond())
+        time.sleep(0.002)
+    return True
+
+
+def test_long_prompt_is_chunked_while_others_decode_and_cancels_mid_prefill(models, loaded):
+    model, tok, _ = loaded["deepseek_v3"]
+    words = " ".join(["expert server routing table attention client"] * 240)
+    ids = tok(words)["input_ids"]
+    long_a, long_b = ids[:200], ids[200:1400]
+    assert len(long_b) == 1200
+    ref = reference_generate(models["deepseek_v3"], [long_a], 2)[0]
+    eng = Engine(model, tok, client_id="chunks", max_num_batched_tokens=8)
+    eng.start()
+    try:
+        r1 = eng.submit(
+            tok("Hello")["input_ids"],
+            SamplingParams(max_tokens=2000, ignore_eos=True),
+            lambda ev: None,
+        )
+        assert _poll(lambda: len(r1.output_ids) >= 2)
+        n_before = len(r1.output_ids)
+        at_first: list[int] = []
+        r2 = eng.submit(
+            long_a,
+            SamplingParams(max_tokens=2),
+            lambda ev: at_first.append(len(r1.output_ids)) if not at_first else None,
+        )
+        assert _poll(lambda: r2.done)
+        assert r2.output_ids == ref
+        # r1 decoded in every step of r2's ~200 / 7 prefill chunks (8 tokens per step)
+        assert at_first[0] - n_before >= len(long_a) // 8, (at_first, n_before)
+        assert eng.stats["max_step_tokens"] <= 8
+        # a 1200-token prompt takes ~170 steps to prefill: cancel it as soon as it is admitted
+        r3 = eng.submit(long_b, SamplingParams(max_tokens=5), lambda ev: None)
+        assert _poll(lambda: eng.num_running == 2)
+        r3.cancel()
+        assert _poll(lambda: eng.num_running == 1)
+        assert r3.finish_reason == "cancelled" and r3.output_ids == []
+        n1 = len(r1.output_ids)
+        assert _poll(lambda: len(r1.output_ids) > n1 + 2)  # r1 still decoding
+        # only r1's blocks are left
+        assert eng.kv_cache_usage()["blocks_used"] <= -(-(1 + len(r1.output_ids) + 8) // 16)
+    finally:
+        r1.cancel()
+        eng.stop()
