@@ -371,8 +371,8 @@ def test_node_stop_makes_node_not_ready_and_start_recovers(cluster, tmp_path):
 
 def test_expert_server_runs_in_a_pod(cluster):
     """``eaas expert-server`` on the tiny model (hostPath volume at /models/tiny) in a pod on a
-    GPU process node: Ready through a tcpSocket probe on its pod IP, serving Prometheus
-    metrics there."""
+    GPU process node: Ready through an httpGet probe of its ``/health`` (weights loaded, listener
+    bound, serving loop running) on its pod IP, serving Prometheus metrics there."""
     from eaas.runtime.models.tiny import default_model_dir
 
     model = str(default_model_dir())
@@ -392,7 +392,7 @@ def test_expert_server_runs_in_a_pod(cluster):
                         "$(POD_NAME)",
                         "--listen",
                         "tcp://0.0.0.0:9000",
-                        "--metrics-port",
+                        "--http-port",
                         "9100",
                     ],
                     "env": [
@@ -405,7 +405,10 @@ def test_expert_server_runs_in_a_pod(cluster):
                     "volumeMounts": [
                         {"name": "model", "mountPath": "/models/tiny", "readOnly": True}
                     ],
-                    "readinessProbe": {"tcpSocket": {"port": 9000}, "periodSeconds": 1},
+                    "readinessProbe": {
+                        "httpGet": {"path": "/health", "port": 9100},
+                        "periodSeconds": 1,
+                    },
                 }
             ],
             nodeSelector={"eaas.io/rdma": "true"},

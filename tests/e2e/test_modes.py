@@ -138,6 +138,8 @@ def test_serve_rejects_bad_options_before_starting_anything(args, message):
     held = _taken_port()
     try:
         args = [str(held.getsockname()[1]) if a == "TAKEN" else a for a in args]
+        if "--port" not in args:  # not the default 8000, which a user's serve may hold
+            args += ["--port", str(free_port())]
         r = subprocess.run(
             [sys.executable, "-m", "eaas", "serve", *args],
             capture_output=True,

@@ -87,7 +87,9 @@ def deployment(model_dir, tmp_path_factory):
     client = subprocess.Popen(
         [sys.executable, "-m", "eaas", "attention-client", "--model", model_dir]
         + ["--client-id", str(CLIENT_ID), "--port", str(port), "--served-model-name", "tiny"]
-        + ["--routing-table", str(d / "rt.json"), "--failure-report-url", receiver.url],
+        + ["--routing-table", str(d / "rt.json"), "--failure-report-url", receiver.url]
+        # only a real death marks a server down here (a loaded machine may miss 5 s deadlines)
+        + ["--dispatch-timeout", "120"],
         stdout=subprocess.PIPE,
         stderr=log,
         env=dict(env, EAAS_PUSH_TOKEN_FILE=str(d / "token")),  # the env form of --push-token-file
