@@ -17,7 +17,16 @@ Split by concern (this module re-exports them all):
 
 from __future__ import annotations
 
-from eaas.operator.fleet import client_command, fleet_deployment, fleet_service, fleet_status
+from eaas.operator.fleet import (
+    ack_summary,
+    client_command,
+    client_rbac,
+    fleet_deployment,
+    fleet_service,
+    fleet_status,
+    new_push_token,
+    push_secret,
+)
 from eaas.operator.names import (
     CLIENT_ROLE,
     GPU_RESOURCE,
@@ -75,7 +84,11 @@ __all__ = [
     "Owner",
     "PodPlan",
     "build_routing_table",
+    "ack_summary",
     "client_command",
+    "client_rbac",
+    "new_push_token",
+    "push_secret",
     "client_labels",
     "compute_placement",
     "content_hash",

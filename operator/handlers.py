@@ -23,6 +23,7 @@ in annotations (``eaas.io/…``), never in ``status`` (the structural schema wou
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import concurrent.futures
 import datetime as _dt
@@ -56,6 +57,9 @@ from eaas.operator.desired import (
     TABLE_KEY,
     ObservedPod,
     Owner,
+    ack_summary,
+    client_labels,
+    client_rbac,
     compute_placement,
     configmap_too_large,
     desired_server_pods,
@@ -64,16 +68,21 @@ from eaas.operator.desired import (
     fleet_service,
     fleet_status,
     invalid_spec_status,
+    new_push_token,
     next_routing_table,
     parse_expert_load,
     placement_revision,
     plan_pods,
     pool_status,
+    push_secret,
     routing_table_configmap,
     selector_string,
     server_labels,
     table_configmap_name,
 )
+from eaas.operator.names import PUSH_TOKEN_KEY, push_secret_name
+from eaas.operator.overlay import OverlayError
+from eaas.operator.push import ObservedClient, clients_to_push, push_all
 from eaas.runtime.placement import LayerExpert, Placement, PlacementError, auto_slots
 from eaas.runtime.routing import RoutingTable, RoutingTableError
 
@@ -98,6 +107,14 @@ class OperatorState:
         node_ready: node name -> its Ready condition is True (from the node watch).
         node_labels: node name -> its labels (from the node watch; failure domains).
         placements: bounded cache of computed placements (key: spec, pods' experts, load).
+        report_base_url: the operator's failure-report address as clients reach it (env
+            ``EAAS_OPERATOR_REPORT_URL``, e.g. ``http://eaas-operator.eaas-system.svc:8081``;
+            empty: clients get no ``--failure-report-url``).
+        tokens: ``(namespace, fleet, fleet uid)`` -> the fleet's push token (from its Secret).
+        acks: ``(namespace, fleet)`` -> client pod uid -> newest routing-table version it
+            acknowledged (lost on restart: the next push's 409 tells it again).
+        fleet_acks: ``(namespace, pool)`` -> fleet -> acknowledged versions of its Ready
+            clients (for the pool's status).
     """
 
     resync_s: float = 2.0
@@ -106,13 +123,21 @@ class OperatorState:
     node_ready: dict[str, bool] = field(default_factory=dict)
     node_labels: dict[str, dict[str, str]] = field(default_factory=dict)
     placements: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+    report_base_url: str = ""
+    tokens: dict[tuple[str, str, str], str] = field(default_factory=dict)
+    acks: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
+    fleet_acks: dict[tuple[str, str], dict[str, list[int]]] = field(default_factory=dict)
     _api: k8s.ApiClient | None = None
     _pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> OperatorState:
-        """State with settings from the environment (``EAAS_OPERATOR_RESYNC_S``)."""
-        return cls(resync_s=float(env.get("EAAS_OPERATOR_RESYNC_S", "2.0")))
+        """State with settings from the environment (``EAAS_OPERATOR_RESYNC_S``,
+        ``EAAS_OPERATOR_REPORT_URL``)."""
+        return cls(
+            resync_s=float(env.get("EAAS_OPERATOR_RESYNC_S", "2.0")),
+            report_base_url=env.get("EAAS_OPERATOR_REPORT_URL", ""),
+        )
 
     def api(self) -> k8s.ApiClient:
         """Kubernetes ApiClient from the in-cluster config or the current kubeconfig (built on
@@ -432,14 +457,14 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
         spec = ExpertPoolSpec.model_validate(body["spec"])
         load = _read_load(core, body, spec, logger)
         placement = state.placement(spec, observed, load)
-    except (ValidationError, PlacementError) as exc:
+        revision = placement_revision(spec)
+        desired = desired_server_pods(owner, spec, placement, revision)
+    except (ValidationError, PlacementError, OverlayError) as exc:
         status = invalid_spec_status(
             owner, str(exc).splitlines()[0], old_conditions, _now(), old_status
         )
         _write_status(custom, namespace, name, old_status, status)
         return
-    revision = placement_revision(spec)
-    desired = desired_server_pods(owner, spec, placement, revision)
     plan = plan_pods(desired, observed, max_unavailable=max(1, spec.redundancy - 1))
 
     def create(manifest: dict[str, Any]) -> None:
@@ -512,6 +537,8 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
             if (value := labels.get(spec.placement.topology_key))
         },
     )
+    client_acks = [v for acks in state.fleet_acks.get((namespace, name), {}).values() for v in acks]
+    status.update(clients=len(client_acks), **ack_summary(client_acks, table.version))
     if _write_status(custom, namespace, name, old_status, status):
         was = {c.get("type"): c.get("status") for c in old_conditions}
         now = {c["type"]: c for c in status["conditions"]}
@@ -599,6 +626,9 @@ def _publish_table(
         ]  # optimistic concurrency
         written = _raw(core.replace_namespaced_config_map, cm_name, owner.namespace, manifest)
     state.tables[(owner.namespace, cm_name)] = (written["metadata"]["resourceVersion"], table)
+    for kind, ns, fleet in list(state.wakeups):  # push the new version to the clients now
+        if kind == "fleet" and ns == owner.namespace:
+            state.wake(kind, ns, fleet)
     _event(
         body,
         "RoutingTablePublished",
@@ -652,11 +682,18 @@ async def fleet_daemon(
 
 
 def reconcile_fleet(state: OperatorState, namespace: str, name: str, logger: kopf.Logger) -> None:
-    """One reconcile step of AttentionFleet ``namespace/name``: apply its Deployment and Service,
-    then write the status (clients' readiness, the pool's routing-table version)."""
+    """One reconcile step of AttentionFleet ``namespace/name``.
+
+    Ensures its push-token Secret (made once, random), the clients' ServiceAccount/Role/
+    RoleBinding, Deployment and Service; pushes the pool's current routing table to every Ready
+    client that has not acknowledged it (:mod:`eaas.operator.push`); writes the status
+    (readiness, the table version, acknowledgements) and hands the acknowledgements to the
+    pool's status.
+    """
     custom = k8s.CustomObjectsApi(state.api())
     core = k8s.CoreV1Api(state.api())
     apps = k8s.AppsV1Api(state.api())
+    rbac = k8s.RbacAuthorizationV1Api(state.api())
     body = _get_live(custom, namespace, FLEETS, name)
     if body is None:
         return
@@ -675,8 +712,38 @@ def reconcile_fleet(state: OperatorState, namespace: str, name: str, logger: kop
     except ValidationError:
         pool = None
 
+    token = _ensure_push_token(state, core, owner)
+    for manifest in client_rbac(owner, pool_name):
+        kind, n = manifest["kind"], manifest["metadata"]["name"]
+        if kind == "ServiceAccount":
+            _apply(
+                manifest,
+                read=lambda n=n: core.read_namespaced_service_account(n, namespace),
+                create=lambda m: core.create_namespaced_service_account(namespace, m),
+                patch=lambda m, n=n: core.patch_namespaced_service_account(n, namespace, m),
+            )
+        elif kind == "Role":
+            _apply(
+                manifest,
+                read=lambda n=n: rbac.read_namespaced_role(n, namespace),
+                create=lambda m: rbac.create_namespaced_role(namespace, m),
+                patch=lambda m, n=n: rbac.patch_namespaced_role(n, namespace, m),
+            )
+        else:
+            _apply(
+                manifest,
+                read=lambda n=n: rbac.read_namespaced_role_binding(n, namespace),
+                create=lambda m: rbac.create_namespaced_role_binding(namespace, m),
+                patch=lambda m, n=n: rbac.patch_namespaced_role_binding(n, namespace, m),
+            )
+    try:
+        deployment = fleet_deployment(owner, spec, pool, state.report_base_url or None)
+    except OverlayError as exc:
+        _event(body, "InvalidSpec", str(exc), warning=True)
+        logger.warning("fleet %s/%s: %s", namespace, name, exc)
+        return
     dep = _apply(
-        fleet_deployment(owner, spec, pool),
+        deployment,
         read=lambda: apps.read_namespaced_deployment(name, namespace),
         create=lambda m: apps.create_namespaced_deployment(namespace, m),
         patch=lambda m: apps.patch_namespaced_deployment(name, namespace, m),
@@ -687,14 +754,37 @@ def reconcile_fleet(state: OperatorState, namespace: str, name: str, logger: kop
         create=lambda m: core.create_namespaced_service(namespace, m),
         patch=lambda m: core.patch_namespaced_service(name, namespace, m),
     )
-    table_version = 0
+    table_version, table_json = 0, ""
     try:
-        cm = core.read_namespaced_config_map(table_configmap_name(pool_name), namespace)
-        annotations = (cm.metadata.annotations if cm.metadata else None) or {}
+        cm = _raw(core.read_namespaced_config_map, table_configmap_name(pool_name), namespace)
+        annotations = cm["metadata"].get("annotations") or {}
         table_version = int(annotations.get(ANNOTATION_TABLE_VERSION, "0") or 0)
+        table_json = (cm.get("data") or {}).get(TABLE_KEY, "")
     except ApiException as exc:
         if exc.status != 404:
             raise
+
+    clients = [
+        ObservedClient.from_pod(p)
+        for p in _raw(
+            core.list_namespaced_pod, namespace, label_selector=selector_string(client_labels(name))
+        )["items"]
+    ]
+    acks = state.acks.setdefault((namespace, name), {})
+    for uid in set(acks) - {c.uid for c in clients}:
+        del acks[uid]  # pod gone
+    todo = clients_to_push(clients, acks, table_version) if table_json else []
+    if todo:
+        failures = push_all(todo, spec.port, table_json, token, acks, state.executor())
+        for pod_name, why in failures.items():
+            logger.info("push of table %d to %s not acknowledged: %s", table_version, pod_name, why)
+    ready = [c for c in clients if c.ready and c.ip]
+    acked = [acks.get(c.uid, 0) for c in ready]
+    previous = state.fleet_acks.get((namespace, pool_name), {}).get(name)
+    state.fleet_acks.setdefault((namespace, pool_name), {})[name] = acked
+    if previous != acked:
+        state.wake("pool", namespace, pool_name)
+
     old_status = body.get("status") or {}
     status = fleet_status(
         owner=owner,
@@ -704,8 +794,38 @@ def reconcile_fleet(state: OperatorState, namespace: str, name: str, logger: kop
         table_version=table_version,
         old_conditions=old_status.get("conditions") or [],
         now=_now(),
+        acknowledged=acked,
     )
     _write_status(custom, namespace, name, old_status, status, plural=FLEETS)
+
+
+def _ensure_push_token(state: OperatorState, core: k8s.CoreV1Api, owner: Owner) -> str:
+    """The fleet's push token from its Secret, creating the Secret (random token) when missing.
+    Cached per Secret resourceVersion is not needed: the token never changes once made, so it
+    is cached per fleet uid."""
+    key = (owner.namespace, owner.name, owner.uid)
+    hit = state.tokens.get(key)
+    if hit:
+        return hit
+    name = push_secret_name(owner.name)
+    try:
+        secret = _raw(core.read_namespaced_secret, name, owner.namespace)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        try:
+            _raw(
+                core.create_namespaced_secret, owner.namespace, push_secret(owner, new_push_token())
+            )
+        except ApiException as exc2:
+            if exc2.status != 409:
+                raise
+        secret = _raw(core.read_namespaced_secret, name, owner.namespace)
+    token = base64.b64decode((secret.get("data") or {}).get(PUSH_TOKEN_KEY, "")).decode().strip()
+    if not token:
+        raise kopf.TemporaryError(f"Secret {name} has no {PUSH_TOKEN_KEY!r}", delay=5)
+    state.tokens[key] = token
+    return token
 
 
 def _apply(manifest: dict[str, Any], *, read: Any, create: Any, patch: Any) -> Any:

@@ -561,8 +561,12 @@ def test_dead_node_leaves_the_routing_table(ns, operator):
         (lambda s: s.pop("model"), "spec.model"),
         (lambda s: s["model"].pop("uri"), "spec.model.uri"),
         (
-            lambda s: s["model"].update(topK=64),
-            "spec.model.topK must not exceed spec.model.numExperts",
+            lambda s: s["model"].update(hostPath="/srv", persistentVolumeClaim="w"),
+            "give at most one of hostPath and persistentVolumeClaim",
+        ),
+        (
+            lambda s: s["model"].update(hostPath="/srv"),
+            "uri must be relative to the volume's root",
         ),
         (lambda s: s.update(redundancy=0), "spec.redundancy"),
         (lambda s: s.update(port=70000), "spec.port"),
@@ -574,7 +578,8 @@ def test_dead_node_leaves_the_routing_table(ns, operator):
         "policy",
         "noModel",
         "noUri",
-        "topK",
+        "twoSources",
+        "absoluteUriInVolume",
         "redundancy0",
         "port",
     ],
@@ -660,14 +665,23 @@ def test_attention_fleet(ns, operator):
         "attention-client",
         "--model",
         "/models/tiny",
-        "--routing-table",
-        "/etc/eaas/routing-table.json",
-        "--port",
-        "8000",
+        "--routing-table-configmap",
+        f"{ns}/tiny-routing-table",
+        "--push-token-file",
+        "/var/run/secrets/eaas.io/push-token/token",
     ]
-    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/etc/eaas")
-    vol = next(v for v in pod_spec["volumes"] if v["name"] == mount["name"])
-    assert vol["configMap"]["name"] == "tiny-routing-table"
+    assert pod_spec["serviceAccountName"] == "tiny-clients-client"
+    vol = next(v for v in pod_spec["volumes"] if v["name"] == "push-token")
+    assert vol["secret"]["secretName"] == "tiny-clients-push-token"
+    secret = wait_for(
+        "push token", lambda: get("secret", "tiny-clients-push-token", ns), timeout=30
+    )
+    assert len(secret["data"]["token"]) >= 40
+    role = get("role", "tiny-clients-client", ns)
+    assert role["rules"][0]["resourceNames"] == ["tiny-routing-table"]
+    assert get("rolebinding", "tiny-clients-client", ns)["subjects"][0]["name"] == (
+        "tiny-clients-client"
+    )
     assert dep["spec"]["replicas"] == 2
     svc = get("service", "tiny-clients", ns)
     assert svc["spec"]["ports"][0]["port"] == 8000

@@ -43,8 +43,6 @@ def make_spec(**over):
             "firstMoeLayer": 1,
             "numMoeLayers": 3,
             "numExperts": 32,
-            "topK": 4,
-            "hiddenSize": 256,
         },
         "replicas": 4,
     }
@@ -86,8 +84,16 @@ def test_server_pod_shape():
         "--server-id": "tiny-2",
         "--experts": meta["annotations"][ANNOTATION_EXPERTS],
         "--listen": "tcp://0.0.0.0:9000",
+        "--http-port": "9001",
     }
     assert parse_expert_spec(flags["--experts"]) == list(placement.servers[2])
+    # /health of the serving loop is the startup, readiness AND liveness probe (a SIGSTOPped
+    # server keeps accepting TCP connections; only the loop's heartbeat shows it is hung)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": 9001}, probe
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 300
+    assert "env" not in c  # no env var nothing reads
+    assert "volumes" not in pod["spec"]  # weights in the image
     for part in ("requests", "limits"):
         assert c["resources"][part]["nvidia.com/gpu"] == "2"
         assert c["resources"][part]["rdma/ib"] == "1"
@@ -174,8 +180,6 @@ def test_deepseek_v3_on_40_servers():
                 "firstMoeLayer": 3,
                 "numMoeLayers": 58,
                 "numExperts": 256,
-                "topK": 8,
-                "hiddenSize": 7168,
             },
             "replicas": 40,
             "redundancy": 2,
@@ -379,8 +383,6 @@ BIG_MODEL = {
     "firstMoeLayer": 1,
     "numMoeLayers": 3,
     "numExperts": 256,
-    "topK": 8,
-    "hiddenSize": 256,
 }
 
 
@@ -557,8 +559,10 @@ def test_fleet_deployment_and_service():
         "attention-client",
         "--model",
         "/models/tiny",
-        "--routing-table",
-        "/etc/eaas/routing-table.json",
+        "--routing-table-configmap",
+        "ns/tiny-routing-table",
+        "--push-token-file",
+        "/var/run/secrets/eaas.io/push-token/token",
         "--port",
         "8000",
         "--host",
@@ -566,9 +570,24 @@ def test_fleet_deployment_and_service():
         "--dispatch-timeout",
         "0.5",
     ]
-    assert c["volumeMounts"][0]["mountPath"] == "/etc/eaas"
-    vol = dep["spec"]["template"]["spec"]["volumes"][0]
-    assert vol["configMap"]["name"] == "tiny-routing-table"
+    assert "env" not in c
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
+    pod_spec = dep["spec"]["template"]["spec"]
+    assert pod_spec["serviceAccountName"] == "clients-client"
+    (vol,) = pod_spec["volumes"]  # no ConfigMap mount: the table comes through the API
+    assert vol["secret"]["secretName"] == "clients-push-token"
+    assert c["volumeMounts"] == [
+        {
+            "name": "push-token",
+            "mountPath": "/var/run/secrets/eaas.io/push-token",
+            "readOnly": True,
+        }
+    ]
+    with_reports = fleet_deployment(owner, spec, make_spec(), "http://op.eaas:8081/")
+    cmd = with_reports["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[cmd.index("--failure-report-url") + 1] == (
+        "http://op.eaas:8081/v1/failure-reports/ns/clients"
+    )
     assert dep["spec"]["replicas"] == 3
     assert dep["metadata"]["ownerReferences"][0]["uid"] == "fu"
     assert (
