@@ -80,6 +80,7 @@ from eaas.operator.desired import (
     server_labels,
     table_configmap_name,
 )
+from eaas.operator.leader import LeaderElector, LeaseSettings
 from eaas.operator.names import PUSH_TOKEN_KEY, push_secret_name
 from eaas.operator.overlay import OverlayError
 from eaas.operator.push import ObservedClient, clients_to_push, push_all
@@ -115,6 +116,9 @@ class OperatorState:
             acknowledged (lost on restart: the next push's 409 tells it again).
         fleet_acks: ``(namespace, pool)`` -> fleet -> acknowledged versions of its Ready
             clients (for the pool's status).
+        elector: the Lease election (:mod:`eaas.operator.leader`); None: act unconditionally
+            (only for tests of single steps).
+        loop: kopf's event loop (to wake daemons from other threads).
     """
 
     resync_s: float = 2.0
@@ -127,6 +131,8 @@ class OperatorState:
     tokens: dict[tuple[str, str, str], str] = field(default_factory=dict)
     acks: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
     fleet_acks: dict[tuple[str, str], dict[str, list[int]]] = field(default_factory=dict)
+    elector: LeaderElector | None = None
+    loop: asyncio.AbstractEventLoop | None = None
     _api: k8s.ApiClient | None = None
     _pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -157,6 +163,17 @@ class OperatorState:
                 max_workers=8, thread_name_prefix="eaas-create"
             )
         return self._pool
+
+    def is_leader(self) -> bool:
+        """Whether this process may act (holds the Lease, or runs without an election)."""
+        return self.elector is None or self.elector.is_leader()
+
+    def wake_all(self) -> None:
+        """Wake every daemon (from any thread): e.g. on becoming the leader."""
+        if self.loop is None:
+            return
+        for key in list(self.wakeups):
+            self.loop.call_soon_threadsafe(self.wake, *key)
 
     def wake_event(self, kind: str, namespace: str, name: str) -> asyncio.Event:
         return self.wakeups.setdefault((kind, namespace, name), asyncio.Event())
@@ -259,7 +276,8 @@ async def _loop(
     try:
         while not stopped:
             try:
-                await asyncio.to_thread(step, state, namespace, name, logger)
+                if state.is_leader():  # a standby operator watches but never acts
+                    await asyncio.to_thread(step, state, namespace, name, logger)
             except ApiException as exc:
                 if exc.status == 409:
                     logger.debug("conflict during reconcile of %s/%s; retrying", namespace, name)
@@ -286,10 +304,11 @@ async def _loop(
 # settings
 # ---------------------------------------------------------------------------------------------
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     """Operator-wide kopf settings (annotation-based persistence, standalone, quick watches) and
     the operator's in-memory state in the root ``memo``."""
-    memo.eaas = OperatorState.from_env()
+    state = memo.eaas = OperatorState.from_env()
+    # one operator acts: our own Lease election (kopf peering freezes equal-priority peers)
     settings.peering.standalone = True
     settings.posting.level = logging.INFO  # only explicit kopf.info/warn calls post Events
     settings.watching.server_timeout = int(os.environ.get("EAAS_OPERATOR_WATCH_TIMEOUT_S", "60"))
@@ -302,7 +321,22 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     )
     settings.execution.max_workers = 32
     settings.background.cancellation_polling = 1
-    memo.eaas.api()
+    state.api()
+    state.loop = asyncio.get_running_loop()
+
+    def on_change(leader: bool) -> None:
+        if leader:
+            state.wake_all()
+
+    state.elector = LeaderElector(LeaseSettings.from_env(), state.api(), on_change).start()
+
+
+@kopf.on.cleanup()
+def release_lease(memo: Any, **_: Any) -> None:
+    """On shutdown, free the Lease so a standby takes over at once."""
+    state = getattr(memo, "eaas", None)
+    if state is not None and state.elector is not None:
+        state.elector.stop(release=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,9 +358,10 @@ async def pool_spec_changed(
                 f"({spec.replicas})"
             )
     except (ValidationError, PlacementError) as exc:
-        kopf.warn(body, reason="InvalidSpec", message=str(exc).splitlines()[0])
+        if _state(memo).is_leader():
+            kopf.warn(body, reason="InvalidSpec", message=str(exc).splitlines()[0])
     else:
-        if reason != "resume":
+        if reason != "resume" and _state(memo).is_leader():
             slots = max(
                 spec.placement.slots_per_server,
                 auto_slots(spec.model.num_experts, spec.redundancy, spec.replicas),

@@ -131,8 +131,9 @@ def converged(ns: str, name: str) -> dict | None:
 class Operator:
     """``eaas operator`` as a child process; logs go to ``log_path``."""
 
-    def __init__(self, log_path: Path):
+    def __init__(self, log_path: Path, env: dict[str, str] | None = None):
         self.log_path = log_path
+        self.extra_env = env or {}
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -142,7 +143,14 @@ class Operator:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        env = {**os.environ, "EAAS_OPERATOR_RESYNC_S": "1", "EAAS_OPERATOR_WATCH_TIMEOUT_S": "30"}
+        env = {
+            **os.environ,
+            "EAAS_OPERATOR_RESYNC_S": "1",
+            "EAAS_OPERATOR_WATCH_TIMEOUT_S": "30",
+            # a SIGKILLed operator's successor waits out the Lease: keep that short in tests
+            "EAAS_OPERATOR_LEASE_DURATION_S": "3",
+            **self.extra_env,
+        }
         self.proc = subprocess.Popen(
             [
                 sys.executable,
