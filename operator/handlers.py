@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import kopf
+from aiohttp import web
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.rest import ApiException
@@ -81,6 +82,13 @@ from eaas.operator.desired import (
     table_configmap_name,
 )
 from eaas.operator.leader import LeaderElector, LeaseSettings
+from eaas.operator.monitor import (
+    MAX_REPORT_BYTES,
+    bearer_ok,
+    health_url,
+    parse_report,
+    probe_health,
+)
 from eaas.operator.names import PUSH_TOKEN_KEY, push_secret_name
 from eaas.operator.overlay import OverlayError
 from eaas.operator.push import ObservedClient, clients_to_push, push_all
@@ -116,6 +124,12 @@ class OperatorState:
             acknowledged (lost on restart: the next push's 409 tells it again).
         fleet_acks: ``(namespace, pool)`` -> fleet -> acknowledged versions of its Ready
             clients (for the pool's status).
+        report_listen: ``HOST:PORT`` of the failure-report endpoint (env
+            ``EAAS_OPERATOR_REPORT_LISTEN``; empty: not served).
+        suspects: ``(namespace, pool)`` -> pod name -> pod uid of expert servers a client
+            reported and the operator's own probe confirmed down: left out of the routing
+            table until a probe answers again or the pod is replaced.
+        report_tokens: ``(namespace, fleet)`` -> push token (to check failure reports).
         elector: the Lease election (:mod:`eaas.operator.leader`); None: act unconditionally
             (only for tests of single steps).
         loop: kopf's event loop (to wake daemons from other threads).
@@ -131,7 +145,11 @@ class OperatorState:
     tokens: dict[tuple[str, str, str], str] = field(default_factory=dict)
     acks: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
     fleet_acks: dict[tuple[str, str], dict[str, list[int]]] = field(default_factory=dict)
+    report_listen: str = ""
+    suspects: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
+    report_tokens: dict[tuple[str, str], str] = field(default_factory=dict)
     elector: LeaderElector | None = None
+    report_runner: Any = None
     loop: asyncio.AbstractEventLoop | None = None
     _api: k8s.ApiClient | None = None
     _pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -139,10 +157,11 @@ class OperatorState:
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> OperatorState:
         """State with settings from the environment (``EAAS_OPERATOR_RESYNC_S``,
-        ``EAAS_OPERATOR_REPORT_URL``)."""
+        ``EAAS_OPERATOR_REPORT_URL``, ``EAAS_OPERATOR_REPORT_LISTEN``)."""
         return cls(
             resync_s=float(env.get("EAAS_OPERATOR_RESYNC_S", "2.0")),
             report_base_url=env.get("EAAS_OPERATOR_REPORT_URL", ""),
+            report_listen=env.get("EAAS_OPERATOR_REPORT_LISTEN", ""),
         )
 
     def api(self) -> k8s.ApiClient:
@@ -329,14 +348,116 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
             state.wake_all()
 
     state.elector = LeaderElector(LeaseSettings.from_env(), state.api(), on_change).start()
+    if state.report_listen:
+        state.report_runner = await _start_report_server(state)
+
+
+async def _start_report_server(state: OperatorState) -> web.AppRunner:
+    """Serve ``POST /v1/failure-reports/{namespace}/{fleet}`` on ``state.report_listen``.
+
+    Raises:
+        ValueError: ``EAAS_OPERATOR_REPORT_LISTEN`` is not ``HOST:PORT``.
+    """
+    host, sep, port = state.report_listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(
+            f"EAAS_OPERATOR_REPORT_LISTEN must be HOST:PORT, got {state.report_listen!r}"
+        )
+    app = web.Application(client_max_size=MAX_REPORT_BYTES)
+
+    async def handle(request: web.Request) -> web.Response:
+        return await failure_report(state, request)
+
+    app.router.add_post("/v1/failure-reports/{namespace}/{fleet}", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host or "0.0.0.0", int(port)).start()
+    log.info("failure reports served on http://%s/v1/failure-reports/NS/FLEET", state.report_listen)
+    return runner
+
+
+def _report_token(state: OperatorState, namespace: str, fleet: str, fresh: bool) -> str:
+    """The fleet's push token ("" when its Secret does not exist); cached unless ``fresh``."""
+    key = (namespace, fleet)
+    if not fresh and key in state.report_tokens:
+        return state.report_tokens[key]
+    core = k8s.CoreV1Api(state.api())
+    try:
+        secret = _raw(core.read_namespaced_secret, push_secret_name(fleet), namespace)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        return ""
+    token = base64.b64decode((secret.get("data") or {}).get(PUSH_TOKEN_KEY, "")).decode().strip()
+    state.report_tokens[key] = token
+    return token
+
+
+async def failure_report(state: OperatorState, request: web.Request) -> web.Response:
+    """One client's failure report (see :mod:`eaas.operator.monitor` for the answers): check the
+    token, parse, find the pod, probe its ``/health``; if the probe fails too, mark it suspect
+    and wake its pool (the next table leaves it out)."""
+    namespace, fleet = request.match_info["namespace"], request.match_info["fleet"]
+    if not state.is_leader():
+        return web.json_response({"error": "standby operator; report to the leader"}, status=503)
+    auth = request.headers.get("Authorization")
+    token = await asyncio.to_thread(_report_token, state, namespace, fleet, False)
+    if not bearer_ok(auth, token):
+        token = await asyncio.to_thread(_report_token, state, namespace, fleet, True)
+        if not bearer_ok(auth, token):
+            return web.json_response(
+                {"error": "missing or wrong bearer token"},
+                status=401,
+                headers={"WWW-Authenticate": 'Bearer realm="eaas"'},
+            )
+    try:
+        report = parse_report(await request.read())
+    except ValueError as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+    core = k8s.CoreV1Api(state.api())
+    try:
+        pod = await asyncio.to_thread(_raw, core.read_namespaced_pod, report.server_id, namespace)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        return web.json_response({"action": "ignored", "reason": "no such pod"})
+    url = health_url(pod)
+    pool = ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_POOL, "")
+    if url is None or not pool:
+        return web.json_response(
+            {"action": "ignored", "reason": "not an expert server with an IP and an http port"}
+        )
+    if await asyncio.to_thread(probe_health, url):
+        log.info(
+            "client %s of %s/%s reported %s (%s); its /health answers: kept",
+            report.client_id,
+            namespace,
+            fleet,
+            report.server_id,
+            report.reason,
+        )
+        return web.json_response({"action": "kept"})
+    state.suspects.setdefault((namespace, pool), {})[report.server_id] = pod["metadata"]["uid"]
+    log.warning(
+        "client %s of %s/%s reported %s (%s); confirmed by probe: leaving the routing table",
+        report.client_id,
+        namespace,
+        fleet,
+        report.server_id,
+        report.reason,
+    )
+    state.wake("pool", namespace, pool)
+    return web.json_response({"action": "removed"})
 
 
 @kopf.on.cleanup()
-def release_lease(memo: Any, **_: Any) -> None:
+async def release_lease(memo: Any, **_: Any) -> None:
     """On shutdown, free the Lease so a standby takes over at once."""
     state = getattr(memo, "eaas", None)
     if state is not None and state.elector is not None:
         state.elector.stop(release=True)
+    if state is not None and state.report_runner is not None:
+        await state.report_runner.cleanup()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -552,7 +673,8 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
                 raise
 
     deleted = {n for n, _, _ in plan.delete}
-    live = [p for p in observed if p.live and p.name not in deleted]
+    down = _confirmed_down(state, namespace, name, pods, logger)
+    live = [p for p in observed if p.live and p.name not in deleted and p.name not in down]
     table, table_error = _publish_table(state, core, body, owner, spec, live, old_status, logger)
 
     status = pool_status(
@@ -585,6 +707,32 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
             and now["Degraded"]["reason"] == "ExpertsUncovered"
         ):
             _event(body, "ExpertsUncovered", now["Degraded"]["message"], warning=True)
+
+
+def _confirmed_down(
+    state: OperatorState,
+    namespace: str,
+    pool: str,
+    pods: list[dict[str, Any]],
+    logger: kopf.Logger,
+) -> set[str]:
+    """Names of the pool's pods that a client reported and the operator's probe confirmed down,
+    re-probed now: a pod whose ``/health`` answers again, or that was replaced (new uid) or is
+    gone, is forgotten."""
+    suspects = state.suspects.get((namespace, pool))
+    if not suspects:
+        return set()
+    by_name = {p["metadata"]["name"]: p for p in pods}
+    for pod_name, uid in list(suspects.items()):
+        pod = by_name.get(pod_name)
+        if pod is None or pod["metadata"].get("uid") != uid:
+            del suspects[pod_name]
+            continue
+        url = health_url(pod)
+        if url is not None and probe_health(url):
+            logger.info("reported server %s answers its probe again: back in the table", pod_name)
+            del suspects[pod_name]
+    return set(suspects)
 
 
 def _read_load(
