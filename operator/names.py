@@ -27,7 +27,7 @@ TABLE_KEY = "routing-table.json"
 LOAD_KEY = "expert-load.json"
 TABLE_MOUNT_DIR = "/etc/eaas"
 PUSH_TOKEN_KEY = "token"
-PUSH_TOKEN_MOUNT_DIR = "/var/run/secrets/eaas.io/push-token"
+PUSH_TOKEN_MOUNT_DIR = "/etc/eaas/push-token"
 GPU_RESOURCE = "nvidia.com/gpu"
 MANAGED_BY = "eaas-operator"
 

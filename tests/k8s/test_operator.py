@@ -676,7 +676,7 @@ def test_attention_fleet(ns, operator):
         "--routing-table-configmap",
         f"{ns}/tiny-routing-table",
         "--push-token-file",
-        "/var/run/secrets/eaas.io/push-token/token",
+        "/etc/eaas/push-token/token",
     ]
     assert pod_spec["serviceAccountName"] == "tiny-clients-client"
     vol = next(v for v in pod_spec["volumes"] if v["name"] == "push-token")

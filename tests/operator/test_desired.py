@@ -562,7 +562,7 @@ def test_fleet_deployment_and_service():
         "--routing-table-configmap",
         "ns/tiny-routing-table",
         "--push-token-file",
-        "/var/run/secrets/eaas.io/push-token/token",
+        "/etc/eaas/push-token/token",
         "--port",
         "8000",
         "--host",
@@ -579,7 +579,7 @@ def test_fleet_deployment_and_service():
     assert c["volumeMounts"] == [
         {
             "name": "push-token",
-            "mountPath": "/var/run/secrets/eaas.io/push-token",
+            "mountPath": "/etc/eaas/push-token",
             "readOnly": True,
         }
     ]
