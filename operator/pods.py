@@ -322,7 +322,9 @@ def plan_pods(
 
     * missing desired pods are created at once (adding a server never hurts coverage);
     * Failed/Succeeded pods are deleted at once (they serve nothing) and recreated next step;
-    * outdated pods (spec hash differs, e.g. their experts changed), then excess pods (index
+    * outdated pods that are not live (not Ready, hung, on a dead node) are deleted at once:
+      they serve nothing, so a hung pod never blocks a re-placement;
+    * outdated live pods (spec hash differs, e.g. their experts changed), then excess pods (index
       beyond ``replicas``), are deleted one by one, only while fewer than ``max_unavailable`` desired
       servers are unavailable, and only if every (layer, expert) that is live now stays live on
       the remaining Ready pods. If that blocks all progress while every desired server is
@@ -382,6 +384,10 @@ def plan_pods(
     ordered = sorted(candidates, key=lambda p: p.index) + excess_live
     for pod in ordered:
         is_excess = pod.name not in desired
+        if not pod.live:  # serves nothing: replacing it costs no availability, never wait on it
+            plan.delete.append((pod.name, pod.uid, "outdated"))
+            removed.add(pod.name)
+            continue
         if not is_excess and budget <= 0:
             continue
         if not safe_without(pod):

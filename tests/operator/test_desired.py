@@ -243,6 +243,23 @@ def test_plan_replaces_failed_and_waits_for_terminating():
     assert plan.waiting == ["tiny-2"]
 
 
+def test_plan_never_waits_on_a_hung_outdated_pod():
+    """Issue 6 item 6: a not-ready pod (hung, SIGSTOPped) must not block a re-placement. Two
+    outdated pods (image change), one of them not Ready: with room for one unavailable server,
+    the hung one is replaced at once and does not use up the budget of the healthy one."""
+    spec = make_spec()
+    _, old = desired_for(make_spec(image="old:1"))
+    obs = observed_from(old)
+    obs[1] = ObservedPod(**{**obs[1].__dict__, "ready": False})  # hung: Running, not Ready
+    _, new = desired_for(spec)
+    plan = plan_pods(new, obs, max_unavailable=1)
+    deleted = {n for n, _, _ in plan.delete}
+    assert "tiny-1" in deleted
+    assert not plan.forced
+    # the healthy outdated pods wait for the hung one's replacement (budget used by tiny-1)
+    assert deleted == {"tiny-1"}
+
+
 def test_plan_relabels_unchanged_pods_after_revision_change():
     spec = make_spec(replicas=4, redundancy=1)
     _, pods = desired_for(spec)
@@ -629,7 +646,13 @@ def test_pods_on_a_dead_node_leave_the_table():
         "metadata": {
             "name": "tiny-0",
             "labels": {"eaas.io/server-index": "0"},
-            "annotations": {ANNOTATION_EXPERTS: "1:0-3"},
+            "annotations": {
+                ANNOTATION_EXPERTS: "1:0-3",
+                # up to date: only the dead node makes it unusable
+                ANNOTATION_SPEC_HASH: pods["tiny-0"]["metadata"]["annotations"][
+                    ANNOTATION_SPEC_HASH
+                ],
+            },
         },
         "spec": {"nodeName": "gpu-node-1"},
         "status": {
