@@ -779,3 +779,40 @@ def test_helm_chart(testbed, crds):
         kubectl("apply", "--dry-run=server", "-n", "eaas-helm-test", "-f", "-", input=r.stdout)
     finally:
         kubectl("delete", "namespace", "eaas-helm-test", "--wait=false", check=False)
+
+
+def test_pod_template_overlay_and_model_volume(ns, operator):
+    """spec.model.hostPath and spec.podTemplate reach the real pods; an overlay key
+    the operator cannot apply gives status Degraded/InvalidSpec naming the field, and no pod."""
+    overlay = {
+        "metadata": {"labels": {"team": "ml"}},
+        "spec": {
+            "imagePullSecrets": [{"name": "regcred"}],
+            "containers": [{"name": "expert-server", "env": [{"name": "X", "value": "1"}]}],
+        },
+    }
+    m = pool_manifest("ovl", replicas=2, podTemplate=overlay)
+    m["spec"]["model"].update(hostPath="/srv/models", uri="tiny")
+    apply(m, ns)
+    got = wait_for("overlay pool Ready", lambda: converged(ns, "ovl"), timeout=90)
+    for p in got["pods"]:
+        assert p["metadata"]["labels"]["team"] == "ml"
+        assert p["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+        c = p["spec"]["containers"][0]
+        assert {"name": "X", "value": "1"} in c["env"]
+        assert c["command"][c["command"].index("--model") + 1] == "/models/tiny"
+        vol = next(v for v in p["spec"]["volumes"] if v["name"] == "model")
+        assert vol["hostPath"] == {"path": "/srv/models", "type": "Directory"}
+        assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+
+    bad = pool_manifest("badovl", replicas=2, podTemplate={"spec": {"hostNetwork": True}})
+    apply(bad, ns)
+
+    def invalid():
+        st = (get("expertpool", "badovl", ns) or {}).get("status") or {}
+        deg = next((c for c in st.get("conditions", []) if c["type"] == "Degraded"), None)
+        return deg if deg and deg["reason"] == "InvalidSpec" else None
+
+    deg = wait_for("InvalidSpec status", invalid, timeout=60)
+    assert "spec.podTemplate.spec.hostNetwork" in deg["message"]
+    assert pods(ns, "badovl") == []
