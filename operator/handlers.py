@@ -30,6 +30,7 @@ import datetime as _dt
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -96,6 +97,8 @@ from eaas.runtime.placement import LayerExpert, Placement, PlacementError, auto_
 from eaas.runtime.routing import RoutingTable, RoutingTableError
 
 POOLS = "expertpools"
+#: How often a fleet's ServiceAccount/Role/RoleBinding are re-read to repair them (s).
+RBAC_RECHECK_S = 60.0
 FLEETS = "attentionfleets"
 
 log = logging.getLogger("eaas.operator")
@@ -130,6 +133,8 @@ class OperatorState:
             reported and the operator's own probe confirmed down: left out of the routing
             table until a probe answers again or the pod is replaced.
         report_tokens: ``(namespace, fleet)`` -> push token (to check failure reports).
+        applied: ``(namespace, kind, name, spec hash)`` -> when the clients' RBAC object was last
+            applied (re-checked every :data:`RBAC_RECHECK_S`).
         elector: the Lease election (:mod:`eaas.operator.leader`); None: act unconditionally
             (only for tests of single steps).
         loop: kopf's event loop (to wake daemons from other threads).
@@ -146,6 +151,7 @@ class OperatorState:
     acks: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
     fleet_acks: dict[tuple[str, str], dict[str, list[int]]] = field(default_factory=dict)
     report_listen: str = ""
+    applied: dict[tuple[str, str, str, str], float] = field(default_factory=dict)
     suspects: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
     report_tokens: dict[tuple[str, str], str] = field(default_factory=dict)
     elector: LeaderElector | None = None
@@ -898,6 +904,9 @@ def reconcile_fleet(state: OperatorState, namespace: str, name: str, logger: kop
     token = _ensure_push_token(state, core, owner)
     for manifest in client_rbac(owner, pool_name):
         kind, n = manifest["kind"], manifest["metadata"]["name"]
+        key = (namespace, kind, n, manifest["metadata"]["annotations"][ANNOTATION_SPEC_HASH])
+        if time.monotonic() - state.applied.get(key, -1e18) < RBAC_RECHECK_S:
+            continue  # applied recently: save three GETs per fleet per resync
         if kind == "ServiceAccount":
             _apply(
                 manifest,
@@ -919,6 +928,7 @@ def reconcile_fleet(state: OperatorState, namespace: str, name: str, logger: kop
                 create=lambda m: rbac.create_namespaced_role_binding(namespace, m),
                 patch=lambda m, n=n: rbac.patch_namespaced_role_binding(n, namespace, m),
             )
+        state.applied[key] = time.monotonic()
     try:
         deployment = fleet_deployment(owner, spec, pool, state.report_base_url or None)
     except OverlayError as exc:
