@@ -6,7 +6,10 @@ SIGKILLed the standby takes over and finishes the next change."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
+import urllib.error
+import urllib.request
 import uuid
 from collections import Counter
 
@@ -69,8 +72,19 @@ class VersionWatch:
 
 
 def test_two_operators_exactly_one_acts(testbed, crds, tmp_path):  # noqa: F811
+    ports = {}
+    for name in ("op-a", "op-b"):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports[name] = sock.getsockname()[1]
     ops = {
-        name: Operator(tmp_path / f"{name}.log", env={"EAAS_OPERATOR_ID": name})
+        name: Operator(
+            tmp_path / f"{name}.log",
+            env={
+                "EAAS_OPERATOR_ID": name,
+                "EAAS_OPERATOR_REPORT_LISTEN": f"127.0.0.1:{ports[name]}",
+            },
+        )
         for name in ("op-a", "op-b")
     }
     for op in ops.values():
@@ -90,6 +104,15 @@ def test_two_operators_exactly_one_acts(testbed, crds, tmp_path):  # noqa: F811
             standby = next(n for n in ops if n != leader)
             assert "acquired leadership" in ops[leader].log_path.read_text()
             assert "acquired leadership" not in ops[standby].log_path.read_text()
+            # a standby does not act on failure reports either
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{ports[standby]}/v1/failure-reports/{ns}/f",
+                data=b"{}",
+                method="POST",
+            )
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(req, timeout=30)
+            assert err.value.code == 503
 
             # the leader dies: the standby takes over and acts on the next change
             ops[leader].kill()
