@@ -133,6 +133,8 @@ class OperatorState:
             reported and the operator's own probe confirmed down: left out of the routing
             table until a probe answers again or the pod is replaced.
         report_tokens: ``(namespace, fleet)`` -> push token (to check failure reports).
+        reported: ``(namespace, pool)`` -> messages of confirmed failure reports, posted as
+            ``ServerUnreachable`` Warning events by the pool's next reconcile step.
         applied: ``(namespace, kind, name, spec hash)`` -> when the clients' RBAC object was last
             applied (re-checked every :data:`RBAC_RECHECK_S`).
         elector: the Lease election (:mod:`eaas.operator.leader`); None: act unconditionally
@@ -152,6 +154,7 @@ class OperatorState:
     fleet_acks: dict[tuple[str, str], dict[str, list[int]]] = field(default_factory=dict)
     report_listen: str = ""
     applied: dict[tuple[str, str, str, str], float] = field(default_factory=dict)
+    reported: dict[tuple[str, str], list[str]] = field(default_factory=dict)
     suspects: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
     report_tokens: dict[tuple[str, str], str] = field(default_factory=dict)
     elector: LeaderElector | None = None
@@ -453,6 +456,11 @@ async def failure_report(state: OperatorState, request: web.Request) -> web.Resp
         report.reason,
     )
     state.wake("pool", namespace, pool)
+    # posted by the pool's reconcile step (kopf posts Events from its handlers' context)
+    state.reported.setdefault((namespace, pool), []).append(
+        f"{report.server_id}: reported by client {report.client_id} of {fleet} "
+        f"({report.reason}); its /health probe failed too: leaving the routing table"
+    )
     return web.json_response({"action": "removed"})
 
 
@@ -679,6 +687,8 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
                 raise
 
     deleted = {n for n, _, _ in plan.delete}
+    for message in state.reported.pop((namespace, name), []):
+        _event(body, "ServerUnreachable", message, warning=True)
     down = _confirmed_down(state, namespace, name, pods, logger)
     live = [p for p in observed if p.live and p.name not in deleted and p.name not in down]
     table, table_error = _publish_table(state, core, body, owner, spec, live, old_status, logger)
