@@ -1,8 +1,9 @@
 """Push and acknowledge, operator side (issue 6, item 4; DESIGN.md "Routing-table life cycle").
 
 Each new routing-table version is PUT to every Ready attention-client pod of every fleet that
-uses the pool (:func:`eaas.runtime.client.table_push.push_routing_table`, bearer token from the
-fleet's Secret). A client's answer is its acknowledgement: ``200`` names the version it applied;
+uses the pool (``PUT /routing-table``, the protocol of :mod:`eaas.runtime.client.table_push`,
+bearer token from the fleet's Secret; :func:`put_table` speaks it with the standard library
+because that module imports fastapi, which the operator image does not carry). A client's answer is its acknowledgement: ``200`` names the version it applied;
 ``409`` (stale) names the version it already holds (it got it from its ConfigMap watch). The
 operator keeps, per client pod uid, the newest version acknowledged; a pod below the current
 version is pushed again on the next reconcile step (every resync), so a missed push is retried
@@ -15,17 +16,66 @@ are pure; :func:`push_all` does the I/O on a thread pool.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
+import urllib.error
+import urllib.request
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-from eaas.runtime.client.table_push import PushResult, push_routing_table
 
 log = logging.getLogger("eaas.operator.push")
 
 #: Connect + read timeout of one push (s): a client applies a table within one MoE layer call.
 PUSH_TIMEOUT_S = 3.0
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """A client's answer to a push: HTTP ``status`` and the versions in the answer (the fields
+    of :class:`eaas.runtime.client.table_push.PushResult`)."""
+
+    status: int
+    acknowledged_version: int | None  # set on 200
+    applied_version: int | None  # set on 409: the version the client holds
+    message: str
+
+
+def put_table(base_url: str, table_json: str, token: str, timeout_s: float) -> PushResult:
+    """``PUT <base_url>/routing-table`` with the bearer token.
+
+    Returns:
+        :class:`PushResult` for any HTTP answer.
+
+    Raises:
+        OSError: the client is unreachable (refused, timed out).
+    """
+    req = urllib.request.Request(
+        base_url.rstrip("/") + "/routing-table",
+        data=table_json.encode(),
+        method="PUT",
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = {}
+    if not isinstance(body, dict):
+        body = {}
+    err = body.get("error")
+    if not isinstance(err, dict):
+        err = {}
+    return PushResult(
+        status,
+        body.get("acknowledged_version"),
+        body.get("applied_version"),
+        str(err.get("message", "")),
+    )
 
 
 @dataclass(frozen=True)
@@ -104,7 +154,7 @@ def push_all(
 
     def one(c: ObservedClient) -> tuple[ObservedClient, PushResult | None, str]:
         try:
-            return c, push_routing_table(f"http://{c.ip}:{port}", table_json, token, timeout_s), ""
+            return c, put_table(f"http://{c.ip}:{port}", table_json, token, timeout_s), ""
         except OSError as exc:
             return c, None, f"unreachable: {exc}"
 
