@@ -97,6 +97,8 @@ from eaas.runtime.placement import LayerExpert, Placement, PlacementError, auto_
 from eaas.runtime.routing import RoutingTable, RoutingTableError
 
 POOLS = "expertpools"
+#: A server confirmed down is re-probed (to bring it back) only after this many seconds (s).
+SUSPECT_REPROBE_S = 3.0
 #: How often a fleet's ServiceAccount/Role/RoleBinding are re-read to repair them (s).
 RBAC_RECHECK_S = 60.0
 FLEETS = "attentionfleets"
@@ -129,9 +131,10 @@ class OperatorState:
             clients (for the pool's status).
         report_listen: ``HOST:PORT`` of the failure-report endpoint (env
             ``EAAS_OPERATOR_REPORT_LISTEN``; empty: not served).
-        suspects: ``(namespace, pool)`` -> pod name -> pod uid of expert servers a client
-            reported and the operator's own probe confirmed down: left out of the routing
-            table until a probe answers again or the pod is replaced.
+        suspects: ``(namespace, pool)`` -> pod name -> ``(pod uid, monotonic time of the
+            confirming probe)`` of expert servers a client reported and the operator's own
+            probe confirmed down: left out of the routing table until a probe answers again or
+            the pod is replaced.
         report_tokens: ``(namespace, fleet)`` -> push token (to check failure reports).
         reported: ``(namespace, pool)`` -> messages of confirmed failure reports, posted as
             ``ServerUnreachable`` Warning events by the pool's next reconcile step.
@@ -155,7 +158,7 @@ class OperatorState:
     report_listen: str = ""
     applied: dict[tuple[str, str, str, str], float] = field(default_factory=dict)
     reported: dict[tuple[str, str], list[str]] = field(default_factory=dict)
-    suspects: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
+    suspects: dict[tuple[str, str], dict[str, tuple[str, float]]] = field(default_factory=dict)
     report_tokens: dict[tuple[str, str], str] = field(default_factory=dict)
     elector: LeaderElector | None = None
     report_runner: Any = None
@@ -446,7 +449,10 @@ async def failure_report(state: OperatorState, request: web.Request) -> web.Resp
             report.reason,
         )
         return web.json_response({"action": "kept"})
-    state.suspects.setdefault((namespace, pool), {})[report.server_id] = pod["metadata"]["uid"]
+    state.suspects.setdefault((namespace, pool), {})[report.server_id] = (
+        pod["metadata"]["uid"],
+        time.monotonic(),
+    )
     log.warning(
         "client %s of %s/%s reported %s (%s); confirmed by probe: leaving the routing table",
         report.client_id,
@@ -739,11 +745,13 @@ def _confirmed_down(
     if not suspects:
         return set()
     by_name = {p["metadata"]["name"]: p for p in pods}
-    for pod_name, uid in list(suspects.items()):
+    for pod_name, (uid, confirmed_at) in list(suspects.items()):
         pod = by_name.get(pod_name)
         if pod is None or pod["metadata"].get("uid") != uid:
             del suspects[pod_name]
             continue
+        if time.monotonic() - confirmed_at < SUSPECT_REPROBE_S:
+            continue  # just confirmed: publish the table without it first
         url = health_url(pod)
         if url is not None and probe_health(url):
             logger.info("reported server %s answers its probe again: back in the table", pod_name)
