@@ -25,7 +25,12 @@ def run_operator(
     """Run the EaaS operator (kopf) against the in-cluster config or the current kubeconfig.
 
     Reconciles ExpertPool (expert-server pods, routing-table ConfigMap) and AttentionFleet
-    (Deployment + Service). Same as ``kopf run -m eaas.operator.handlers --all-namespaces``.
+    (Deployment, Service, push-token Secret, clients' RBAC; pushes each table version to the
+    clients). Several may run: they elect a leader on the Lease ``eaas-operator`` and only it
+    acts (``EAAS_OPERATOR_LEASE_DURATION_S``, ``EAAS_OPERATOR_LEASE_NAMESPACE``,
+    ``EAAS_OPERATOR_ID``). ``EAAS_OPERATOR_REPORT_LISTEN=HOST:PORT`` serves clients' failure
+    reports, ``EAAS_OPERATOR_REPORT_URL`` is that address as clients reach it. Same as
+    ``kopf run -m eaas.operator.handlers --all-namespaces --standalone``.
     """
     import kopf
 

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
-from pydantic.json_schema import JsonDict
+from pydantic.json_schema import JsonDict, JsonValue
 
 from eaas.runtime.placement import POLICIES
 
@@ -59,30 +59,89 @@ class _Model(BaseModel):
 # ---------------------------------------------------------------------------------------------
 # ExpertPool
 # ---------------------------------------------------------------------------------------------
-class ModelSpec(_Model):
-    """The MoE model whose routed experts the pool serves. The operator does not open the
-    checkpoint: give the architecture facts (for a Hugging Face DeepSeek-V3 checkpoint they are in
-    config.json: firstMoeLayer = first_k_dense_replace, numMoeLayers = num_hidden_layers -
-    first_k_dense_replace, numExperts = n_routed_experts, topK = num_experts_per_tok)."""
+#: Where a model volume (``hostPath`` or ``persistentVolumeClaim``) is mounted in pods (read-only).
+MODEL_MOUNT_DIR = "/models"
+MODEL_VOLUME = "model"
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "self.topK <= self.numExperts",
-                    "message": "spec.model.topK must not exceed spec.model.numExperts",
-                    "fieldPath": ".topK",
-                }
-            ]
-        }
-    )
+_MODEL_SOURCE_RULES: list[JsonValue] = [
+    {
+        "rule": "!(has(self.hostPath) && has(self.persistentVolumeClaim))",
+        "message": "give at most one of hostPath and persistentVolumeClaim",
+    },
+    {
+        "rule": "(has(self.hostPath) || has(self.persistentVolumeClaim)) "
+        "? !self.uri.startsWith('/') : self.uri.startsWith('/')",
+        "message": "uri must be relative to the volume's root with hostPath or "
+        "persistentVolumeClaim, and an absolute path inside the image without them",
+        "fieldPath": ".uri",
+    },
+]
+
+
+class ModelSource(_Model):
+    """Where the weights are: a directory on the node (``hostPath``), a PersistentVolumeClaim,
+    or, with neither, baked into the container image. A volume is mounted read-only at
+    ``/models`` and ``uri`` is the checkpoint's path inside it."""
 
     uri: str = Field(
         min_length=1,
         max_length=1024,
-        description="Checkpoint location as the expert-server process sees it (a path inside the "
-        "pod, e.g. a mounted volume); passed as `--model`.",
+        description="Checkpoint directory: relative to the volume's root (mounted read-only at "
+        "/models) with hostPath or persistentVolumeClaim, else an absolute path inside the "
+        "container image. The pods get `--model /models/<uri>` (or `--model <uri>`).",
     )
+    host_path: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4096,
+        pattern="^/",
+        description="Absolute directory on the node holding the weights (a hostPath volume of "
+        "type Directory).",
+    )
+    persistent_volume_claim: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        description="Name of a PersistentVolumeClaim in the pool's namespace holding the weights "
+        "(mounted read-only; use a ReadOnlyMany claim for pods on several nodes).",
+    )
+
+    def model_path(self) -> str:
+        """The ``--model`` path as the container sees it."""
+        if self.host_path or self.persistent_volume_claim:
+            return f"{MODEL_MOUNT_DIR}/{self.uri.lstrip('/')}"
+        return self.uri
+
+    def volume(self) -> dict[str, Any] | None:
+        """The core/v1 Volume named ``model``, or None (weights in the image)."""
+        if self.host_path:
+            return {"name": MODEL_VOLUME, "hostPath": {"path": self.host_path, "type": "Directory"}}
+        if self.persistent_volume_claim:
+            return {
+                "name": MODEL_VOLUME,
+                "persistentVolumeClaim": {
+                    "claimName": self.persistent_volume_claim,
+                    "readOnly": True,
+                },
+            }
+        return None
+
+    def volume_mount(self) -> dict[str, Any] | None:
+        """The container's read-only mount of the ``model`` volume, or None."""
+        if self.volume() is None:
+            return None
+        return {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT_DIR, "readOnly": True}
+
+
+class ModelSpec(ModelSource):
+    """The MoE model whose routed experts the pool serves, and where its weights are. The
+    operator does not open the checkpoint: give the layout facts the placement needs (for a
+    Hugging Face DeepSeek-V3 checkpoint they are in config.json: firstMoeLayer =
+    first_k_dense_replace, numMoeLayers = num_hidden_layers - first_k_dense_replace, numExperts
+    = n_routed_experts)."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _MODEL_SOURCE_RULES})
+
     first_moe_layer: int = Field(
         default=0,
         ge=0,
@@ -93,8 +152,6 @@ class ModelSpec(_Model):
         ge=1, le=1024, description="Number of consecutive MoE layers starting at firstMoeLayer."
     )
     num_experts: int = Field(ge=1, le=65536, description="Routed (logical) experts per MoE layer.")
-    top_k: int = Field(ge=1, le=1024, description="Experts each token is routed to per MoE layer.")
-    hidden_size: int = Field(ge=1, le=1048576, description="Model hidden size (activation width).")
 
     def layers(self) -> list[int]:
         """MoE layer indices, ascending."""
@@ -132,21 +189,14 @@ class PlacementSpec(_Model):
 
 
 class FailureDetectionSpec(_Model):
-    """Timing of the data plane's failure detection (handed to pods as environment variables)."""
+    """Timing of the data plane's failure detection."""
 
     dispatch_timeout_ms: int = Field(
         default=500,
         ge=1,
         le=600000,
         description="Deadline for an expert server's answer before the client re-sends the tokens "
-        "to another replica (milliseconds).",
-    )
-    suspect_after_ms: int = Field(
-        default=200,
-        ge=1,
-        le=600000,
-        description="How long a server may stay unresponsive before clients mark it suspect and "
-        "report it (milliseconds).",
+        "to another replica (milliseconds); the clients' `--dispatch-timeout`.",
     )
 
 
@@ -219,8 +269,28 @@ class ExpertPoolSpec(_Model):
     port: int = Field(
         default=9000, ge=1, le=65535, description="Port the expert server listens on."
     )
+    health_port: int = Field(
+        default=9001,
+        ge=1,
+        le=65535,
+        description="HTTP port of the expert server's GET /health (readiness, liveness and "
+        "startup probe: 200 only while the serving loop runs) and GET /metrics; "
+        "`--http-port`.",
+    )
     failure_detection: FailureDetectionSpec = Field(
         default_factory=FailureDetectionSpec, description="Failure-detection timing."
+    )
+    pod_template: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra=_K8S_OBJECT,
+        description="Pod template overlay (core/v1 PodTemplateSpec subset) merged into every "
+        "generated pod the way LeaderWorkerSet/KServe merge theirs: `metadata.labels`/"
+        "`annotations` added; `spec.containers[]` matched by name (the operator's container is "
+        "`expert-server`; other names are added as sidecars) with their `env`, `volumeMounts` (by "
+        "mountPath), `envFrom` and `securityContext` merged; `spec.volumes` and "
+        "`imagePullSecrets` merged by name; `tolerations` appended; `nodeSelector` merged; "
+        "`affinity`, `serviceAccountName`, `priorityClassName` and `securityContext` set. Other "
+        "keys are refused (status InvalidSpec).",
     )
 
 
@@ -290,6 +360,16 @@ class ExpertPoolStatus(_Model):
     placement_revision: str = Field(
         default="", description="Hash of the current placement's inputs."
     )
+    clients: int = Field(
+        default=0, description="Ready attention clients of the fleets that use this pool."
+    )
+    clients_acknowledged: int = Field(
+        default=0,
+        description="Of those, the clients that acknowledged routingTableVersion.",
+    )
+    acknowledged_version: int = Field(
+        default=0, description="Oldest routing-table version a Ready client has acknowledged."
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,12 +381,11 @@ class ExpertPoolRef(_Model):
     name: str = Field(min_length=1, max_length=253, description="Name of the ExpertPool.")
 
 
-class FleetModelSpec(_Model):
-    """The model the attention clients load (the same checkpoint as the pool's)."""
+class FleetModelSpec(ModelSource):
+    """The model the attention clients load (the same checkpoint as the pool's) and where its
+    weights are."""
 
-    uri: str = Field(
-        min_length=1, max_length=1024, description="Checkpoint path inside the pod; `--model`."
-    )
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _MODEL_SOURCE_RULES})
 
 
 class AttentionFleetSpec(_Model):
@@ -343,6 +422,18 @@ class AttentionFleetSpec(_Model):
         le=65535,
         description="OpenAI-compatible API port (container and Service).",
     )
+    pod_template: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra=_K8S_OBJECT,
+        description="Pod template overlay (core/v1 PodTemplateSpec subset) merged into every "
+        "generated pod the way LeaderWorkerSet/KServe merge theirs: `metadata.labels`/"
+        "`annotations` added; `spec.containers[]` matched by name (the operator's container is "
+        "`attention-client`; other names are added as sidecars) with their `env`, `volumeMounts` (by "
+        "mountPath), `envFrom` and `securityContext` merged; `spec.volumes` and "
+        "`imagePullSecrets` merged by name; `tolerations` appended; `nodeSelector` merged; "
+        "`affinity`, `serviceAccountName`, `priorityClassName` and `securityContext` set. Other "
+        "keys are refused (status InvalidSpec).",
+    )
 
 
 class AttentionFleetStatus(_Model):
@@ -358,7 +449,16 @@ class AttentionFleetStatus(_Model):
         default_factory=list, description="Ready, Progressing, Degraded."
     )
     routing_table_version: int = Field(
-        default=0, description="Version of the pool's routing table the clients mount."
+        default=0, description="Version of the pool's routing table (its ConfigMap)."
+    )
+    acknowledged_version: int = Field(
+        default=0,
+        description="Oldest routing-table version a Ready client has acknowledged (0: none yet).",
+    )
+    clients_acknowledged: int = Field(
+        default=0,
+        description="Ready clients that acknowledged routingTableVersion (push answer, or a "
+        "409 naming it: the client got it from the ConfigMap watch).",
     )
 
 

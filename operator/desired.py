@@ -17,7 +17,16 @@ Split by concern (this module re-exports them all):
 
 from __future__ import annotations
 
-from eaas.operator.fleet import client_command, fleet_deployment, fleet_service, fleet_status
+from eaas.operator.fleet import (
+    ack_summary,
+    client_command,
+    client_rbac,
+    fleet_deployment,
+    fleet_service,
+    fleet_status,
+    new_push_token,
+    push_secret,
+)
 from eaas.operator.names import (
     CLIENT_ROLE,
     GPU_RESOURCE,
@@ -25,7 +34,6 @@ from eaas.operator.names import (
     MANAGED_BY,
     SERVER_ROLE,
     TABLE_KEY,
-    TABLE_MOUNT_DIR,
     Owner,
     client_labels,
     content_hash,
@@ -70,12 +78,15 @@ __all__ = [
     "MANAGED_BY",
     "SERVER_ROLE",
     "TABLE_KEY",
-    "TABLE_MOUNT_DIR",
     "ObservedPod",
     "Owner",
     "PodPlan",
     "build_routing_table",
+    "ack_summary",
     "client_command",
+    "client_rbac",
+    "new_push_token",
+    "push_secret",
     "client_labels",
     "compute_placement",
     "content_hash",

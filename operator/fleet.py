@@ -1,7 +1,9 @@
-"""AttentionFleet (pure): the clients' command line, Deployment, Service and status."""
+"""AttentionFleet (pure): the clients' command line, Deployment, Service, push-token Secret,
+RBAC and status."""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -9,94 +11,139 @@ from eaas.operator.crd import ANNOTATION_SPEC_HASH, AttentionFleetSpec, Conditio
 from eaas.operator.names import (
     CLIENT_ROLE,
     MANAGED_BY,
-    TABLE_KEY,
-    TABLE_MOUNT_DIR,
+    PUSH_TOKEN_KEY,
+    PUSH_TOKEN_MOUNT_DIR,
     Owner,
+    client_account_name,
     client_labels,
     content_hash,
+    failure_report_path,
+    push_secret_name,
     selector_string,
     table_configmap_name,
 )
+from eaas.operator.overlay import apply_pod_template
 from eaas.operator.status import set_condition
 
 
 # ---------------------------------------------------------------------------------------------
 # attention fleet
 # ---------------------------------------------------------------------------------------------
-def client_command(spec: AttentionFleetSpec, pool: ExpertPoolSpec | None = None) -> list[str]:
-    """The attention client's command line: serve the API on all interfaces (the Service reaches
-    it through the pod IP); with the pool known, its dispatch deadline (seconds)."""
+def client_command(
+    spec: AttentionFleetSpec,
+    pool: ExpertPoolSpec | None = None,
+    *,
+    namespace: str = "default",
+    failure_report_url: str | None = None,
+) -> list[str]:
+    """The attention client's command line.
+
+    It serves the API on all interfaces (the Service reaches it through the pod IP), watches the
+    pool's routing-table ConfigMap through the API (``--routing-table-configmap NS/NAME``: it
+    converges even when it missed a push), accepts pushes with the token of the mounted Secret
+    (``--push-token-file``), reports failed expert servers to ``failure_report_url`` (the
+    operator's monitor endpoint; None: no reports) and, with the pool known, uses its dispatch
+    deadline (seconds).
+    """
     cmd = [
         "eaas",
         "attention-client",
         "--model",
-        spec.model.uri,
-        "--routing-table",
-        f"{TABLE_MOUNT_DIR}/{TABLE_KEY}",
+        spec.model.model_path(),
+        "--routing-table-configmap",
+        f"{namespace}/{table_configmap_name(spec.expert_pool_ref.name)}",
+        "--push-token-file",
+        f"{PUSH_TOKEN_MOUNT_DIR}/{PUSH_TOKEN_KEY}",
         "--port",
         str(spec.port),
         "--host",
         "0.0.0.0",
     ]
+    if failure_report_url:
+        cmd += ["--failure-report-url", failure_report_url]
     if pool is not None:
         cmd += ["--dispatch-timeout", f"{pool.failure_detection.dispatch_timeout_ms / 1000:g}"]
     return cmd
 
 
 def fleet_deployment(
-    owner: Owner, spec: AttentionFleetSpec, pool: ExpertPoolSpec | None
+    owner: Owner,
+    spec: AttentionFleetSpec,
+    pool: ExpertPoolSpec | None,
+    report_base_url: str | None = None,
 ) -> dict[str, Any]:
-    """Deployment of attention clients mounting the pool's routing-table ConfigMap at
-    ``/etc/eaas`` (a directory mount, so ConfigMap updates reach running pods). ``pool``, when
-    known, supplies the failure-detection timing as environment variables."""
+    """Deployment of attention clients.
+
+    Each pod runs :func:`client_command` under the ServiceAccount ``<fleet>-client`` (allowed to
+    read the pool's routing-table ConfigMap, see :func:`client_rbac`), mounts the push-token
+    Secret ``<fleet>-push-token`` read-only and, with ``spec.model`` naming a volume, the
+    weights at ``/models``; ``GET /health`` is the readiness probe (503 while some expert has no
+    live replica, so the Service routes elsewhere). ``spec.podTemplate`` is merged in last.
+
+    Args:
+        report_base_url: the operator's monitor address as clients reach it (e.g.
+            ``http://eaas-operator.eaas-system.svc:8081``), or None for no failure reports.
+
+    Raises:
+        OverlayError: ``spec.podTemplate`` cannot be applied.
+    """
     labels = client_labels(owner.name)
-    env = [{"name": "EAAS_EXPERT_POOL", "value": spec.expert_pool_ref.name}]
-    if pool is not None:
-        env += [
-            {
-                "name": "EAAS_DISPATCH_TIMEOUT_MS",
-                "value": str(pool.failure_detection.dispatch_timeout_ms),
-            },
-            {
-                "name": "EAAS_SUSPECT_AFTER_MS",
-                "value": str(pool.failure_detection.suspect_after_ms),
-            },
-        ]
+    url = (
+        report_base_url.rstrip("/") + failure_report_path(owner.namespace, owner.name)
+        if report_base_url
+        else None
+    )
     container: dict[str, Any] = {
         "name": CLIENT_ROLE,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": client_command(spec, pool),
+        "command": client_command(spec, pool, namespace=owner.namespace, failure_report_url=url),
         "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
-        "env": env,
-        "volumeMounts": [{"name": "routing-table", "mountPath": TABLE_MOUNT_DIR, "readOnly": True}],
-        "readinessProbe": {"tcpSocket": {"port": spec.port}, "periodSeconds": 2},
+        "volumeMounts": [
+            {"name": "push-token", "mountPath": PUSH_TOKEN_MOUNT_DIR, "readOnly": True}
+        ],
+        "readinessProbe": {
+            "httpGet": {"path": "/health", "port": spec.port},
+            "periodSeconds": 2,
+            "timeoutSeconds": 2,
+            "failureThreshold": 2,
+        },
     }
     if spec.resources:
         container["resources"] = spec.resources
+    volumes: list[dict[str, Any]] = [
+        {
+            "name": "push-token",
+            "secret": {
+                "secretName": push_secret_name(owner.name),
+                "items": [{"key": PUSH_TOKEN_KEY, "path": PUSH_TOKEN_KEY}],
+            },
+        }
+    ]
+    volume, mount = spec.model.volume(), spec.model.volume_mount()
+    if volume is not None and mount is not None:
+        volumes.append(volume)
+        container["volumeMounts"].append(mount)
     pod_spec: dict[str, Any] = {
+        "serviceAccountName": client_account_name(owner.name),
         "containers": [container],
-        "volumes": [
-            {
-                "name": "routing-table",
-                "configMap": {
-                    "name": table_configmap_name(spec.expert_pool_ref.name),
-                    "items": [{"key": TABLE_KEY, "path": TABLE_KEY}],
-                },
-            }
-        ],
+        "volumes": volumes,
     }
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
         pod_spec["tolerations"] = list(spec.tolerations)
-    dep_spec = {
-        "replicas": spec.replicas,
-        "selector": {"matchLabels": labels},
-        "template": {
+    template = apply_pod_template(
+        {
             "metadata": {"labels": {**labels, "app.kubernetes.io/component": CLIENT_ROLE}},
             "spec": pod_spec,
         },
+        spec.pod_template,
+    )
+    dep_spec = {
+        "replicas": spec.replicas,
+        "selector": {"matchLabels": labels},
+        "template": template,
     }
     return {
         "apiVersion": "apps/v1",
@@ -110,6 +157,73 @@ def fleet_deployment(
         },
         "spec": dep_spec,
     }
+
+
+def push_secret(owner: Owner, token: str) -> dict[str, Any]:
+    """The fleet's push-token Secret (owned by the fleet): the bearer token of routing-table
+    pushes (operator -> clients) and of failure reports (clients -> operator). ``token``:
+    random, made once (:func:`new_push_token`) and never rewritten by a reconcile."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {
+            "name": push_secret_name(owner.name),
+            "namespace": owner.namespace,
+            "labels": {**client_labels(owner.name), "app.kubernetes.io/managed-by": MANAGED_BY},
+            "ownerReferences": [owner.reference()],
+        },
+        "stringData": {PUSH_TOKEN_KEY: token},
+    }
+
+
+def new_push_token() -> str:
+    """A fresh random push token (256 bits, URL-safe text)."""
+    return secrets.token_urlsafe(32)
+
+
+def client_rbac(owner: Owner, pool: str) -> list[dict[str, Any]]:
+    """ServiceAccount, Role and RoleBinding ``<fleet>-client``: the clients may ``get``,
+    ``list`` and ``watch`` the pool's routing-table ConfigMap, nothing else (a watch of one
+    named object is a list/watch with a ``metadata.name`` field selector, which RBAC matches
+    against ``resourceNames``)."""
+    name = client_account_name(owner.name)
+    meta = {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": {**client_labels(owner.name), "app.kubernetes.io/managed-by": MANAGED_BY},
+        "ownerReferences": [owner.reference()],
+    }
+    out: list[dict[str, Any]] = [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": dict(meta)},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": dict(meta),
+            "rules": [
+                {
+                    "apiGroups": [""],
+                    "resources": ["configmaps"],
+                    "resourceNames": [table_configmap_name(pool)],
+                    "verbs": ["get", "list", "watch"],
+                }
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": dict(meta),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
+        },
+    ]
+    for obj in out:
+        body = {k: v for k, v in obj.items() if k not in ("metadata",)}
+        obj["metadata"] = {
+            **obj["metadata"],
+            "annotations": {ANNOTATION_SPEC_HASH: content_hash(body)},
+        }
+    return out
 
 
 def fleet_service(owner: Owner, spec: AttentionFleetSpec) -> dict[str, Any]:
@@ -141,9 +255,16 @@ def fleet_status(
     table_version: int,
     old_conditions: Sequence[Mapping[str, Any]],
     now: str,
+    acknowledged: Sequence[int] = (),
 ) -> dict[str, Any]:
     """The fleet's ``status``: Ready when all clients are ready and the pool's table exists;
-    Degraded when the pool or its routing table is missing."""
+    Degraded when the pool or its routing table is missing.
+
+    Args:
+        acknowledged: for each Ready client pod, the newest routing-table version it
+            acknowledged (0: none known yet); gives ``acknowledgedVersion`` (the oldest of them)
+            and ``clientsAcknowledged`` (how many hold ``table_version`` or newer).
+    """
     ds = deployment_status or {}
     ready = int(ds.get("readyReplicas") or 0)
     replicas = int(ds.get("replicas") or 0)
@@ -196,5 +317,21 @@ def fleet_status(
         "selector": selector_string(client_labels(owner.name)),
         "observedGeneration": gen,
         "routingTableVersion": table_version,
+        **ack_summary(acknowledged, table_version),
         "conditions": [set_condition(old_conditions, c, now) for c in (ready_c, prog_c, deg)],
+    }
+
+
+def ack_summary(acknowledged: Sequence[int], table_version: int) -> dict[str, int]:
+    """Status fields about acknowledgements: ``acknowledgedVersion`` (the oldest version any of
+    the Ready clients acknowledged; 0 when there are none or one has acknowledged nothing yet)
+    and ``clientsAcknowledged`` (clients holding ``table_version`` or newer).
+
+    Args:
+        acknowledged: per Ready client, the newest version it acknowledged (0: none).
+        table_version: the version in the routing-table ConfigMap (0: none).
+    """
+    return {
+        "acknowledgedVersion": min(acknowledged) if acknowledged else 0,
+        "clientsAcknowledged": sum(1 for v in acknowledged if table_version and v >= table_version),
     }

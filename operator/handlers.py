@@ -23,17 +23,20 @@ in annotations (``eaas.io/…``), never in ``status`` (the structural schema wou
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import concurrent.futures
 import datetime as _dt
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import kopf
+from aiohttp import web
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.rest import ApiException
@@ -56,6 +59,9 @@ from eaas.operator.desired import (
     TABLE_KEY,
     ObservedPod,
     Owner,
+    ack_summary,
+    client_labels,
+    client_rbac,
     compute_placement,
     configmap_too_large,
     desired_server_pods,
@@ -64,20 +70,37 @@ from eaas.operator.desired import (
     fleet_service,
     fleet_status,
     invalid_spec_status,
+    new_push_token,
     next_routing_table,
     parse_expert_load,
     placement_revision,
     plan_pods,
     pool_status,
+    push_secret,
     routing_table_configmap,
     selector_string,
     server_labels,
     table_configmap_name,
 )
+from eaas.operator.leader import LeaderElector, LeaseSettings
+from eaas.operator.monitor import (
+    MAX_REPORT_BYTES,
+    bearer_ok,
+    health_url,
+    parse_report,
+    probe_health,
+)
+from eaas.operator.names import PUSH_TOKEN_KEY, push_secret_name
+from eaas.operator.overlay import OverlayError
+from eaas.operator.push import ObservedClient, clients_to_push, push_all
 from eaas.runtime.placement import LayerExpert, Placement, PlacementError, auto_slots
 from eaas.runtime.routing import RoutingTable, RoutingTableError
 
 POOLS = "expertpools"
+#: A server confirmed down is re-probed (to bring it back) only after this many seconds (s).
+SUSPECT_REPROBE_S = 3.0
+#: How often a fleet's ServiceAccount/Role/RoleBinding are re-read to repair them (s).
+RBAC_RECHECK_S = 60.0
 FLEETS = "attentionfleets"
 
 log = logging.getLogger("eaas.operator")
@@ -98,6 +121,28 @@ class OperatorState:
         node_ready: node name -> its Ready condition is True (from the node watch).
         node_labels: node name -> its labels (from the node watch; failure domains).
         placements: bounded cache of computed placements (key: spec, pods' experts, load).
+        report_base_url: the operator's failure-report address as clients reach it (env
+            ``EAAS_OPERATOR_REPORT_URL``, e.g. ``http://eaas-operator.eaas-system.svc:8081``;
+            empty: clients get no ``--failure-report-url``).
+        tokens: ``(namespace, fleet, fleet uid)`` -> the fleet's push token (from its Secret).
+        acks: ``(namespace, fleet)`` -> client pod uid -> newest routing-table version it
+            acknowledged (lost on restart: the next push's 409 tells it again).
+        fleet_acks: ``(namespace, pool)`` -> fleet -> acknowledged versions of its Ready
+            clients (for the pool's status).
+        report_listen: ``HOST:PORT`` of the failure-report endpoint (env
+            ``EAAS_OPERATOR_REPORT_LISTEN``; empty: not served).
+        suspects: ``(namespace, pool)`` -> pod name -> ``(pod uid, monotonic time of the
+            confirming probe)`` of expert servers a client reported and the operator's own
+            probe confirmed down: left out of the routing table until a probe answers again or
+            the pod is replaced.
+        report_tokens: ``(namespace, fleet)`` -> push token (to check failure reports).
+        reported: ``(namespace, pool)`` -> messages of confirmed failure reports, posted as
+            ``ServerUnreachable`` Warning events by the pool's next reconcile step.
+        applied: ``(namespace, kind, name, spec hash)`` -> when the clients' RBAC object was last
+            applied (re-checked every :data:`RBAC_RECHECK_S`).
+        elector: the Lease election (:mod:`eaas.operator.leader`); None: act unconditionally
+            (only for tests of single steps).
+        loop: kopf's event loop (to wake daemons from other threads).
     """
 
     resync_s: float = 2.0
@@ -106,13 +151,30 @@ class OperatorState:
     node_ready: dict[str, bool] = field(default_factory=dict)
     node_labels: dict[str, dict[str, str]] = field(default_factory=dict)
     placements: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+    report_base_url: str = ""
+    tokens: dict[tuple[str, str, str], str] = field(default_factory=dict)
+    acks: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
+    fleet_acks: dict[tuple[str, str], dict[str, list[int]]] = field(default_factory=dict)
+    report_listen: str = ""
+    applied: dict[tuple[str, str, str, str], float] = field(default_factory=dict)
+    reported: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    suspects: dict[tuple[str, str], dict[str, tuple[str, float]]] = field(default_factory=dict)
+    report_tokens: dict[tuple[str, str], str] = field(default_factory=dict)
+    elector: LeaderElector | None = None
+    report_runner: Any = None
+    loop: asyncio.AbstractEventLoop | None = None
     _api: k8s.ApiClient | None = None
     _pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> OperatorState:
-        """State with settings from the environment (``EAAS_OPERATOR_RESYNC_S``)."""
-        return cls(resync_s=float(env.get("EAAS_OPERATOR_RESYNC_S", "2.0")))
+        """State with settings from the environment (``EAAS_OPERATOR_RESYNC_S``,
+        ``EAAS_OPERATOR_REPORT_URL``, ``EAAS_OPERATOR_REPORT_LISTEN``)."""
+        return cls(
+            resync_s=float(env.get("EAAS_OPERATOR_RESYNC_S", "2.0")),
+            report_base_url=env.get("EAAS_OPERATOR_REPORT_URL", ""),
+            report_listen=env.get("EAAS_OPERATOR_REPORT_LISTEN", ""),
+        )
 
     def api(self) -> k8s.ApiClient:
         """Kubernetes ApiClient from the in-cluster config or the current kubeconfig (built on
@@ -132,6 +194,17 @@ class OperatorState:
                 max_workers=8, thread_name_prefix="eaas-create"
             )
         return self._pool
+
+    def is_leader(self) -> bool:
+        """Whether this process may act (holds the Lease, or runs without an election)."""
+        return self.elector is None or self.elector.is_leader()
+
+    def wake_all(self) -> None:
+        """Wake every daemon (from any thread): e.g. on becoming the leader."""
+        if self.loop is None:
+            return
+        for key in list(self.wakeups):
+            self.loop.call_soon_threadsafe(self.wake, *key)
 
     def wake_event(self, kind: str, namespace: str, name: str) -> asyncio.Event:
         return self.wakeups.setdefault((kind, namespace, name), asyncio.Event())
@@ -234,7 +307,8 @@ async def _loop(
     try:
         while not stopped:
             try:
-                await asyncio.to_thread(step, state, namespace, name, logger)
+                if state.is_leader():  # a standby operator watches but never acts
+                    await asyncio.to_thread(step, state, namespace, name, logger)
             except ApiException as exc:
                 if exc.status == 409:
                     logger.debug("conflict during reconcile of %s/%s; retrying", namespace, name)
@@ -261,10 +335,11 @@ async def _loop(
 # settings
 # ---------------------------------------------------------------------------------------------
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     """Operator-wide kopf settings (annotation-based persistence, standalone, quick watches) and
     the operator's in-memory state in the root ``memo``."""
-    memo.eaas = OperatorState.from_env()
+    state = memo.eaas = OperatorState.from_env()
+    # one operator acts: our own Lease election (kopf peering freezes equal-priority peers)
     settings.peering.standalone = True
     settings.posting.level = logging.INFO  # only explicit kopf.info/warn calls post Events
     settings.watching.server_timeout = int(os.environ.get("EAAS_OPERATOR_WATCH_TIMEOUT_S", "60"))
@@ -277,7 +352,132 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     )
     settings.execution.max_workers = 32
     settings.background.cancellation_polling = 1
-    memo.eaas.api()
+    state.api()
+    state.loop = asyncio.get_running_loop()
+
+    def on_change(leader: bool) -> None:
+        if leader:
+            state.wake_all()
+
+    state.elector = LeaderElector(LeaseSettings.from_env(), state.api(), on_change).start()
+    if state.report_listen:
+        state.report_runner = await _start_report_server(state)
+
+
+async def _start_report_server(state: OperatorState) -> web.AppRunner:
+    """Serve ``POST /v1/failure-reports/{namespace}/{fleet}`` on ``state.report_listen``.
+
+    Raises:
+        ValueError: ``EAAS_OPERATOR_REPORT_LISTEN`` is not ``HOST:PORT``.
+    """
+    host, sep, port = state.report_listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(
+            f"EAAS_OPERATOR_REPORT_LISTEN must be HOST:PORT, got {state.report_listen!r}"
+        )
+    app = web.Application(client_max_size=MAX_REPORT_BYTES)
+
+    async def handle(request: web.Request) -> web.Response:
+        return await failure_report(state, request)
+
+    app.router.add_post("/v1/failure-reports/{namespace}/{fleet}", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host or "0.0.0.0", int(port)).start()
+    log.info("failure reports served on http://%s/v1/failure-reports/NS/FLEET", state.report_listen)
+    return runner
+
+
+def _report_token(state: OperatorState, namespace: str, fleet: str, fresh: bool) -> str:
+    """The fleet's push token ("" when its Secret does not exist); cached unless ``fresh``."""
+    key = (namespace, fleet)
+    if not fresh and key in state.report_tokens:
+        return state.report_tokens[key]
+    core = k8s.CoreV1Api(state.api())
+    try:
+        secret = _raw(core.read_namespaced_secret, push_secret_name(fleet), namespace)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        return ""
+    token = base64.b64decode((secret.get("data") or {}).get(PUSH_TOKEN_KEY, "")).decode().strip()
+    state.report_tokens[key] = token
+    return token
+
+
+async def failure_report(state: OperatorState, request: web.Request) -> web.Response:
+    """One client's failure report (see :mod:`eaas.operator.monitor` for the answers): check the
+    token, parse, find the pod, probe its ``/health``; if the probe fails too, mark it suspect
+    and wake its pool (the next table leaves it out)."""
+    namespace, fleet = request.match_info["namespace"], request.match_info["fleet"]
+    if not state.is_leader():
+        return web.json_response({"error": "standby operator; report to the leader"}, status=503)
+    auth = request.headers.get("Authorization")
+    token = await asyncio.to_thread(_report_token, state, namespace, fleet, False)
+    if not bearer_ok(auth, token):
+        token = await asyncio.to_thread(_report_token, state, namespace, fleet, True)
+        if not bearer_ok(auth, token):
+            return web.json_response(
+                {"error": "missing or wrong bearer token"},
+                status=401,
+                headers={"WWW-Authenticate": 'Bearer realm="eaas"'},
+            )
+    try:
+        report = parse_report(await request.read())
+    except ValueError as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+    core = k8s.CoreV1Api(state.api())
+    try:
+        pod = await asyncio.to_thread(_raw, core.read_namespaced_pod, report.server_id, namespace)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        return web.json_response({"action": "ignored", "reason": "no such pod"})
+    url = health_url(pod)
+    pool = ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_POOL, "")
+    if url is None or not pool:
+        return web.json_response(
+            {"action": "ignored", "reason": "not an expert server with an IP and an http port"}
+        )
+    if await asyncio.to_thread(probe_health, url):
+        log.info(
+            "client %s of %s/%s reported %s (%s); its /health answers: kept",
+            report.client_id,
+            namespace,
+            fleet,
+            report.server_id,
+            report.reason,
+        )
+        return web.json_response({"action": "kept"})
+    state.suspects.setdefault((namespace, pool), {})[report.server_id] = (
+        pod["metadata"]["uid"],
+        time.monotonic(),
+    )
+    log.warning(
+        "client %s of %s/%s reported %s (%s); confirmed by probe: leaving the routing table",
+        report.client_id,
+        namespace,
+        fleet,
+        report.server_id,
+        report.reason,
+    )
+    state.wake("pool", namespace, pool)
+    # posted by the pool's reconcile step (kopf posts Events from its handlers' context)
+    state.reported.setdefault((namespace, pool), []).append(
+        f"{report.server_id}: reported by client {report.client_id} of {fleet} "
+        f"({report.reason}); its /health probe failed too: leaving the routing table"
+    )
+    return web.json_response({"action": "removed"})
+
+
+@kopf.on.cleanup()
+async def release_lease(memo: Any, **_: Any) -> None:
+    """On shutdown, free the Lease so a standby takes over at once."""
+    state = getattr(memo, "eaas", None)
+    if state is not None and state.elector is not None:
+        state.elector.stop(release=True)
+    if state is not None and state.report_runner is not None:
+        await state.report_runner.cleanup()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,9 +499,10 @@ async def pool_spec_changed(
                 f"({spec.replicas})"
             )
     except (ValidationError, PlacementError) as exc:
-        kopf.warn(body, reason="InvalidSpec", message=str(exc).splitlines()[0])
+        if _state(memo).is_leader():
+            kopf.warn(body, reason="InvalidSpec", message=str(exc).splitlines()[0])
     else:
-        if reason != "resume":
+        if reason != "resume" and _state(memo).is_leader():
             slots = max(
                 spec.placement.slots_per_server,
                 auto_slots(spec.model.num_experts, spec.redundancy, spec.replicas),
@@ -432,14 +633,14 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
         spec = ExpertPoolSpec.model_validate(body["spec"])
         load = _read_load(core, body, spec, logger)
         placement = state.placement(spec, observed, load)
-    except (ValidationError, PlacementError) as exc:
+        revision = placement_revision(spec)
+        desired = desired_server_pods(owner, spec, placement, revision)
+    except (ValidationError, PlacementError, OverlayError) as exc:
         status = invalid_spec_status(
             owner, str(exc).splitlines()[0], old_conditions, _now(), old_status
         )
         _write_status(custom, namespace, name, old_status, status)
         return
-    revision = placement_revision(spec)
-    desired = desired_server_pods(owner, spec, placement, revision)
     plan = plan_pods(desired, observed, max_unavailable=max(1, spec.redundancy - 1))
 
     def create(manifest: dict[str, Any]) -> None:
@@ -492,7 +693,10 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
                 raise
 
     deleted = {n for n, _, _ in plan.delete}
-    live = [p for p in observed if p.live and p.name not in deleted]
+    for message in state.reported.pop((namespace, name), []):
+        _event(body, "ServerUnreachable", message, warning=True)
+    down = _confirmed_down(state, namespace, name, pods, logger)
+    live = [p for p in observed if p.live and p.name not in deleted and p.name not in down]
     table, table_error = _publish_table(state, core, body, owner, spec, live, old_status, logger)
 
     status = pool_status(
@@ -512,6 +716,8 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
             if (value := labels.get(spec.placement.topology_key))
         },
     )
+    client_acks = [v for acks in state.fleet_acks.get((namespace, name), {}).values() for v in acks]
+    status.update(clients=len(client_acks), **ack_summary(client_acks, table.version))
     if _write_status(custom, namespace, name, old_status, status):
         was = {c.get("type"): c.get("status") for c in old_conditions}
         now = {c["type"]: c for c in status["conditions"]}
@@ -523,6 +729,34 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
             and now["Degraded"]["reason"] == "ExpertsUncovered"
         ):
             _event(body, "ExpertsUncovered", now["Degraded"]["message"], warning=True)
+
+
+def _confirmed_down(
+    state: OperatorState,
+    namespace: str,
+    pool: str,
+    pods: list[dict[str, Any]],
+    logger: kopf.Logger,
+) -> set[str]:
+    """Names of the pool's pods that a client reported and the operator's probe confirmed down,
+    re-probed now: a pod whose ``/health`` answers again, or that was replaced (new uid) or is
+    gone, is forgotten."""
+    suspects = state.suspects.get((namespace, pool))
+    if not suspects:
+        return set()
+    by_name = {p["metadata"]["name"]: p for p in pods}
+    for pod_name, (uid, confirmed_at) in list(suspects.items()):
+        pod = by_name.get(pod_name)
+        if pod is None or pod["metadata"].get("uid") != uid:
+            del suspects[pod_name]
+            continue
+        if time.monotonic() - confirmed_at < SUSPECT_REPROBE_S:
+            continue  # just confirmed: publish the table without it first
+        url = health_url(pod)
+        if url is not None and probe_health(url):
+            logger.info("reported server %s answers its probe again: back in the table", pod_name)
+            del suspects[pod_name]
+    return set(suspects)
 
 
 def _read_load(
@@ -599,6 +833,9 @@ def _publish_table(
         ]  # optimistic concurrency
         written = _raw(core.replace_namespaced_config_map, cm_name, owner.namespace, manifest)
     state.tables[(owner.namespace, cm_name)] = (written["metadata"]["resourceVersion"], table)
+    for kind, ns, fleet in list(state.wakeups):  # push the new version to the clients now
+        if kind == "fleet" and ns == owner.namespace:
+            state.wake(kind, ns, fleet)
     _event(
         body,
         "RoutingTablePublished",
@@ -652,11 +889,18 @@ async def fleet_daemon(
 
 
 def reconcile_fleet(state: OperatorState, namespace: str, name: str, logger: kopf.Logger) -> None:
-    """One reconcile step of AttentionFleet ``namespace/name``: apply its Deployment and Service,
-    then write the status (clients' readiness, the pool's routing-table version)."""
+    """One reconcile step of AttentionFleet ``namespace/name``.
+
+    Ensures its push-token Secret (made once, random), the clients' ServiceAccount/Role/
+    RoleBinding, Deployment and Service; pushes the pool's current routing table to every Ready
+    client that has not acknowledged it (:mod:`eaas.operator.push`); writes the status
+    (readiness, the table version, acknowledgements) and hands the acknowledgements to the
+    pool's status.
+    """
     custom = k8s.CustomObjectsApi(state.api())
     core = k8s.CoreV1Api(state.api())
     apps = k8s.AppsV1Api(state.api())
+    rbac = k8s.RbacAuthorizationV1Api(state.api())
     body = _get_live(custom, namespace, FLEETS, name)
     if body is None:
         return
@@ -675,8 +919,42 @@ def reconcile_fleet(state: OperatorState, namespace: str, name: str, logger: kop
     except ValidationError:
         pool = None
 
+    token = _ensure_push_token(state, core, owner)
+    for manifest in client_rbac(owner, pool_name):
+        kind, n = manifest["kind"], manifest["metadata"]["name"]
+        key = (namespace, kind, n, manifest["metadata"]["annotations"][ANNOTATION_SPEC_HASH])
+        if time.monotonic() - state.applied.get(key, -1e18) < RBAC_RECHECK_S:
+            continue  # applied recently: save three GETs per fleet per resync
+        if kind == "ServiceAccount":
+            _apply(
+                manifest,
+                read=lambda n=n: core.read_namespaced_service_account(n, namespace),
+                create=lambda m: core.create_namespaced_service_account(namespace, m),
+                patch=lambda m, n=n: core.patch_namespaced_service_account(n, namespace, m),
+            )
+        elif kind == "Role":
+            _apply(
+                manifest,
+                read=lambda n=n: rbac.read_namespaced_role(n, namespace),
+                create=lambda m: rbac.create_namespaced_role(namespace, m),
+                patch=lambda m, n=n: rbac.patch_namespaced_role(n, namespace, m),
+            )
+        else:
+            _apply(
+                manifest,
+                read=lambda n=n: rbac.read_namespaced_role_binding(n, namespace),
+                create=lambda m: rbac.create_namespaced_role_binding(namespace, m),
+                patch=lambda m, n=n: rbac.patch_namespaced_role_binding(n, namespace, m),
+            )
+        state.applied[key] = time.monotonic()
+    try:
+        deployment = fleet_deployment(owner, spec, pool, state.report_base_url or None)
+    except OverlayError as exc:
+        _event(body, "InvalidSpec", str(exc), warning=True)
+        logger.warning("fleet %s/%s: %s", namespace, name, exc)
+        return
     dep = _apply(
-        fleet_deployment(owner, spec, pool),
+        deployment,
         read=lambda: apps.read_namespaced_deployment(name, namespace),
         create=lambda m: apps.create_namespaced_deployment(namespace, m),
         patch=lambda m: apps.patch_namespaced_deployment(name, namespace, m),
@@ -687,14 +965,37 @@ def reconcile_fleet(state: OperatorState, namespace: str, name: str, logger: kop
         create=lambda m: core.create_namespaced_service(namespace, m),
         patch=lambda m: core.patch_namespaced_service(name, namespace, m),
     )
-    table_version = 0
+    table_version, table_json = 0, ""
     try:
-        cm = core.read_namespaced_config_map(table_configmap_name(pool_name), namespace)
-        annotations = (cm.metadata.annotations if cm.metadata else None) or {}
+        cm = _raw(core.read_namespaced_config_map, table_configmap_name(pool_name), namespace)
+        annotations = cm["metadata"].get("annotations") or {}
         table_version = int(annotations.get(ANNOTATION_TABLE_VERSION, "0") or 0)
+        table_json = (cm.get("data") or {}).get(TABLE_KEY, "")
     except ApiException as exc:
         if exc.status != 404:
             raise
+
+    clients = [
+        ObservedClient.from_pod(p)
+        for p in _raw(
+            core.list_namespaced_pod, namespace, label_selector=selector_string(client_labels(name))
+        )["items"]
+    ]
+    acks = state.acks.setdefault((namespace, name), {})
+    for uid in set(acks) - {c.uid for c in clients}:
+        del acks[uid]  # pod gone
+    todo = clients_to_push(clients, acks, table_version) if table_json else []
+    if todo:
+        failures = push_all(todo, spec.port, table_json, token, acks, state.executor())
+        for pod_name, why in failures.items():
+            logger.info("push of table %d to %s not acknowledged: %s", table_version, pod_name, why)
+    ready = [c for c in clients if c.ready and c.ip]
+    acked = [acks.get(c.uid, 0) for c in ready]
+    previous = state.fleet_acks.get((namespace, pool_name), {}).get(name)
+    state.fleet_acks.setdefault((namespace, pool_name), {})[name] = acked
+    if previous != acked:
+        state.wake("pool", namespace, pool_name)
+
     old_status = body.get("status") or {}
     status = fleet_status(
         owner=owner,
@@ -704,8 +1005,38 @@ def reconcile_fleet(state: OperatorState, namespace: str, name: str, logger: kop
         table_version=table_version,
         old_conditions=old_status.get("conditions") or [],
         now=_now(),
+        acknowledged=acked,
     )
     _write_status(custom, namespace, name, old_status, status, plural=FLEETS)
+
+
+def _ensure_push_token(state: OperatorState, core: k8s.CoreV1Api, owner: Owner) -> str:
+    """The fleet's push token from its Secret, creating the Secret (random token) when missing.
+    Cached per Secret resourceVersion is not needed: the token never changes once made, so it
+    is cached per fleet uid."""
+    key = (owner.namespace, owner.name, owner.uid)
+    hit = state.tokens.get(key)
+    if hit:
+        return hit
+    name = push_secret_name(owner.name)
+    try:
+        secret = _raw(core.read_namespaced_secret, name, owner.namespace)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        try:
+            _raw(
+                core.create_namespaced_secret, owner.namespace, push_secret(owner, new_push_token())
+            )
+        except ApiException as exc2:
+            if exc2.status != 409:
+                raise
+        secret = _raw(core.read_namespaced_secret, name, owner.namespace)
+    token = base64.b64decode((secret.get("data") or {}).get(PUSH_TOKEN_KEY, "")).decode().strip()
+    if not token:
+        raise kopf.TemporaryError(f"Secret {name} has no {PUSH_TOKEN_KEY!r}", delay=5)
+    state.tokens[key] = token
+    return token
 
 
 def _apply(manifest: dict[str, Any], *, read: Any, create: Any, patch: Any) -> Any:

@@ -5,7 +5,10 @@ Names are deterministic, so a restarted operator finds what it made before:
 * expert-server pod ``<pool>-<index>``, ``0 <= index < spec.replicas``;
 * routing-table ConfigMap ``<pool>-routing-table`` (key ``routing-table.json``);
 * expert-load ConfigMap ``<pool>-expert-load`` (key ``expert-load.json``, read, never written);
-* attention fleet Deployment and Service ``<fleet>``.
+* attention fleet Deployment and Service ``<fleet>``;
+* the fleet's push-token Secret ``<fleet>-push-token`` (key ``token``);
+* the clients' ServiceAccount, Role and RoleBinding ``<fleet>-client`` (read the pool's
+  routing-table ConfigMap).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ SERVER_ROLE = "expert-server"
 CLIENT_ROLE = "attention-client"
 TABLE_KEY = "routing-table.json"
 LOAD_KEY = "expert-load.json"
-TABLE_MOUNT_DIR = "/etc/eaas"
+PUSH_TOKEN_KEY = "token"
+PUSH_TOKEN_MOUNT_DIR = "/etc/eaas/push-token"
 GPU_RESOURCE = "nvidia.com/gpu"
 MANAGED_BY = "eaas-operator"
 
@@ -77,6 +81,21 @@ def server_name(pool: str, index: int) -> str:
 def table_configmap_name(pool: str) -> str:
     """Name of the pool's routing-table ConfigMap."""
     return f"{pool}-routing-table"
+
+
+def push_secret_name(fleet: str) -> str:
+    """Name of the fleet's push-token Secret."""
+    return f"{fleet}-push-token"
+
+
+def client_account_name(fleet: str) -> str:
+    """Name of the fleet clients' ServiceAccount, Role and RoleBinding."""
+    return f"{fleet}-client"
+
+
+def failure_report_path(namespace: str, fleet: str) -> str:
+    """Path of the operator's failure-report endpoint for one fleet's clients."""
+    return f"/v1/failure-reports/{namespace}/{fleet}"
 
 
 def server_labels(pool: str) -> dict[str, str]:

@@ -23,6 +23,7 @@ from eaas.operator.names import (
     server_labels,
     server_name,
 )
+from eaas.operator.overlay import apply_pod_template
 from eaas.runtime.placement import (
     LayerExpert,
     Placement,
@@ -37,19 +38,53 @@ from eaas.runtime.placement import (
 def server_command(
     spec: ExpertPoolSpec, pod_name: str, experts: Sequence[LayerExpert]
 ) -> list[str]:
-    """The expert server's command line (flag names fixed by the runtime)."""
+    """The expert server's command line (flag names fixed by the runtime): the model path as the
+    container sees it, the hosted experts, the data-plane listener and the HTTP port of
+    ``/health`` and ``/metrics``."""
     return [
         "eaas",
         "expert-server",
         "--model",
-        spec.model.uri,
+        spec.model.model_path(),
         "--server-id",
         pod_name,
         "--experts",
         format_expert_spec(experts),
         "--listen",
         f"tcp://0.0.0.0:{spec.port}",
+        "--http-port",
+        str(spec.health_port),
     ]
+
+
+#: Probes of the expert server's ``GET /health`` (200 only while the serving loop iterates, see
+#: ``eaas expert-server --health-stale-s``): startup allows 10 min for loading weights; then
+#: readiness takes a frozen server out of Service endpoints within ~2 s and liveness has the
+#: kubelet restart it after ~6 s of failures (a SIGSTOPped process keeps accepting TCP
+#: connections into the kernel backlog, so a tcpSocket probe would never notice).
+def server_probes(health_port: int) -> dict[str, dict[str, Any]]:
+    """``startupProbe``, ``readinessProbe`` and ``livenessProbe`` of the expert-server container."""
+    get = {"path": "/health", "port": health_port}
+    return {
+        "startupProbe": {
+            "httpGet": dict(get),
+            "periodSeconds": 2,
+            "timeoutSeconds": 2,
+            "failureThreshold": 300,
+        },
+        "readinessProbe": {
+            "httpGet": dict(get),
+            "periodSeconds": 1,
+            "timeoutSeconds": 1,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": {
+            "httpGet": dict(get),
+            "periodSeconds": 2,
+            "timeoutSeconds": 2,
+            "failureThreshold": 3,
+        },
+    }
 
 
 def server_resources(spec: ExpertPoolSpec) -> dict[str, Any]:
@@ -69,9 +104,14 @@ def server_pod(
 ) -> dict[str, Any]:
     """Manifest of expert-server pod ``index`` hosting ``experts``.
 
-    The annotation ``eaas.io/spec-hash`` hashes the pod spec (so also its experts): a pod whose
-    hash differs from the desired one is outdated and gets replaced. ``eaas.io/experts`` repeats
-    the ``--experts`` value so the routing table can be built from live pods alone.
+    The model volume (``spec.model``) is mounted and ``spec.podTemplate`` merged in
+    (:func:`eaas.operator.overlay.apply_pod_template`). The annotation ``eaas.io/spec-hash``
+    hashes the pod spec (so also its experts): a pod whose hash differs from the desired one is
+    outdated and gets replaced. ``eaas.io/experts`` repeats the ``--experts`` value so the
+    routing table can be built from live pods alone.
+
+    Raises:
+        OverlayError: ``spec.podTemplate`` cannot be applied.
     """
     name = server_name(owner.name, index)
     pod_spec: dict[str, Any] = {
@@ -92,31 +132,22 @@ def server_pod(
                 "image": spec.image,
                 "imagePullPolicy": spec.image_pull_policy,
                 "command": server_command(spec, name, experts),
-                "ports": [{"name": "experts", "containerPort": spec.port, "protocol": "TCP"}],
-                "env": [
-                    {"name": "EAAS_POOL", "value": owner.name},
-                    {
-                        "name": "EAAS_DISPATCH_TIMEOUT_MS",
-                        "value": str(spec.failure_detection.dispatch_timeout_ms),
-                    },
-                    {
-                        "name": "EAAS_SUSPECT_AFTER_MS",
-                        "value": str(spec.failure_detection.suspect_after_ms),
-                    },
+                "ports": [
+                    {"name": "experts", "containerPort": spec.port, "protocol": "TCP"},
+                    {"name": "http", "containerPort": spec.health_port, "protocol": "TCP"},
                 ],
                 "resources": server_resources(spec),
-                "readinessProbe": {
-                    "tcpSocket": {"port": spec.port},
-                    "periodSeconds": 1,
-                    "failureThreshold": 2,
-                },
+                **server_probes(spec.health_port),
             }
         ],
     }
     if spec.affinity:
         pod_spec["affinity"] = spec.affinity
-    spec_hash = content_hash(pod_spec)
-    return {
+    volume, mount = spec.model.volume(), spec.model.volume_mount()
+    if volume is not None and mount is not None:
+        pod_spec["volumes"] = [volume]
+        pod_spec["containers"][0]["volumeMounts"] = [mount]
+    pod = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
@@ -130,14 +161,14 @@ def server_pod(
                 "app.kubernetes.io/component": SERVER_ROLE,
                 "app.kubernetes.io/managed-by": MANAGED_BY,
             },
-            "annotations": {
-                ANNOTATION_EXPERTS: format_expert_spec(experts),
-                ANNOTATION_SPEC_HASH: spec_hash,
-            },
+            "annotations": {ANNOTATION_EXPERTS: format_expert_spec(experts)},
             "ownerReferences": [owner.reference()],
         },
         "spec": pod_spec,
     }
+    pod = apply_pod_template(pod, spec.pod_template)
+    pod["metadata"]["annotations"][ANNOTATION_SPEC_HASH] = content_hash(pod["spec"])
+    return pod
 
 
 def desired_server_pods(
@@ -291,7 +322,9 @@ def plan_pods(
 
     * missing desired pods are created at once (adding a server never hurts coverage);
     * Failed/Succeeded pods are deleted at once (they serve nothing) and recreated next step;
-    * outdated pods (spec hash differs, e.g. their experts changed), then excess pods (index
+    * outdated pods that are not live (not Ready, hung, on a dead node) are deleted at once:
+      they serve nothing, so a hung pod never blocks a re-placement;
+    * outdated live pods (spec hash differs, e.g. their experts changed), then excess pods (index
       beyond ``replicas``), are deleted one by one, only while fewer than ``max_unavailable`` desired
       servers are unavailable, and only if every (layer, expert) that is live now stays live on
       the remaining Ready pods. If that blocks all progress while every desired server is
@@ -351,6 +384,10 @@ def plan_pods(
     ordered = sorted(candidates, key=lambda p: p.index) + excess_live
     for pod in ordered:
         is_excess = pod.name not in desired
+        if not pod.live:  # serves nothing: replacing it costs no availability, never wait on it
+            plan.delete.append((pod.name, pod.uid, "outdated"))
+            removed.add(pod.name)
+            continue
         if not is_excess and budget <= 0:
             continue
         if not safe_without(pod):

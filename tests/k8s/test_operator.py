@@ -131,8 +131,9 @@ def converged(ns: str, name: str) -> dict | None:
 class Operator:
     """``eaas operator`` as a child process; logs go to ``log_path``."""
 
-    def __init__(self, log_path: Path):
+    def __init__(self, log_path: Path, env: dict[str, str] | None = None):
         self.log_path = log_path
+        self.extra_env = env or {}
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -142,7 +143,14 @@ class Operator:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        env = {**os.environ, "EAAS_OPERATOR_RESYNC_S": "1", "EAAS_OPERATOR_WATCH_TIMEOUT_S": "30"}
+        env = {
+            **os.environ,
+            "EAAS_OPERATOR_RESYNC_S": "1",
+            "EAAS_OPERATOR_WATCH_TIMEOUT_S": "30",
+            # a SIGKILLed operator's successor waits out the Lease: keep that short in tests
+            "EAAS_OPERATOR_LEASE_DURATION_S": "3",
+            **self.extra_env,
+        }
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -561,8 +569,12 @@ def test_dead_node_leaves_the_routing_table(ns, operator):
         (lambda s: s.pop("model"), "spec.model"),
         (lambda s: s["model"].pop("uri"), "spec.model.uri"),
         (
-            lambda s: s["model"].update(topK=64),
-            "spec.model.topK must not exceed spec.model.numExperts",
+            lambda s: s["model"].update(hostPath="/srv", persistentVolumeClaim="w"),
+            "give at most one of hostPath and persistentVolumeClaim",
+        ),
+        (
+            lambda s: s["model"].update(hostPath="/srv"),
+            "uri must be relative to the volume's root",
         ),
         (lambda s: s.update(redundancy=0), "spec.redundancy"),
         (lambda s: s.update(port=70000), "spec.port"),
@@ -574,7 +586,8 @@ def test_dead_node_leaves_the_routing_table(ns, operator):
         "policy",
         "noModel",
         "noUri",
-        "topK",
+        "twoSources",
+        "absoluteUriInVolume",
         "redundancy0",
         "port",
     ],
@@ -660,14 +673,23 @@ def test_attention_fleet(ns, operator):
         "attention-client",
         "--model",
         "/models/tiny",
-        "--routing-table",
-        "/etc/eaas/routing-table.json",
-        "--port",
-        "8000",
+        "--routing-table-configmap",
+        f"{ns}/tiny-routing-table",
+        "--push-token-file",
+        "/etc/eaas/push-token/token",
     ]
-    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/etc/eaas")
-    vol = next(v for v in pod_spec["volumes"] if v["name"] == mount["name"])
-    assert vol["configMap"]["name"] == "tiny-routing-table"
+    assert pod_spec["serviceAccountName"] == "tiny-clients-client"
+    vol = next(v for v in pod_spec["volumes"] if v["name"] == "push-token")
+    assert vol["secret"]["secretName"] == "tiny-clients-push-token"
+    secret = wait_for(
+        "push token", lambda: get("secret", "tiny-clients-push-token", ns), timeout=30
+    )
+    assert len(secret["data"]["token"]) >= 40
+    role = get("role", "tiny-clients-client", ns)
+    assert role["rules"][0]["resourceNames"] == ["tiny-routing-table"]
+    assert get("rolebinding", "tiny-clients-client", ns)["subjects"][0]["name"] == (
+        "tiny-clients-client"
+    )
     assert dep["spec"]["replicas"] == 2
     svc = get("service", "tiny-clients", ns)
     assert svc["spec"]["ports"][0]["port"] == 8000
@@ -757,3 +779,40 @@ def test_helm_chart(testbed, crds):
         kubectl("apply", "--dry-run=server", "-n", "eaas-helm-test", "-f", "-", input=r.stdout)
     finally:
         kubectl("delete", "namespace", "eaas-helm-test", "--wait=false", check=False)
+
+
+def test_pod_template_overlay_and_model_volume(ns, operator):
+    """spec.model.hostPath and spec.podTemplate reach the real pods; an overlay key
+    the operator cannot apply gives status Degraded/InvalidSpec naming the field, and no pod."""
+    overlay = {
+        "metadata": {"labels": {"team": "ml"}},
+        "spec": {
+            "imagePullSecrets": [{"name": "regcred"}],
+            "containers": [{"name": "expert-server", "env": [{"name": "X", "value": "1"}]}],
+        },
+    }
+    m = pool_manifest("ovl", replicas=2, podTemplate=overlay)
+    m["spec"]["model"].update(hostPath="/srv/models", uri="tiny")
+    apply(m, ns)
+    got = wait_for("overlay pool Ready", lambda: converged(ns, "ovl"), timeout=90)
+    for p in got["pods"]:
+        assert p["metadata"]["labels"]["team"] == "ml"
+        assert p["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+        c = p["spec"]["containers"][0]
+        assert {"name": "X", "value": "1"} in c["env"]
+        assert c["command"][c["command"].index("--model") + 1] == "/models/tiny"
+        vol = next(v for v in p["spec"]["volumes"] if v["name"] == "model")
+        assert vol["hostPath"] == {"path": "/srv/models", "type": "Directory"}
+        assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+
+    bad = pool_manifest("badovl", replicas=2, podTemplate={"spec": {"hostNetwork": True}})
+    apply(bad, ns)
+
+    def invalid():
+        st = (get("expertpool", "badovl", ns) or {}).get("status") or {}
+        deg = next((c for c in st.get("conditions", []) if c["type"] == "Degraded"), None)
+        return deg if deg and deg["reason"] == "InvalidSpec" else None
+
+    deg = wait_for("InvalidSpec status", invalid, timeout=60)
+    assert "spec.podTemplate.spec.hostNetwork" in deg["message"]
+    assert pods(ns, "badovl") == []

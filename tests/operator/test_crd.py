@@ -81,9 +81,12 @@ def test_expertpool_defaults_bounds_enums():
     assert _prop(crd, "spec.failureDetection.dispatchTimeoutMs")["default"] > 0
     assert _prop(crd, "spec.resources")["x-kubernetes-preserve-unknown-fields"] is True
     assert set(_prop(crd, "spec")["required"]) == {"model", "replicas"}
-    assert {"uri", "numMoeLayers", "numExperts", "topK", "hiddenSize"} <= set(
-        _prop(crd, "spec.model")["required"]
-    )
+    assert set(_prop(crd, "spec.model")["required"]) == {"uri", "numMoeLayers", "numExperts"}
+    # fields nothing reads are gone (issue 6 item 2)
+    assert not {"topK", "hiddenSize"} & set(_prop(crd, "spec.model")["properties"])
+    assert set(_prop(crd, "spec.failureDetection")["properties"]) == {"dispatchTimeoutMs"}
+    assert _prop(crd, "spec.healthPort")["default"] == 9001
+    assert _prop(crd, "spec.podTemplate")["x-kubernetes-preserve-unknown-fields"] is True
     assert _prop(crd, "spec.model.uri")["description"]
 
 
@@ -95,8 +98,11 @@ def test_cel_rules_name_their_fields():
         "message": "spec.redundancy must not exceed spec.replicas",
         "fieldPath": ".redundancy",
     } in rules
-    model_rules = _prop(crd, "spec.model")["x-kubernetes-validations"]
-    assert any("spec.model.topK" in r["message"] for r in model_rules)
+    for crd in (expertpool_crd(), attentionfleet_crd()):
+        model_rules = _prop(crd, "spec.model")["x-kubernetes-validations"]
+        assert any("hostPath and persistentVolumeClaim" in r["message"] for r in model_rules)
+        assert any(r.get("fieldPath") == ".uri" for r in model_rules)
+        assert _prop(crd, "spec.model.hostPath")["pattern"] == "^/"
 
 
 def test_subresources_and_columns():
@@ -171,7 +177,9 @@ def test_examples_parse():
     assert ("ExpertPool", "tiny") in docs and ("AttentionFleet", "tiny-clients") in docs
     tiny = ExpertPoolSpec.model_validate(docs[("ExpertPool", "tiny")]["spec"])
     assert (
-        tiny.model.layers() == [1, 2, 3] and tiny.model.num_experts == 32 and tiny.model.top_k == 4
+        tiny.model.layers() == [1, 2, 3]
+        and tiny.model.num_experts == 32
+        and tiny.model.model_path() == "/models/tiny"
     )
     ds = ExpertPoolSpec.model_validate(docs[("ExpertPool", "deepseek-v3")]["spec"])
     assert ds.model.layers() == list(range(3, 61)) and ds.model.num_experts == 256

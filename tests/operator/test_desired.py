@@ -43,8 +43,6 @@ def make_spec(**over):
             "firstMoeLayer": 1,
             "numMoeLayers": 3,
             "numExperts": 32,
-            "topK": 4,
-            "hiddenSize": 256,
         },
         "replicas": 4,
     }
@@ -86,8 +84,16 @@ def test_server_pod_shape():
         "--server-id": "tiny-2",
         "--experts": meta["annotations"][ANNOTATION_EXPERTS],
         "--listen": "tcp://0.0.0.0:9000",
+        "--http-port": "9001",
     }
     assert parse_expert_spec(flags["--experts"]) == list(placement.servers[2])
+    # /health of the serving loop is the startup, readiness AND liveness probe (a SIGSTOPped
+    # server keeps accepting TCP connections; only the loop's heartbeat shows it is hung)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": 9001}, probe
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 300
+    assert "env" not in c  # no env var nothing reads
+    assert "volumes" not in pod["spec"]  # weights in the image
     for part in ("requests", "limits"):
         assert c["resources"][part]["nvidia.com/gpu"] == "2"
         assert c["resources"][part]["rdma/ib"] == "1"
@@ -174,8 +180,6 @@ def test_deepseek_v3_on_40_servers():
                 "firstMoeLayer": 3,
                 "numMoeLayers": 58,
                 "numExperts": 256,
-                "topK": 8,
-                "hiddenSize": 7168,
             },
             "replicas": 40,
             "redundancy": 2,
@@ -237,6 +241,23 @@ def test_plan_replaces_failed_and_waits_for_terminating():
     assert [m["metadata"]["name"] for m in plan.create] == ["tiny-3"]
     assert plan.delete == [("tiny-1", "u-tiny-1", "failed")]
     assert plan.waiting == ["tiny-2"]
+
+
+def test_plan_never_waits_on_a_hung_outdated_pod():
+    """Issue 6 item 6: a not-ready pod (hung, SIGSTOPped) must not block a re-placement. Two
+    outdated pods (image change), one of them not Ready: with room for one unavailable server,
+    the hung one is replaced at once and does not use up the budget of the healthy one."""
+    spec = make_spec()
+    _, old = desired_for(make_spec(image="old:1"))
+    obs = observed_from(old)
+    obs[1] = ObservedPod(**{**obs[1].__dict__, "ready": False})  # hung: Running, not Ready
+    _, new = desired_for(spec)
+    plan = plan_pods(new, obs, max_unavailable=1)
+    deleted = {n for n, _, _ in plan.delete}
+    assert "tiny-1" in deleted
+    assert not plan.forced
+    # the healthy outdated pods wait for the hung one's replacement (budget used by tiny-1)
+    assert deleted == {"tiny-1"}
 
 
 def test_plan_relabels_unchanged_pods_after_revision_change():
@@ -379,8 +400,6 @@ BIG_MODEL = {
     "firstMoeLayer": 1,
     "numMoeLayers": 3,
     "numExperts": 256,
-    "topK": 8,
-    "hiddenSize": 256,
 }
 
 
@@ -557,8 +576,10 @@ def test_fleet_deployment_and_service():
         "attention-client",
         "--model",
         "/models/tiny",
-        "--routing-table",
-        "/etc/eaas/routing-table.json",
+        "--routing-table-configmap",
+        "ns/tiny-routing-table",
+        "--push-token-file",
+        "/etc/eaas/push-token/token",
         "--port",
         "8000",
         "--host",
@@ -566,9 +587,24 @@ def test_fleet_deployment_and_service():
         "--dispatch-timeout",
         "0.5",
     ]
-    assert c["volumeMounts"][0]["mountPath"] == "/etc/eaas"
-    vol = dep["spec"]["template"]["spec"]["volumes"][0]
-    assert vol["configMap"]["name"] == "tiny-routing-table"
+    assert "env" not in c
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
+    pod_spec = dep["spec"]["template"]["spec"]
+    assert pod_spec["serviceAccountName"] == "clients-client"
+    (vol,) = pod_spec["volumes"]  # no ConfigMap mount: the table comes through the API
+    assert vol["secret"]["secretName"] == "clients-push-token"
+    assert c["volumeMounts"] == [
+        {
+            "name": "push-token",
+            "mountPath": "/etc/eaas/push-token",
+            "readOnly": True,
+        }
+    ]
+    with_reports = fleet_deployment(owner, spec, make_spec(), "http://op.eaas:8081/")
+    cmd = with_reports["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[cmd.index("--failure-report-url") + 1] == (
+        "http://op.eaas:8081/v1/failure-reports/ns/clients"
+    )
     assert dep["spec"]["replicas"] == 3
     assert dep["metadata"]["ownerReferences"][0]["uid"] == "fu"
     assert (
@@ -610,7 +646,13 @@ def test_pods_on_a_dead_node_leave_the_table():
         "metadata": {
             "name": "tiny-0",
             "labels": {"eaas.io/server-index": "0"},
-            "annotations": {ANNOTATION_EXPERTS: "1:0-3"},
+            "annotations": {
+                ANNOTATION_EXPERTS: "1:0-3",
+                # up to date: only the dead node makes it unusable
+                ANNOTATION_SPEC_HASH: pods["tiny-0"]["metadata"]["annotations"][
+                    ANNOTATION_SPEC_HASH
+                ],
+            },
         },
         "spec": {"nodeName": "gpu-node-1"},
         "status": {

@@ -1,0 +1,254 @@
+"""Exactly one operator acts: leader election on a ``coordination.k8s.io/v1`` Lease (issue 6,
+item 6, first bullet).
+
+Several ``eaas operator`` processes (Helm's two replicas, or a second one started by mistake)
+may run; only the holder of the Lease ``eaas-operator`` reconciles, pushes tables, posts Events
+and acts on failure reports. The others watch and wait. This is client-go's leader election
+(``k8s.io/client-go/tools/leaderelection``) in miniature:
+
+* the leader renews the Lease (``spec.renewTime``) every ``retry_s``; it stops acting when its
+  last successful renewal is older than ``renew_deadline_s`` (< ``lease_duration_s``), so it has
+  given up before anyone else may take over;
+* a candidate takes the Lease only when it has seen the same Lease record (resourceVersion)
+  for ``lease_duration_s`` of its own clock, or when the Lease is free (no holder: a leader that
+  shut down gracefully releases it, so a restart is quick);
+* every write carries the resourceVersion it read (optimistic concurrency): of two candidates
+  one wins, the other gets 409 and stays a candidate.
+
+kopf's own peering is not used: operators of equal priority all freeze under it (kopf docs,
+"Peering"), which is no failover.
+
+The decision (:func:`lease_decision`) is pure; :class:`LeaderElector` does the I/O in a thread.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+log = logging.getLogger("eaas.operator.leader")
+
+LEASE_NAME = "eaas-operator"
+
+Decision = Literal["renew", "acquire", "wait"]
+
+
+@dataclass(frozen=True)
+class LeaseSettings:
+    """Timing and identity of the election (all seconds).
+
+    Attributes:
+        namespace, name: the Lease object.
+        identity: this process (unique among candidates: pod name or host-pid-random).
+        lease_duration_s: how long a candidate waits after the last change it saw.
+        renew_deadline_s: how stale its own last renewal may get before a leader stops acting.
+        retry_s: period of renew / acquire attempts.
+    """
+
+    namespace: str
+    name: str = LEASE_NAME
+    identity: str = ""
+    lease_duration_s: float = 15.0
+    renew_deadline_s: float = 10.0
+    retry_s: float = 2.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> LeaseSettings:
+        """From ``EAAS_OPERATOR_LEASE_NAMESPACE`` (else ``POD_NAMESPACE``, else ``default``),
+        ``EAAS_OPERATOR_LEASE_NAME``, ``EAAS_OPERATOR_ID`` (else ``POD_NAME``, else
+        host-pid-random), ``EAAS_OPERATOR_LEASE_DURATION_S`` (default 15; the renew deadline is
+        2/3 of it and the retry period 2/15 of it).
+
+        Raises:
+            ValueError: a duration that is not a positive number.
+        """
+        duration = float(env.get("EAAS_OPERATOR_LEASE_DURATION_S", "15"))
+        if not duration > 0:
+            raise ValueError(f"EAAS_OPERATOR_LEASE_DURATION_S must be > 0, got {duration}")
+        identity = (
+            env.get("EAAS_OPERATOR_ID")
+            or env.get("POD_NAME")
+            or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        )
+        return cls(
+            namespace=env.get("EAAS_OPERATOR_LEASE_NAMESPACE")
+            or env.get("POD_NAMESPACE")
+            or "default",
+            name=env.get("EAAS_OPERATOR_LEASE_NAME", LEASE_NAME),
+            identity=identity,
+            lease_duration_s=duration,
+            renew_deadline_s=duration * 2 / 3,
+            retry_s=duration * 2 / 15,
+        )
+
+
+def lease_decision(
+    holder: str, me: str, unchanged_for_s: float, lease_duration_s: float
+) -> Decision:
+    """What a candidate does with the Lease it just read.
+
+    Args:
+        holder: ``spec.holderIdentity`` ("" when free).
+        me: this candidate's identity.
+        unchanged_for_s: for how long (own monotonic clock) the Lease's resourceVersion has not
+            changed since this candidate first saw it.
+        lease_duration_s: the election's lease duration.
+
+    Returns:
+        ``renew`` (it is ours), ``acquire`` (free, or its holder stopped renewing), or ``wait``.
+    """
+    if holder == me:
+        return "renew"
+    if not holder or unchanged_for_s >= lease_duration_s:
+        return "acquire"
+    return "wait"
+
+
+def lease_spec(
+    settings: LeaseSettings, holder: str, transitions: int, acquired: _dt.datetime | None
+) -> dict[str, Any]:
+    """Keyword arguments of the ``V1LeaseSpec`` this candidate writes (``acquired``: the
+    acquireTime to keep when renewing, or None to set it now)."""
+    now = _dt.datetime.now(_dt.timezone.utc)
+    return {
+        "holder_identity": holder,
+        "lease_duration_seconds": max(1, round(settings.lease_duration_s)),
+        "acquire_time": acquired or now,
+        "renew_time": now,
+        "lease_transitions": transitions,
+    }
+
+
+class LeaderElector:
+    """Runs the election in a daemon thread; :meth:`is_leader` is what the operator checks.
+
+    Args:
+        settings: the election.
+        api: a kubernetes ``ApiClient``.
+        on_change: called (from the election thread) with True/False when leadership flips.
+    """
+
+    def __init__(
+        self,
+        settings: LeaseSettings,
+        api: Any,
+        on_change: Callable[[bool], None] | None = None,
+    ) -> None:
+        from kubernetes import client as k8s
+
+        self.settings = settings
+        self.coord = k8s.CoordinationV1Api(api)
+        self.on_change = on_change
+        self._renewed_at = -1e18  # monotonic time of the last successful write as holder
+        self._seen_rv = ""
+        self._seen_at = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._was_leader = False
+
+    def is_leader(self) -> bool:
+        """True while this process holds the Lease and renewed it within the renew deadline."""
+        return time.monotonic() - self._renewed_at < self.settings.renew_deadline_s
+
+    def start(self) -> LeaderElector:
+        self._thread = threading.Thread(target=self._run, name="eaas-leader", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, release: bool = True) -> None:
+        """Stop campaigning; with ``release``, free the Lease if held (a successor starts at
+        once instead of after the lease duration)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if release and self.is_leader():
+            try:
+                lease = self.coord.read_namespaced_lease(
+                    self.settings.name, self.settings.namespace
+                )
+                if lease.spec is not None and lease.spec.holder_identity == self.settings.identity:
+                    lease.spec.holder_identity = ""
+                    self.coord.replace_namespaced_lease(
+                        self.settings.name, self.settings.namespace, lease
+                    )
+                    log.info("released Lease %s", self.settings.name)
+            except Exception as exc:  # best effort: the successor waits the lease out instead
+                log.warning("could not release Lease %s: %s", self.settings.name, exc)
+        self._renewed_at = -1e18
+        self._flip()
+
+    def _flip(self) -> None:
+        now = self.is_leader()
+        if now != self._was_leader:
+            self._was_leader = now
+            log.info(
+                "%s leadership (Lease %s/%s, identity %s)",
+                "acquired" if now else "lost",
+                self.settings.namespace,
+                self.settings.name,
+                self.settings.identity,
+            )
+            if self.on_change is not None:
+                self.on_change(now)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except Exception as exc:  # API down: keep trying; is_leader() expires by itself
+                log.warning("leader election step failed: %s", exc)
+            self._flip()
+            self._stop.wait(self.settings.retry_s)
+
+    def step(self) -> Decision:
+        """Read the Lease, decide, write if needed. Returns the decision taken."""
+        from kubernetes import client as k8s
+        from kubernetes.client.rest import ApiException
+
+        s = self.settings
+        started = time.monotonic()
+        try:
+            lease = self.coord.read_namespaced_lease(s.name, s.namespace)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            body = k8s.V1Lease(
+                metadata=k8s.V1ObjectMeta(name=s.name, namespace=s.namespace),
+                spec=k8s.V1LeaseSpec(**lease_spec(s, s.identity, 0, None)),
+            )
+            try:
+                self.coord.create_namespaced_lease(s.namespace, body)
+            except ApiException as exc2:
+                if exc2.status == 409:
+                    return "wait"
+                raise
+            self._renewed_at = started
+            return "acquire"
+        now = time.monotonic()
+        rv = (lease.metadata.resource_version if lease.metadata else None) or ""
+        if rv != self._seen_rv:
+            self._seen_rv, self._seen_at = rv, now
+        spec = lease.spec or k8s.V1LeaseSpec()
+        holder = spec.holder_identity or ""
+        decision = lease_decision(holder, s.identity, now - self._seen_at, s.lease_duration_s)
+        if decision == "wait":
+            return decision
+        transitions = int(spec.lease_transitions or 0) + (decision == "acquire")
+        keep = spec.acquire_time if decision == "renew" else None
+        lease.spec = k8s.V1LeaseSpec(**lease_spec(s, s.identity, transitions, keep))
+        try:
+            self.coord.replace_namespaced_lease(s.name, s.namespace, lease)  # carries rv
+        except ApiException as exc:
+            if exc.status == 409:  # someone else wrote first
+                return "wait"
+            raise
+        self._renewed_at = started  # conservative: before the read
+        return decision

@@ -1,0 +1,90 @@
+"""Push and acknowledge, operator side: which clients get a push and what an answer means."""
+
+from __future__ import annotations
+
+from eaas.operator.push import ObservedClient, PushResult, acknowledged, clients_to_push
+
+
+def pod(name, uid, ip="127.1.0.5", ready=True, deleting=False):
+    return {
+        "metadata": {"name": name, "uid": uid, **({"deletionTimestamp": "T"} if deleting else {})},
+        "status": {
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+def test_observed_client_from_pod():
+    assert ObservedClient.from_pod(pod("a", "u1")) == ObservedClient("a", "u1", "127.1.0.5", True)
+    assert not ObservedClient.from_pod(pod("a", "u1", ready=False)).ready
+    assert not ObservedClient.from_pod(pod("a", "u1", deleting=True)).ready
+    assert ObservedClient.from_pod({"metadata": {"name": "b"}}).ip == ""
+
+
+def test_clients_to_push_skips_unready_and_acknowledged():
+    clients = [
+        ObservedClient("a", "u1", "127.1.0.5", True),
+        ObservedClient("b", "u2", "127.1.0.6", True),
+        ObservedClient("c", "u3", "127.1.0.7", False),  # not Ready
+        ObservedClient("d", "u4", "", True),  # no IP yet
+    ]
+    acks = {"u1": 7, "u2": 6}
+    assert [c.name for c in clients_to_push(clients, acks, 7)] == ["b"]
+    assert [c.name for c in clients_to_push(clients, acks, 8)] == ["a", "b"]
+    assert clients_to_push(clients, {}, 0) == []  # no table yet
+    # a replacement pod (new uid) starts unacknowledged
+    new = [ObservedClient("a", "u9", "127.1.0.9", True)]
+    assert clients_to_push(new, acks, 7) == new
+
+
+def test_acknowledged_reads_200_and_409():
+    assert acknowledged(PushResult(200, 7, None, "")) == 7
+    assert acknowledged(PushResult(409, None, 9, "stale")) == 9  # got it from the ConfigMap
+    assert acknowledged(PushResult(401, None, None, "bad token")) is None
+    assert acknowledged(PushResult(400, None, None, "invalid")) is None
+
+
+def test_put_table_speaks_the_push_protocol():
+    """put_table against a local HTTP server answering as an attention client does."""
+    import http.server
+    import json
+    import socket
+    import threading
+
+    import pytest
+
+    from eaas.operator.push import put_table
+
+    seen = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self):  # noqa: N802
+            seen["path"] = self.path
+            seen["auth"] = self.headers["Authorization"]
+            seen["body"] = self.rfile.read(int(self.headers["Content-Length"]))
+            body = {"error": {"message": "stale", "code": "stale_version"}, "applied_version": 9}
+            raw = json.dumps(body).encode()
+            self.send_response(409)
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        r = put_table(f"http://127.0.0.1:{srv.server_address[1]}/", '{"version": 8}', "tok", 10)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert r == PushResult(409, None, 9, "stale")
+    assert acknowledged(r) == 9
+    assert seen == {"path": "/routing-table", "auth": "Bearer tok", "body": b'{"version": 8}'}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    with pytest.raises(OSError):
+        put_table(f"http://127.0.0.1:{closed}", "{}", "tok", 10)
