@@ -147,7 +147,7 @@ def server_pod(
     if volume is not None and mount is not None:
         pod_spec["volumes"] = [volume]
         pod_spec["containers"][0]["volumeMounts"] = [mount]
-    pod = {
+    pod: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
