@@ -52,7 +52,9 @@ def expert_server(
         0, "--metrics-port", help="Serve Prometheus /metrics on this port (0: none)."
     ),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
-    threads: int = typer.Option(1, "--threads", help="torch intra-op threads (default 1)."),
+    threads: int = typer.Option(
+        1, "--threads", min=0, help="torch intra-op threads (0: torch default)."
+    ),
     batch_window_us: float = typer.Option(
         0.0, "--batch-window-us", help="Extra gather time per dynamic batch."
     ),
@@ -206,6 +208,11 @@ def attention_client(
     device: str = typer.Option(
         "auto", "--device", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N."
     ),
+    max_request_body: str = typer.Option(
+        "32MiB",
+        "--max-request-body",
+        help="Largest API request body; larger ones get 413 request_too_large.",
+    ),
 ) -> None:
     """Run one attention client with the OpenAI-compatible API (the process a client pod runs).
 
@@ -235,6 +242,10 @@ def attention_client(
     try:
         if kv_cache_memory is not None:
             parse_memory_size(kv_cache_memory)
+        try:
+            parse_memory_size(max_request_body)
+        except ValueError as e:
+            raise ValueError(f"--max-request-body: {e}") from None
         resolve_device(device)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
@@ -257,6 +268,7 @@ def attention_client(
         device=device,
         kv_cache_memory=kv_cache_memory,
         max_num_batched_tokens=max_num_batched_tokens,
+        max_request_body=max_request_body,
     )
     _exit_now(f"attention-client {client_id}")
 

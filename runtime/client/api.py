@@ -72,6 +72,17 @@ def error_response(
     return APIError(status, message, type_, param, code).response()
 
 
+def _too_large(size: int, limit: int) -> APIError:
+    return APIError(
+        413,
+        f"request body of {size} bytes is larger than the limit of {limit} bytes "
+        "(attention-client --max-request-body)",
+        "invalid_request_error",
+        None,
+        "request_too_large",
+    )
+
+
 def _version() -> str:
     try:
         return version("eaas")
@@ -104,9 +115,20 @@ def create_app(server: OpenAIServer) -> FastAPI:
         return error_response(exc.status_code, str(exc.detail), type_, None, code)
 
     async def _json_body(request: Request) -> dict:
-        raw = await request.body()
+        limit = server.max_request_body
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_large(int(declared), limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():  # also bounds a chunked body without a length
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+        raw = b"".join(chunks)
         try:
-            body = json.loads(raw)
+            # off the event loop: parsing a body of many MiB would stall /health and every stream
+            body = await asyncio.to_thread(json.loads, raw) if size > 1 << 20 else json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise bad(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
         if not isinstance(body, dict):
@@ -160,20 +182,23 @@ def create_app(server: OpenAIServer) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        prep = server.prepare_completion(await _json_body(request))
+        # tokenizing a long prompt takes seconds: in a worker thread, so /health and the running
+        # streams keep being served meanwhile
+        prep = await asyncio.to_thread(server.prepare_completion, await _json_body(request))
         return await server.generate(request, prep)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        prep = server.prepare_chat(await _json_body(request))
+        prep = await asyncio.to_thread(server.prepare_chat, await _json_body(request))
         return await server.generate(request, prep)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        return server.tokenize(await _json_body(request)).model_dump()
+        return (await asyncio.to_thread(server.tokenize, await _json_body(request))).model_dump()
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        return server.detokenize(await _json_body(request)).model_dump()
+        body = await _json_body(request)
+        return (await asyncio.to_thread(server.detokenize, body)).model_dump()
 
     return app
