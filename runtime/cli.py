@@ -128,6 +128,14 @@ def expert_server(
     _exit_now(f"expert-server {server_id}")
 
 
+def _check_dispatch_timeout(seconds: float) -> None:
+    """Raises: typer.BadParameter (exit code 2) unless ``seconds`` is a finite number > 0."""
+    import math
+
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise typer.BadParameter(f"--dispatch-timeout must be > 0 seconds, got {seconds}")
+
+
 def _exit_now(what: str) -> None:
     """Leave at once after a graceful stop (sockets closed, socket path unlinked).
 
@@ -161,7 +169,9 @@ def attention_client(
         help="Bind the API port with SO_REUSEPORT so several clients share it (eaas serve sets it).",
     ),
     dispatch_timeout: float = typer.Option(
-        5.0, "--dispatch-timeout", help="Seconds to wait for expert servers per MoE layer round."
+        5.0,
+        "--dispatch-timeout",
+        help="Seconds (> 0) to wait for expert servers per MoE layer round.",
     ),
     local_experts: bool = typer.Option(
         False,
@@ -169,7 +179,9 @@ def attention_client(
         help="No expert servers: run the untouched model in-process (single-process baseline).",
     ),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
-    threads: int = typer.Option(1, "--threads", help="torch intra-op threads (0: torch default)."),
+    threads: int = typer.Option(
+        1, "--threads", min=0, help="torch intra-op threads (0: torch default)."
+    ),
     served_model_name: str = typer.Option(
         None, "--served-model-name", help="Model id in the API (default: directory name)."
     ),
@@ -220,6 +232,7 @@ def attention_client(
     """
     from eaas.runtime.client.main import run_attention_client
 
+    _check_dispatch_timeout(dispatch_timeout)
     if not local_experts and not routing_table and not routing_table_configmap:
         raise typer.BadParameter(
             "--routing-table or --routing-table-configmap is required unless --local-experts "
@@ -294,14 +307,14 @@ def serve(
         "shm", "--transport", help="shm (same-host shared memory) or tcp."
     ),
     dispatch_timeout: float = typer.Option(
-        5.0, "--dispatch-timeout", help="Clients' deadline per MoE layer round (s)."
+        5.0, "--dispatch-timeout", help="Clients' deadline per MoE layer round (s, > 0)."
     ),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
     client_threads: int = typer.Option(
-        1, "--client-threads", help="torch threads per attention client."
+        1, "--client-threads", min=0, help="torch threads per attention client (0: torch default)."
     ),
     server_threads: int = typer.Option(
-        1, "--server-threads", help="torch threads per expert server."
+        1, "--server-threads", min=0, help="torch threads per expert server (0: torch default)."
     ),
     kv_cache_memory: str = typer.Option(
         None, "--kv-cache-memory", help="Each attention client's KV cache, e.g. 512MiB."
@@ -314,6 +327,7 @@ def serve(
     ),
 ) -> None:
     """Start a whole deployment on this machine: expert servers + attention clients."""
+    _check_dispatch_timeout(dispatch_timeout)
     from eaas.runtime.placement import PlacementError
     from eaas.runtime.serve import serve as run_serve
 

@@ -18,8 +18,8 @@ What it does:
    hot-reload the new table). A dead attention client is logged; when none is left, serve exits.
 5. SIGINT/SIGTERM: terminate the attention clients and wait until they exit (their running
    requests end while the expert servers still answer), then the expert servers; SIGKILL after
-   a grace period (a second Ctrl-C: at once), remove the run directory (Unix sockets, routing table, metrics files). Children get
-   ``PR_SET_PDEATHSIG=SIGKILL`` (set between fork and exec), so they die with serve even if serve
+   a grace period (a second Ctrl-C: at once), remove the run directory (Unix sockets, routing
+   table, metrics files). Children get ``PR_SET_PDEATHSIG=SIGKILL`` (set between fork and exec), so they die with serve even if serve
    is SIGKILLed. Shared memory of the shm transport is memfd-based: nothing in ``/dev/shm``.
 
 Child output: each child's stdout lines are relayed to serve's stdout prefixed with its name;
@@ -164,14 +164,21 @@ class Deployment:
             raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
         if not 1 <= port <= 65535:
             raise ValueError(f"--port must be in 1..65535, got {port}")
+        kv_bytes = None
         if kv_cache_memory is not None:
             from eaas.runtime.client.kv_cache import parse_memory_size
 
-            parse_memory_size(kv_cache_memory)  # ValueError before any process starts
+            kv_bytes = parse_memory_size(kv_cache_memory)  # ValueError before any process starts
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", client_device):
             raise ValueError(
                 f"--client-device must be auto, cpu, cuda or cuda:N, got {client_device!r}"
             )
+        from eaas.runtime.client.main import resolve_device
+
+        try:  # the attention client's own check (a CUDA device that is not there), up front
+            resolve_device(client_device)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("--device", "--client-device", 1)) from None
         if max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {max_num_batched_tokens}")
         _check_port_free(host, port)
@@ -183,6 +190,13 @@ class Deployment:
 
         self.model_dir = str(model_dir)
         self.info = read_model_info(self.model_dir)
+        if kv_bytes is not None:  # the engine's size check, before the clients load weights
+            import torch
+
+            from eaas.runtime.client.kv_cache import check_kv_cache_memory
+
+            dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+            check_kv_cache_memory(self.model_dir, dtypes[dtype], kv_bytes)
         self.placement = place_experts(
             self.info.moe_layers, self.info.num_experts, expert_servers, replicas
         )
