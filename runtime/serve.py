@@ -19,8 +19,9 @@ What it does:
 5. SIGINT/SIGTERM: terminate the attention clients and wait until they exit (their running
    requests end while the expert servers still answer), then the expert servers; SIGKILL after
    a grace period (a second Ctrl-C: at once), remove the run directory (Unix sockets, routing
-   table, metrics files). Children get ``PR_SET_PDEATHSIG=SIGKILL`` (set between fork and exec), so they die with serve even if serve
-   is SIGKILLed. Shared memory of the shm transport is memfd-based: nothing in ``/dev/shm``.
+   table, metrics files). Children get ``PR_SET_PDEATHSIG=SIGKILL`` (set between fork and
+   exec), so they die with serve even if serve is SIGKILLed. Shared memory of the shm
+   transport is memfd-based: nothing in ``/dev/shm``.
 
 Child output: each child's stdout lines are relayed to serve's stdout prefixed with its name;
 stderr is inherited.

@@ -38,8 +38,11 @@ unknown fields (``unrecognized_parameter``), known but unsupported fields such a
 ``response_format``, ``suffix``, ``best_of`` != ``n`` (``unsupported_parameter``),
 ``stream_options`` without ``stream``, token ids outside the model's vocabulary (also when the
 tokenizer produced them), context overflow (``context_length_exceeded``); 404
-``model_not_found`` for a model name this server does not serve; 503 ``service_unavailable``
-when an expert has no live replica (retryable); 500 otherwise.
+``model_not_found`` for a model name this server does not serve; 413 ``request_too_large`` for
+a body over ``OpenAIServer.max_request_body`` (``--max-request-body``); 503
+``service_unavailable`` when an expert has no live replica (``no_live_replica``) or the client is
+shutting down (``server_shutting_down``), both retryable; 500 otherwise. Body parsing and
+tokenization run in worker threads (a huge prompt does not stall ``/health``).
 """
 
 from __future__ import annotations
