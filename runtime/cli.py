@@ -52,7 +52,9 @@ def expert_server(
         0, "--metrics-port", help="Serve Prometheus /metrics on this port (0: none)."
     ),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
-    threads: int = typer.Option(1, "--threads", help="torch intra-op threads (default 1)."),
+    threads: int = typer.Option(
+        1, "--threads", min=0, help="torch intra-op threads (0: torch default)."
+    ),
     batch_window_us: float = typer.Option(
         0.0, "--batch-window-us", help="Extra gather time per dynamic batch."
     ),
@@ -126,6 +128,14 @@ def expert_server(
     _exit_now(f"expert-server {server_id}")
 
 
+def _check_dispatch_timeout(seconds: float) -> None:
+    """Raises: typer.BadParameter (exit code 2) unless ``seconds`` is a finite number > 0."""
+    import math
+
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise typer.BadParameter(f"--dispatch-timeout must be > 0 seconds, got {seconds}")
+
+
 def _exit_now(what: str) -> None:
     """Leave at once after a graceful stop (sockets closed, socket path unlinked).
 
@@ -159,7 +169,9 @@ def attention_client(
         help="Bind the API port with SO_REUSEPORT so several clients share it (eaas serve sets it).",
     ),
     dispatch_timeout: float = typer.Option(
-        5.0, "--dispatch-timeout", help="Seconds to wait for expert servers per MoE layer round."
+        5.0,
+        "--dispatch-timeout",
+        help="Seconds (> 0) to wait for expert servers per MoE layer round.",
     ),
     local_experts: bool = typer.Option(
         False,
@@ -167,7 +179,9 @@ def attention_client(
         help="No expert servers: run the untouched model in-process (single-process baseline).",
     ),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
-    threads: int = typer.Option(1, "--threads", help="torch intra-op threads (0: torch default)."),
+    threads: int = typer.Option(
+        1, "--threads", min=0, help="torch intra-op threads (0: torch default)."
+    ),
     served_model_name: str = typer.Option(
         None, "--served-model-name", help="Model id in the API (default: directory name)."
     ),
@@ -206,6 +220,11 @@ def attention_client(
     device: str = typer.Option(
         "auto", "--device", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N."
     ),
+    max_request_body: str = typer.Option(
+        "32MiB",
+        "--max-request-body",
+        help="Largest API request body; larger ones get 413 request_too_large.",
+    ),
 ) -> None:
     """Run one attention client with the OpenAI-compatible API (the process a client pod runs).
 
@@ -213,6 +232,7 @@ def attention_client(
     """
     from eaas.runtime.client.main import run_attention_client
 
+    _check_dispatch_timeout(dispatch_timeout)
     if not local_experts and not routing_table and not routing_table_configmap:
         raise typer.BadParameter(
             "--routing-table or --routing-table-configmap is required unless --local-experts "
@@ -235,6 +255,10 @@ def attention_client(
     try:
         if kv_cache_memory is not None:
             parse_memory_size(kv_cache_memory)
+        try:
+            parse_memory_size(max_request_body)
+        except ValueError as e:
+            raise ValueError(f"--max-request-body: {e}") from None
         resolve_device(device)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
@@ -257,6 +281,7 @@ def attention_client(
         device=device,
         kv_cache_memory=kv_cache_memory,
         max_num_batched_tokens=max_num_batched_tokens,
+        max_request_body=max_request_body,
     )
     _exit_now(f"attention-client {client_id}")
 
@@ -282,14 +307,14 @@ def serve(
         "shm", "--transport", help="shm (same-host shared memory) or tcp."
     ),
     dispatch_timeout: float = typer.Option(
-        5.0, "--dispatch-timeout", help="Clients' deadline per MoE layer round (s)."
+        5.0, "--dispatch-timeout", help="Clients' deadline per MoE layer round (s, > 0)."
     ),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
     client_threads: int = typer.Option(
-        1, "--client-threads", help="torch threads per attention client."
+        1, "--client-threads", min=0, help="torch threads per attention client (0: torch default)."
     ),
     server_threads: int = typer.Option(
-        1, "--server-threads", help="torch threads per expert server."
+        1, "--server-threads", min=0, help="torch threads per expert server (0: torch default)."
     ),
     kv_cache_memory: str = typer.Option(
         None, "--kv-cache-memory", help="Each attention client's KV cache, e.g. 512MiB."
@@ -302,6 +327,7 @@ def serve(
     ),
 ) -> None:
     """Start a whole deployment on this machine: expert servers + attention clients."""
+    _check_dispatch_timeout(dispatch_timeout)
     from eaas.runtime.placement import PlacementError
     from eaas.runtime.serve import serve as run_serve
 

@@ -16,10 +16,12 @@ What it does:
 4. Acts as the local *monitor*: when an expert server exits, it logs it and publishes a new
    routing table version without that server (clients fail over on their own before that and
    hot-reload the new table). A dead attention client is logged; when none is left, serve exits.
-5. SIGINT/SIGTERM: terminate every child (clients first), SIGKILL after a grace period, remove
-   the run directory (Unix sockets, routing table, metrics files). Children get
-   ``PR_SET_PDEATHSIG=SIGKILL`` (set between fork and exec), so they die with serve even if serve
-   is SIGKILLed. Shared memory of the shm transport is memfd-based: nothing in ``/dev/shm``.
+5. SIGINT/SIGTERM: terminate the attention clients and wait until they exit (their running
+   requests end while the expert servers still answer), then the expert servers; SIGKILL after
+   a grace period (a second Ctrl-C: at once), remove the run directory (Unix sockets, routing
+   table, metrics files). Children get ``PR_SET_PDEATHSIG=SIGKILL`` (set between fork and
+   exec), so they die with serve even if serve is SIGKILLed. Shared memory of the shm
+   transport is memfd-based: nothing in ``/dev/shm``.
 
 Child output: each child's stdout lines are relayed to serve's stdout prefixed with its name;
 stderr is inherited.
@@ -163,14 +165,21 @@ class Deployment:
             raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
         if not 1 <= port <= 65535:
             raise ValueError(f"--port must be in 1..65535, got {port}")
+        kv_bytes = None
         if kv_cache_memory is not None:
             from eaas.runtime.client.kv_cache import parse_memory_size
 
-            parse_memory_size(kv_cache_memory)  # ValueError before any process starts
+            kv_bytes = parse_memory_size(kv_cache_memory)  # ValueError before any process starts
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", client_device):
             raise ValueError(
                 f"--client-device must be auto, cpu, cuda or cuda:N, got {client_device!r}"
             )
+        from eaas.runtime.client.main import resolve_device
+
+        try:  # the attention client's own check (a CUDA device that is not there), up front
+            resolve_device(client_device)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("--device", "--client-device", 1)) from None
         if max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {max_num_batched_tokens}")
         _check_port_free(host, port)
@@ -182,6 +191,13 @@ class Deployment:
 
         self.model_dir = str(model_dir)
         self.info = read_model_info(self.model_dir)
+        if kv_bytes is not None:  # the engine's size check, before the clients load weights
+            import torch
+
+            from eaas.runtime.client.kv_cache import check_kv_cache_memory
+
+            dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+            check_kv_cache_memory(self.model_dir, dtypes[dtype], kv_bytes)
         self.placement = place_experts(
             self.info.moe_layers, self.info.num_experts, expert_servers, replicas
         )
@@ -402,6 +418,7 @@ class Deployment:
     def request_stop(self, signum: int | None = None, _frame: object = None) -> None:
         """Signal handler: stop gracefully; a second Ctrl-C while stopping kills the children."""
         if self._stopping and signum == signal.SIGINT:
+            _log("second Ctrl-C: killing all processes now (SIGKILL)")
             self._kill_all()
         self._stop = True
 
@@ -413,9 +430,16 @@ class Deployment:
                 except ProcessLookupError:
                     pass
 
+    def _pump_quietly(self, timeout: float) -> None:
+        try:
+            self._pump(timeout)
+        except Exception:  # noqa: BLE001  (a closed pipe while stopping: nothing left to relay)
+            time.sleep(timeout)
+
     # ---- stop -----------------------------------------------------------------------------
     def stop(self, grace: float = 15.0) -> None:
-        """Terminate clients then servers (SIGTERM), SIGKILL leftovers, remove the run dir."""
+        """Terminate the clients (SIGTERM) and wait for them, then the servers; SIGKILL what is
+        left after ``grace`` seconds (in all); remove the run dir."""
         self._stopping = True
         alive = [ch for ch in self.children if ch.proc is not None and ch.proc.poll() is None]
         if alive:
@@ -427,23 +451,27 @@ class Deployment:
                 f"(SIGTERM, SIGKILL after {grace:.0f} s; Ctrl-C again to kill them now)"
             )
         t0 = time.monotonic()
+        deadline = time.monotonic() + grace
+        # Clients first, and wait for them: a client ends its running requests (or lets them
+        # finish) while the expert servers still answer, so no request fails as if a server died.
+        # Only then the servers (a server stopped first turns every running request into a 503
+        # no_live_replica).
         for role in ("attention-client", "expert-server"):
-            for ch in self.children:
-                if ch.role == role and ch.proc and ch.proc.poll() is None:
+            group = [ch for ch in self.children if ch.role == role and ch.proc is not None]
+            for ch in group:
+                if ch.proc is not None and ch.proc.poll() is None:
                     try:
                         ch.proc.terminate()
                     except ProcessLookupError:
                         pass
-        deadline = time.monotonic() + grace
-        for ch in self.children:
-            if ch.proc is None:
-                continue
-            try:
-                ch.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _log(f"{ch.name} did not exit within {grace:.0f} s; killing it")
-                ch.proc.kill()
-                ch.proc.wait()
+            for ch in group:
+                proc = ch.popen
+                while proc.poll() is None and time.monotonic() < deadline:
+                    self._pump_quietly(0.1)  # relay their last lines while they stop
+                if proc.poll() is None:
+                    _log(f"{ch.name} did not exit within {grace:.0f} s; killing it")
+                    proc.kill()
+                proc.wait()
         try:
             self._pump(0)
         except Exception:  # noqa: BLE001

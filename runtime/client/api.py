@@ -38,8 +38,11 @@ unknown fields (``unrecognized_parameter``), known but unsupported fields such a
 ``response_format``, ``suffix``, ``best_of`` != ``n`` (``unsupported_parameter``),
 ``stream_options`` without ``stream``, token ids outside the model's vocabulary (also when the
 tokenizer produced them), context overflow (``context_length_exceeded``); 404
-``model_not_found`` for a model name this server does not serve; 503 ``service_unavailable``
-when an expert has no live replica (retryable); 500 otherwise.
+``model_not_found`` for a model name this server does not serve; 413 ``request_too_large`` for
+a body over ``OpenAIServer.max_request_body`` (``--max-request-body``); 503
+``service_unavailable`` when an expert has no live replica (``no_live_replica``) or the client is
+shutting down (``server_shutting_down``), both retryable; 500 otherwise. Body parsing and
+tokenization run in worker threads (a huge prompt does not stall ``/health``).
 """
 
 from __future__ import annotations
@@ -70,6 +73,17 @@ def error_response(
     code: str | None = None,
 ) -> JSONResponse:
     return APIError(status, message, type_, param, code).response()
+
+
+def _too_large(size: int, limit: int) -> APIError:
+    return APIError(
+        413,
+        f"request body of {size} bytes is larger than the limit of {limit} bytes "
+        "(attention-client --max-request-body)",
+        "invalid_request_error",
+        None,
+        "request_too_large",
+    )
 
 
 def _version() -> str:
@@ -104,9 +118,20 @@ def create_app(server: OpenAIServer) -> FastAPI:
         return error_response(exc.status_code, str(exc.detail), type_, None, code)
 
     async def _json_body(request: Request) -> dict:
-        raw = await request.body()
+        limit = server.max_request_body
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_large(int(declared), limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():  # also bounds a chunked body without a length
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+        raw = b"".join(chunks)
         try:
-            body = json.loads(raw)
+            # off the event loop: parsing a body of many MiB would stall /health and every stream
+            body = await asyncio.to_thread(json.loads, raw) if size > 1 << 20 else json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise bad(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
         if not isinstance(body, dict):
@@ -160,20 +185,23 @@ def create_app(server: OpenAIServer) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        prep = server.prepare_completion(await _json_body(request))
+        # tokenizing a long prompt takes seconds: in a worker thread, so /health and the running
+        # streams keep being served meanwhile
+        prep = await asyncio.to_thread(server.prepare_completion, await _json_body(request))
         return await server.generate(request, prep)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        prep = server.prepare_chat(await _json_body(request))
+        prep = await asyncio.to_thread(server.prepare_chat, await _json_body(request))
         return await server.generate(request, prep)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        return server.tokenize(await _json_body(request)).model_dump()
+        return (await asyncio.to_thread(server.tokenize, await _json_body(request))).model_dump()
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        return server.detokenize(await _json_body(request)).model_dump()
+        body = await _json_body(request)
+        return (await asyncio.to_thread(server.detokenize, body)).model_dump()
 
     return app

@@ -403,7 +403,7 @@ class Engine(EngineBase):
         block_size: int = 16,
         max_model_len: int | None = None,
     ) -> None:
-        from eaas.runtime.client.kv_cache import PagedKVCache, kv_cache_spec
+        from eaas.runtime.client.kv_cache import PagedKVCache, kv_cache_spec, min_kv_cache_memory
         from eaas.runtime.client.scheduler import Scheduler
         from eaas.runtime.models.paged import PagedModelRunner
 
@@ -420,7 +420,7 @@ class Engine(EngineBase):
             kv_cache_memory = default_kv_cache_memory(
                 spec.bytes_per_token, self.max_model_len, max_num_seqs
             )
-        minimum = spec.bytes_per_token * block_size * (-(-self.max_model_len // block_size))
+        minimum = min_kv_cache_memory(spec, self.max_model_len, block_size)
         if kv_cache_memory < minimum:
             raise ValueError(
                 f"--kv-cache-memory {kv_cache_memory} B is below one sequence of max_model_len "

@@ -90,8 +90,15 @@ def kv_cache_spec(model) -> KVCacheSpec:
     Raises:
         ValueError: an architecture without a known attention layout.
     """
-    cfg = model.config
-    dtype = next(model.parameters()).dtype
+    return kv_cache_spec_from_config(model.config, next(model.parameters()).dtype)
+
+
+def kv_cache_spec_from_config(cfg, dtype: torch.dtype) -> KVCacheSpec:
+    """:func:`kv_cache_spec` from a transformers config alone (no weights loaded).
+
+    Raises:
+        ValueError: an architecture without a known attention layout.
+    """
     n = cfg.num_hidden_layers
     if getattr(cfg, "kv_lora_rank", None):
         return KVCacheSpec(n, "mla", 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, 0, dtype)
@@ -99,6 +106,34 @@ def kv_cache_spec(model) -> KVCacheSpec:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return KVCacheSpec(n, "gqa", cfg.num_key_value_heads, head_dim, head_dim, dtype)
     raise ValueError(f"no paged attention for model type {cfg.model_type!r}")
+
+
+def min_kv_cache_memory(spec: KVCacheSpec, max_model_len: int, block_size: int = 16) -> int:
+    """Bytes of the smallest KV cache the engine accepts: one sequence of ``max_model_len``
+    tokens, rounded up to whole blocks of ``block_size`` tokens."""
+    return spec.bytes_per_token * block_size * (-(-max_model_len // block_size))
+
+
+def check_kv_cache_memory(model_dir: str, dtype: torch.dtype, kv_cache_memory: int) -> None:
+    """The engine's KV-cache size check, from ``model_dir``'s config alone (seconds before the
+    weights would be loaded), for ``eaas serve`` to refuse a bad ``--kv-cache-memory`` up front.
+
+    Raises:
+        ValueError: ``kv_cache_memory`` bytes hold less than one sequence of the model's
+            ``max_position_embeddings`` tokens (message gives the minimum), or the model has no
+            paged-attention layout.
+    """
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    spec = kv_cache_spec_from_config(cfg, dtype)
+    minimum = min_kv_cache_memory(spec, int(cfg.max_position_embeddings))
+    if kv_cache_memory < minimum:
+        raise ValueError(
+            f"--kv-cache-memory {kv_cache_memory} B is below one sequence of max_model_len "
+            f"{cfg.max_position_embeddings} tokens ({minimum} B at {spec.bytes_per_token} B per "
+            "token)"
+        )
 
 
 class BlockAllocator:

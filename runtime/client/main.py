@@ -23,6 +23,10 @@ import socket
 import sys
 from pathlib import Path
 
+#: Seconds a SIGTERM/SIGINT leaves running requests to finish before they end with
+#: 503 ``server_shutting_down``.
+SHUTDOWN_GRACE_S = 1.0
+
 log = logging.getLogger("eaas.client")
 
 
@@ -96,6 +100,7 @@ def run_attention_client(
     device: str = "auto",
     kv_cache_memory: str | None = None,
     max_num_batched_tokens: int = 512,
+    max_request_body: str | None = None,
 ) -> None:
     """Run one attention client until SIGINT/SIGTERM.
 
@@ -110,6 +115,8 @@ def run_attention_client(
             where the model and its KV cache live.
         kv_cache_memory: KV-cache budget such as ``"2GiB"`` (``None``: the engine's default).
         max_num_batched_tokens: tokens per forward (decode tokens + prefill chunks).
+        max_request_body: largest API request body, e.g. ``"32MiB"`` (``None``: 32 MiB); larger
+            bodies get 413 ``request_too_large``.
 
     Raises:
         ValueError: no routing-table source and not ``local_experts``, a bad ``dtype``,
@@ -228,6 +235,7 @@ def run_attention_client(
         info.vocab_size,
         str(client_id),
         health_extra,
+        **({"max_request_body": parse_memory_size(max_request_body)} if max_request_body else {}),
     )
     app = create_app(server)
     app.state.table_push = TablePush(
@@ -248,19 +256,31 @@ def run_attention_client(
 
     sock = bind_listener(host, port, reuse_port)
     config = uvicorn.Config(
-        app, log_level=log_level, access_log=False, timeout_graceful_shutdown=2, lifespan="off"
+        app,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S) + 2,
+        lifespan="off",
     )
     userver = _Server(config)
+
+    loop_box: list[asyncio.AbstractEventLoop] = []
 
     def _on_signal(signum, _frame) -> None:
         if userver.should_exit and signum == signal.SIGINT:
             userver.force_exit = True
+        elif not userver.should_exit and loop_box:
+            # Requests still running after SHUTDOWN_GRACE_S end with 503 server_shutting_down
+            # (the stream gets an error event), before uvicorn's graceful timeout cuts them.
+            loop = loop_box[0]
+            loop.call_soon_threadsafe(loop.call_later, SHUTDOWN_GRACE_S, server.shut_down)
         userver.should_exit = True
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
 
     async def main() -> None:
+        loop_box.append(asyncio.get_running_loop())
         task = asyncio.create_task(userver.serve(sockets=[sock]))
         while not userver.started and not task.done():
             await asyncio.sleep(0.05)

@@ -59,6 +59,10 @@ log = logging.getLogger("eaas.client.api")
 
 DISCONNECT_POLL_S = 0.1
 
+#: Largest request body accepted (bytes); larger ones get 413 ``request_too_large``
+#: (``attention-client --max-request-body``). Generous: a full 128k-token prompt is ~1 MiB.
+DEFAULT_MAX_REQUEST_BODY = 32 * 2**20
+
 
 class _ClientGone(Exception):
     """The HTTP client disconnected before the answer was ready."""
@@ -67,10 +71,23 @@ class _ClientGone(Exception):
 _GONE = object()  # queued by the disconnect watcher of a non-streaming request
 
 
+class ServerShuttingDown(Exception):
+    """This attention client is stopping (SIGTERM/SIGINT): its running requests end with it."""
+
+
 def exc_error(exc: BaseException) -> APIError:
-    """The API error for an engine failure: 503 (retryable) when no replica is live, else 500."""
+    """The API error for an engine failure: 503 (retryable) when no replica is live or the client
+    is shutting down (``server_shutting_down``), else 500."""
     from eaas.runtime.client.dispatch import NoLiveReplicaError
 
+    if isinstance(exc, ServerShuttingDown):
+        return APIError(
+            503,
+            f"{exc}; retry on another replica",
+            "service_unavailable",
+            None,
+            "server_shutting_down",
+        )
     if isinstance(exc, NoLiveReplicaError):
         return APIError(503, f"{exc}; retry later", "service_unavailable", None, "no_live_replica")
     return APIError(
@@ -122,6 +139,7 @@ class OpenAIServer:
         vocab_size: valid token ids are ``[0, vocab_size)`` (the model's embedding rows).
         client_id: label of this client (metrics, /health).
         health_extra: callable returning extra /health fields (e.g. the dispatcher's view).
+        max_request_body: largest request body in bytes (larger: 413 ``request_too_large``).
     """
 
     def __init__(
@@ -133,6 +151,7 @@ class OpenAIServer:
         vocab_size: int,
         client_id: str,
         health_extra=None,
+        max_request_body: int = DEFAULT_MAX_REQUEST_BODY,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -141,8 +160,22 @@ class OpenAIServer:
         self.vocab_size = int(vocab_size)
         self.client_id = str(client_id)
         self.health_extra = health_extra
+        self.max_request_body = int(max_request_body)
         self.created = int(time.time())
         self._token_strs: dict[int, str] = {}
+        self.shutting_down = False
+        self._queues: set[asyncio.Queue] = set()  # event queues of the running requests
+
+    def shut_down(self) -> int:
+        """End every running request with 503 ``server_shutting_down`` and refuse new ones.
+
+        Call on the event loop. Returns the number of requests ended.
+        """
+        self.shutting_down = True
+        err = ErrorEvent(ServerShuttingDown("the attention client is shutting down"))
+        for q in list(self._queues):
+            q.put_nowait((0, err))
+        return len(self._queues)
 
     # ---- validation -------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -432,8 +465,27 @@ class OpenAIServer:
 
     async def generate(self, request: Request, prep: Prepared):
         """Run ``prep`` on the engine; a JSON response, an SSE stream, or an error response."""
+        if self.shutting_down:
+            raise APIError(
+                503,
+                "the attention client is shutting down; retry on another replica",
+                "service_unavailable",
+                None,
+                "server_shutting_down",
+            )
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
+        self._queues.add(q)
+        try:
+            resp = await self._generate(request, prep, loop, q)
+        except BaseException:
+            self._queues.discard(q)
+            raise
+        if not isinstance(resp, StreamingResponse):  # a stream drops q when it ends (_sse)
+            self._queues.discard(q)
+        return resp
+
+    async def _generate(self, request: Request, prep: Prepared, loop, q: asyncio.Queue):
         n = len(prep.params)
         choices: list[_Choice] = []
         for p in range(len(prep.prompts)):
@@ -666,8 +718,16 @@ class OpenAIServer:
             yield "data: [DONE]\n\n"
             status = "200"
         finally:
+            self._queues.discard(q)
             cancel_all()
             metrics.REQUESTS.labels(client_id=label, status=status).inc()
 
 
-__all__ = ["OpenAIServer", "Prepared", "exc_error", "UNSUPPORTED"]
+__all__ = [
+    "DEFAULT_MAX_REQUEST_BODY",
+    "OpenAIServer",
+    "ServerShuttingDown",
+    "Prepared",
+    "exc_error",
+    "UNSUPPORTED",
+]

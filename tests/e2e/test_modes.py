@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+import torch
 from e2e_helpers import ServeProcess, alive, descendants, free_port
 
 from eaas.runtime.models.reference import reference_generate
@@ -129,7 +130,18 @@ def _taken_port():
         (["--replicas", "5", "--expert-servers", "2"], "redundancy (5) cannot exceed"),
         (["--kv-cache-memory", "lots"], "bad memory size 'lots'"),
         (["--client-device", "tpu"], "--client-device must be auto, cpu, cuda or cuda:N"),
-    ],
+        (["--dispatch-timeout", "0"], "--dispatch-timeout must be > 0 seconds"),
+        (["--dispatch-timeout", "-1"], "--dispatch-timeout must be > 0 seconds"),
+        (["--client-threads", "-3"], "'--client-threads'"),
+        (["--server-threads", "-1"], "'--server-threads'"),
+        # checked against the model's config before any child loads weights
+        (["--kv-cache-memory", "1KiB"], "--kv-cache-memory 1024 B is below one sequence"),
+    ]
+    + (
+        []
+        if torch.cuda.is_available()
+        else [(["--client-device", "cuda"], "--client-device cuda: no CUDA device is available")]
+    ),
 )
 def test_serve_rejects_bad_options_before_starting_anything(args, message):
     """Bad options: exit code 2, one clear message naming the problem, no traceback, no child
@@ -153,3 +165,18 @@ def test_serve_rejects_bad_options_before_starting_anything(args, message):
     assert message in " ".join(out.split()), out
     assert "Traceback" not in out, out
     assert "expert-server" not in r.stdout, out  # nothing was spawned
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_attention_client_rejects_a_dispatch_timeout_not_above_zero(value):
+    r = subprocess.run(
+        [sys.executable, "-m", "eaas", "attention-client", "--local-experts"]
+        + ["--port", str(free_port()), "--dispatch-timeout", value],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out
+    assert "--dispatch-timeout must be > 0 seconds" in " ".join(out.split()), out
+    assert "ready on" not in out, out
