@@ -47,7 +47,11 @@ def ready(p: dict) -> bool:
 
 
 def can_i(verb: str, resource: str, ns: str | None = None) -> bool:
+    """``kubectl auth can-i`` as the operator's ServiceAccount; ``resource`` may name a
+    subresource (``pods/exec``: kubectl itself would read ``exec`` as an object name)."""
+    resource, _, sub = resource.partition("/")
     args = ["auth", "can-i", verb, resource, f"--as={SA}"]
+    args += [f"--subresource={sub}"] if sub else []
     args += ["-n", ns] if ns else ["--all-namespaces"]
     r = kubectl(*args, check=False)
     assert r.stdout.strip() in ("yes", "no"), r.stderr
@@ -162,6 +166,8 @@ def test_rbac_is_least_privilege(release):
         ("delete", "expertpools.eaas.io", "default"),
         ("delete", "deployments.apps", "default"),
         ("create", "persistentvolumes", None),
+        ("patch", "nodes/status", None),
+        ("create", "serviceaccounts/token", "default"),
     ]
     got_may = {(v, r, n): can_i(v, r, n) for v, r, n in may}
     got_may_not = {(v, r, n): can_i(v, r, n) for v, r, n in may_not}
