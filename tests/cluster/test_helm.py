@@ -227,6 +227,19 @@ def test_upgrade_then_uninstall_leaves_nothing(release):
     )
     assert json.loads(helm("history", RELEASE, "-n", NS, "-o", "json").stdout)[-1]["revision"] == 2
 
+    # the one pod left holds the Lease (taken over within leaseDurationSeconds if the deleted
+    # replica was the leader) and its helm test passes
+    (pod,) = operator_pods()
+
+    def holder():
+        r = kubectl("get", "lease", "eaas-operator", "-n", NS, "-o", "json", check=False)
+        spec = json.loads(r.stdout).get("spec", {}) if r.returncode == 0 else {}
+        return spec.get("holderIdentity") == pod["metadata"]["name"]
+
+    wait_for("the remaining replica leads", holder, timeout=60, interval=1)
+    r = helm("test", RELEASE, "-n", NS, "--timeout", "2m")
+    assert "Phase:          Succeeded" in r.stdout and "Failed" not in r.stdout, r.stdout
+
     helm("uninstall", RELEASE, "-n", NS, "--wait", "--timeout", "2m")
     sel = f"app.kubernetes.io/instance={RELEASE}"
     kinds = "deployments,replicasets,pods,services,serviceaccounts,roles,rolebindings,configmaps,secrets"
