@@ -13,6 +13,7 @@ import glob
 import json
 import os
 import subprocess
+import urllib.request
 
 import pytest
 import yaml
@@ -127,7 +128,23 @@ def test_install_two_replicas_on_the_cpu_node_one_leader(release):
     assert wait_for("leader log", acquirers, timeout=30, interval=1) == {holder}
 
     svc = get_json("service", RELEASE, "-n", NS)
-    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"health": 8080, "reports": 8081}
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"health": 8080, "http": 8081}
+
+    # each pod's GET /metrics: exactly one says it leads, the Lease holder
+    def leaders():
+        got = {}
+        for p in pods:
+            url = f"http://{p['status']['podIP']}:8081/metrics"
+            try:
+                with urllib.request.urlopen(url, timeout=10) as r:
+                    text = r.read().decode()
+            except OSError:
+                return None
+            got[p["metadata"]["name"]] = "\neaas_operator_leader 1\n" in text
+        return got
+
+    got = wait_for("/metrics of both pods", leaders, timeout=60, interval=1)
+    assert [name for name, lead in got.items() if lead] == [holder], got
 
     # the hook pod is deleted once it succeeds (hook-delete-policy); there is no `kubectl logs`
     # on the testbed, so its output is read from the node agent's log of it
@@ -195,6 +212,20 @@ def test_tiny_pool_example_turns_ready(release):
 
     st = wait_for("ExpertPool tiny Ready", pool_ready, timeout=240, interval=2)
     assert st["readyReplicas"] == pool["spec"]["replicas"]
+    # the leader's /metrics shows the pool's routing-table version
+    holder = get_json("lease", "eaas-operator", "-n", NS)["spec"]["holderIdentity"]
+    ip = get_json("pod", holder, "-n", NS)["status"]["podIP"]
+    series = (
+        f'eaas_operator_routing_table_version{{namespace="{ns}",configmap="tiny-routing-table"}}'
+    )
+
+    def version_shown():
+        with urllib.request.urlopen(f"http://{ip}:8081/metrics", timeout=10) as r:
+            text = r.read().decode()
+        version = get_json("expertpool", "tiny", "-n", ns)["status"]["routingTableVersion"]
+        return f"{series} {version}\n" in text or None
+
+    wait_for("the leader's /metrics shows the table version", version_shown, timeout=60)
     # delete it while the operator runs (its finalizer needs the operator)
     kubectl("delete", "expertpool", "tiny", "-n", ns, "--timeout=120s")
     kubectl("delete", "namespace", ns, "--wait=false")
