@@ -365,7 +365,8 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
 
 
 async def _start_report_server(state: OperatorState) -> web.AppRunner:
-    """Serve ``POST /v1/failure-reports/{namespace}/{fleet}`` on ``state.report_listen``.
+    """Serve ``POST /v1/failure-reports/{namespace}/{fleet}`` and ``GET /metrics``
+    (:func:`operator_metrics`) on ``state.report_listen``.
 
     Raises:
         ValueError: ``EAAS_OPERATOR_REPORT_LISTEN`` is not ``HOST:PORT``.
@@ -380,12 +381,36 @@ async def _start_report_server(state: OperatorState) -> web.AppRunner:
     async def handle(request: web.Request) -> web.Response:
         return await failure_report(state, request)
 
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=operator_metrics(state), content_type="text/plain")
+
     app.router.add_post("/v1/failure-reports/{namespace}/{fleet}", handle)
+    app.router.add_get("/metrics", metrics)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host or "0.0.0.0", int(port)).start()
     log.info("failure reports served on http://%s/v1/failure-reports/NS/FLEET", state.report_listen)
     return runner
+
+
+def operator_metrics(state: OperatorState) -> str:
+    """Prometheus text exposition (version 0.0.4) of ``GET /metrics`` on the report listener:
+    ``eaas_operator_leader`` (1 on the replica holding the Lease, else 0) and
+    ``eaas_operator_routing_table_version{namespace, configmap}`` (the newest table version this
+    replica has read)."""
+    lines = [
+        "# HELP eaas_operator_leader 1 if this replica holds the leader Lease and acts, else 0.",
+        "# TYPE eaas_operator_leader gauge",
+        f"eaas_operator_leader {int(state.is_leader())}",
+        "# HELP eaas_operator_routing_table_version Newest routing-table version read.",
+        "# TYPE eaas_operator_routing_table_version gauge",
+    ]
+    for (ns, cm), (_, table) in sorted(state.tables.items()):
+        lines.append(
+            f'eaas_operator_routing_table_version{{namespace="{ns}",configmap="{cm}"}} '
+            f"{table.version}"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def _report_token(state: OperatorState, namespace: str, fleet: str, fresh: bool) -> str:

@@ -17,6 +17,16 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "eaas-operator.selectorLabels" -}}
 app.kubernetes.io/name: {{ .Chart.Name }}
 app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{/* labels of the `helm test` objects: the release's, but not the operator pods' selector */}}
+{{- define "eaas-operator.testLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}-test
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: test
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
 {{- define "eaas-operator.serviceAccountName" -}}

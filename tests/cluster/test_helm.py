@@ -1,0 +1,290 @@
+"""Helm for real (issue 6, item 5): ``helm install`` of ``deploy/helm/eaas-operator`` on the
+testbed runs the operator as two pods on the CPU process node (the local ``eaas operator``;
+exactly one holds the Lease and acts), with a Service, least-privilege RBAC (``kubectl auth
+can-i`` as its ServiceAccount), a values schema that rejects a bad value naming it, and a
+``helm test`` hook that GETs every replica's ``/healthz``. With that operator, ``kubectl apply``
+of ``deploy/examples/tiny-pool.yaml`` (its model as a hostPath of the tiny model) turns Ready;
+``helm upgrade`` changes the Deployment; ``helm uninstall`` leaves nothing of the release
+(the CRDs stay: Helm never deletes ``crds/``)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import urllib.request
+
+import pytest
+import yaml
+from k8s_helpers import get_json, kubectl, wait_for
+
+pytestmark = pytest.mark.cluster
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CHART = os.path.join(ROOT, "deploy", "helm", "eaas-operator")
+NS = "eaas-system"
+RELEASE = "eaas-operator"  # release name containing the chart name: objects are named eaas-operator
+SA = f"system:serviceaccount:{NS}:{RELEASE}"
+CPU_NODE = "cpu-node-0"
+
+
+def helm(*args: str, check: bool = True, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run the testbed's helm (PATH/KUBECONFIG from the ``cluster`` fixture)."""
+    r = subprocess.run(["helm", *args], capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed: {r.stderr}{r.stdout}")
+    return r
+
+
+def operator_pods() -> list[dict]:
+    items = get_json("pods", "-n", NS, "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
+    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+
+def ready(p: dict) -> bool:
+    conds = p.get("status", {}).get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+
+
+def can_i(verb: str, resource: str, ns: str | None = None) -> bool:
+    """``kubectl auth can-i`` as the operator's ServiceAccount; ``resource`` may name a
+    subresource (``pods/exec``: kubectl itself would read ``exec`` as an object name)."""
+    resource, _, sub = resource.partition("/")
+    args = ["auth", "can-i", verb, resource, f"--as={SA}"]
+    args += [f"--subresource={sub}"] if sub else []
+    args += ["-n", ns] if ns else ["--all-namespaces"]
+    r = kubectl(*args, check=False)
+    assert r.stdout.strip() in ("yes", "no"), r.stderr
+    return r.stdout.strip() == "yes"
+
+
+@pytest.fixture(scope="module")
+def release(cluster):
+    r = helm(
+        "install",
+        RELEASE,
+        CHART,
+        "-n",
+        NS,
+        "--create-namespace",
+        "--set-string",
+        f"nodeSelector.kubernetes\\.io/hostname={CPU_NODE}",
+        "--set",
+        "leaseDurationSeconds=5",
+        "--wait",
+        "--timeout",
+        "3m",
+    )
+    yield cluster, r.stdout
+
+
+def test_schema_rejects_a_bad_value(cluster):
+    for cmd in ("template", "install"):
+        r = helm(cmd, "bad", CHART, "-n", NS, "--set", "replicas=0", check=False)
+        assert r.returncode != 0
+        assert "/replicas" in r.stderr and "minimum" in r.stderr, r.stderr
+    r = helm("template", "bad", CHART, "--set", "replica=2", check=False)
+    assert r.returncode != 0 and "replica" in r.stderr and "not allowed" in r.stderr, r.stderr
+    assert "bad" not in helm("list", "-A", "-q").stdout.split()
+
+
+def test_install_two_replicas_on_the_cpu_node_one_leader(release):
+    tb, notes = release
+    assert "helm test eaas-operator" in notes and "crds/" in notes  # NOTES.txt rendered
+
+    pods = wait_for(
+        "2 Ready operator pods",
+        lambda: (ps := operator_pods()) and len(ps) == 2 and all(map(ready, ps)) and ps,
+        timeout=120,
+        interval=1,
+    )
+    for p in pods:
+        assert p["spec"]["nodeName"] == CPU_NODE
+        assert p["spec"]["serviceAccountName"] == RELEASE
+        assert p["spec"]["containers"][0]["command"][:2] == ["eaas", "operator"]
+    names = {p["metadata"]["name"] for p in pods}
+
+    def leader():
+        r = kubectl("get", "lease", "eaas-operator", "-n", NS, "-o", "json", check=False)
+        spec = json.loads(r.stdout).get("spec", {}) if r.returncode == 0 else {}
+        return spec.get("holderIdentity") in names and spec["holderIdentity"]
+
+    holder = wait_for("a Lease holder among the pods", leader, timeout=60, interval=1)
+
+    # exactly one pod logged "acquired leadership": the holder
+    def acquirers():
+        got = set()
+        for p in pods:
+            uid8 = p["metadata"]["uid"][:8]
+            pattern = (
+                f"{tb.state_dir}/nodes/{CPU_NODE}/pods/{NS}_{p['metadata']['name']}_{uid8}/*.log"
+            )
+            for log in glob.glob(pattern):
+                if "acquired leadership" in open(log, errors="replace").read():
+                    got.add(p["metadata"]["name"])
+        return got or None
+
+    assert wait_for("leader log", acquirers, timeout=30, interval=1) == {holder}
+
+    svc = get_json("service", RELEASE, "-n", NS)
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"health": 8080, "http": 8081}
+
+    # each pod's GET /metrics: exactly one says it leads, the Lease holder
+    def leaders():
+        got = {}
+        for p in pods:
+            url = f"http://{p['status']['podIP']}:8081/metrics"
+            try:
+                with urllib.request.urlopen(url, timeout=10) as r:
+                    text = r.read().decode()
+            except OSError:
+                return None
+            got[p["metadata"]["name"]] = "\neaas_operator_leader 1\n" in text
+        return got
+
+    got = wait_for("/metrics of both pods", leaders, timeout=60, interval=1)
+    assert [name for name, lead in got.items() if lead] == [holder], got
+
+    # the hook pod is deleted once it succeeds (hook-delete-policy); there is no `kubectl logs`
+    # on the testbed, so its output is read from the node agent's log of it
+    r = helm("test", RELEASE, "-n", NS, "--timeout", "2m")
+    assert "Phase:          Succeeded" in r.stdout and "Failed" not in r.stdout, r.stdout
+    logs = glob.glob(f"{tb.state_dir}/nodes/{CPU_NODE}/pods/{NS}_{RELEASE}-test_*/*.log")
+    out = "".join(open(f).read() for f in logs)
+    assert out.count(":8080/healthz") == 2 and "operator healthy" in out, out
+
+
+def test_rbac_is_least_privilege(release):
+    may = [
+        ("watch", "expertpools.eaas.io", None),
+        ("patch", "expertpools.eaas.io/status", "default"),
+        ("patch", "attentionfleets.eaas.io", "default"),
+        ("create", "pods", "default"),
+        ("delete", "pods", "default"),
+        ("update", "configmaps", "default"),
+        ("create", "events", "default"),
+        ("create", "deployments.apps", "default"),
+        ("create", "secrets", "default"),
+        ("list", "nodes", None),
+        ("update", "leases.coordination.k8s.io", NS),
+        ("create", "leases.coordination.k8s.io", NS),
+    ]
+    may_not = [
+        ("delete", "nodes", None),
+        ("create", "clusterroles.rbac.authorization.k8s.io", None),
+        ("create", "clusterrolebindings.rbac.authorization.k8s.io", None),
+        ("list", "secrets", "kube-system"),
+        ("delete", "secrets", "default"),
+        ("update", "leases.coordination.k8s.io", "kube-node-lease"),
+        ("delete", "namespaces", None),
+        ("create", "pods/exec", "default"),
+        ("delete", "customresourcedefinitions.apiextensions.k8s.io", None),
+        ("delete", "expertpools.eaas.io", "default"),
+        ("delete", "deployments.apps", "default"),
+        ("create", "persistentvolumes", None),
+        ("patch", "nodes/status", None),
+        ("create", "serviceaccounts/token", "default"),
+    ]
+    got_may = {(v, r, n): can_i(v, r, n) for v, r, n in may}
+    got_may_not = {(v, r, n): can_i(v, r, n) for v, r, n in may_not}
+    assert all(got_may.values()), [k for k, v in got_may.items() if not v]
+    assert not any(got_may_not.values()), [k for k, v in got_may_not.items() if v]
+
+
+def test_tiny_pool_example_turns_ready(release):
+    from eaas.runtime.models.tiny import default_model_dir
+
+    pool = yaml.safe_load(open(os.path.join(ROOT, "deploy", "examples", "tiny-pool.yaml")))
+    # the example's weights are baked into the image at /models/tiny; the testbed's single image
+    # is the local install, so the same model comes from a hostPath of the tiny model dir
+    model_dir = default_model_dir()
+    pool["spec"]["model"].update(hostPath=str(model_dir.parent), uri=model_dir.name)
+    ns = "helm-pool"
+    kubectl("create", "namespace", ns)
+    kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(pool))
+
+    def pool_ready():
+        st = get_json("expertpool", "tiny", "-n", ns).get("status") or {}
+        conds = {c["type"]: c for c in st.get("conditions", [])}
+        ok = conds.get("Ready", {}).get("status") == "True"
+        return st if ok else None
+
+    st = wait_for("ExpertPool tiny Ready", pool_ready, timeout=240, interval=2)
+    assert st["readyReplicas"] == pool["spec"]["replicas"]
+    # the leader's /metrics shows the pool's routing-table version
+    holder = get_json("lease", "eaas-operator", "-n", NS)["spec"]["holderIdentity"]
+    ip = get_json("pod", holder, "-n", NS)["status"]["podIP"]
+    series = (
+        f'eaas_operator_routing_table_version{{namespace="{ns}",configmap="tiny-routing-table"}}'
+    )
+
+    def version_shown():
+        with urllib.request.urlopen(f"http://{ip}:8081/metrics", timeout=10) as r:
+            text = r.read().decode()
+        version = get_json("expertpool", "tiny", "-n", ns)["status"]["routingTableVersion"]
+        return f"{series} {version}\n" in text or None
+
+    wait_for("the leader's /metrics shows the table version", version_shown, timeout=60)
+    # delete it while the operator runs (its finalizer needs the operator)
+    kubectl("delete", "expertpool", "tiny", "-n", ns, "--timeout=120s")
+    kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def test_upgrade_then_uninstall_leaves_nothing(release):
+    helm(
+        "upgrade",
+        RELEASE,
+        CHART,
+        "-n",
+        NS,
+        "--reuse-values",
+        "--set",
+        "verbose=true",
+        "--set",
+        "replicas=1",
+        "--wait",
+        "--timeout",
+        "3m",
+    )
+    dep = get_json("deployment", RELEASE, "-n", NS)
+    assert dep["spec"]["replicas"] == 1
+    assert "--verbose" in dep["spec"]["template"]["spec"]["containers"][0]["command"]
+    wait_for(
+        "1 operator pod after upgrade",
+        lambda: len(operator_pods()) == 1 and ready(operator_pods()[0]),
+        timeout=120,
+        interval=1,
+    )
+    assert json.loads(helm("history", RELEASE, "-n", NS, "-o", "json").stdout)[-1]["revision"] == 2
+
+    # the one pod left holds the Lease (taken over within leaseDurationSeconds if the deleted
+    # replica was the leader) and its helm test passes
+    (pod,) = operator_pods()
+
+    def holder():
+        r = kubectl("get", "lease", "eaas-operator", "-n", NS, "-o", "json", check=False)
+        spec = json.loads(r.stdout).get("spec", {}) if r.returncode == 0 else {}
+        return spec.get("holderIdentity") == pod["metadata"]["name"]
+
+    wait_for("the remaining replica leads", holder, timeout=60, interval=1)
+    r = helm("test", RELEASE, "-n", NS, "--timeout", "2m")
+    assert "Phase:          Succeeded" in r.stdout and "Failed" not in r.stdout, r.stdout
+
+    helm("uninstall", RELEASE, "-n", NS, "--wait", "--timeout", "2m")
+    sel = f"app.kubernetes.io/instance={RELEASE}"
+    kinds = "deployments,replicasets,pods,services,serviceaccounts,roles,rolebindings,configmaps,secrets"
+
+    def gone():
+        left = get_json(kinds, "-n", NS, "-l", sel)["items"]
+        left += get_json("clusterroles,clusterrolebindings", "-l", sel)["items"]
+        left += [p for p in get_json("pods", "-n", NS)["items"]]  # hook pods, unlabelled strays
+        return not left or None
+
+    wait_for("no object of the release left", gone, timeout=120, interval=1)
+    for kind in ("clusterrole", "clusterrolebinding"):
+        assert kubectl("get", kind, RELEASE, check=False).returncode != 0
+    assert helm("list", "-n", NS, "-q").stdout.strip() == ""
+    # by Helm's design the CRDs of crds/ stay (deleting them would delete every pool)
+    for crd in ("expertpools.eaas.io", "attentionfleets.eaas.io"):
+        kubectl("get", "crd", crd)
