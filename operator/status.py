@@ -224,39 +224,24 @@ def invalid_spec_status(
     """Status for a spec the operator cannot act on (passes the CRD rules but e.g. fails placement)."""
     status = dict(old_status)
     status["observedGeneration"] = owner.generation
+    # every condition says InvalidSpec; only Degraded is True
+    kinds: tuple[tuple[str, ConditionStatus], ...] = (
+        ("Ready", "False"),
+        ("Progressing", "False"),
+        ("Degraded", "True"),
+    )
     status["conditions"] = [
         set_condition(
             old_conditions,
             Condition(
-                type="Ready",
-                status="False",
+                type=ctype,
+                status=cstatus,
                 reason="InvalidSpec",
                 message=message,
                 observed_generation=owner.generation,
             ),
             now,
-        ),
-        set_condition(
-            old_conditions,
-            Condition(
-                type="Progressing",
-                status="False",
-                reason="InvalidSpec",
-                message=message,
-                observed_generation=owner.generation,
-            ),
-            now,
-        ),
-        set_condition(
-            old_conditions,
-            Condition(
-                type="Degraded",
-                status="True",
-                reason="InvalidSpec",
-                message=message,
-                observed_generation=owner.generation,
-            ),
-            now,
-        ),
+        )
+        for ctype, cstatus in kinds
     ]
     return status
