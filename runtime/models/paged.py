@@ -215,8 +215,11 @@ class PagedModelRunner:
         several times faster than SDPA's masked path for a single query).
 
         q (B, Hq, dk); k (B, L, Hk, dk); v (B, L, Hk, dv); valid (B, L) bool -> (B, Hq, dv).
-        Softmax in float32 (as transformers' eager attention).
+        Softmax in float32 (as transformers' eager attention). ``v`` must be a gathered copy
+        of the cache: its invalid positions are zeroed in place, because never-written cache
+        slots (``torch.empty``) may hold NaN or inf and ``0 * NaN`` is NaN.
         """
+        v.masked_fill_(~valid[:, :, None, None], 0)
         B, Hq, dk = q.shape
         Hk = k.shape[2]
         qg = q.view(B, Hk, Hq // Hk, dk)  # (B, Hk, g, dk)

@@ -155,6 +155,20 @@ def test_greedy_equals_generate_with_preemption(arch, models, loaded):
     assert eng.kv_cache_usage()["blocks_used"] == 0
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_never_written_cache_slots_do_not_poison_decode(arch, models, loaded):
+    """Cache memory comes from ``torch.empty`` and may hold NaN; a decode batch reads whole
+    blocks (and padding blocks) past each sequence's end, and masked positions must add nothing."""
+    model, tok, _ = loaded[arch]
+    prompts = [tok(t)["input_ids"] for t in TEXTS[:3]]
+    refs = reference_generate(models[arch], prompts, 6)
+    eng = Engine(model, tok, client_id=f"nan-{arch}", block_size=4)
+    for t in eng.kv_cache.latent + eng.kv_cache.keys + eng.kv_cache.values:
+        t.fill_(float("nan"))
+    reqs = _run_all(eng, prompts, [SamplingParams(max_tokens=6) for _ in prompts])
+    assert [r.output_ids for r in reqs] == refs
+
+
 def test_seeded_sampling_equals_reference_engine(loaded):
     """The previous engine (transformers' forward) and the paged one draw the same tokens."""
     model, tok, _ = loaded["deepseek_v3"]
