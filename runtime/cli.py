@@ -225,6 +225,12 @@ def attention_client(
         "--max-request-body",
         help="Largest API request body; larger ones get 413 request_too_large.",
     ),
+    double_batch_overlap: bool = typer.Option(
+        False,
+        "--double-batch-overlap",
+        help="Decode steps of 2+ sequences run as two micro-batches: one's attention while the "
+        "other's MoE round trip is in flight (same greedy tokens; docs/gpu.md).",
+    ),
 ) -> None:
     """Run one attention client with the OpenAI-compatible API (the process a client pod runs).
 
@@ -282,6 +288,7 @@ def attention_client(
         kv_cache_memory=kv_cache_memory,
         max_num_batched_tokens=max_num_batched_tokens,
         max_request_body=max_request_body,
+        double_batch_overlap=double_batch_overlap,
     )
     _exit_now(f"attention-client {client_id}")
 
@@ -325,6 +332,11 @@ def serve(
     client_device: str = typer.Option(
         "auto", "--client-device", help="Attention clients' device: auto, cpu, cuda, cuda:N."
     ),
+    double_batch_overlap: bool = typer.Option(
+        False,
+        "--double-batch-overlap",
+        help="Attention clients' --double-batch-overlap (decode as two overlapped micro-batches).",
+    ),
 ) -> None:
     """Start a whole deployment on this machine: expert servers + attention clients."""
     _check_dispatch_timeout(dispatch_timeout)
@@ -347,6 +359,7 @@ def serve(
             kv_cache_memory=kv_cache_memory,
             max_num_batched_tokens=max_num_batched_tokens,
             client_device=client_device,
+            double_batch_overlap=double_batch_overlap,
         )
     except (PlacementError, ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -136,6 +136,7 @@ class Deployment:
         client_device: attention clients' ``--device`` (auto, cpu, cuda, cuda:N).
         kv_cache_memory: attention clients' ``--kv-cache-memory`` (e.g. ``"1GiB"``; None: default).
         max_num_batched_tokens: attention clients' ``--max-num-batched-tokens``.
+        double_batch_overlap: attention clients' ``--double-batch-overlap``.
     """
 
     def __init__(
@@ -155,6 +156,7 @@ class Deployment:
         client_device: str = "auto",
         kv_cache_memory: str | None = None,
         max_num_batched_tokens: int = 512,
+        double_batch_overlap: bool = False,
         ready_timeout: float = 300.0,
     ) -> None:
         if transport not in ("shm", "tcp"):
@@ -210,6 +212,7 @@ class Deployment:
         self.client_device = client_device
         self.kv_cache_memory = kv_cache_memory
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.double_batch_overlap = bool(double_batch_overlap)
         self.ready_timeout = ready_timeout
         self.children: list[Child] = []
         self.run_dir: Path | None = None
@@ -319,6 +322,8 @@ class Deployment:
                 argv += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
                 if self.kv_cache_memory:
                     argv += ["--kv-cache-memory", self.kv_cache_memory]
+                if self.double_batch_overlap:
+                    argv += ["--double-batch-overlap"]
                 self._spawn(Child(f"attention-client-{c}", "attention-client", argv), env)
             deadline = time.monotonic() + self.ready_timeout
             while not all(ch.ready for ch in self.children):

@@ -384,6 +384,9 @@ class Engine(EngineBase):
         block_size: tokens per KV-cache block.
         max_model_len: longest sequence (prompt + output) in tokens; default the model's
             ``max_position_embeddings``. The cache must hold one such sequence.
+        double_batch_overlap: run decode steps as two micro-batches, one's attention while the
+            other's MoE round trip is in flight
+            (:class:`~eaas.runtime.gpu.overlap.PagedOverlapRunner`); same greedy tokens.
 
     Raises:
         ValueError: a cache budget below one ``max_model_len`` sequence (the message names the
@@ -402,6 +405,7 @@ class Engine(EngineBase):
         max_num_batched_tokens: int = 512,
         block_size: int = 16,
         max_model_len: int | None = None,
+        double_batch_overlap: bool = False,
     ) -> None:
         from eaas.runtime.client.kv_cache import PagedKVCache, kv_cache_spec, min_kv_cache_memory
         from eaas.runtime.client.scheduler import Scheduler
@@ -431,6 +435,10 @@ class Engine(EngineBase):
             spec, kv_cache_memory, block_size=block_size, device=device, client_id=self.client_id
         )
         self.runner = PagedModelRunner(model, self.kv_cache)
+        if double_batch_overlap:
+            from eaas.runtime.gpu.overlap import PagedOverlapRunner
+
+            self.runner = PagedOverlapRunner(self.runner)
         self.scheduler = Scheduler(
             self.kv_cache.allocator,
             block_size,

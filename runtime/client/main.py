@@ -101,6 +101,7 @@ def run_attention_client(
     kv_cache_memory: str | None = None,
     max_num_batched_tokens: int = 512,
     max_request_body: str | None = None,
+    double_batch_overlap: bool = False,
 ) -> None:
     """Run one attention client until SIGINT/SIGTERM.
 
@@ -117,6 +118,8 @@ def run_attention_client(
         max_num_batched_tokens: tokens per forward (decode tokens + prefill chunks).
         max_request_body: largest API request body, e.g. ``"32MiB"`` (``None``: 32 MiB); larger
             bodies get 413 ``request_too_large``.
+        double_batch_overlap: the engine's decode steps run as two overlapped micro-batches
+            (:class:`~eaas.runtime.gpu.overlap.PagedOverlapRunner`).
 
     Raises:
         ValueError: no routing-table source and not ``local_experts``, a bad ``dtype``,
@@ -201,6 +204,7 @@ def run_attention_client(
             max_num_seqs=max_num_seqs,
             kv_cache_memory=kv_bytes,
             max_num_batched_tokens=max_num_batched_tokens,
+            double_batch_overlap=double_batch_overlap,
         )
     except ValueError as e:  # e.g. a KV cache smaller than one longest sequence: usage error
         import typer
@@ -218,6 +222,8 @@ def run_attention_client(
 
     def health_extra() -> dict:
         extra = {"device": str(dev), "kv_cache": engine.kv_cache_usage()}
+        if double_batch_overlap:  # the runner's counters: overlapped steps, overlap achieved
+            extra["double_batch_overlap"] = dict(engine.runner.stats)
         if dispatcher is None:
             return {"mode": "local-experts", **extra}
         out = {"mode": "disaggregated", **extra, **dispatcher.health()}

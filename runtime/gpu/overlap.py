@@ -10,29 +10,39 @@ Pure scheduling logic, independent of the engine and the transport:
 * :func:`schedule` lists the operations of ``L`` layers in issue order. Without overlap:
   ``attn(l) -> dispatch(l) -> combine(l)`` for the whole batch. With overlap, per layer::
 
-      attn(A,l)  dispatch(A,l)  attn(B,l)  dispatch(B,l)  combine(A,l)  combine(B,l)
+      attn(A,0)  dispatch(A,0)  attn(B,0)  dispatch(B,0)
 
-  so ``attn(B,l)`` is issued while A's tokens are at the expert servers, and
-  ``attn(A,l+1)`` (right after ``combine(A,l)``) while B's are. Each micro-batch's own
+  for the first layer, then ``combine(A,l) attn(A,l+1) dispatch(A,l+1) combine(B,l)
+  attn(B,l+1) dispatch(B,l+1)``: ``attn(B,l)`` is issued while A's tokens are at the expert
+  servers, and ``attn(A,l+1)`` (right after ``combine(A,l)``) while B's are. Each micro-batch's own
   operations keep their order (attn -> dispatch -> combine -> next layer's attn), which is what
   makes the output identical to overlap off.
 * :func:`run_decode_layers` executes a schedule over a :class:`DecodeStack` (the engine's
   per-layer pieces) and concatenates the micro-batches back in order.
 
-Engine hook (docs/gpu.md): the attention client's decode step calls ``run_decode_layers`` with
-its layers wrapped as a :class:`DecodeStack` whose ``dispatch`` sends the MoE frames
-(``ClientConnection.send``) and returns a handle, and whose ``combine`` waits (``recv`` with the
-dispatch deadline) and adds the partial sums and the shared expert. On the GPU the two
-micro-batches use two CUDA streams and each micro-batch's round trip is one captured graph
-(:mod:`eaas.runtime.gpu.graphs`).
+Engine hook: :class:`PagedOverlapRunner` wraps the engine's
+:class:`~eaas.runtime.models.paged.PagedModelRunner` (``Engine(double_batch_overlap=True)``,
+``eaas attention-client --double-batch-overlap``, ``eaas serve --double-batch-overlap``). For a
+decode-only step of two or more sequences its ``dispatch`` runs the layer's MoE block (router,
+shared expert, the routed experts' round trip through
+:class:`~eaas.runtime.client.dispatch.RemoteExperts`) on one worker thread and ``combine``
+waits for it, so the scheduler thread computes the other micro-batch's attention while the
+expert servers work. Other steps (prefill chunks, one sequence) run the wrapped runner as is.
+On the GPU the two micro-batches would use two CUDA streams and each micro-batch's round trip
+one captured graph (:mod:`eaas.runtime.gpu.graphs`); not done yet (docs/gpu.md).
 """
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from eaas.runtime.models.paged import Chunk, PagedModelRunner
 
 
 class DecodeStack(Protocol):
@@ -75,19 +85,38 @@ def split_batch(batch: int) -> list[slice]:
 def schedule(num_layers: int, micro_batches: int) -> list[Op]:
     """Issue order of the decode step's operations (see module doc).
 
+    With two micro-batches the order is the ping-pong::
+
+        attn(A,0) dispatch(A,0) attn(B,0) dispatch(B,0)
+        combine(A,l) attn(A,l+1) dispatch(A,l+1) combine(B,l) attn(B,l+1) dispatch(B,l+1) ...
+
+    so every attention after the first is issued while the other micro-batch's MoE round trip
+    is in flight (``2L - 1`` of the ``2L`` attentions overlap a round trip).
+
     Args:
         num_layers: MoE layers in the step.
         micro_batches: 1 (overlap off) or 2 (double-batch overlap).
+
+    Raises:
+        ValueError: ``micro_batches`` not 1 or 2, ``num_layers < 0``.
     """
     if micro_batches not in (1, 2):
         raise ValueError(f"micro_batches must be 1 or 2, got {micro_batches}")
+    if num_layers < 0:
+        raise ValueError(f"num_layers must be >= 0, got {num_layers}")
     ops: list[Op] = []
-    for l in range(num_layers):
-        if micro_batches == 1:
+    if micro_batches == 1:
+        for l in range(num_layers):
             ops += [Op("attn", 0, l), Op("dispatch", 0, l), Op("combine", 0, l)]
-        else:
-            ops += [Op("attn", 0, l), Op("dispatch", 0, l), Op("attn", 1, l), Op("dispatch", 1, l)]
-            ops += [Op("combine", 0, l), Op("combine", 1, l)]
+        return ops
+    if num_layers == 0:
+        return ops
+    ops += [Op("attn", 0, 0), Op("dispatch", 0, 0), Op("attn", 1, 0), Op("dispatch", 1, 0)]
+    for l in range(num_layers):
+        for m in (0, 1):
+            ops.append(Op("combine", m, l))
+            if l + 1 < num_layers:
+                ops += [Op("attn", m, l + 1), Op("dispatch", m, l + 1)]
     return ops
 
 
@@ -112,3 +141,134 @@ def run_decode_layers(
             cur[m] = stack.combine(op.layer, cur[m], handles[m])
             handles[m] = None
     return torch.cat(cur) if len(cur) > 1 else cur[0]
+
+
+class _PagedStack:
+    """:class:`DecodeStack` over a :class:`PagedModelRunner`'s layers for one decode step.
+
+    ``metas[m]`` is the batch metadata of micro-batch ``m`` (rows relative to the micro-batch);
+    ``dispatch`` submits ``post_attention_layernorm`` + the MoE block to ``pool`` (one worker:
+    the dispatcher serialises layer calls anyway) and returns the future.
+    """
+
+    def __init__(self, owner: PagedOverlapRunner, metas: dict[int, Any]):
+        self.owner = owner
+        self.runner = owner.runner
+        self.layers = self.runner.model.model.layers
+        self.metas = metas  # rows.start -> _Meta
+        self.pending: list[Future] = []
+
+    def attention(self, layer: int, h: torch.Tensor, rows: slice) -> torch.Tensor:
+        self.owner._note_attention()
+        blk = self.layers[layer]
+        meta = self.metas[rows.start]
+        a_in = blk.input_layernorm(h)  # (b, H)
+        if self.runner.mla:
+            a = self.runner._mla(layer, blk.self_attn, a_in, meta)
+        else:
+            a = self.runner._gqa(layer, blk.self_attn, a_in, meta)
+        return h + a  # (b, H)
+
+    def dispatch(self, layer: int, h: torch.Tensor, rows: slice) -> Future:
+        blk = self.layers[layer]
+
+        def moe() -> torch.Tensor:
+            with torch.inference_mode():  # thread-local: the worker needs its own
+                self.owner._moe_begin()
+                try:
+                    m = blk.mlp(blk.post_attention_layernorm(h)[None])  # (1, b, H)
+                    return (m[0] if isinstance(m, tuple) else m)[0]  # (b, H)
+                finally:
+                    self.owner._moe_end()
+
+        fut = self.owner._pool.submit(moe)
+        self.pending.append(fut)
+        return fut
+
+    def combine(self, layer: int, h: torch.Tensor, handle: Future) -> torch.Tensor:
+        return h + handle.result()  # the dispatcher's own deadline bounds the wait
+
+    def drain(self) -> None:
+        """Wait for every MoE call still running (after an error): none outlives the step."""
+        for f in self.pending:
+            try:
+                f.result()
+            except Exception:  # noqa: BLE001  (the first error is already propagating)
+                pass
+
+
+class PagedOverlapRunner:
+    """Double-batch overlap around a :class:`~eaas.runtime.models.paged.PagedModelRunner`.
+
+    ``forward(chunks)`` has the wrapped runner's contract (``(B, vocab)`` float32 logits of the
+    chunks with ``want_logits``). A step whose chunks are all decode tokens (one token each) and
+    number at least two runs as two micro-batches (:func:`split_batch` over the chunks) with the
+    ping-pong :func:`schedule`: the MoE block of one micro-batch runs on a worker thread while
+    the scheduler thread computes the other's attention. Every other step runs
+    ``runner.forward`` unchanged. Greedy tokens equal overlap off (each sequence sees the same
+    operations; only GEMM row counts differ, i.e. float reassociation).
+
+    Attributes:
+        stats: ``overlap_steps`` (steps run as two micro-batches), ``plain_steps`` (the rest),
+            ``attn_during_moe`` (attentions issued while a MoE call was running on the worker:
+            the overlap actually achieved).
+
+    Args:
+        runner: the engine's runner (its model may hold ``RemoteExperts`` or local experts).
+    """
+
+    def __init__(self, runner: PagedModelRunner):
+        self.runner = runner
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="eaas-dbo-moe")
+        self._lock = threading.Lock()
+        self._moe_running = 0
+        self.stats = {"overlap_steps": 0, "plain_steps": 0, "attn_during_moe": 0}
+
+    # proxies the engine reads
+    @property
+    def model(self):
+        return self.runner.model
+
+    @property
+    def cache(self):
+        return self.runner.cache
+
+    def _moe_begin(self) -> None:
+        with self._lock:
+            self._moe_running += 1
+
+    def _moe_end(self) -> None:
+        with self._lock:
+            self._moe_running -= 1
+
+    def _note_attention(self) -> None:
+        with self._lock:
+            if self._moe_running:
+                self.stats["attn_during_moe"] += 1
+
+    def close(self) -> None:
+        """Stop the worker thread (waits for a running MoE call)."""
+        self._pool.shutdown(wait=True)
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        """One step; see the class doc. Returns ``(B, vocab)`` float32."""
+        if len(chunks) < 2 or any(len(c.token_ids) != 1 for c in chunks):
+            self.stats["plain_steps"] += 1
+            return self.runner.forward(chunks)
+        r = self.runner
+        inner = r.model.model
+        ids = torch.tensor([c.token_ids[0] for c in chunks], dtype=torch.long)  # (B,)
+        x = inner.embed_tokens(ids.to(r.device))  # (B, H)
+        parts = split_batch(len(chunks))
+        metas = {p.start: r._meta(chunks[p], x[p]) for p in parts}
+        stack = _PagedStack(self, metas)
+        try:
+            x = run_decode_layers(stack, x, len(inner.layers), overlap=True)  # (B, H)
+        except BaseException:
+            stack.drain()
+            raise
+        self.stats["overlap_steps"] += 1
+        ends = [i for i, c in enumerate(chunks) if c.want_logits]
+        x = inner.norm(x[torch.tensor(ends, dtype=torch.long, device=r.device)])  # (b, H)
+        return r.model.lm_head(x).float()  # (b, V)
