@@ -13,9 +13,10 @@ CUDA payload (:mod:`eaas.runtime.transport.cuda_ipc`):
    outcome to a status word;
 3. combine: copy the response slot's ``[B, H]`` into the static output.
 
-The host only replays, rings the connection's doorbell (so an idle server wakes and spins on
-the flag) and, via :meth:`DecodeRoundTripGraph.check`, reads the status word: a timed-out wait
-raises :class:`DeadlineExceeded` just like ``recv`` (the host watchdog half of the deadline).
+Step 1 is one graph, steps 2-3 another: between them the host waits for the first and rings
+the connection's doorbell when the server sleeps (so an idle server never misses the flag), and
+:meth:`DecodeRoundTripGraph.check` reads the status word: a timed-out wait raises
+:class:`DeadlineExceeded` just like ``recv`` (the host watchdog half of the deadline).
 
 Buckets: a decode batch of ``n`` rows runs in the smallest captured bucket ``B >= n``
 (:func:`choose_bucket`); rows ``n..B-1`` are padding (expert ``-1``: the server computes
@@ -75,27 +76,41 @@ def _mapped_device_ptr(np_view) -> int:
 
 
 class DecodeRoundTripGraph:
-    """Captured MoE round trips over one ``cudaipc`` connection, one graph per bucket.
+    """Captured MoE round trips over one ``cudaipc`` connection, two graphs per bucket.
 
     Args:
         conn: a :class:`~eaas.runtime.transport.cuda_ipc.CudaIpcClientConnection` with
-            ``payload="cuda"`` and capacity for the largest bucket.
+            ``payload="cuda"`` and capacity for the largest bucket (``max_tokens``, ``max_k``:
+            the graphs capture the slot's addresses, so the slot must never be remapped).
         buckets: batch sizes to capture (see :func:`choose_bucket`).
         k: expert entries per token in the frames.
-        layer, table_version: header fields of the frames.
+        layer, table_version: default header fields of the frames (:meth:`run` may override
+            them per call: they are host-written header words, not captured).
         timeout_ns: bound of the device-side wait.
 
-    Use: :meth:`capture` once, then per step :meth:`run` (copy inputs, replay, ring) and
-    :meth:`check` (raises DeadlineExceeded when the wait timed out).
+    Per bucket ``B``: graph ``dispatch`` = copy-in (hidden ``[B, H]``, experts / weights
+    ``[B, k]`` into the request slot) + ``eaas_bump_and_signal`` (device counter -> request
+    ready word); graph ``combine`` = ``eaas_wait_flag`` (bounded) + copy-out ``[B, H]``. Between
+    the two the host waits for the dispatch graph (copy-in and flag are on the device) and rings
+    the doorbell when the server sleeps in ``select`` (shm's waiting flag), so a server never
+    misses a frame whose flag the GPU wrote after a doorbell.
+
+    Use: :meth:`capture` once, then per step :meth:`run` and :meth:`check` (raises
+    DeadlineExceeded when the device-side wait timed out).
+
+    Raises:
+        ValueError: a host-payload connection, or a slot smaller than the largest bucket.
+        GpuUnavailableError: no CUDA / cuda-python (from :func:`~eaas.runtime.gpu.build.load_module`).
     """
 
     def __init__(self, conn, buckets: list[int], k: int, *, layer: int = 1,
                  table_version: int = 1, timeout_ns: int = 2_000_000_000):  # fmt: skip
         from eaas.runtime.gpu.build import load_module
 
-        if conn.payload is None or not conn.payload.is_cuda:
+        s = conn.slots
+        if not s.is_cuda:
             raise ValueError("DecodeRoundTripGraph needs a cudaipc connection with payload='cuda'")
-        if max(buckets) > conn.payload.cap_tokens or k > conn.payload.cap_k:
+        if max(buckets) > s.cap_tokens or k > s.cap_k:
             raise ValueError(
                 "connection slot smaller than the largest bucket; connect with max_tokens"
             )
@@ -103,65 +118,89 @@ class DecodeRoundTripGraph:
         self.buckets = sorted(set(buckets))
         self.timeout_ns = int(timeout_ns)
         self.mod = load_module("eaas_signal.cu")
-        dev = conn.payload.raw.device
+        self.slots = s
+        dev = s.raw.device
         H = conn.hidden_size
-        self.req_flag = _mapped_device_ptr(conn.headers.req[0:1])
-        self.resp_flag = _mapped_device_ptr(conn.headers.resp[0:1])
+        self.req_flag = _mapped_device_ptr(s.req_hdr[0:1])
+        self.resp_flag = _mapped_device_ptr(s.resp_hdr[0:1])
         # device-side frame counter, continuing the connection's (host) counter
         self.counter = torch.full((1,), conn._counter, dtype=torch.int64, device=dev)  # noqa: SLF001
         self.status = torch.zeros(1, dtype=torch.int32, device=dev)
         Bm = self.buckets[-1]
-        self.hidden = torch.zeros(Bm, H, dtype=conn.dtype, device=dev)
-        self.experts = torch.full((Bm, k), -1, dtype=torch.int32, device=dev)
-        self.weights = torch.zeros(Bm, k, dtype=torch.float32, device=dev)
-        self.out = torch.zeros(Bm, H, dtype=conn.dtype, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden = torch.zeros(Bm, H, dtype=conn.dtype, device=dev)  # (Bm, H)
+        self.experts = torch.full((Bm, k), -1, dtype=torch.int32, device=dev)  # (Bm, k)
+        self.weights = torch.zeros(Bm, k, dtype=torch.float32, device=dev)  # (Bm, k)
+        self.out = torch.zeros(Bm, H, dtype=conn.dtype, device=dev)  # (Bm, H)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]] = {}
 
-    def _round_trip(self, B: int) -> None:
-        p, k = self.conn.payload, self.k
-        p.req_hidden[:B].copy_(self.hidden[:B])
-        p.req_experts[: B * k].view(B, k).copy_(self.experts[:B])
-        p.req_weights[: B * k].view(B, k).copy_(self.weights[:B])
+    def _dispatch(self, B: int) -> None:
+        s, k = self.slots, self.k
+        s.req_hidden[:B].copy_(self.hidden[:B])
+        s.req_experts[: B * k].view(B, k).copy_(self.experts[:B])
+        s.req_weights[: B * k].view(B, k).copy_(self.weights[:B])
         flag_t = ctypes.c_void_p
         self.mod.launch("eaas_bump_and_signal", (1,), (1,), [self.counter, flag_t(self.req_flag)])
+
+    def _combine(self, B: int) -> None:
         self.mod.launch(
             "eaas_wait_flag",
             (1,),
             (1,),
             [
-                flag_t(self.resp_flag),
+                ctypes.c_void_p(self.resp_flag),
                 self.counter,
                 ctypes.c_ulonglong(self.timeout_ns),
                 self.status,
             ],
         )
-        self.out[:B].copy_(p.resp_out[:B])
+        self.out[:B].copy_(self.slots.resp_out[:B])
 
     def capture(self) -> None:
-        """Capture one graph per bucket (no server traffic during capture)."""
+        """Capture the dispatch and combine graphs of every bucket (no server traffic)."""
         for B in self.buckets:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                self._round_trip(B)
-            self.graphs[B] = g
+            gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gd):
+                self._dispatch(B)
+            with torch.cuda.graph(gc):
+                self._combine(B)
+            self.graphs[B] = (gd, gc)
 
     def run(
-        self, hidden: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        experts: torch.Tensor,
+        weights: torch.Tensor,
+        *,
+        layer: int | None = None,
+        table_version: int | None = None,
     ) -> torch.Tensor:
-        """One round trip of ``n`` rows in its bucket; returns the output view ``[n, H]``
-        (valid after :meth:`check`)."""
+        """One round trip of ``n`` rows in its bucket: ``hidden`` ``[n, H]``, ``experts``
+        ``[n, k]`` int32, ``weights`` ``[n, k]`` float32 (CUDA). Returns the output view
+        ``[n, H]`` (valid after :meth:`check`).
+
+        Raises:
+            ValueError: ``n`` above the largest bucket.
+        """
+        from eaas.runtime.transport.shm import _fence
+
         n = int(hidden.shape[0])
         B = choose_bucket(n, self.buckets)
         self.hidden[:n].copy_(hidden)
         self.experts[:n].copy_(experts)
-        self.experts[n:B].fill_(-1)
+        self.experts[n:B].fill_(-1)  # padding rows: no expert, the server computes nothing
         self.weights[:n].copy_(weights)
-        hdr = self.conn.headers.req
-        hdr[1], hdr[2], hdr[3], hdr[4] = self.layer, self.table_version, B, self.k
-        hdr[5], hdr[6], hdr[7] = self.conn.client_id, 0, self.conn._gen  # noqa: SLF001
+        hdr = self.slots.req_hdr
+        hdr[1] = self.layer if layer is None else layer
+        hdr[2] = self.table_version if table_version is None else table_version
+        hdr[3], hdr[4], hdr[5], hdr[6] = B, self.k, self.conn.client_id, 0
         self.conn._counter += 1  # noqa: SLF001 - the device counter advances in step
-        self.graphs[B].replay()
-        self.conn._sock.send(b"D")  # noqa: SLF001 - doorbell: wake the server to spin on the flag
+        gd, gc = self.graphs[B]
+        gd.replay()
+        torch.cuda.current_stream().synchronize()  # copy-in and the ready flag are done
+        _fence()
+        if hdr[7]:  # the server sleeps in select: wake it (shm's doorbell rule)
+            self.conn._sock.send(b"D")  # noqa: SLF001
+        gc.replay()
         return self.out[:n]
 
     def check(self) -> None:

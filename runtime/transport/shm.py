@@ -220,6 +220,11 @@ class _Slots:
             v = self._resp_views[n] = self.resp_out[:n]
         return v
 
+    def sync(self) -> None:
+        """Payload writes are visible to the peer before the counter store: a no-op for host
+        memory (x86 keeps stores in order); a device payload synchronises its stream
+        (:mod:`.cuda_ipc`)."""
+
     def release(self) -> None:
         """Drop our views and unmap if no caller still holds a view (else unmapped on GC)."""
         mm = self.mm
@@ -273,6 +278,8 @@ class ShmClientConnection(SocketClientConnection):
     the response slot: copy it before the next ``send``.
     """
 
+    _socket_path = staticmethod(unix_path)  # endpoint -> socket path (a subclass's scheme)
+
     def __init__(
         self,
         endpoint: str,
@@ -292,7 +299,7 @@ class ShmClientConnection(SocketClientConnection):
         self._sent_at = 0.0
         self._counter = 0
         self._slots: _Slots | None = None
-        path = unix_path(endpoint)
+        path = self._socket_path(endpoint)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sock = sock
         deadline = time.monotonic() + connect_timeout
@@ -413,6 +420,7 @@ class ShmClientConnection(SocketClientConnection):
                 torch.index_select(h, 0, rows, out=vh)
             ve.copy_(ex)
             vw.copy_(w)
+            s.sync()  # payload before flag
         hdr = s.req_hdr
         hdr[1] = frame.layer
         hdr[2] = frame.table_version
@@ -533,6 +541,8 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
     The path is unlinked by :meth:`close`.
     """
 
+    _socket_path = staticmethod(unix_path)  # endpoint -> socket path (a subclass's scheme)
+
     def __init__(
         self,
         endpoint: str,
@@ -545,7 +555,7 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
         self.hidden_size = int(hidden_size)
         self.dtype = dtype
         self.spin_s = spin_us * 1e-6
-        self.path = unix_path(endpoint)
+        self.path = self._socket_path(endpoint)
         self._remove_stale(self.path)
         d = os.path.dirname(self.path)
         if d:
@@ -747,6 +757,7 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
             n = int(frame.output.shape[0])
             if n:
                 s.resp_view(n).copy_(frame.output)
+                s.sync()  # payload before flag
             hdr[3] = n
             hdr[4] = 0
         else:

@@ -1,4 +1,5 @@
-"""Transports (shm over a Unix socket, TCP) against a real expert-server process."""
+"""Transports (shm over a Unix socket, TCP, and ``cudaipc`` in its host emulation: the shm
+protocol with the payload mapping swapped) against a real expert-server process."""
 
 from __future__ import annotations
 
@@ -18,13 +19,26 @@ from eaas.runtime.transport.base import (
     PeerDeadError,
     RequestFrame,
 )
-from eaas.runtime.transport.factory import connect
+from eaas.runtime.transport.factory import connect as factory_connect
 
 pytestmark = pytest.mark.timeout(60)
 
+# cudaipc runs with payload="host" here (no GPU needed); tests/gpu/test_cuda_ipc.py adds the
+# CUDA payload on a GPU machine
+KINDS = ["unix", pytest.param("cudaipc", marks=pytest.mark.gpu_cpu), "tcp"]
+
+
+def connect(endpoint: str, server_id: str, **kw):
+    """The factory's ``connect``; a ``cudaipc:`` endpoint uses its host emulation."""
+    if endpoint.startswith("cudaipc:"):
+        kw.setdefault("payload", "host")
+    return factory_connect(endpoint, server_id, **kw)
+
 
 def _endpoint(kind: str, tmp_path) -> str:
-    return f"unix:{tmp_path}/es.sock" if kind == "unix" else "tcp://127.0.0.1:0"
+    if kind in ("unix", "cudaipc"):
+        return f"{kind}:{tmp_path}/es.sock"
+    return "tcp://127.0.0.1:0"
 
 
 def _frame(n, k, layer=1, n_exp=4, dtype=torch.float32, seq=0, gen=None):
@@ -43,7 +57,7 @@ def _frame(n, k, layer=1, n_exp=4, dtype=torch.float32, seq=0, gen=None):
     )
 
 
-@pytest.mark.parametrize("kind", ["unix", "tcp"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_round_trip_matches_local_reference(kind, dtype, tmp_path):
     srv = start_server(_endpoint(kind, tmp_path), dtype=dtype)
@@ -77,7 +91,7 @@ def test_round_trip_matches_local_reference(kind, dtype, tmp_path):
         srv.stop()
 
 
-@pytest.mark.parametrize("kind", ["unix", "tcp"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_protocol_misuse_raises_frame_error(kind, tmp_path):
     srv = start_server(_endpoint(kind, tmp_path))
     try:
@@ -97,16 +111,16 @@ def test_protocol_misuse_raises_frame_error(kind, tmp_path):
         srv.stop()
 
 
-@pytest.mark.parametrize("kind", ["unix", "tcp"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_connect_to_nothing_is_peer_dead(kind, tmp_path):
-    ep = f"unix:{tmp_path}/none.sock" if kind == "unix" else "tcp://127.0.0.1:1"
+    ep = f"{kind}:{tmp_path}/none.sock" if kind != "tcp" else "tcp://127.0.0.1:1"
     # A refused connection is PeerDeadError at once; waiting out the (long) connect timeout
     # would raise DeadlineExceeded instead.
     with pytest.raises(PeerDeadError):
         connect(ep, "nobody", hidden_size=HIDDEN, dtype=torch.float32, connect_timeout=30)
 
 
-@pytest.mark.parametrize("kind", ["unix", "tcp"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_server_sigkill_mid_request_gives_peer_dead_fast(kind, tmp_path):
     srv = start_server(_endpoint(kind, tmp_path))
     c = connect(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
@@ -129,7 +143,7 @@ def test_server_sigkill_mid_request_gives_peer_dead_fast(kind, tmp_path):
     srv.kill()
 
 
-@pytest.mark.parametrize("kind", ["unix", "tcp"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_stopped_server_hits_deadline_then_recovers(kind, tmp_path):
     srv = start_server(_endpoint(kind, tmp_path))
     try:
@@ -161,7 +175,7 @@ def _doomed_client(endpoint, ready):
     time.sleep(60)
 
 
-@pytest.mark.parametrize("kind", ["unix", "tcp"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_client_sigkill_does_not_disturb_server(kind, tmp_path):
     before = shm_entries()
     srv = start_server(_endpoint(kind, tmp_path))
@@ -230,7 +244,7 @@ def _lazy_client(endpoint, hidden, ready):
     time.sleep(60)
 
 
-@pytest.mark.parametrize("kind", ["unix", "tcp"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_client_not_reading_does_not_stall_others(kind, tmp_path):
     hidden = 1024  # 4096 tokens x 4 KiB = 16 MiB response, more than the socket buffers hold
     # The server would drop the wedged client only after send_timeout; make that far longer
