@@ -231,6 +231,12 @@ def attention_client(
         help="Decode steps of 2+ sequences run as two micro-batches: one's attention while the "
         "other's MoE round trip is in flight (same greedy tokens; docs/gpu.md).",
     ),
+    cuda_graphs: bool = typer.Option(
+        False,
+        "--cuda-graphs",
+        help="Decode MoE round trips to cudaipc expert servers replay captured CUDA graphs "
+        "(needs --device cuda and expert servers; docs/gpu.md).",
+    ),
 ) -> None:
     """Run one attention client with the OpenAI-compatible API (the process a client pod runs).
 
@@ -265,7 +271,11 @@ def attention_client(
             parse_memory_size(max_request_body)
         except ValueError as e:
             raise ValueError(f"--max-request-body: {e}") from None
-        resolve_device(device)
+        dev = resolve_device(device)
+        if cuda_graphs:
+            from eaas.runtime.gpu.graphs import check_cuda_graphs
+
+            check_cuda_graphs(dev.type, local_experts)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     run_attention_client(
@@ -289,6 +299,7 @@ def attention_client(
         max_num_batched_tokens=max_num_batched_tokens,
         max_request_body=max_request_body,
         double_batch_overlap=double_batch_overlap,
+        cuda_graphs=cuda_graphs,
     )
     _exit_now(f"attention-client {client_id}")
 

@@ -102,6 +102,7 @@ def run_attention_client(
     max_num_batched_tokens: int = 512,
     max_request_body: str | None = None,
     double_batch_overlap: bool = False,
+    cuda_graphs: bool = False,
 ) -> None:
     """Run one attention client until SIGINT/SIGTERM.
 
@@ -120,6 +121,9 @@ def run_attention_client(
             bodies get 413 ``request_too_large``.
         double_batch_overlap: the engine's decode steps run as two overlapped micro-batches
             (:class:`~eaas.runtime.gpu.overlap.PagedOverlapRunner`).
+        cuda_graphs: decode MoE round trips to ``cudaipc`` servers replay captured CUDA graphs
+            (:class:`~eaas.runtime.gpu.graphs.GraphRoundTrips`); needs a CUDA ``device`` and
+            expert servers (ValueError otherwise).
 
     Raises:
         ValueError: no routing-table source and not ``local_experts``, a bad ``dtype``,
@@ -145,6 +149,10 @@ def run_attention_client(
     from eaas.runtime.client.kv_cache import parse_memory_size
 
     dev = resolve_device(device)
+    if cuda_graphs:
+        from eaas.runtime.gpu.graphs import check_cuda_graphs
+
+        check_cuda_graphs(dev.type, local_experts)
     kv_bytes = None if kv_cache_memory in (None, "", "auto") else parse_memory_size(kv_cache_memory)
     if threads > 0:
         torch.set_num_threads(threads)
@@ -173,7 +181,14 @@ def run_attention_client(
         from eaas.runtime.models.arch import read_model_info
 
         info = read_model_info(model_dir)
-        dispatcher = Dispatcher(client_id, info.hidden_size, torch_dtype, timeout=dispatch_timeout)
+        graphs = None
+        if cuda_graphs:
+            from eaas.runtime.gpu.graphs import GraphRoundTrips
+
+            graphs = GraphRoundTrips(max_num_seqs, timeout_s=dispatch_timeout)
+        dispatcher = Dispatcher(
+            client_id, info.hidden_size, torch_dtype, timeout=dispatch_timeout, graphs=graphs
+        )
         if failure_report_url:
             reporter = FailureReporter(failure_report_url, str(client_id), token).start()
             dispatcher.on_server_down = reporter.report

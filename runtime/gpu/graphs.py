@@ -132,6 +132,8 @@ class DecodeRoundTripGraph:
         self.weights = torch.zeros(Bm, k, dtype=torch.float32, device=dev)  # (Bm, k)
         self.out = torch.zeros(Bm, H, dtype=conn.dtype, device=dev)  # (Bm, H)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]] = {}
+        # one stream per connection: round trips to several servers are in flight together
+        self.stream = torch.cuda.Stream(device=dev)
 
     def _dispatch(self, B: int) -> None:
         s, k = self.slots, self.k
@@ -159,9 +161,9 @@ class DecodeRoundTripGraph:
         """Capture the dispatch and combine graphs of every bucket (no server traffic)."""
         for B in self.buckets:
             gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(gd):
+            with torch.cuda.graph(gd, stream=self.stream):
                 self._dispatch(B)
-            with torch.cuda.graph(gc):
+            with torch.cuda.graph(gc, stream=self.stream):
                 self._combine(B)
             self.graphs[B] = (gd, gc)
 
@@ -185,29 +187,111 @@ class DecodeRoundTripGraph:
 
         n = int(hidden.shape[0])
         B = choose_bucket(n, self.buckets)
-        self.hidden[:n].copy_(hidden)
-        self.experts[:n].copy_(experts)
-        self.experts[n:B].fill_(-1)  # padding rows: no expert, the server computes nothing
-        self.weights[:n].copy_(weights)
-        hdr = self.slots.req_hdr
-        hdr[1] = self.layer if layer is None else layer
-        hdr[2] = self.table_version if table_version is None else table_version
-        hdr[3], hdr[4], hdr[5], hdr[6] = B, self.k, self.conn.client_id, 0
-        self.conn._counter += 1  # noqa: SLF001 - the device counter advances in step
-        gd, gc = self.graphs[B]
-        gd.replay()
-        torch.cuda.current_stream().synchronize()  # copy-in and the ready flag are done
-        _fence()
-        if hdr[7]:  # the server sleeps in select: wake it (shm's doorbell rule)
-            self.conn._sock.send(b"D")  # noqa: SLF001
-        gc.replay()
+        st = self.stream
+        st.wait_stream(torch.cuda.current_stream(st.device))  # the caller's inputs are ready
+        with torch.cuda.stream(st):
+            self.hidden[:n].copy_(hidden, non_blocking=True)
+            self.experts[:n].copy_(experts, non_blocking=True)
+            self.experts[n:B].fill_(-1)  # padding rows: no expert, the server computes nothing
+            self.weights[:n].copy_(weights, non_blocking=True)
+            hdr = self.slots.req_hdr
+            hdr[1] = self.layer if layer is None else layer
+            hdr[2] = self.table_version if table_version is None else table_version
+            hdr[3], hdr[4], hdr[5], hdr[6] = B, self.k, self.conn.client_id, 0
+            # the device counter continues the connection's (eager sends advance it on the host)
+            self.counter.fill_(self.conn._counter)  # noqa: SLF001
+            self.conn._counter += 1  # noqa: SLF001 - the graph's bump matches this
+            gd, gc = self.graphs[B]
+            gd.replay()
+            st.synchronize()  # copy-in and the ready flag are done
+            _fence()
+            if hdr[7]:  # the server sleeps in select: wake it (shm's doorbell rule)
+                self.conn._sock.send(b"D")  # noqa: SLF001
+            gc.replay()
         return self.out[:n]
 
     def check(self) -> None:
-        """Wait for the replay; raise DeadlineExceeded when the device-side wait timed out."""
-        torch.cuda.current_stream().synchronize()
+        """Wait for the replay.
+
+        Raises:
+            DeadlineExceeded: the device-side wait timed out (server dead or stopped).
+            RuntimeError: the server answered an error status (its message included).
+        """
+        self.stream.synchronize()
         if int(self.status.item()) != 0:
             raise DeadlineExceeded(
                 f"expert server {self.conn.server_id}: no response within {self.timeout_ns} ns "
                 "(device-side wait)"
             )
+        hdr = self.slots.resp_hdr
+        if int(hdr[2]) != 0:  # the server answered an error status (e.g. expert not hosted)
+            ln = min(int(hdr[4]), len(self.slots.resp_msg))
+            msg = bytes(self.slots.resp_msg[:ln]).decode("utf-8", "replace")
+            raise RuntimeError(f"error status {int(hdr[2])}: {msg}")
+
+
+def graph_eligible(
+    *, cuda_payload: bool, n: int, k: int, max_bucket: int, cap_tokens: int, cap_k: int
+) -> bool:
+    """Whether a layer call of ``n`` tokens x ``k`` experts to one server runs as a graph
+    replay: the connection's payload is in CUDA memory, ``1 <= n <= max_bucket`` (decode-sized)
+    and its slot holds the largest bucket (graphs capture the slot, which must never be
+    remapped). Anything else (prefill chunks, host-payload or non-cudaipc connections) takes the
+    eager ``send``/``recv`` path."""
+    return cuda_payload and 1 <= n <= max_bucket and max_bucket <= cap_tokens and 1 <= k <= cap_k
+
+
+def check_cuda_graphs(device_type: str, local_experts: bool) -> None:
+    """The attention client's ``--cuda-graphs`` preconditions.
+
+    Raises:
+        ValueError: the client's device is not CUDA (a CPU has no CUDA graphs), or
+            ``--local-experts`` (no expert round trip to capture).
+    """
+    if device_type != "cuda":
+        raise ValueError(
+            f"--cuda-graphs needs a CUDA device (--device cuda), got {device_type}: CUDA graphs "
+            "capture the decode MoE round trip on the GPU"
+        )
+    if local_experts:
+        raise ValueError(
+            "--cuda-graphs captures the round trip to expert servers; it cannot be combined "
+            "with --local-experts"
+        )
+
+
+class GraphRoundTrips:
+    """The dispatcher's ``--cuda-graphs`` path: one :class:`DecodeRoundTripGraph` per
+    ``cudaipc`` connection with a CUDA payload (captured on first use, buckets
+    :func:`default_buckets` of ``max_batch``); other connections and larger calls stay eager.
+
+    Args:
+        max_batch: largest decode batch (the attention client's ``--max-num-seqs``).
+        timeout_s: bound of the device-side wait (the dispatch deadline).
+    """
+
+    def __init__(self, max_batch: int, *, timeout_s: float):
+        self.buckets = default_buckets(max_batch)
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.replays = 0  # round trips run as graph replays
+
+    def for_connection(self, conn, n: int, k: int) -> DecodeRoundTripGraph | None:
+        """The graph for a call of ``n`` tokens x ``k`` on ``conn``, or None for the eager path."""
+        slots = getattr(conn, "slots", None)
+        if slots is None or not graph_eligible(
+            cuda_payload=bool(getattr(slots, "is_cuda", False)),
+            n=n,
+            k=k,
+            max_bucket=self.buckets[-1],
+            cap_tokens=slots.cap_tokens,
+            cap_k=slots.cap_k,
+        ):
+            return None
+        cache: dict[int, DecodeRoundTripGraph] = conn.__dict__.setdefault("_eaas_graphs", {})
+        g = cache.get(k)
+        if g is None:
+            g = DecodeRoundTripGraph(conn, self.buckets, k, timeout_ns=self.timeout_ns)
+            g.capture()
+            cache[k] = g
+        self.replays += 1
+        return g
