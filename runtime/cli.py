@@ -73,6 +73,22 @@ def expert_server(
         min=0.001,
         help="/health answers 503 when the serving loop's last iteration is older (s).",
     ),
+    nvshmem_world: int = typer.Option(
+        None,
+        "--nvshmem-world",
+        envvar="EAAS_NVSHMEM_WORLD_SIZE",
+        help="Join an NVSHMEM world of this many PEs (clients + servers + spares; docs/gpu.md); "
+        "needs nvshmem4py and a GPU.",
+    ),
+    nvshmem_pe: int = typer.Option(
+        None, "--nvshmem-pe", envvar="EAAS_NVSHMEM_PE", help="This process's PE in the world."
+    ),
+    nvshmem_uid_file: str = typer.Option(
+        None,
+        "--nvshmem-uid-file",
+        envvar="EAAS_NVSHMEM_UID_FILE",
+        help="PE 0 writes the world's unique id here; the other PEs read it (shared storage).",
+    ),
 ) -> None:
     """Run one expert server (the process an expert-server pod runs).
 
@@ -90,6 +106,7 @@ def expert_server(
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     if dtype not in dtypes:
         raise typer.BadParameter(f"--dtype must be one of {sorted(dtypes)}, got {dtype!r}")
+    world_cfg = _nvshmem_world_config(nvshmem_world, nvshmem_pe, nvshmem_uid_file, listen)
     if model is None:
         from eaas.runtime.models.tiny import default_model_dir
 
@@ -115,6 +132,15 @@ def expert_server(
         pairs = [(l, e) for l in info.moe_layers for e in range(info.num_experts)]
     health = start_http(server_id, http_port, health_stale_s, http_host)  # 503 while loading
     hosted = load_expert_weights(model, pairs, dtypes[dtype], progress=False)
+    listener_kw = {}
+    if world_cfg is not None:
+        from eaas.runtime.transport.nvshmem import WorldSpec, open_world
+
+        world = open_world(
+            world_cfg, WorldSpec(world_cfg.world_size, info.hidden_size, dtypes[dtype])
+        )
+        if listen.startswith("nvshmem:"):
+            listener_kw["world"] = world
     server = ExpertServer(
         listen,
         hosted,
@@ -123,9 +149,37 @@ def expert_server(
         server_id,
         num_threads=threads,
         batch_window_us=batch_window_us,
+        **listener_kw,
     )
     run(server, metrics_port, health)
     _exit_now(f"expert-server {server_id}")
+
+
+def _nvshmem_world_config(world_size, pe, uid_file, listen: str | None = None):
+    """The NVSHMEM world options as a ``WorldConfig`` (None when not given), checked before
+    anything loads.
+
+    Raises:
+        typer.BadParameter: partial or bad options, ``--listen nvshmem:PE`` without the world or
+            with another PE, or no nvshmem4py / GPU here (the message says which).
+    """
+    from eaas.runtime.transport.nvshmem import (
+        WorldConfig,
+        check_listen_pe,
+        nvshmem_unavailable_reason,
+    )
+
+    try:
+        cfg = WorldConfig.from_options(world_size, pe, uid_file)
+        if listen is not None:
+            check_listen_pe(listen, cfg)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    if cfg is not None:
+        reason = nvshmem_unavailable_reason()
+        if reason is not None:
+            raise typer.BadParameter(f"--nvshmem-world: {reason}")
+    return cfg
 
 
 def _check_dispatch_timeout(seconds: float) -> None:
@@ -237,6 +291,22 @@ def attention_client(
         help="Decode MoE round trips to cudaipc expert servers replay captured CUDA graphs "
         "(needs --device cuda and expert servers; docs/gpu.md).",
     ),
+    nvshmem_world: int = typer.Option(
+        None,
+        "--nvshmem-world",
+        envvar="EAAS_NVSHMEM_WORLD_SIZE",
+        help="Join an NVSHMEM world of this many PEs (clients + servers + spares; docs/gpu.md); "
+        "needs nvshmem4py and a GPU.",
+    ),
+    nvshmem_pe: int = typer.Option(
+        None, "--nvshmem-pe", envvar="EAAS_NVSHMEM_PE", help="This process's PE in the world."
+    ),
+    nvshmem_uid_file: str = typer.Option(
+        None,
+        "--nvshmem-uid-file",
+        envvar="EAAS_NVSHMEM_UID_FILE",
+        help="PE 0 writes the world's unique id here; the other PEs read it (shared storage).",
+    ),
 ) -> None:
     """Run one attention client with the OpenAI-compatible API (the process a client pod runs).
 
@@ -245,6 +315,11 @@ def attention_client(
     from eaas.runtime.client.main import run_attention_client
 
     _check_dispatch_timeout(dispatch_timeout)
+    world_cfg = _nvshmem_world_config(nvshmem_world, nvshmem_pe, nvshmem_uid_file)
+    if world_cfg is not None and local_experts:
+        raise typer.BadParameter(
+            "--nvshmem-world connects to expert servers; not with --local-experts"
+        )
     if not local_experts and not routing_table and not routing_table_configmap:
         raise typer.BadParameter(
             "--routing-table or --routing-table-configmap is required unless --local-experts "
@@ -300,6 +375,7 @@ def attention_client(
         max_request_body=max_request_body,
         double_batch_overlap=double_batch_overlap,
         cuda_graphs=cuda_graphs,
+        nvshmem_world=world_cfg,
     )
     _exit_now(f"attention-client {client_id}")
 

@@ -103,6 +103,7 @@ def run_attention_client(
     max_request_body: str | None = None,
     double_batch_overlap: bool = False,
     cuda_graphs: bool = False,
+    nvshmem_world=None,
 ) -> None:
     """Run one attention client until SIGINT/SIGTERM.
 
@@ -124,6 +125,8 @@ def run_attention_client(
         cuda_graphs: decode MoE round trips to ``cudaipc`` servers replay captured CUDA graphs
             (:class:`~eaas.runtime.gpu.graphs.GraphRoundTrips`); needs a CUDA ``device`` and
             expert servers (ValueError otherwise).
+        nvshmem_world: a :class:`~eaas.runtime.transport.nvshmem.WorldConfig`: join that
+            NVSHMEM world before connecting; ``nvshmem:PE`` endpoints use it.
 
     Raises:
         ValueError: no routing-table source and not ``local_experts``, a bad ``dtype``,
@@ -186,8 +189,28 @@ def run_attention_client(
             from eaas.runtime.gpu.graphs import GraphRoundTrips
 
             graphs = GraphRoundTrips(max_num_seqs, timeout_s=dispatch_timeout)
+        connect_kw = {}
+        if nvshmem_world is not None:
+            from eaas.runtime.client.dispatch import _default_connect
+            from eaas.runtime.transport.nvshmem import WorldSpec, open_world
+
+            world = open_world(
+                nvshmem_world, WorldSpec(nvshmem_world.world_size, info.hidden_size, torch_dtype)
+            )
+
+            def connect_in_world(endpoint: str, server_id: str, **kw):
+                if endpoint.startswith("nvshmem:"):
+                    kw["world"] = world
+                return _default_connect(endpoint, server_id, **kw)
+
+            connect_kw["connect"] = connect_in_world
         dispatcher = Dispatcher(
-            client_id, info.hidden_size, torch_dtype, timeout=dispatch_timeout, graphs=graphs
+            client_id,
+            info.hidden_size,
+            torch_dtype,
+            timeout=dispatch_timeout,
+            graphs=graphs,
+            **connect_kw,
         )
         if failure_report_url:
             reporter = FailureReporter(failure_report_url, str(client_id), token).start()

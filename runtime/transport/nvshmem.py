@@ -35,8 +35,16 @@ re-init: new UID, new processes) and moves clients to it by routing-table versio
 before break. Teams per connection group were rejected: teams are subsets of an existing world,
 so they cannot add a PE either.
 
-Nothing in this module has run on a GPU yet (this task had none); :class:`PeMembership` is
-tested on the CPU. Importing the module needs neither nvshmem4py nor a GPU.
+Who creates the world: every member process (attention clients, expert servers, spares) gets
+``--nvshmem-world SIZE --nvshmem-pe PE --nvshmem-uid-file PATH`` (or the env vars of
+:func:`world_env`; PE numbers from :class:`WorldLayout`: clients, then servers, then spares);
+PE 0 makes the unique id and writes it to the file, the others read it (:func:`exchange_uid`),
+then each calls :func:`open_world`. ``eaas expert-server --listen nvshmem:PE`` and
+``eaas attention-client`` build the world before their listener / dispatcher.
+
+Nothing in this module has run on a GPU yet (no task had one); :class:`PeMembership`,
+:class:`WorldLayout`, :class:`WorldConfig`, :func:`world_env` and :func:`exchange_uid` are tested
+on the CPU. Importing the module needs neither nvshmem4py nor a GPU.
 """
 
 from __future__ import annotations
@@ -126,6 +134,223 @@ class PeMembership:
         if server_id not in self.servers:
             raise MembershipError(f"server {server_id} holds no PE")
         return f"nvshmem:{self.servers[server_id]}"
+
+
+@dataclass(frozen=True)
+class WorldLayout:
+    """PE numbers of one NVSHMEM world: clients first, then servers, then spares.
+
+    Attributes:
+        clients: attention clients (``C``): PEs ``0 .. C-1``.
+        servers: expert servers started with experts (``S``): PEs ``C .. C+S-1``.
+        spares: idle expert-server processes already in the world (docs/gpu.md "Elastic
+            membership"): PEs ``C+S .. C+S+spares-1``.
+    """
+
+    clients: int
+    servers: int
+    spares: int
+
+    def __post_init__(self):
+        if self.clients < 1 or self.servers < 0 or self.spares < 0:
+            raise ValueError(
+                f"an NVSHMEM world needs >= 1 client and >= 0 servers / spares, got "
+                f"{self.clients} / {self.servers} / {self.spares}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """``max_pes`` = clients + servers + spares."""
+        return self.clients + self.servers + self.spares
+
+    def pe(self, role: str, index: int) -> int:
+        """PE of the ``index``-th ``role`` (``client`` | ``server`` | ``spare``).
+
+        Raises:
+            ValueError: unknown role or an index outside the role's count.
+        """
+        base = {"client": 0, "server": self.clients, "spare": self.clients + self.servers}
+        count = {"client": self.clients, "server": self.servers, "spare": self.spares}
+        if role not in base:
+            raise ValueError(f"role must be client, server or spare, got {role!r}")
+        if not 0 <= index < count[role]:
+            raise ValueError(f"{role} index {index} outside 0..{count[role] - 1}")
+        return base[role] + index
+
+    def membership(self) -> PeMembership:
+        """The world's :class:`PeMembership` with the started servers joined as
+        ``server-<i>`` (the spares free)."""
+        m = PeMembership(self.world_size, frozenset(range(self.clients)))
+        for i in range(self.servers):
+            m.servers[f"server-{i}"] = self.pe("server", i)
+        return m
+
+
+ENV_WORLD_SIZE = "EAAS_NVSHMEM_WORLD_SIZE"
+ENV_PE = "EAAS_NVSHMEM_PE"
+ENV_UID_FILE = "EAAS_NVSHMEM_UID_FILE"
+
+
+@dataclass(frozen=True)
+class WorldConfig:
+    """How one process joins the NVSHMEM world (``eaas`` flags ``--nvshmem-world``,
+    ``--nvshmem-pe``, ``--nvshmem-uid-file`` or the env vars of :func:`world_env`).
+
+    Attributes:
+        world_size: ``max_pes``.
+        pe: this process's PE.
+        uid_file: where PE 0 writes the world's unique id and the other PEs read it (a path on
+            storage every member sees, e.g. a shared volume).
+    """
+
+    world_size: int
+    pe: int
+    uid_file: str
+
+    def __post_init__(self):
+        if self.world_size < 2:
+            raise ValueError(f"--nvshmem-world must be >= 2 PEs, got {self.world_size}")
+        if not 0 <= self.pe < self.world_size:
+            raise ValueError(f"--nvshmem-pe {self.pe} outside the world of {self.world_size} PEs")
+        if not self.uid_file:
+            raise ValueError("--nvshmem-uid-file is required with --nvshmem-world")
+
+    @classmethod
+    def from_options(
+        cls, world_size: int | None, pe: int | None, uid_file: str | None
+    ) -> WorldConfig | None:
+        """The config from the three CLI options, or None when none is given.
+
+        Raises:
+            ValueError: some but not all are given, or bad values (the message names the flag).
+        """
+        given = [v is not None and v != "" for v in (world_size, pe, uid_file)]
+        if not any(given):
+            return None
+        if not all(given):
+            raise ValueError(
+                "--nvshmem-world, --nvshmem-pe and --nvshmem-uid-file go together "
+                f"(env {ENV_WORLD_SIZE}, {ENV_PE}, {ENV_UID_FILE})"
+            )
+        assert world_size is not None and pe is not None and uid_file is not None
+        return cls(int(world_size), int(pe), str(uid_file))
+
+
+def world_env(
+    layout: WorldLayout, role: str, index: int, uid_file: str, *, ibgda: bool = True
+) -> dict[str, str]:
+    """Environment of one member process (what a launcher or the operator sets on its pod):
+    :data:`ENV_WORLD_SIZE`, :data:`ENV_PE`, :data:`ENV_UID_FILE` and :func:`ibgda_env`.
+
+    Raises:
+        ValueError: see :meth:`WorldLayout.pe`.
+    """
+    return {
+        ENV_WORLD_SIZE: str(layout.world_size),
+        ENV_PE: str(layout.pe(role, index)),
+        ENV_UID_FILE: uid_file,
+        **ibgda_env(ibgda),
+    }
+
+
+def check_listen_pe(endpoint: str, config: WorldConfig | None) -> None:
+    """``--listen nvshmem:PE`` needs the world options, with the same PE.
+
+    Raises:
+        ValueError: no world configured, or a PE other than ``--nvshmem-pe``.
+    """
+    if not endpoint.startswith("nvshmem:"):
+        return
+    pe = parse_endpoint(endpoint)
+    if config is None:
+        raise ValueError(
+            f"--listen {endpoint} needs the NVSHMEM world: --nvshmem-world, --nvshmem-pe, "
+            "--nvshmem-uid-file"
+        )
+    if pe != config.pe:
+        raise ValueError(f"--listen {endpoint} is not this process's --nvshmem-pe {config.pe}")
+
+
+def nvshmem_unavailable_reason() -> str | None:
+    """Why an NVSHMEM world cannot be created here (None when it can): nvshmem4py not
+    installed, or no CUDA device. Imports nothing heavy beyond ``importlib.util``."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("nvshmem.core") is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        return (
+            "the NVSHMEM world needs nvshmem4py (pip install 'eaas[gpu]'), which is not installed"
+        )
+    if not torch.cuda.is_available():
+        return "the NVSHMEM world needs a CUDA device (torch.cuda.is_available() is False)"
+    return None
+
+
+def exchange_uid(config: WorldConfig, make_uid, *, timeout: float = 300.0) -> bytes:
+    """The world's unique id as bytes: PE 0 makes it (``make_uid() -> bytes``) and writes
+    ``config.uid_file`` atomically (temp file + rename); the others wait for the file.
+
+    Raises:
+        TimeoutError: the file did not appear within ``timeout`` seconds.
+    """
+    path = config.uid_file
+    if config.pe == 0:
+        uid = bytes(make_uid())
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(uid)
+        os.replace(tmp, path)
+        return uid
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            if data:
+                return data
+        except FileNotFoundError:
+            pass
+        if time.monotonic() >= end:
+            raise TimeoutError(f"NVSHMEM unique id file {path} did not appear in {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def open_world(config: WorldConfig, spec: WorldSpec) -> NvshmemWorld:
+    """Join the world: exchange the unique id through ``config.uid_file``, ``nvshmem.core.init``
+    with this PE, allocate the symmetric slots of ``spec``.
+
+    Raises:
+        GpuUnavailableError: no nvshmem4py or no GPU (:func:`nvshmem_unavailable_reason`).
+        TimeoutError: PE 0 never wrote the unique id.
+    """
+    reason = nvshmem_unavailable_reason()
+    if reason is not None:
+        from eaas.runtime.gpu import GpuUnavailableError
+
+        raise GpuUnavailableError(reason)
+    if spec.max_pes != config.world_size:
+        raise MembershipError(f"spec.max_pes {spec.max_pes} != world size {config.world_size}")
+    import numpy as np
+
+    nvs = _nvshmem()
+    # nvshmem4py's UID example: get_unique_id() on one rank, get_unique_id(empty=True) on the
+    # others, the bytes of ``uid._data`` moved by the launcher (here: the uid file)
+    made = []
+
+    def make() -> bytes:
+        made.append(nvs.get_unique_id())
+        return made[0]._data.view(np.uint8).tobytes()
+
+    raw = exchange_uid(config, make)
+    if made:  # PE 0: the id it wrote
+        uid = made[0]
+    else:
+        uid = nvs.get_unique_id(empty=True)
+        uid._data.view(np.uint8)[:] = np.frombuffer(raw, dtype=np.uint8)
+    return NvshmemWorld(spec, config.pe, config.world_size, uid)
 
 
 def parse_endpoint(endpoint: str) -> int:

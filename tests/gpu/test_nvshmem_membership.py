@@ -3,16 +3,30 @@ clear errors of the parts that need a GPU / nvshmem4py."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
+
 import pytest
 import torch
 
 from eaas.runtime.transport.factory import connect, listen
 from eaas.runtime.transport.nvshmem import (
+    ENV_PE,
+    ENV_UID_FILE,
+    ENV_WORLD_SIZE,
     MembershipError,
     PeMembership,
+    WorldConfig,
+    WorldLayout,
     WorldSpec,
+    check_listen_pe,
+    exchange_uid,
     ibgda_env,
+    nvshmem_unavailable_reason,
+    open_world,
     parse_endpoint,
+    world_env,
 )
 
 pytestmark = pytest.mark.gpu_cpu
@@ -51,3 +65,107 @@ def test_factory_gives_clear_errors_without_a_world():
         connect("nvshmem:1", "s", hidden_size=8, dtype=torch.float32)
     with pytest.raises(Exception, match="world=NvshmemWorld"):
         listen("nvshmem:1", hidden_size=8, dtype=torch.float32)
+
+
+def test_world_layout_assigns_clients_then_servers_then_spares():
+    lay = WorldLayout(clients=2, servers=3, spares=2)
+    assert lay.world_size == 7
+    assert [lay.pe("client", i) for i in range(2)] == [0, 1]
+    assert [lay.pe("server", i) for i in range(3)] == [2, 3, 4]
+    assert [lay.pe("spare", i) for i in range(2)] == [5, 6]
+    with pytest.raises(ValueError, match="server index 3 outside 0..2"):
+        lay.pe("server", 3)
+    with pytest.raises(ValueError, match="role must be"):
+        lay.pe("router", 0)
+    with pytest.raises(ValueError, match=">= 1 client"):
+        WorldLayout(clients=0, servers=1, spares=0)
+    m = lay.membership()  # the spares are what PeMembership hands out on join
+    assert m.spares == [5, 6] and m.endpoint("server-1") == "nvshmem:3"
+    assert m.join("new") == 5
+
+
+def test_world_env_is_what_world_config_reads_back():
+    lay = WorldLayout(clients=1, servers=2, spares=1)
+    env = world_env(lay, "server", 1, "/shared/uid", ibgda=False)
+    assert env == {
+        ENV_WORLD_SIZE: "4",
+        ENV_PE: "2",
+        ENV_UID_FILE: "/shared/uid",
+        "NVSHMEM_IB_ENABLE_IBGDA": "0",
+    }
+    cfg = WorldConfig.from_options(int(env[ENV_WORLD_SIZE]), int(env[ENV_PE]), env[ENV_UID_FILE])
+    assert cfg == WorldConfig(4, 2, "/shared/uid")
+    assert WorldConfig.from_options(None, None, None) is None
+    with pytest.raises(ValueError, match="go together"):
+        WorldConfig.from_options(4, None, "/x")
+    with pytest.raises(ValueError, match="--nvshmem-pe 4 outside the world of 4"):
+        WorldConfig(4, 4, "/x")
+    with pytest.raises(ValueError, match=">= 2 PEs"):
+        WorldConfig(1, 0, "/x")
+
+
+def test_check_listen_pe():
+    cfg = WorldConfig(4, 2, "/x")
+    check_listen_pe("nvshmem:2", cfg)
+    check_listen_pe("tcp://0.0.0.0:1", None)  # other transports need no world
+    with pytest.raises(ValueError, match="needs the NVSHMEM world"):
+        check_listen_pe("nvshmem:2", None)
+    with pytest.raises(ValueError, match="not this process's --nvshmem-pe 2"):
+        check_listen_pe("nvshmem:3", cfg)
+
+
+def test_exchange_uid_pe0_writes_others_read(tmp_path):
+    path = str(tmp_path / "uid")
+    got: list[bytes] = []
+    readers = [
+        threading.Thread(target=lambda pe=pe: got.append(exchange_uid(WorldConfig(3, pe, path),
+                                                                      None, timeout=60)))
+        for pe in (1, 2)
+    ]  # fmt: skip
+    for t in readers:
+        t.start()
+    uid = exchange_uid(WorldConfig(3, 0, path), lambda: b"\x01\x02unique", timeout=60)
+    for t in readers:
+        t.join(60)
+    assert uid == b"\x01\x02unique" and got == [uid, uid]
+    with pytest.raises(TimeoutError, match="did not appear"):
+        exchange_uid(WorldConfig(3, 1, str(tmp_path / "never")), None, timeout=0.2)
+
+
+@pytest.mark.skipif(
+    nvshmem_unavailable_reason() is None, reason="checks the error where nvshmem4py/GPU is missing"
+)
+def test_open_world_without_nvshmem4py_is_a_clear_error(tmp_path):
+    from eaas.runtime.gpu import GpuUnavailableError
+
+    with pytest.raises(GpuUnavailableError, match="nvshmem4py|CUDA device"):
+        open_world(WorldConfig(2, 0, str(tmp_path / "uid")), WorldSpec(2, 8, torch.float32))
+    assert not (tmp_path / "uid").exists()  # nothing written before the check
+
+
+def _eaas(*args: str) -> tuple[int, str]:
+    r = subprocess.run(
+        [sys.executable, "-m", "eaas", *args], capture_output=True, text=True, timeout=120
+    )
+    return r.returncode, " ".join((r.stdout + r.stderr).split())
+
+
+@pytest.mark.skipif(
+    nvshmem_unavailable_reason() is None, reason="checks the error where nvshmem4py/GPU is missing"
+)
+def test_cli_nvshmem_world_errors(tmp_path):
+    """The NVSHMEM flags fail fast (exit 2, one message, no traceback) on this machine."""
+    uid = str(tmp_path / "uid")
+    world = ["--nvshmem-world", "4", "--nvshmem-pe", "1", "--nvshmem-uid-file", uid]
+    cases = [
+        (["expert-server", "--listen", "nvshmem:1", *world], "nvshmem4py"),
+        (["expert-server", "--listen", "nvshmem:1"], "needs the NVSHMEM world"),
+        (["expert-server", "--listen", "nvshmem:2", *world], "not this process's --nvshmem-pe 1"),
+        (["expert-server", "--listen", "tcp://127.0.0.1:0", "--nvshmem-world", "4"], "go together"),
+        (["attention-client", "--routing-table", uid, "--port", "1", *world], "nvshmem4py"),
+    ]
+    for args, message in cases:
+        rc, out = _eaas(*args)
+        assert rc == 2, (args, out)
+        assert message in out, (args, out)
+        assert "Traceback" not in out, (args, out)
