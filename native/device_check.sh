@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One-GPU check of the EaaS GPU data plane (issue 9). Runs in < 5 min on one H200:
 #   1. NVRTC build of every native/ kernel for this GPU's arch and for sm_90 + sm_100;
-#   2. pytest tests/gpu (the CPU-side gpu_cpu tests and the GPU-only gpu tests);
+#   2. pytest tests/gpu (the GPU-only gpu tests and the quick gpu_cpu ones; the CPU engine/serve
+#      tests of double-batch overlap run in CI, not here);
 #   3. python -m eaas.runtime.gpu.device_check: the table (kernel correctness, grouped GEMM
 #      time with 1/8/32 of 256 experts active, cudaipc round trip B=1/64/256 vs a device copy
-#      and DeepEP's published figures, CUDA-graph replay of a decode step).
+#      and DeepEP's published figures, CUDA-graph replay of a decode step's real MoE round trip
+#      over cudaipc vs eager send/recv).
 # Usage: native/device_check.sh [OUT_DIR]   (default: $OUT if set, else ./device_check_out)
 # Exit status: 0 when every step passed.
 set -u
@@ -19,7 +21,8 @@ echo "== nvidia-smi"; nvidia-smi --query-gpu=name,driver_version,memory.total --
 echo "== 1. NVRTC build"
 timeout 60 "$PY" -m eaas.runtime.gpu.build sm_90 sm_100 2>&1 | tee "$OUT_DIR/build.txt" || rc=1
 echo "== 2. pytest tests/gpu"
-timeout 90 "$PY" -m pytest tests/gpu -q -p no:cacheprovider -m "gpu or gpu_cpu" 2>&1 \
+timeout 90 "$PY" -m pytest tests/gpu -q -p no:cacheprovider -m "gpu or gpu_cpu" \
+  --ignore=tests/gpu/test_overlap_engine.py --ignore=tests/gpu/test_overlap_serve.py 2>&1 \
   | tee "$OUT_DIR/pytest.txt" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 echo "== 3. device table"
