@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import typer
 
@@ -132,7 +133,7 @@ def expert_server(
         pairs = [(l, e) for l in info.moe_layers for e in range(info.num_experts)]
     health = start_http(server_id, http_port, health_stale_s, http_host)  # 503 while loading
     hosted = load_expert_weights(model, pairs, dtypes[dtype], progress=False)
-    listener_kw = {}
+    listener_kw: dict[str, Any] = {}
     if world_cfg is not None:
         from eaas.runtime.transport.nvshmem import WorldSpec, open_world
 

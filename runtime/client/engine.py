@@ -46,6 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -434,7 +435,7 @@ class Engine(EngineBase):
         self.kv_cache = PagedKVCache(
             spec, kv_cache_memory, block_size=block_size, device=device, client_id=self.client_id
         )
-        self.runner = PagedModelRunner(model, self.kv_cache)
+        self.runner: Any = PagedModelRunner(model, self.kv_cache)  # or PagedOverlapRunner
         if double_batch_overlap:
             from eaas.runtime.gpu.overlap import PagedOverlapRunner
 

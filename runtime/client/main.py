@@ -22,6 +22,7 @@ import logging
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 #: Seconds a SIGTERM/SIGINT leaves running requests to finish before they end with
 #: 503 ``server_shutting_down``.
@@ -189,7 +190,7 @@ def run_attention_client(
             from eaas.runtime.gpu.graphs import GraphRoundTrips
 
             graphs = GraphRoundTrips(max_num_seqs, timeout_s=dispatch_timeout)
-        connect_kw = {}
+        connect_kw: dict[str, Any] = {}
         if nvshmem_world is not None:
             from eaas.runtime.client.dispatch import _default_connect
             from eaas.runtime.transport.nvshmem import WorldSpec, open_world
@@ -261,7 +262,7 @@ def run_attention_client(
     def health_extra() -> dict:
         extra = {"device": str(dev), "kv_cache": engine.kv_cache_usage()}
         if double_batch_overlap:  # the runner's counters: overlapped steps, overlap achieved
-            extra["double_batch_overlap"] = dict(engine.runner.stats)
+            extra["double_batch_overlap"] = dict(getattr(engine.runner, "stats", {}))
         if dispatcher is None:
             return {"mode": "local-experts", **extra}
         out = {"mode": "disaggregated", **extra, **dispatcher.health()}

@@ -205,6 +205,7 @@ def bench_graph(rows: list, H: int = 7168, I: int = 2048, E: int = 8, B: int = 6
             c.send(frame)
             r = c.recv(time.monotonic() + 30)
             assert r.status == 0, r.message
+            assert r.output is not None
             eager_out = r.output.clone()
             if i >= 5:
                 eager_t.append((time.perf_counter() - t0) * 1e6)
