@@ -237,3 +237,46 @@ def test_rebalance_due_needs_threshold_and_interval():
         spec, members, table_from_assignment(spec, after, {m: ENDPOINTS[m] for m in members}, 1)
     )
     assert rebalance_due(spec, p2, hot, None)[1] < imbalance
+
+
+def test_routing_table_pods_carry_no_experts_so_a_new_assignment_restarts_nothing():
+    from eaas.operator.crd import ANNOTATION_SPEC_HASH
+    from eaas.operator.names import Owner
+    from eaas.operator.pods import ObservedPod, desired_table_pods, plan_pods, server_pod
+
+    owner = Owner(kind="ExpertPool", name="p", namespace="ns", uid="u", generation=1)
+    spec = make_spec()
+    a = server_pod(owner, spec, 1, [(1, 0), (2, 3)], "r1")
+    b = server_pod(owner, spec, 1, [(3, 7)], "r1")
+    assert (
+        a["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
+        == b["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
+    )
+    cmd = a["spec"]["containers"][0]["command"]
+    assert "--experts" not in cmd and "--push-token-file" in cmd
+    token_file = cmd[cmd.index("--push-token-file") + 1]
+    mounts = a["spec"]["containers"][0]["volumeMounts"]
+    assert any(token_file.startswith(m["mountPath"]) for m in mounts)
+    assert any(
+        v.get("secret", {}).get("secretName") == "p-server-push-token" for v in a["spec"]["volumes"]
+    )
+    # 5 -> 4: the leaving live pod is held while clients may use it, deleted once not
+    desired = desired_table_pods(owner, make_spec(replicas=4), "r2")
+    observed = [
+        ObservedPod(
+            name=f"p-{i}",
+            uid=f"u{i}",
+            index=i,
+            spec_hash=desired.get(f"p-{i}", a)["metadata"]["annotations"][ANNOTATION_SPEC_HASH],
+            revision="r2",
+            ready=True,
+            ip=f"10.0.0.{i}",
+            phase="Running",
+        )
+        for i in range(5)
+    ]
+    held = plan_pods(desired, observed, max_unavailable=1, in_use={"p-4"})
+    assert held.delete == [] and held.excess == ["p-4"]
+    freed = plan_pods(desired, observed, max_unavailable=1, in_use=set())
+    assert freed.delete == [("p-4", "u4", "excess")]
+    assert not freed.create and not freed.outdated  # no survivor replaced
