@@ -12,6 +12,7 @@ from eaas.operator.pods import ObservedPod
 from eaas.runtime.placement import (
     LayerExpert,
     Placement,
+    auto_slots,
     balancedness,
     place_experts,
 )
@@ -217,6 +218,12 @@ def member_placement(
     in force is a fixed point. Fewer members than ``redundancy``: the assignment in force is
     kept (nothing to re-place onto).
 
+    Slot budget: ``spec.placement.slotsPerServer``, or with 0 the budget of the desired size
+    ``ceil(numExperts * redundancy / replicas)`` (not the ratchet of :func:`compute_placement`:
+    moving replicas costs no restart here). While fewer members are live the budget rises as
+    far as needed to hold ``redundancy`` replicas of every expert, and falls back when the
+    missing servers return (survivors then drop their surplus after the release).
+
     Raises:
         PlacementError: an impossible request (see :func:`place_experts`).
     """
@@ -233,7 +240,8 @@ def member_placement(
         policy=spec.placement.policy,
         expert_load=use_load,
         previous=None if fresh else previous,
-        slots_per_server=spec.placement.slots_per_server,
+        slots_per_server=spec.placement.slots_per_server
+        or auto_slots(spec.model.num_experts, spec.redundancy, spec.replicas),
         domains=domains,
         rebalance_swaps=spec.model.num_experts if rebalance else 0,
     )

@@ -280,3 +280,22 @@ def test_routing_table_pods_carry_no_experts_so_a_new_assignment_restarts_nothin
     freed = plan_pods(desired, observed, max_unavailable=1, in_use=set())
     assert freed.delete == [("p-4", "u4", "excess")]
     assert not freed.create and not freed.outdated  # no survivor replaced
+
+
+def test_servers_joining_one_by_one_end_at_the_desired_budget_not_all_experts():
+    spec = make_spec()  # 5 replicas, 32 experts, redundancy 2: ceil(64 / 5) = 13 per layer
+    names = [f"p-{i}" for i in range(5)]
+    t = None
+    for k in range(2, 6):  # pods turn Ready one after another
+        t = candidate_for(spec, names[:k], t)
+    per_layer = {
+        s: max(sum(1 for (layer, _) in pairs if layer == lay) for lay in (1, 2, 3))
+        for s, pairs in assignment_of(t).items()
+    }
+    assert max(per_layer.values()) == 13, per_layer
+    assert not t.uncovered()
+    # one dies: survivors take its replicas (budget rises), and drop them when it returns
+    four = candidate_for(spec, names[:4], t)
+    assert not four.uncovered()
+    back = candidate_for(spec, names, four)
+    assert max(len(p) for p in assignment_of(back).values()) <= 3 * 13
