@@ -15,6 +15,12 @@ Loop (see DESIGN.md "Data plane protocol", steps 4-5):
    launch sequence per layer, compact group metadata computed on the device).
 4. The output ``[N, H]`` is split back per frame and each client gets its rows.
 
+Hosted experts may change while serving (:meth:`ExpertServer.add_experts` /
+:meth:`ExpertServer.drop_experts`, copy-on-write: each batch runs on one consistent snapshot):
+with ``--push-token-file`` or ``--routing-table-configmap`` and no ``--experts`` the server
+starts empty and learns its experts from the routing table (:func:`learn_from_table`,
+:mod:`eaas.runtime.assignment`).
+
 Metrics (:mod:`eaas.runtime.metrics`): ``EXPERT_TOKENS{layer,expert}`` (expert load),
 ``SERVER_BATCH_TOKENS`` (tokens per per-layer dynamic batch), ``SERVER_FRAMES``.
 

@@ -25,7 +25,8 @@ weights versions).
 ``PROMETHEUS_MULTIPROC_DIR`` each value is this process's own) plus two gauges of this module:
 ``eaas_expert_server_ready`` (1/0, the ``/health`` verdict) and
 ``eaas_expert_server_loop_age_seconds`` (seconds since the loop's last iteration; -1 before it
-started).
+started); with experts from the routing table also ``eaas_expert_server_assigned_version`` and
+``eaas_expert_server_weights_version``.
 
 The server is the standard library's ``ThreadingHTTPServer`` on a daemon thread: no event loop
 to share with the data plane, a few hundred microseconds per probe.
@@ -163,6 +164,18 @@ def _own_metrics(health: ServerHealth) -> bytes:
                 "Seconds since the serving loop's last iteration (-1: not started)",
                 value=-1.0 if v.loop_age_s is None else v.loop_age_s,
             )
+            if health.table is not None:  # experts learnt from the routing table
+                a = health.table.assignment
+                yield GaugeMetricFamily(
+                    "eaas_expert_server_assigned_version",
+                    "Newest routing-table version this server received",
+                    value=float(a.version),
+                )
+                yield GaugeMetricFamily(
+                    "eaas_expert_server_weights_version",
+                    "Newest routing-table version whose experts' weights this server holds",
+                    value=float(a.weights_version),
+                )
 
     reg = CollectorRegistry()
     reg.register(_Collector())

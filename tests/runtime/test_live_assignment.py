@@ -160,6 +160,9 @@ def test_server_loads_assigned_experts_while_serving_and_refuses_dropped_ones(se
         )
         health = _http("GET", port, "/health")[1]
         assert health["experts"] == 4
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+            text = r.read().decode()
+        assert "eaas_expert_server_weights_version 2.0" in text
         assert health["routing_table"]["weights_version"] == 2
         # an older or equal version is refused and changes nothing
         code, body = _http("PUT", port, "/routing-table", v1.to_json())
