@@ -11,6 +11,11 @@ operator's two-phase pushes:
 3. Scale 5 -> 4 under load: no survivor pod is replaced or restarted (UIDs and restart counts
    unchanged), every routing table the clients got covers every expert, the leaving pod is
    deleted only after the client acknowledged a table without it, no request fails.
+4. A server pod deleted under load: a table without it is published at once, no table ever
+   uncovers an expert, the survivors load its experts by table (reported as measured: whether
+   that table came before the replacement pod was up depends on its start-up time), no other
+   server restarts, every request gives the baseline tokens, and the replacement ends up
+   serving its share.
 """
 
 from __future__ import annotations
@@ -233,18 +238,28 @@ def test_rebalancing_and_scale_down_restart_nothing_and_keep_tokens(operator):
                     timeout=120,
                 )
                 results = []
-                for _ in range(2):  # two rounds of 16 streams while placements change
+
+                def layouts() -> set[str]:
+                    return {
+                        json.dumps({str(k): v for k, v in t.layers.items()}, sort_keys=True)
+                        for t in list(w.tables.values())
+                    }
+
+                # rounds of 16 streams while placements change: at least two rounds, and on
+                # until the streams have run across three different placements
+                end = time.monotonic() + 240
+                while len(results) < 2 or (len(layouts()) < 3 and time.monotonic() < end):
                     results.append(run_requests(api, model_id))
             finally:
                 stop.set()
                 churn.join(30)
         for got in results:
             assert got == baseline
-        layouts = {
-            json.dumps({str(k): v for k, v in t.layers.items()}, sort_keys=True)
-            for t in w.tables.values()
-        }
-        assert len(layouts) >= 3, f"expected several rebalanced placements, saw {len(layouts)}"
+        seen = len(layouts())
+        assert seen >= 3, f"expected several rebalanced placements, saw {seen}"
+        print(
+            f"\n[measure] rebalancing: {seen} placements under {len(results)} rounds of 16 streams"
+        )
         for t in w.tables.values():
             assert not t.uncovered(), f"version {t.version} uncovers {t.uncovered()[:4]}"
 
@@ -316,6 +331,55 @@ def test_rebalancing_and_scale_down_restart_nothing_and_keep_tokens(operator):
             f"\n[measure] 5->4 routing-table pool: survivors restarted 0/4, tables "
             f"{sorted(w.tables)}, scale -> converged {elapsed:.1f}s, requests rounds "
             f"{len(answers)} all with the baseline tokens"
+        )
+
+        # ---- a deleted server: out of the table at once, its experts re-placed by table -------
+        victim = "live-1"
+        old_uid = server_pods(ns)[victim]["metadata"]["uid"]
+        others = {n: v for n, v in after.items() if n != victim}
+        v_before = final.version
+        errors.clear()
+        answers.clear()
+        stop = threading.Event()
+        with Watcher(ns) as w:
+            t = threading.Thread(target=traffic, daemon=True)
+            t.start()
+            t0 = time.monotonic()
+            kubectl("delete", "pod", victim, "-n", ns, "--wait=false")
+
+            def back():
+                tt = table(ns)
+                p = server_pods(ns).get(victim)
+                if tt is None or p is None or p["metadata"]["uid"] == old_uid:
+                    return None
+                ok = (
+                    tt.servers.get(victim) == f"tcp://{p['status'].get('podIP')}:9000"
+                    and tt.hosted_by(victim)
+                    and min(len(r) for ex in tt.layers.values() for r in ex) >= 2
+                )
+                return tt if ok else None
+
+            wait_for("replacement serving its share", back, timeout=300, interval=0.5)
+            recovered = time.monotonic() - t0
+            stop.set()
+            t.join(300)
+        assert not errors, errors[0]
+        assert answers and all(a == baseline for a in answers)
+        without = sorted(
+            v for v, tb in w.tables.items() if v > v_before and victim not in tb.servers
+        )
+        assert without, "no table without the deleted server was published"
+        for tv, tb in w.tables.items():
+            assert not tb.uncovered(), f"version {tv} uncovers {tb.uncovered()[:4]}"
+        replaced_by_table = [
+            v for v in without if min(len(r) for ex in w.tables[v].layers.values() for r in ex) >= 2
+        ]
+        now = {n: (p["metadata"]["uid"], restarts(p)) for n, p in server_pods(ns).items()}
+        assert {n: now[n] for n in others} == others, "another server was replaced or restarted"
+        print(
+            f"[measure] deleted {victim}: tables without it {without}, of which with every "
+            f"expert back at >= 2 replicas on the survivors (loaded by table) {replaced_by_table}; "
+            f"replacement serving its share after {recovered:.1f}s"
         )
     finally:
         kubectl("delete", "namespace", ns, "--wait=false", check=False)
