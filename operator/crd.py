@@ -28,6 +28,7 @@ from pydantic.json_schema import JsonDict, JsonValue
 from eaas.runtime.placement import POLICIES
 
 PlacementPolicy = Literal["round-robin", "load-balanced"]
+ExpertAssignment = Literal["command-line", "routing-table"]
 assert set(typing.get_args(PlacementPolicy)) == set(POLICIES), (
     "CRD enum out of sync with eaas.runtime.placement"
 )
@@ -185,6 +186,32 @@ class PlacementSpec(_Model):
         "filled, the ones beyond `numExperts * redundancy` with extra replicas of hot experts. "
         "0: automatic, ceil(numExperts * redundancy / replicas), never less than what the "
         "servers already hold (so scaling up never moves a replica off a running server).",
+    )
+    assignment: ExpertAssignment = Field(
+        default="command-line",
+        description="How expert servers learn their experts. command-line: each pod's "
+        "`--experts` (a changed assignment replaces the pod). routing-table: pods start without "
+        "experts and learn them from the routing table, pushed by the operator in two phases "
+        "(servers load the new experts while serving and confirm; then clients get the version; "
+        "servers drop experts only after every client acknowledged a version without them), so "
+        "scale-down, re-placement and rebalancing restart no running server. Needs servers that "
+        "run (not kwok nodes).",
+    )
+    rebalance_threshold: float = Field(
+        default=0.2,
+        ge=0.0,
+        le=1.0,
+        description="load-balanced with assignment routing-table: rebalance (re-place replicas "
+        "for the measured expert load) when the imbalance 1 - balancedness of the placement in "
+        "force exceeds this (balancedness = mean / max per-server load, summed over MoE "
+        "layers). 1: never.",
+    )
+    rebalance_interval_seconds: int = Field(
+        default=300,
+        ge=1,
+        le=86400,
+        description="load-balanced with assignment routing-table: at most one rebalance per this "
+        "many seconds.",
     )
 
 
@@ -369,6 +396,19 @@ class ExpertPoolStatus(_Model):
     )
     acknowledged_version: int = Field(
         default=0, description="Oldest routing-table version a Ready client has acknowledged."
+    )
+    staged_routing_table_version: int = Field(
+        default=0,
+        description="assignment routing-table: version pushed to the servers and not yet to the "
+        "clients (0: none pending).",
+    )
+    servers_confirmed: int = Field(
+        default=0,
+        description="assignment routing-table: servers of the newest version (staged, else "
+        "published) that confirmed holding its experts' weights.",
+    )
+    last_rebalance_time: str = Field(
+        default="", description="When the last load rebalance was staged (RFC 3339)."
     )
 
 

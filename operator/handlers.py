@@ -26,6 +26,7 @@ import asyncio
 import base64
 import collections
 import concurrent.futures
+import dataclasses
 import datetime as _dt
 import json
 import logging
@@ -92,7 +93,22 @@ from eaas.operator.monitor import (
 )
 from eaas.operator.names import PUSH_TOKEN_KEY, push_secret_name
 from eaas.operator.overlay import OverlayError
+from eaas.operator.pods import (
+    PodPlan,
+    desired_table_pods,
+    server_push_secret,
+    server_push_secret_name,
+    table_assignment,
+)
+from eaas.operator.pool_placement import member_placement, rebalance_due, table_placement
 from eaas.operator.push import ObservedClient, clients_to_push, push_all
+from eaas.operator.server_push import (
+    ServerTableState,
+    get_server_state,
+    put_server_table,
+    release_server,
+)
+from eaas.operator.table import assignment_of, table_from_assignment, two_phase_step
 from eaas.runtime.placement import LayerExpert, Placement, PlacementError, auto_slots
 from eaas.runtime.routing import RoutingTable, RoutingTableError
 
@@ -140,6 +156,12 @@ class OperatorState:
             ``ServerUnreachable`` Warning events by the pool's next reconcile step.
         applied: ``(namespace, kind, name, spec hash)`` -> when the clients' RBAC object was last
             applied (re-checked every :data:`RBAC_RECHECK_S`).
+        staged: ``(namespace, pool)`` -> routing-table version given to the servers and not yet
+            to the clients (``routing-table`` pools; lost on restart: re-staged with a larger
+            version).
+        server_tables: ``(namespace, pool)`` -> ``(pod uid, restarts)`` -> the server's last
+            answer (assigned / weights / released versions).
+        last_rebalance: ``(namespace, pool)`` -> when the last load rebalance was staged.
         elector: the Lease election (:mod:`eaas.operator.leader`); None: act unconditionally
             (only for tests of single steps).
         loop: kopf's event loop (to wake daemons from other threads).
@@ -160,6 +182,11 @@ class OperatorState:
     reported: dict[tuple[str, str], list[str]] = field(default_factory=dict)
     suspects: dict[tuple[str, str], dict[str, tuple[str, float]]] = field(default_factory=dict)
     report_tokens: dict[tuple[str, str], str] = field(default_factory=dict)
+    staged: dict[tuple[str, str], RoutingTable] = field(default_factory=dict)
+    server_tables: dict[tuple[str, str], dict[tuple[str, int], ServerTableState]] = field(
+        default_factory=dict
+    )
+    last_rebalance: dict[tuple[str, str], str] = field(default_factory=dict)
     elector: LeaderElector | None = None
     report_runner: Any = None
     loop: asyncio.AbstractEventLoop | None = None
@@ -656,6 +683,9 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
     ]  # a same-named older pool's pods: GC's job
     try:
         spec = ExpertPoolSpec.model_validate(body["spec"])
+        if table_assignment(spec):
+            _reconcile_table_pool(state, core, custom, body, owner, spec, observed, pods, logger)
+            return
         load = _read_load(core, body, spec, logger)
         placement = state.placement(spec, observed, load)
         revision = placement_revision(spec)
@@ -667,6 +697,72 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
         _write_status(custom, namespace, name, old_status, status)
         return
     plan = plan_pods(desired, observed, max_unavailable=max(1, spec.redundancy - 1))
+    _apply_pod_plan(state, core, body, plan, logger)
+
+    deleted = {n for n, _, _ in plan.delete}
+    for message in state.reported.pop((namespace, name), []):
+        _event(body, "ServerUnreachable", message, warning=True)
+    down = _confirmed_down(state, namespace, name, pods, logger)
+    live = [p for p in observed if p.live and p.name not in deleted and p.name not in down]
+    table, table_error = _publish_table(state, core, body, owner, spec, live, old_status, logger)
+
+    status = pool_status(
+        owner=owner,
+        spec=spec,
+        placement=placement,
+        revision=revision,
+        observed=observed,
+        plan=plan,
+        table=table,
+        old_conditions=old_conditions,
+        now=_now(),
+        table_error=table_error,
+        node_domains={
+            node: value
+            for node, labels in state.node_labels.items()
+            if (value := labels.get(spec.placement.topology_key))
+        },
+    )
+    client_acks = [v for acks in state.fleet_acks.get((namespace, name), {}).values() for v in acks]
+    status.update(clients=len(client_acks), **ack_summary(client_acks, table.version))
+    _finish_status(custom, body, old_status, status)
+
+
+def _finish_status(
+    custom: k8s.CustomObjectsApi,
+    body: dict[str, Any],
+    old_status: dict[str, Any],
+    status: dict[str, Any],
+) -> None:
+    """Write the pool's status if it changed; post PoolReady / ExpertsUncovered on transitions."""
+    meta = body["metadata"]
+    old_conditions = old_status.get("conditions") or []
+    if _write_status(custom, meta["namespace"], meta["name"], old_status, status):
+        was = {c.get("type"): c.get("status") for c in old_conditions}
+        now = {c["type"]: c for c in status["conditions"]}
+        if was.get("Ready") != "True" and now["Ready"]["status"] == "True":
+            _event(body, "PoolReady", now["Ready"]["message"])
+        was_reason = {c.get("type"): c.get("reason") for c in old_conditions}.get("Degraded")
+        if (
+            was_reason not in (None, "ExpertsUncovered")
+            and now["Degraded"]["reason"] == "ExpertsUncovered"
+        ):
+            _event(body, "ExpertsUncovered", now["Degraded"]["message"], warning=True)
+
+
+def _apply_pod_plan(
+    state: OperatorState,
+    core: k8s.CoreV1Api,
+    body: dict[str, Any],
+    plan: PodPlan,
+    logger: kopf.Logger,
+) -> None:
+    """Create, delete and relabel expert-server pods as ``plan`` says (Events for each kind).
+
+    Raises:
+        ApiException: any API error but 409 on create and 404/409 on delete.
+    """
+    namespace = body["metadata"]["namespace"]
 
     def create(manifest: dict[str, Any]) -> None:
         try:
@@ -717,22 +813,258 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
             if exc.status != 404:
                 raise
 
-    deleted = {n for n, _, _ in plan.delete}
-    for message in state.reported.pop((namespace, name), []):
+
+# ---------------------------------------------------------------------------------------------
+# ExpertPool with spec.placement.assignment: routing-table (issue 7, item 3)
+# ---------------------------------------------------------------------------------------------
+def _server_url(pod: ObservedPod, spec: ExpertPoolSpec) -> str:
+    return f"http://{pod.ip}:{spec.health_port}"
+
+
+def _ensure_server_token(state: OperatorState, core: k8s.CoreV1Api, owner: Owner) -> str:
+    """The pool's server push token from its Secret (created, random, when missing)."""
+    key = (owner.namespace, f"pool:{owner.name}", owner.uid)
+    hit = state.tokens.get(key)
+    if hit:
+        return hit
+    name = server_push_secret_name(owner.name)
+    try:
+        secret = _raw(core.read_namespaced_secret, name, owner.namespace)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        try:
+            _raw(
+                core.create_namespaced_secret,
+                owner.namespace,
+                server_push_secret(owner, new_push_token()),
+            )
+        except ApiException as exc2:
+            if exc2.status != 409:
+                raise
+        secret = _raw(core.read_namespaced_secret, name, owner.namespace)
+    token = base64.b64decode((secret.get("data") or {}).get(PUSH_TOKEN_KEY, "")).decode().strip()
+    if not token:
+        raise kopf.TemporaryError(f"Secret {name} has no {PUSH_TOKEN_KEY!r}", delay=5)
+    state.tokens[key] = token
+    return token
+
+
+def _sync_servers(
+    state: OperatorState,
+    key: tuple[str, str],
+    pods: list[ObservedPod],
+    spec: ExpertPoolSpec,
+    token: str,
+    target: RoutingTable | None,
+    release: int,
+    logger: kopf.Logger,
+) -> dict[str, int]:
+    """Bring the live servers up to ``target`` (PUT it to those whose assigned version is
+    older), raise their released version to ``release``, and poll those still loading.
+    Answers are remembered per (pod uid, restarts): a restarted process is asked again.
+    Returns server name -> confirmed ``weights_version``."""
+    known = state.server_tables.setdefault(key, {})
+    alive = {(p.uid, p.restarts) for p in pods}
+    for k in set(known) - alive:
+        del known[k]
+    table_json = target.to_wire() if target is not None else ""
+
+    def one(pod: ObservedPod) -> tuple[ObservedPod, ServerTableState | None, str]:
+        k = (pod.uid, pod.restarts)
+        st = known.get(k)
+        url = _server_url(pod, spec)
+        try:
+            if (
+                target is not None
+                and pod.name in target.servers
+                and (st is None or st.assigned_version < target.version)
+            ):
+                st = put_server_table(url, table_json, token)
+                if st.status not in (202, 409):
+                    return pod, None, f"push answered {st.status}: {st.message}"
+            elif st is None or (target is not None and st.weights_version < st.assigned_version):
+                st = get_server_state(url)
+            if release and st is not None and st.released_version < release:
+                st = release_server(url, release, token)
+        except OSError as exc:
+            return pod, None, f"{type(exc).__name__}: {exc}"
+        return pod, st, ""
+
+    confirmed: dict[str, int] = {}
+    for pod, st, why in state.executor().map(one, pods):
+        if st is None:
+            logger.info("expert server %s: table sync failed: %s", pod.name, why)
+            old = known.get((pod.uid, pod.restarts))
+            if old is not None:
+                confirmed[pod.name] = old.weights_version
+            continue
+        known[(pod.uid, pod.restarts)] = st
+        confirmed[pod.name] = st.weights_version
+    return confirmed
+
+
+def _reconcile_table_pool(
+    state: OperatorState,
+    core: k8s.CoreV1Api,
+    custom: k8s.CustomObjectsApi,
+    body: dict[str, Any],
+    owner: Owner,
+    spec: ExpertPoolSpec,
+    observed: list[ObservedPod],
+    pods: list[dict[str, Any]],
+    logger: kopf.Logger,
+) -> None:
+    """One reconcile step of a ``routing-table`` pool: make-before-break publishing.
+
+    1. Pods: ``spec.replicas`` identical-but-for-the-index servers (no experts in their spec),
+       so a new assignment never replaces a pod. A live excess pod is deleted only when no
+       client can still use it: absent from the published and the pending table, and every
+       client acknowledged the published one.
+    2. Candidate: a server that died (or changed IP) first leaves the published table at once
+       (a table that only takes experts away needs no loading); otherwise the placement over
+       the live members is computed from the table in force (:func:`member_placement`; load
+       rebalancing when :func:`rebalance_due`).
+    3. :func:`two_phase_step` decides: stage (push to servers, wait for their
+       ``weights_version``), publish (ConfigMap + client pushes), release (servers drop experts
+       only older versions used).
+
+    Raises:
+        ApiException: as :func:`reconcile_pool`.
+    """
+    namespace, name = owner.namespace, owner.name
+    key = (namespace, name)
+    old_status = body.get("status") or {}
+    revision = placement_revision(spec)
+    token = _ensure_server_token(state, core, owner)
+    cm, published, annotated = _read_table_cm(state, core, owner, logger)
+    staged = state.staged.get(key)
+    floor = max(
+        annotated,
+        int(old_status.get("routingTableVersion") or 0),
+        int(old_status.get("stagedRoutingTableVersion") or 0),
+    )
+    for message in state.reported.pop(key, []):
         _event(body, "ServerUnreachable", message, warning=True)
     down = _confirmed_down(state, namespace, name, pods, logger)
-    live = [p for p in observed if p.live and p.name not in deleted and p.name not in down]
-    table, table_error = _publish_table(state, core, body, owner, spec, live, old_status, logger)
+    live = sorted(
+        (p for p in observed if p.live and p.name not in down), key=lambda p: (p.index, p.name)
+    )
+    endpoints = {p.name: f"tcp://{p.ip}:{spec.port}" for p in live}
+    client_acks = [v for acks in state.fleet_acks.get(key, {}).values() for v in acks]
 
+    # 1. pods (ObservedPod.experts from the published table: plan_pods' coverage checks)
+    held = assignment_of(published)
+    observed_t = [
+        dataclasses.replace(p, experts=tuple(sorted(held.get(p.name, ())))) for p in observed
+    ]
+    pub_v = published.version if published else 0
+    pending = staged if staged is not None and staged.version > pub_v else None
+    in_use: set[str] = set(published.servers) if published else set()
+    if pending is not None:
+        in_use |= set(pending.servers)
+    if client_acks and min(client_acks) < pub_v:
+        in_use |= {p.name for p in observed}  # some client is on an older table: hold all
+    plan = plan_pods(
+        desired_table_pods(owner, spec, revision),
+        observed_t,
+        max_unavailable=max(1, spec.redundancy - 1),
+        in_use=in_use,
+    )
+    _apply_pod_plan(state, core, body, plan, logger)
+    deleted = {n for n, _, _ in plan.delete}
+    live = [p for p in live if p.name not in deleted]
+    endpoints = {n: ep for n, ep in endpoints.items() if n not in deleted}
+
+    # 2. the candidate table
+    members = [p.name for p in live if 0 <= p.index < spec.replicas]
+    if published is not None and any(endpoints.get(s) != ep for s, ep in published.servers.items()):
+        survivors = {s: ep for s, ep in published.servers.items() if endpoints.get(s) == ep}
+        candidate = table_from_assignment(spec, held, survivors, 0)  # failure: remove at once
+        rebalanced = False
+    else:
+        in_force = pending or published
+        load = _read_load(core, body, spec, logger)
+        since = _seconds_since(old_status.get("lastRebalanceTime") or "")
+        due, imbalance = rebalance_due(spec, table_placement(spec, members, in_force), load, since)
+        domains = [
+            state.node_labels.get(p.node, {}).get(spec.placement.topology_key) or p.node or p.name
+            for p in live
+            if p.name in members
+        ]
+        memo_key = (
+            "table",
+            spec.model_dump_json(include={"model", "replicas", "redundancy", "placement"}),
+            tuple(members),
+            tuple(domains),
+            in_force.version if in_force else 0,
+            tuple(sorted(load.items())) if (due and load) else None,
+        )
+        assignment = state.placements.get(memo_key)
+        if assignment is None:
+            assignment = member_placement(spec, members, in_force, load, due, domains)
+            state.placements[memo_key] = assignment
+            while len(state.placements) > 64:
+                state.placements.popitem(last=False)
+        candidate = table_from_assignment(spec, assignment, {m: endpoints[m] for m in members}, 0)
+        rebalanced = due
+        if due:
+            logger.info("pool %s/%s: imbalance %.3f: rebalancing", namespace, name, imbalance)
+
+    # 3. two-phase step
+    confirmed_now = {
+        p.name: st.weights_version
+        for p in live
+        if (st := state.server_tables.get(key, {}).get((p.uid, p.restarts))) is not None
+    }
+    step = two_phase_step(candidate, published, staged, confirmed_now, client_acks, floor)
+    if step.abandoned and staged is not None:
+        state.staged.pop(key, None)
+        _event(
+            body,
+            "StagedTableAbandoned",
+            f"routing table version {staged.version} given up: one of its servers left",
+            warning=True,
+        )
+    table, table_error = published, ""
+    if step.stage is not None:
+        state.staged[key] = step.stage
+        _event(
+            body,
+            "RoutingTableStaged",
+            f"routing table version {step.stage.version} sent to {len(step.stage.servers)} "
+            f"servers first: {step.reason}",
+        )
+        if rebalanced:
+            state.last_rebalance[key] = _now()
+    target = state.staged.get(key)
+    if target is None or (published is not None and target.version <= published.version):
+        target = published
+    if step.publish is None:
+        confirmed = _sync_servers(state, key, live, spec, token, target, step.release, logger)
+        if target is not None and target is not published:  # staged: confirmed by now?
+            step2 = two_phase_step(
+                candidate, published, state.staged.get(key), confirmed, client_acks, floor
+            )
+            if step2.publish is not None and step2.publish.version == target.version:
+                step = step2
+    if step.publish is not None:
+        table, table_error = _write_table(state, core, body, owner, step.publish, cm, published)
+        if not table_error:
+            state.staged.pop(key, None)
+            _sync_servers(state, key, live, spec, token, step.publish, step.release, logger)
+    if table is None:
+        table = candidate  # nothing published yet: status counts what is being staged
+    staged_now = state.staged.get(key)
     status = pool_status(
         owner=owner,
         spec=spec,
-        placement=placement,
+        placement=table_placement(spec, [p.name for p in live], table),
         revision=revision,
-        observed=observed,
+        observed=observed_t,
         plan=plan,
         table=table,
-        old_conditions=old_conditions,
+        old_conditions=old_status.get("conditions") or [],
         now=_now(),
         table_error=table_error,
         node_domains={
@@ -741,19 +1073,32 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
             if (value := labels.get(spec.placement.topology_key))
         },
     )
-    client_acks = [v for acks in state.fleet_acks.get((namespace, name), {}).values() for v in acks]
     status.update(clients=len(client_acks), **ack_summary(client_acks, table.version))
-    if _write_status(custom, namespace, name, old_status, status):
-        was = {c.get("type"): c.get("status") for c in old_conditions}
-        now = {c["type"]: c for c in status["conditions"]}
-        if was.get("Ready") != "True" and now["Ready"]["status"] == "True":
-            _event(body, "PoolReady", now["Ready"]["message"])
-        was_reason = {c.get("type"): c.get("reason") for c in old_conditions}.get("Degraded")
-        if (
-            was_reason not in (None, "ExpertsUncovered")
-            and now["Degraded"]["reason"] == "ExpertsUncovered"
-        ):
-            _event(body, "ExpertsUncovered", now["Degraded"]["message"], warning=True)
+    newest = staged_now or table
+    known = state.server_tables.get(key, {})
+    status["stagedRoutingTableVersion"] = staged_now.version if staged_now else 0
+    status["serversConfirmed"] = sum(
+        1
+        for p in live
+        if p.name in newest.servers
+        and (st := known.get((p.uid, p.restarts))) is not None
+        and st.weights_version >= newest.version
+    )
+    last = state.last_rebalance.get(key) or old_status.get("lastRebalanceTime") or ""
+    if last:
+        status["lastRebalanceTime"] = last
+    _finish_status(custom, body, old_status, status)
+
+
+def _seconds_since(stamp: str) -> float | None:
+    """Seconds since an RFC 3339 ``...Z`` time (None: empty or unparsable)."""
+    if not stamp:
+        return None
+    try:
+        then = _dt.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=_dt.timezone.utc)
+    except ValueError:
+        return None
+    return (_dt.datetime.now(_dt.timezone.utc) - then).total_seconds()
 
 
 def _confirmed_down(
@@ -845,6 +1190,52 @@ def _publish_table(
     table, changed = next_routing_table(spec, live, previous, floor)
     if not changed and cm is not None:
         return table, ""
+    return _write_table(state, core, body, owner, table, cm, previous)
+
+
+def _read_table_cm(
+    state: OperatorState, core: k8s.CoreV1Api, owner: Owner, logger: kopf.Logger
+) -> tuple[dict[str, Any] | None, RoutingTable | None, int]:
+    """The routing-table ConfigMap (None: absent), its table (None: absent or invalid) and its
+    version annotation.
+
+    Raises:
+        ApiException: any API error but 404.
+    """
+    cm_name = table_configmap_name(owner.name)
+    try:
+        cm = _raw(core.read_namespaced_config_map, cm_name, owner.namespace)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        return None, None, 0
+    annotated = int(
+        (cm["metadata"].get("annotations") or {}).get(ANNOTATION_TABLE_VERSION, "0") or 0
+    )
+    try:
+        return cm, _parse_table(state, owner.namespace, cm), annotated
+    except RoutingTableError:
+        logger.warning("ConfigMap %s holds no valid routing table; rewriting it", cm_name)
+        return cm, None, annotated
+
+
+def _write_table(
+    state: OperatorState,
+    core: k8s.CoreV1Api,
+    body: dict[str, Any],
+    owner: Owner,
+    table: RoutingTable,
+    cm: dict[str, Any] | None,
+    previous: RoutingTable | None,
+) -> tuple[RoutingTable, str]:
+    """Write ``table`` into the pool's ConfigMap (create or optimistic replace), wake the fleets
+    to push it, post RoutingTablePublished. Returns the table in force and, when it cannot be
+    stored (too large), why (the previous table stays in force).
+
+    Raises:
+        ApiException: any API error (409: the ConfigMap changed meanwhile; next step retries).
+    """
+    cm_name = table_configmap_name(owner.name)
     manifest = routing_table_configmap(owner, table)
     too_large = configmap_too_large(manifest)
     if too_large:

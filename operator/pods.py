@@ -3,7 +3,7 @@ plan that moves the observed pods toward the desired ones without uncovering an 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +17,7 @@ from eaas.operator.crd import (
 from eaas.operator.names import (
     GPU_RESOURCE,
     MANAGED_BY,
+    PUSH_TOKEN_KEY,
     SERVER_ROLE,
     Owner,
     content_hash,
@@ -31,30 +32,53 @@ from eaas.runtime.placement import (
     parse_expert_spec,
 )
 
-
 # ---------------------------------------------------------------------------------------------
 # expert-server pods
 # ---------------------------------------------------------------------------------------------
+#: Where an expert-server pod finds the bearer token of routing-table pushes (assignment
+#: routing-table), from the pool's Secret :func:`server_push_secret_name`.
+SERVER_TOKEN_MOUNT_DIR = "/etc/eaas/server-push-token"
+
+
+def server_push_secret_name(pool: str) -> str:
+    """Name of the pool's Secret holding the token of pushes to its expert servers."""
+    return f"{pool}-server-push-token"
+
+
+def table_assignment(spec: ExpertPoolSpec) -> bool:
+    """Whether the pool's servers learn their experts from the routing table."""
+    return spec.placement.assignment == "routing-table"
+
+
 def server_command(
     spec: ExpertPoolSpec, pod_name: str, experts: Sequence[LayerExpert]
 ) -> list[str]:
     """The expert server's command line (flag names fixed by the runtime): the model path as the
-    container sees it, the hosted experts, the data-plane listener and the HTTP port of
-    ``/health`` and ``/metrics``."""
-    return [
-        "eaas",
-        "expert-server",
-        "--model",
-        spec.model.model_path(),
-        "--server-id",
-        pod_name,
-        "--experts",
-        format_expert_spec(experts),
-        "--listen",
-        f"tcp://0.0.0.0:{spec.port}",
-        "--http-port",
-        str(spec.health_port),
-    ]
+    container sees it, the hosted experts (``assignment: command-line``) or the push token file
+    (``routing-table``: no experts, they come from the pushed table), the data-plane listener
+    and the HTTP port of ``/health`` and ``/metrics`` (also the table push endpoint)."""
+    cmd = ["eaas", "expert-server", "--model", spec.model.model_path(), "--server-id", pod_name]
+    if table_assignment(spec):
+        cmd += ["--push-token-file", f"{SERVER_TOKEN_MOUNT_DIR}/{PUSH_TOKEN_KEY}"]
+    else:
+        cmd += ["--experts", format_expert_spec(experts)]
+    return cmd + ["--listen", f"tcp://0.0.0.0:{spec.port}", "--http-port", str(spec.health_port)]
+
+
+def server_push_secret(owner: Owner, token: str) -> dict[str, Any]:
+    """The pool's server push-token Secret (owned by the pool; ``token`` made once)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {
+            "name": server_push_secret_name(owner.name),
+            "namespace": owner.namespace,
+            "labels": {**server_labels(owner.name), "app.kubernetes.io/managed-by": MANAGED_BY},
+            "ownerReferences": [owner.reference()],
+        },
+        "stringData": {PUSH_TOKEN_KEY: token},
+    }
 
 
 #: Probes of the expert server's ``GET /health`` (200 only while the serving loop iterates, see
@@ -104,6 +128,10 @@ def server_pod(
 ) -> dict[str, Any]:
     """Manifest of expert-server pod ``index`` hosting ``experts``.
 
+    With ``spec.placement.assignment: routing-table`` the pod carries no experts at all (they
+    come from the pushed routing table), so its spec -- and its hash -- never changes when only
+    the assignment does: scale-down, re-placement and rebalancing restart no running server.
+
     The model volume (``spec.model``) is mounted and ``spec.podTemplate`` merged in
     (:func:`eaas.operator.overlay.apply_pod_template`). The annotation ``eaas.io/spec-hash``
     hashes the pod spec (so also its experts): a pod whose hash differs from the desired one is
@@ -147,6 +175,20 @@ def server_pod(
     if volume is not None and mount is not None:
         pod_spec["volumes"] = [volume]
         pod_spec["containers"][0]["volumeMounts"] = [mount]
+    table_mode = table_assignment(spec)
+    if table_mode:
+        pod_spec.setdefault("volumes", []).append(
+            {
+                "name": "server-push-token",
+                "secret": {
+                    "secretName": server_push_secret_name(owner.name),
+                    "items": [{"key": PUSH_TOKEN_KEY, "path": PUSH_TOKEN_KEY}],
+                },
+            }
+        )
+        pod_spec["containers"][0].setdefault("volumeMounts", []).append(
+            {"name": "server-push-token", "mountPath": SERVER_TOKEN_MOUNT_DIR, "readOnly": True}
+        )
     pod: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -161,7 +203,9 @@ def server_pod(
                 "app.kubernetes.io/component": SERVER_ROLE,
                 "app.kubernetes.io/managed-by": MANAGED_BY,
             },
-            "annotations": {ANNOTATION_EXPERTS: format_expert_spec(experts)},
+            "annotations": (
+                {} if table_mode else {ANNOTATION_EXPERTS: format_expert_spec(experts)}
+            ),
             "ownerReferences": [owner.reference()],
         },
         "spec": pod_spec,
@@ -178,6 +222,17 @@ def desired_server_pods(
     return {
         server_name(owner.name, s): server_pod(owner, spec, s, experts, revision)
         for s, experts in enumerate(placement.servers)
+    }
+
+
+def desired_table_pods(
+    owner: Owner, spec: ExpertPoolSpec, revision: str
+) -> dict[str, dict[str, Any]]:
+    """Pod name -> manifest of ``spec.replicas`` servers of a ``routing-table`` pool (no
+    experts in any of them: the same manifests whatever the placement)."""
+    return {
+        server_name(owner.name, s): server_pod(owner, spec, s, (), revision)
+        for s in range(spec.replicas)
     }
 
 
@@ -200,6 +255,8 @@ class ObservedPod:
         node: ``spec.nodeName``, or "".
         node_ready: False when its node is known NotReady/Unknown (a dead node's pods still
             look Ready until the node controller evicts them, minutes later).
+        restarts: sum of its containers' ``restartCount`` (a restarted server process holds
+            no weights until the table is pushed to it again).
     """
 
     name: str
@@ -215,6 +272,7 @@ class ObservedPod:
     owner_uid: str = ""
     node: str = ""
     node_ready: bool = True
+    restarts: int = 0
 
     @property
     def finished(self) -> bool:
@@ -272,6 +330,9 @@ class ObservedPod:
             owner_uid=owner_uid,
             node=(pod.get("spec") or {}).get("nodeName") or "",
             node_ready=(ready_nodes or {}).get((pod.get("spec") or {}).get("nodeName") or "", True),
+            restarts=sum(
+                int(c.get("restartCount") or 0) for c in (status.get("containerStatuses") or [])
+            ),
         )
 
 
@@ -315,6 +376,7 @@ def plan_pods(
     desired: Mapping[str, Mapping[str, Any]],
     observed: Sequence[ObservedPod],
     max_unavailable: int,
+    in_use: Collection[str] = (),
 ) -> PodPlan:
     """Decide creations, deletions and relabels that move ``observed`` toward ``desired``.
 
@@ -334,6 +396,9 @@ def plan_pods(
         desired: pod name -> manifest (from :func:`desired_server_pods`).
         observed: the pool's existing pods.
         max_unavailable: how many desired servers may be down at once (>= 1).
+        in_use: live excess pods that clients may still use (``routing-table`` pools: named in
+            the published or a pending routing table, or not every client acknowledged a table
+            without them): never deleted now -- make-before-break scale-down.
     """
     plan = PodPlan()
     by_name = {p.name: p for p in observed}
@@ -369,7 +434,8 @@ def plan_pods(
     for p in excess:
         if not p.live:  # serves nothing: remove now
             plan.delete.append((p.name, p.uid, "excess"))
-    excess_live = [p for p in excess if p.live]
+    held = set(in_use)
+    excess_live = [p for p in excess if p.live and p.name not in held]
 
     removed: set[str] = {n for n, _, _ in plan.delete}
     live = [p for p in observed if p.live and p.name not in removed]

@@ -9,7 +9,14 @@ from collections.abc import Mapping, Sequence
 from eaas.operator.crd import ExpertPoolSpec
 from eaas.operator.names import content_hash
 from eaas.operator.pods import ObservedPod
-from eaas.runtime.placement import LayerExpert, Placement, place_experts
+from eaas.runtime.placement import (
+    LayerExpert,
+    Placement,
+    auto_slots,
+    balancedness,
+    place_experts,
+)
+from eaas.runtime.routing import RoutingTable
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,3 +148,101 @@ def placement_revision(spec: ExpertPoolSpec) -> str:
             "slotsPerServer": spec.placement.slots_per_server,
         }
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# placement from the routing table (spec.placement.assignment: routing-table)
+# ---------------------------------------------------------------------------------------------
+def table_placement(
+    spec: ExpertPoolSpec, members: Sequence[str], table: RoutingTable | None
+) -> Placement:
+    """The placement in force over ``members`` (server ids, in placement order), read from the
+    routing table (the single source of truth): member ``i`` hosts what ``table`` assigns it
+    (nothing when absent)."""
+    hosting: dict[str, list[LayerExpert]] = {m: [] for m in members}
+    if table is not None:
+        for layer, experts in table.layers.items():
+            for e, reps in enumerate(experts):
+                for sid in reps:
+                    if sid in hosting:
+                        hosting[sid].append((int(layer), e))
+    return Placement(
+        layers=tuple(spec.model.layers()),
+        num_experts=spec.model.num_experts,
+        redundancy=spec.redundancy,
+        servers=tuple(tuple(sorted(hosting[m])) for m in members),
+    )
+
+
+def rebalance_due(
+    spec: ExpertPoolSpec,
+    current: Placement,
+    expert_load: Mapping[LayerExpert, float] | None,
+    seconds_since_last: float | None,
+) -> tuple[bool, float]:
+    """Whether a ``load-balanced`` pool rebalances now, and the imbalance that decided it.
+
+    Imbalance = ``1 - balancedness(current, expert_load)`` (:func:`balancedness`: mean / max
+    per-server load, summed over MoE layers). Due when the policy is ``load-balanced``, load is
+    known, the imbalance exceeds ``spec.placement.rebalanceThreshold`` and the last rebalance
+    is at least ``rebalanceIntervalSeconds`` ago (``seconds_since_last`` None: never).
+    """
+    if spec.placement.policy != "load-balanced" or not expert_load or not any(current.servers):
+        return False, 0.0
+    imbalance = 1.0 - balancedness(current, expert_load)
+    if imbalance <= spec.placement.rebalance_threshold:
+        return False, imbalance
+    if seconds_since_last is not None and seconds_since_last < (
+        spec.placement.rebalance_interval_seconds
+    ):
+        return False, imbalance
+    return True, imbalance
+
+
+def member_placement(
+    spec: ExpertPoolSpec,
+    members: Sequence[str],
+    table: RoutingTable | None,
+    expert_load: Mapping[LayerExpert, float] | None = None,
+    rebalance: bool = False,
+    domains: Sequence[str] | None = None,
+) -> dict[str, tuple[LayerExpert, ...]]:
+    """The assignment the operator wants over the live ``members`` (server id -> pairs),
+    computed incrementally from what ``table`` assigns them (:func:`table_placement`): a server
+    that died or left is simply not a member, so its experts are re-homed on the survivors by
+    the table (they load them) instead of waiting for a replacement pod; a new member starts
+    empty and is filled (scale-up moves nothing off a running server).
+
+    ``expert_load`` is used for a pool placed from scratch and when ``rebalance`` (then the
+    placement may also swap replicas to lower each layer's peak load); otherwise the placement
+    in force is a fixed point. Fewer members than ``redundancy``: the assignment in force is
+    kept (nothing to re-place onto).
+
+    Slot budget: ``spec.placement.slotsPerServer``, or with 0 the budget of the desired size
+    ``ceil(numExperts * redundancy / replicas)`` (not the ratchet of :func:`compute_placement`:
+    moving replicas costs no restart here). While fewer members are live the budget rises as
+    far as needed to hold ``redundancy`` replicas of every expert, and falls back when the
+    missing servers return (survivors then drop their surplus after the release).
+
+    Raises:
+        PlacementError: an impossible request (see :func:`place_experts`).
+    """
+    previous = table_placement(spec, members, table)
+    if len(members) < spec.redundancy or not members:
+        return dict(zip(members, previous.servers, strict=True))
+    fresh = not any(previous.servers)
+    use_load = expert_load if (fresh or rebalance) else None
+    placement = place_experts(
+        layers=spec.model.layers(),
+        num_experts=spec.model.num_experts,
+        num_servers=len(members),
+        redundancy=spec.redundancy,
+        policy=spec.placement.policy,
+        expert_load=use_load,
+        previous=None if fresh else previous,
+        slots_per_server=spec.placement.slots_per_server
+        or auto_slots(spec.model.num_experts, spec.redundancy, spec.replicas),
+        domains=domains,
+        rebalance_swaps=spec.model.num_experts if rebalance else 0,
+    )
+    return dict(zip(members, placement.servers, strict=True))

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from eaas.operator.crd import ANNOTATION_TABLE_VERSION, LABEL_POOL, ExpertPoolSpec
@@ -106,3 +107,151 @@ def coverage(table: RoutingTable, redundancy: int) -> tuple[int, int, int]:
             below += len(set(reps)) < redundancy
             uncovered += not reps
     return total, below, uncovered
+
+
+# ---------------------------------------------------------------------------------------------
+# two-phase publish (spec.placement.assignment: routing-table)
+# ---------------------------------------------------------------------------------------------
+def assignment_of(table: RoutingTable | None) -> dict[str, frozenset[LayerExpert]]:
+    """Server id -> the ``(layer, expert)`` pairs ``table`` assigns to it (every listed server,
+    also those hosting nothing)."""
+    if table is None:
+        return {}
+    out: dict[str, set[LayerExpert]] = {sid: set() for sid in table.servers}
+    for layer, experts in table.layers.items():
+        for e, reps in enumerate(experts):
+            for sid in reps:
+                out.setdefault(sid, set()).add((int(layer), e))
+    return {sid: frozenset(p) for sid, p in out.items()}
+
+
+def table_from_assignment(
+    spec: ExpertPoolSpec,
+    assignment: Mapping[str, Iterable[LayerExpert]],
+    endpoints: Mapping[str, str],
+    version: int,
+) -> RoutingTable:
+    """Routing table of ``assignment`` (server id -> pairs) over the servers of ``endpoints``
+    (server id -> ``tcp://IP:port``; their order is the replica order). Pairs outside the
+    model are ignored; servers not in ``endpoints`` are left out."""
+    hosting: dict[LayerExpert, list[str]] = {}
+    for sid in endpoints:
+        for pair in sorted(assignment.get(sid, ())):
+            hosting.setdefault(pair, []).append(sid)
+    return RoutingTable(
+        version=version,
+        num_experts=spec.model.num_experts,
+        servers=dict(endpoints),
+        layers={
+            layer: tuple(tuple(hosting.get((layer, e), ())) for e in range(spec.model.num_experts))
+            for layer in spec.model.layers()
+        },
+    )
+
+
+@dataclass(frozen=True)
+class TwoPhaseStep:
+    """One decision of the two-phase publish (:func:`two_phase_step`).
+
+    Attributes:
+        stage: a new version for the servers only (push it to every server in it; write it as
+            the staged copy); clients get it once every server in it confirmed.
+        publish: the version to give to the clients now (write the ConfigMap, push).
+        release: every client acknowledged this version: servers may drop experts that only
+            older versions use (0: nothing to release).
+        waiting_for: servers of the staged version that have not confirmed its weights yet.
+        abandoned: a pending staged version was given up (one of its servers left).
+        reason: a short explanation (events, logs).
+    """
+
+    abandoned: bool = False
+    stage: RoutingTable | None = None
+    publish: RoutingTable | None = None
+    release: int = 0
+    waiting_for: tuple[str, ...] = ()
+    reason: str = ""
+
+
+def two_phase_step(
+    candidate: RoutingTable,
+    published: RoutingTable | None,
+    staged: RoutingTable | None,
+    confirmed: Mapping[str, int],
+    client_acks: Sequence[int],
+    floor_version: int = 0,
+) -> TwoPhaseStep:
+    """Decide the next step of make-before-break publishing (pure; DESIGN.md "Routing-table
+    life cycle"; issue 7, item 3).
+
+    Args:
+        candidate: the table the operator wants in force (its version is ignored), over live
+            servers only.
+        published: the table the clients were given (the ConfigMap), or None.
+        staged: the last version given to the servers only, or None.
+        confirmed: server id -> newest version whose weights that server reported holding
+            (``weights_version``).
+        client_acks: acknowledged versions of the Ready clients (empty: no clients).
+        floor_version: the last version recorded anywhere else (status): versions never reuse it.
+
+    Rules:
+
+    * A staged version newer than the published one is *pending*. When every server in it
+      confirmed (``confirmed[s] >= staged.version``) it is published. While some have not, it
+      waits -- unless one of its servers left the candidate (died, or its endpoint changed): then
+      it is abandoned and the candidate is decided afresh.
+    * Without a pending version: a candidate equal (but for the version) to the published table
+      changes nothing. A candidate that only takes experts away from servers (each server's
+      experts a subset of what it has in the published table, e.g. a dead server removed) is
+      published at once: every server in it already holds those weights. Any other candidate
+      (a server gets an expert it does not hold: scale-up, scale-down re-homing, rebalancing,
+      the first table) is staged with version ``max(published, staged, floor) + 1``.
+    * ``release``: the smallest acknowledged version among the clients, at most the published
+      version (all of it when there are no clients).
+    """
+    pub_v = published.version if published else 0
+    release = min([pub_v, *client_acks]) if published else 0
+    pending = staged if staged is not None and staged.version > pub_v else None
+    abandoned = False
+    if pending is not None:
+        alive = all(candidate.servers.get(s) == ep for s, ep in pending.servers.items())
+        if alive:
+            waiting = tuple(
+                sorted(s for s in pending.servers if confirmed.get(s, 0) < pending.version)
+            )
+            if not waiting:
+                return TwoPhaseStep(
+                    publish=pending,
+                    release=release,
+                    reason=f"all {len(pending.servers)} servers confirmed version "
+                    f"{pending.version}",
+                )
+            return TwoPhaseStep(
+                release=release,
+                waiting_for=waiting,
+                reason=f"version {pending.version}: waiting for {len(waiting)} server(s)",
+            )
+        abandoned = True
+    if published is not None and _content(published) == _content(candidate):
+        return TwoPhaseStep(abandoned=abandoned, release=release, reason="unchanged")
+    version = max(pub_v, staged.version if staged else 0, floor_version) + 1
+    table = dataclasses.replace(candidate, version=version)
+    if published is not None:
+        held = assignment_of(published)
+        if all(
+            published.servers.get(s) == ep and pairs <= held.get(s, frozenset())
+            for s, pairs in assignment_of(table).items()
+            for ep in (table.servers[s],)
+        ):
+            return TwoPhaseStep(
+                abandoned=abandoned,
+                publish=table,
+                release=release,
+                reason="servers removed or experts dropped only",
+            )
+    return TwoPhaseStep(
+        abandoned=abandoned,
+        stage=table,
+        release=release,
+        waiting_for=tuple(sorted(table.servers)),
+        reason=f"version {version}: servers load new experts first",
+    )

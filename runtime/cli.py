@@ -90,6 +90,19 @@ def expert_server(
         envvar="EAAS_NVSHMEM_UID_FILE",
         help="PE 0 writes the world's unique id here; the other PEs read it (shared storage).",
     ),
+    push_token_file: str = typer.Option(
+        None,
+        "--push-token-file",
+        envvar="EAAS_PUSH_TOKEN_FILE",
+        help="Learn the hosted experts from routing tables PUT to --http-port /routing-table "
+        "with this bearer token (a mounted Secret); without --experts the server starts empty.",
+    ),
+    routing_table_configmap: str = typer.Option(
+        None,
+        "--routing-table-configmap",
+        help="NAMESPACE/NAME: learn the hosted experts from this routing-table ConfigMap "
+        "(watched through the API); without --experts the server starts empty.",
+    ),
 ) -> None:
     """Run one expert server (the process an expert-server pod runs).
 
@@ -101,7 +114,7 @@ def expert_server(
     """
     import torch
 
-    from eaas.runtime.expert_server import ExpertServer, run, start_http
+    from eaas.runtime.expert_server import ExpertServer, learn_from_table, run, start_http
     from eaas.runtime.placement import parse_expert_spec
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -129,8 +142,12 @@ def expert_server(
                 f"--experts names {bad[:8]} outside the model (MoE layers {list(info.moe_layers)}, "
                 f"{info.num_experts} experts per layer)"
             )
+    elif push_token_file or routing_table_configmap:
+        pairs = []  # learnt from the routing table
     else:
         pairs = [(l, e) for l in info.moe_layers for e in range(info.num_experts)]
+    if push_token_file and http_port is None:
+        raise typer.BadParameter("--push-token-file needs --http-port (PUT /routing-table)")
     health = start_http(server_id, http_port, health_stale_s, http_host)  # 503 while loading
     hosted = load_expert_weights(model, pairs, dtypes[dtype], progress=False)
     listener_kw: dict[str, Any] = {}
@@ -152,6 +169,18 @@ def expert_server(
         batch_window_us=batch_window_us,
         **listener_kw,
     )
+    try:
+        learn_from_table(
+            server,
+            health,
+            lambda want: load_expert_weights(model, want, dtypes[dtype], progress=False),
+            push_token_file=push_token_file,
+            routing_table_configmap=routing_table_configmap,
+            num_experts=info.num_experts,
+            moe_layers=info.moe_layers,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     run(server, metrics_port, health)
     _exit_now(f"expert-server {server_id}")
 

@@ -15,6 +15,12 @@ Loop (see DESIGN.md "Data plane protocol", steps 4-5):
    launch sequence per layer, compact group metadata computed on the device).
 4. The output ``[N, H]`` is split back per frame and each client gets its rows.
 
+Hosted experts may change while serving (:meth:`ExpertServer.add_experts` /
+:meth:`ExpertServer.drop_experts`, copy-on-write: each batch runs on one consistent snapshot):
+with ``--push-token-file`` or ``--routing-table-configmap`` and no ``--experts`` the server
+starts empty and learns its experts from the routing table (:func:`learn_from_table`,
+:mod:`eaas.runtime.assignment`).
+
 Metrics (:mod:`eaas.runtime.metrics`): ``EXPERT_TOKENS{layer,expert}`` (expert load),
 ``SERVER_BATCH_TOKENS`` (tokens per per-layer dynamic batch), ``SERVER_FRAMES``.
 
@@ -31,7 +37,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -108,6 +115,37 @@ def grouped_expert_sum(
 _NOTHING_HOSTED = torch.zeros(1, dtype=torch.bool)  # mask of a layer this server does not host
 
 
+@dataclass(frozen=True)
+class _Hosting:
+    """One immutable snapshot of what a server hosts (swapped whole on add/drop).
+
+    Attributes:
+        pairs: ``{(layer, expert): ExpertWeights}``.
+        by_layer: layer -> expert id -> weights.
+        masks: layer -> ``[max hosted id + 1]`` bool (frame checks without Python per id).
+        gpu: layer -> lazily built native grouped kernel of THIS snapshot (CUDA weights only).
+    """
+
+    pairs: Mapping[tuple[int, int], ExpertWeights]
+    by_layer: Mapping[int, Mapping[int, ExpertWeights]]
+    masks: Mapping[int, torch.Tensor]
+    gpu: dict[int, object] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls, pairs: Mapping[tuple[int, int], ExpertWeights], device: torch.device | None
+    ) -> _Hosting:
+        by_layer: dict[int, dict[int, ExpertWeights]] = {}
+        for (layer, e), w in pairs.items():
+            by_layer.setdefault(layer, {})[e] = w
+        masks = {}
+        for layer, experts in by_layer.items():
+            m = torch.zeros(max(experts) + 1, dtype=torch.bool)
+            m[list(experts)] = True
+            masks[layer] = m
+        return cls(dict(pairs), by_layer, masks)
+
+
 class ExpertServer:
     """One expert server process's work loop.
 
@@ -121,7 +159,12 @@ class ExpertServer:
         batch_window_us: after the first ready frame, keep gathering frames this long (µs) to
             grow the dynamic batch (default 0: take what is ready now).
         poll_timeout: seconds ``poll`` blocks per loop turn (bounds ``stop`` latency).
+        device: where hosted (and later added) weights live (default: the device of the
+            initial weights, else CPU).
         listener_kw: extra options for the listener (e.g. ``spin_us``).
+
+    Hosted experts change while serving (:meth:`add_experts`, :meth:`drop_experts`; driven by
+    the routing table through :mod:`eaas.runtime.assignment`).
     """
 
     def __init__(
@@ -135,6 +178,7 @@ class ExpertServer:
         num_threads: int | None = 1,
         batch_window_us: float = 0.0,
         poll_timeout: float = 0.2,
+        device: str | torch.device | None = None,
         **listener_kw,
     ):
         if num_threads:
@@ -142,20 +186,18 @@ class ExpertServer:
         self.server_id = server_id
         self.hidden_size = int(hidden_size)
         self.dtype = dtype
-        self.by_layer: dict[int, dict[int, ExpertWeights]] = {}
-        for (layer, e), w in hosted.items():
-            self.by_layer.setdefault(int(layer), {})[int(e)] = w
-        self.num_experts = len(hosted)
-        # CUDA weights -> the native grouped kernels (eaas.runtime.gpu.grouped), else CPU path
+        self._lock = threading.Lock()  # serializes add/drop (the loop itself never locks)
+        # what this server hosts, swapped as ONE reference (copy-on-write) so the serving loop
+        # reads a consistent snapshot per batch while experts are added or dropped
         first = next(iter(hosted.values()), None)
-        self.device = first.gate.device if first is not None else torch.device("cpu")
-        self._gpu_layers: dict[int, object] = {}
-        # layer -> [max hosted id + 1] bool: hosted or not (frame checks without Python per id)
-        self._hosted_mask: dict[int, torch.Tensor] = {}
-        for layer, experts in self.by_layer.items():
-            m = torch.zeros(max(experts) + 1, dtype=torch.bool)
-            m[list(experts)] = True
-            self._hosted_mask[layer] = m
+        # CUDA weights -> the native grouped kernels (eaas.runtime.gpu.grouped), else CPU path
+        if device is not None:
+            self.device = torch.device(device)
+        else:
+            self.device = first.gate.device if first is not None else torch.device("cpu")
+        self._hosting = _Hosting.build(
+            {(int(layer), int(e)): w for (layer, e), w in hosted.items()}, self.device
+        )
         self._load_metrics: dict[tuple[int, int], object] = {}
         self.batch_window_s = batch_window_us * 1e-6
         self.poll_timeout = poll_timeout
@@ -203,9 +245,10 @@ class ExpertServer:
         """Compute and answer one dynamic batch of ``(conn, frame)`` pairs."""
         SERVER_FRAMES.inc(len(frames))
         self.stats["frames"] += len(frames)
+        hosting = self._hosting  # one snapshot per batch: add/drop never tears a batch
         by_layer: dict[int, list[tuple[object, RequestFrame]]] = {}
         for conn, f in frames:
-            err = self._check(f)
+            err = self._check(f, hosting)
             if err is not None:
                 self.stats["errors"] += 1
                 self.listener.respond(conn, ResponseFrame(f.seq, f.layer, err[0], None, err[1]))
@@ -213,7 +256,7 @@ class ExpertServer:
             by_layer.setdefault(f.layer, []).append((conn, f))
         for layer, group in by_layer.items():
             try:
-                self._run_layer(layer, group)
+                self._run_layer(layer, group, hosting)
             except Exception as e:  # never crash on a client's input; answer everyone
                 self.stats["errors"] += 1
                 for conn, f in group:
@@ -224,7 +267,7 @@ class ExpertServer:
                         ),
                     )
 
-    def _check(self, f: RequestFrame) -> tuple[int, str] | None:
+    def _check(self, f: RequestFrame, hosting: _Hosting) -> tuple[int, str] | None:
         if (
             f.hidden.dtype != self.dtype
             or f.hidden.dim() != 2
@@ -233,7 +276,7 @@ class ExpertServer:
             return STATUS_BAD_FRAME, f"hidden must be [n, {self.hidden_size}] {self.dtype}"
         if f.experts.shape != f.weights.shape or f.experts.shape[0] != f.hidden.shape[0]:
             return STATUS_BAD_FRAME, "experts/weights must be [n, k] matching hidden"
-        hosted = self._hosted_mask.get(f.layer, _NOTHING_HOSTED)
+        hosted = hosting.masks.get(f.layer, _NOTHING_HOSTED)
         ex = f.experts
         # one pass, no Python per token: ids outside [-1, len) or not hosted are "not hosted"
         inrange = (ex >= 0) & (ex < hosted.numel())
@@ -246,7 +289,9 @@ class ExpertServer:
             )
         return None
 
-    def _run_layer(self, layer: int, group: list[tuple[object, RequestFrame]]) -> None:
+    def _run_layer(
+        self, layer: int, group: list[tuple[object, RequestFrame]], hosting: _Hosting
+    ) -> None:
         if len(group) == 1:
             hidden, experts, weights = group[0][1].hidden, group[0][1].experts, group[0][1].weights
         else:
@@ -269,11 +314,11 @@ class ExpertServer:
                 ]
             )
         if self.device.type == "cuda":  # native grouped kernel (kernel shrinking), docs/gpu.md
-            out, loads = self._gpu_layer(layer)(
+            out, loads = self._gpu_layer(layer, hosting)(
                 hidden.to(self.device), experts.to(self.device), weights.to(self.device)
             )
         else:
-            out, loads = grouped_expert_sum(hidden, experts, weights, self.by_layer[layer])
+            out, loads = grouped_expert_sum(hidden, experts, weights, hosting.by_layer[layer])
         ntok = int(hidden.shape[0])
         SERVER_BATCH_TOKENS.observe(ntok)
         for e, c in loads.items():
@@ -293,13 +338,50 @@ class ExpertServer:
             )
             start += n
 
-    def _gpu_layer(self, layer: int):
-        g = self._gpu_layers.get(layer)
+    def _gpu_layer(self, layer: int, hosting: _Hosting):
+        g = hosting.gpu.get(layer)
         if g is None:
             from eaas.runtime.gpu.grouped import GroupedExperts
 
-            g = self._gpu_layers[layer] = GroupedExperts(self.by_layer[layer])
+            g = hosting.gpu[layer] = GroupedExperts(dict(hosting.by_layer[layer]))
         return g
+
+    # -- hosted experts (changed while serving) -------------------------------------------
+    @property
+    def num_experts(self) -> int:
+        """Number of hosted ``(layer, expert)`` pairs."""
+        return len(self._hosting.pairs)
+
+    def hosted_pairs(self) -> frozenset[tuple[int, int]]:
+        """The ``(layer, expert)`` pairs hosted now."""
+        return frozenset(self._hosting.pairs)
+
+    def add_experts(self, weights: Mapping[tuple[int, int], ExpertWeights]) -> None:
+        """Host more experts while serving (thread safe; the loop sees them from its next batch).
+
+        Args:
+            weights: ``{(layer, expert): ExpertWeights}`` in this server's dtype (moved to the
+                server's device here); an already hosted pair is replaced.
+        """
+        dev = self.device
+        moved = {
+            (int(layer), int(e)): (
+                w
+                if w.gate.device == dev
+                else ExpertWeights(w.gate.to(dev), w.up.to(dev), w.down.to(dev))
+            )
+            for (layer, e), w in weights.items()
+        }
+        with self._lock:
+            self._hosting = _Hosting.build({**self._hosting.pairs, **moved}, dev)
+
+    def drop_experts(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """Stop hosting ``pairs`` (thread safe): later frames naming them get
+        ``STATUS_NOT_HOSTED``; a batch already running finishes on its snapshot."""
+        gone = {(int(layer), int(e)) for layer, e in pairs}
+        with self._lock:
+            keep = {k: w for k, w in self._hosting.pairs.items() if k not in gone}
+            self._hosting = _Hosting.build(keep, self.device)
 
     def ready_line(self) -> str:
         return f"expert-server {self.server_id} ready on {self.endpoint} hosting {self.num_experts} experts"
@@ -360,7 +442,13 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--listen", required=True)
-    p.add_argument("--experts", required=True, help="spec like '1:0-3,7;2:5'")
+    p.add_argument(
+        "--experts",
+        default=None,
+        help="spec like '1:0-3,7;2:5' (default: none, learnt from the routing table)",
+    )
+    p.add_argument("--push-token-file", default=None, help="accept PUT /routing-table")
+    p.add_argument("--routing-table-configmap", default=None, help="NAMESPACE/NAME to watch")
     p.add_argument("--random", required=True, help="HIDDEN:INTER:SEED random weights")
     p.add_argument("--server-id", default="s0")
     p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
@@ -376,7 +464,10 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     hidden, inter, seed = (int(x) for x in a.random.split(":"))
     dtype = _DTYPES[a.dtype]
-    hosted = random_experts(parse_expert_spec(a.experts), hidden, inter, dtype, seed)
+    if a.experts is None and not (a.push_token_file or a.routing_table_configmap):
+        p.error("--experts is required unless --push-token-file or --routing-table-configmap")
+    pairs = parse_expert_spec(a.experts) if a.experts else []
+    hosted = random_experts(pairs, hidden, inter, dtype, seed)
     if a.device != "cpu":
         dev = torch.device(a.device)
         if dev.type != "cuda" or not torch.cuda.is_available():
@@ -395,9 +486,70 @@ def main(argv: list[str] | None = None) -> None:
         a.server_id,
         num_threads=a.threads,
         batch_window_us=a.batch_window_us,
+        device=a.device,
         **kw,
     )
+    try:
+        learn_from_table(
+            server,
+            health,
+            lambda pairs: random_experts(pairs, hidden, inter, dtype, seed),
+            push_token_file=a.push_token_file,
+            routing_table_configmap=a.routing_table_configmap,
+        )
+    except ValueError as exc:
+        p.error(str(exc))
     run(server, a.metrics_port, health)
+
+
+def learn_from_table(
+    server: ExpertServer,
+    health,
+    loader,
+    *,
+    push_token_file: str | None = None,
+    routing_table_configmap: str | None = None,
+    num_experts: int | None = None,
+    moe_layers=None,
+):
+    """Make ``server`` learn its experts from the routing table (:mod:`eaas.runtime.assignment`):
+    pushed to ``PUT /routing-table`` on the HTTP port (``push_token_file``: the bearer token's
+    file) and/or watched from a ConfigMap (``routing_table_configmap``: ``NAMESPACE/NAME``;
+    then the newest two versions' experts are kept, as no operator releases them).
+
+    Returns:
+        the started :class:`~eaas.runtime.assignment.ServerAssignment`, or None when neither
+        source is given (experts fixed by the command line).
+
+    Raises:
+        ValueError: ``push_token_file`` without an HTTP port (``health`` None), or a malformed
+            ConfigMap reference.
+    """
+    if not push_token_file and not routing_table_configmap:
+        return None
+    from eaas.runtime.assignment import ServerAssignment, TableEndpoint
+
+    assignment = ServerAssignment(
+        server,
+        server.server_id,
+        loader,
+        auto_release=bool(routing_table_configmap) and not push_token_file,
+    ).start()
+    if push_token_file:
+        if health is None:
+            raise ValueError("--push-token-file needs --http-port (PUT /routing-table)")
+        from eaas.runtime.client.table_push import BearerToken
+
+        health.table = TableEndpoint(
+            assignment, BearerToken(push_token_file), num_experts, moe_layers
+        )
+    elif health is not None:
+        health.table = TableEndpoint(assignment, None, num_experts, moe_layers)
+    if routing_table_configmap:
+        from eaas.runtime.client.table_watch import ConfigMapTableWatcher
+
+        ConfigMapTableWatcher(routing_table_configmap, assignment).start()
+    return assignment
 
 
 def start_http(server_id: str, http_port: int | None, stale_after_s: float, host: str = "0.0.0.0"):

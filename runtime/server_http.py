@@ -15,11 +15,18 @@ minutes (issue 6, item 6). So ``/health`` looks at the serving loop itself:
   probe's own timeout fires. A loop that hangs while the process runs turns ``/health`` to 503
   within ``stale_after_s`` plus one probe period.
 
+``GET /routing-table``, ``PUT /routing-table`` and ``POST /routing-table/release``: the
+server's side of the routing table when it learns its experts from it
+(:class:`eaas.runtime.assignment.TableEndpoint`; 404 ``no_routing_table`` for a server started
+with fixed ``--experts``). ``/health`` then also carries ``routing_table`` (assigned and
+weights versions).
+
 ``GET /metrics`` is the Prometheus text of THIS process (the default registry; under
 ``PROMETHEUS_MULTIPROC_DIR`` each value is this process's own) plus two gauges of this module:
 ``eaas_expert_server_ready`` (1/0, the ``/health`` verdict) and
 ``eaas_expert_server_loop_age_seconds`` (seconds since the loop's last iteration; -1 before it
-started).
+started); with experts from the routing table also ``eaas_expert_server_assigned_version`` and
+``eaas_expert_server_weights_version``.
 
 The server is the standard library's ``ThreadingHTTPServer`` on a daemon thread: no event loop
 to share with the data plane, a few hundred microseconds per probe.
@@ -101,6 +108,9 @@ class ServerHealth:
         self.server_id = server_id
         self.server: Any = None
         self.stopping = False
+        # eaas.runtime.assignment.TableEndpoint when the server learns its experts from the
+        # routing table (PUT /routing-table, POST /routing-table/release, GET /routing-table)
+        self.table: Any = None
         self.stale_after_s = float(stale_after_s)
 
     def attach(self, server: Any) -> None:
@@ -132,6 +142,8 @@ class ServerHealth:
             out["endpoint"] = s.endpoint
             out["experts"] = s.num_experts
             out["stats"] = dict(s.stats)
+        if self.table is not None:
+            out["routing_table"] = self.table.assignment.describe()
         return out
 
 
@@ -152,6 +164,18 @@ def _own_metrics(health: ServerHealth) -> bytes:
                 "Seconds since the serving loop's last iteration (-1: not started)",
                 value=-1.0 if v.loop_age_s is None else v.loop_age_s,
             )
+            if health.table is not None:  # experts learnt from the routing table
+                a = health.table.assignment
+                yield GaugeMetricFamily(
+                    "eaas_expert_server_assigned_version",
+                    "Newest routing-table version this server received",
+                    value=float(a.version),
+                )
+                yield GaugeMetricFamily(
+                    "eaas_expert_server_weights_version",
+                    "Newest routing-table version whose experts' weights this server holds",
+                    value=float(a.weights_version),
+                )
 
     reg = CollectorRegistry()
     reg.register(_Collector())
@@ -167,6 +191,12 @@ def _make_handler(health: ServerHealth) -> type[BaseHTTPRequestHandler]:
             if path in ("/health", "/healthz", "/readyz", "/livez"):
                 v = health.verdict()
                 self._send(200 if v.ready else 503, json.dumps(health.body()), "application/json")
+            elif path == "/routing-table":
+                if health.table is None:
+                    self._no_table()
+                else:
+                    body = health.table.assignment.describe()
+                    self._send(200, json.dumps(body), "application/json")
             elif path == "/metrics":
                 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
@@ -179,6 +209,52 @@ def _make_handler(health: ServerHealth) -> type[BaseHTTPRequestHandler]:
                     json.dumps({"error": f"no route {path!r}; try /health or /metrics"}),
                     "application/json",
                 )
+
+        def _table_call(self, method: str) -> None:
+            path = self.path.split("?", 1)[0]
+            routes = {
+                ("PUT", "/routing-table"): "put",
+                ("POST", "/routing-table/release"): "release",
+            }
+            name = routes.get((method, path))
+            if name is None:
+                self._send(
+                    404 if path not in ("/routing-table", "/routing-table/release") else 405,
+                    json.dumps({"error": f"no route {method} {path!r}"}),
+                    "application/json",
+                )
+                return
+            if health.table is None:
+                self._no_table()
+                return
+            n = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(n) if n > 0 else b""
+            code, body = getattr(health.table, name)(self.headers.get("Authorization"), raw)
+            self._send(code, json.dumps(body), "application/json")
+
+        def _no_table(self) -> None:
+            self._send(
+                404,
+                json.dumps(
+                    {
+                        "error": {
+                            "message": "this expert server's experts are fixed (--experts); "
+                            "start it with --push-token-file or --routing-table-configmap to "
+                            "learn them from the routing table",
+                            "type": "invalid_request_error",
+                            "param": None,
+                            "code": "no_routing_table",
+                        }
+                    }
+                ),
+                "application/json",
+            )
+
+        def do_PUT(self) -> None:  # noqa: N802
+            self._table_call("PUT")
+
+        def do_POST(self) -> None:  # noqa: N802
+            self._table_call("POST")
 
         def _send(self, code: int, body: str | bytes, ctype: str) -> None:
             data = body.encode() if isinstance(body, str) else body

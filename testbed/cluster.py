@@ -337,6 +337,18 @@ def _https_ok(port: int, path: str, ctx: ssl.SSLContext) -> bool:
         conn.close()
 
 
+def _pod_cidr(index: int) -> str:
+    """Pod CIDR of node ``index``: ``127.<EAAS_TESTBED_POD_NET or 1>.<index>.0/24``.
+
+    Raises:
+        ValueError: ``EAAS_TESTBED_POD_NET`` is not an integer in 1..254.
+    """
+    net = int(os.environ.get("EAAS_TESTBED_POD_NET", "1"))
+    if not 1 <= net <= 254:
+        raise ValueError(f"EAAS_TESTBED_POD_NET must be in 1..254, got {net}")
+    return f"127.{net}.{index}.0/24"
+
+
 def _node(name: str, index: int, labels: dict, allocatable: dict, process: bool) -> dict:
     annotations = {"node.alpha.kubernetes.io/ttl": "0"}
     if not process:
@@ -356,8 +368,10 @@ def _node(name: str, index: int, labels: dict, allocatable: dict, process: bool)
                 **labels,
             },
         },
-        # pod IPs come from spec.podCIDR: loopback addresses, one /24 per node.
-        "spec": {"podCIDR": f"127.1.{index}.0/24", "podCIDRs": [f"127.1.{index}.0/24"]},
+        # pod IPs come from spec.podCIDR: loopback addresses, one /24 per node; the second octet
+        # is $EAAS_TESTBED_POD_NET (default 1) so testbeds running side by side on one machine
+        # can use disjoint pod addresses.
+        "spec": {"podCIDR": _pod_cidr(index), "podCIDRs": [_pod_cidr(index)]},
         "status": {"allocatable": dict(allocatable), "capacity": dict(allocatable)},
     }
 

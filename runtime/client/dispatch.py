@@ -22,7 +22,12 @@ connection per expert server. Per MoE layer call (:meth:`Dispatcher.dispatch`):
    metric, a log line, connection closed); ONLY its pairs are re-assigned to other connected
    replicas and sent again (``eaas_failovers_total`` += 1 per failed server batch); repeat. If
    some expert has no live replica left, :class:`NoLiveReplicaError` is raised (retryable; the
-   API answers 503). :meth:`Dispatcher.uncovered` lists the experts without a live replica
+   API answers 503). A server that answers ``STATUS_NOT_HOSTED`` (it no longer hosts an expert
+   of the frame: its assignment changed with a newer routing table, see
+   :mod:`eaas.runtime.assignment`) is NOT marked down: it is healthy. The frame's pairs are
+   re-sent to other replicas, that server left out for the rest of this call
+   (:attr:`Dispatcher.not_hosted_resends` counts such frames). If
+   :meth:`Dispatcher.uncovered` lists the experts without a live replica
    (GET /health answers 503 while there are any).
 4. **Combine.** The per-server partial sums are added (``index_add_``) into one ``[T, H]``
    tensor, returned on the caller's device.
@@ -54,7 +59,13 @@ from torch import nn
 
 from eaas.runtime import metrics
 from eaas.runtime.routing import RoutingTable, RoutingTableError
-from eaas.runtime.transport.base import STATUS_OK, ClientConnection, PeerDeadError, RequestFrame
+from eaas.runtime.transport.base import (
+    STATUS_NOT_HOSTED,
+    STATUS_OK,
+    ClientConnection,
+    PeerDeadError,
+    RequestFrame,
+)
 
 log = logging.getLogger("eaas.client.dispatch")
 
@@ -287,6 +298,8 @@ class Dispatcher:
         # called as (server_id, endpoint, table_version, reason) when a server is marked down,
         # under the lock: must not block (failure_report.FailureReporter.report only enqueues)
         self.on_server_down: Callable[[str, str, int, str], object] | None = None
+        # frames answered STATUS_NOT_HOSTED whose pairs were re-sent to other replicas
+        self.not_hosted_resends = 0
         if table is not None:
             self.set_table(table)
 
@@ -667,18 +680,23 @@ class Dispatcher:
             while bool(pending.any()):
                 assign, used, servers, table = self._plan(layer, sel, exclude)
                 try:
-                    failed = self._round(
+                    failed, refused = self._round(
                         layer, hidden, idx64, w32, assign, used, servers, table, out
                     )
                 finally:
                     self._release(servers, used)
-                if not failed:
+                if not failed and not refused:
                     break
                 redo = torch.zeros_like(pending)
                 for si in failed:
                     redo |= assign == si
                     exclude.add(servers[si].server_id)
                     metrics.FAILOVERS.inc()
+                for si in refused:  # healthy, but no longer hosts an expert: others compute it
+                    redo |= assign == si
+                    exclude.add(servers[si].server_id)
+                    self.not_hosted_resends += 1
+                failed = failed + refused
                 pending = redo
                 sel = torch.where(redo, idx64, -1)
                 log.info(
@@ -702,16 +720,18 @@ class Dispatcher:
         servers: list[_Server],
         table: RoutingTable,
         out: torch.Tensor,
-    ) -> list[int]:
+    ) -> tuple[list[int], list[int]]:
         """Send one frame per server in ``used``, wait for all, add into ``out``. No lock held.
 
         A frame carries each of its tokens' hidden row once (gathered by the transport straight
         into its buffer) and the token's ``[k]`` expert ids / weights with pairs of other servers
-        masked to ``-1`` / ``0``. Returns the indices (into ``servers``) of servers that failed;
-        they are marked down.
+        masked to ``-1`` / ``0``. Returns ``(failed, refused)``: indices (into ``servers``) of
+        servers that failed (marked down) and of servers that answered ``STATUS_NOT_HOSTED``
+        (kept up; their pairs go to other replicas).
         """
         T = int(hidden.shape[0])
         failed: list[int] = []
+        refused: list[int] = []
         sent: list[tuple[_Server, int, torch.Tensor | None, int]] = []
         graph_out: dict[int, tuple] = {}  # server index -> (graph, output view) (--cuda-graphs)
         for si in used:  # loop over servers, tensor ops inside
@@ -767,6 +787,17 @@ class Dispatcher:
                     resp = s.conn.recv(deadline)
                     if resp.seq != seq:
                         raise RuntimeError(f"response seq {resp.seq} != request seq {seq}")
+                    if resp.status == STATUS_NOT_HOSTED:
+                        log.info(
+                            "client %d: expert server %s refused layer %d (table version %d): %s",
+                            self.client_id,
+                            s.server_id,
+                            layer,
+                            table.version,
+                            resp.message,
+                        )
+                        refused.append(si)
+                        continue
                     if resp.status != STATUS_OK or resp.output is None:
                         raise RuntimeError(f"error status {resp.status}: {resp.message}")
                     output = resp.output
@@ -779,7 +810,7 @@ class Dispatcher:
             except Exception as exc:  # noqa: BLE001
                 self._failed(s, f"recv: {type(exc).__name__}: {exc}")
                 failed.append(si)
-        return failed
+        return failed, refused
 
     def _failed(self, s: _Server, why: str) -> None:
         with self._lock:

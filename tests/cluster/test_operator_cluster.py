@@ -69,7 +69,18 @@ def server_pid(pod_name: str) -> int | None:
             continue
         if b"expert-server" in argv and b"--server-id" in argv:
             if argv[argv.index(b"--server-id") + 1] == pod_name.encode():
-                return int(d)
+                try:
+                    with open(f"/proc/{d}/environ", "rb") as f:
+                        env = f.read().split(b"\0")
+                except OSError:
+                    continue
+                uids = [
+                    p["metadata"]["uid"]
+                    for p in get_json("pods", "-A")["items"]
+                    if p["metadata"]["name"] == pod_name
+                ]
+                if any(b"EAAS_TESTBED_POD_UID=" + u.encode() in env for u in uids):
+                    return int(d)
     return None
 
 

@@ -1,0 +1,216 @@
+"""Expert servers learn their experts from the routing table (issue 7, item 3), real processes.
+
+``s0`` is a fixed server (``--experts``, random weights) hosting every expert of layer 1; ``s1``
+is started EMPTY with ``--push-token-file`` and learns its experts from tables PUT to its HTTP
+port. While a background thread keeps dispatching layer calls through the real transport, ``s1``
+is assigned experts, loads them while serving, reports ``weights_version``; after a table
+without them and a release it drops them, and a client still on the older table gets
+``STATUS_NOT_HOSTED`` from ``s1`` which the dispatcher re-sends to ``s0``: same results as the
+local reference, no failed call, ``s1`` never marked down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from srv_helpers import HIDDEN, INTER, SEED, free_port, reference, wait_until
+
+from eaas.runtime.client.dispatch import Dispatcher
+from eaas.runtime.routing import RoutingTable
+
+pytestmark = pytest.mark.elastic
+
+LAYER = 1
+SPEC = "1:0-3"
+TOKEN = "s3cret-token"
+
+
+def _start(tmp_path, sid: str, extra: list[str]) -> tuple[subprocess.Popen, str, int]:
+    sock = f"unix:{tmp_path}/{sid}.sock"
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "eaas.runtime.expert_server",
+        "--listen",
+        sock,
+        "--random",
+        f"{HIDDEN}:{INTER}:{SEED}",
+        "--server-id",
+        sid,
+        "--http-port",
+        str(port),
+        *extra,
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline() if proc.stdout else ""
+    assert "ready on" in line, f"{sid} did not start: {line!r}"
+    return proc, sock, port
+
+
+def _http(
+    method: str, port: int, path: str, body: dict | str | None = None, token: str | None = TOKEN
+):
+    data = None
+    if body is not None:
+        data = (body if isinstance(body, str) else json.dumps(body)).encode()
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=data, method=method, headers=headers
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _table(version: int, endpoints: dict[str, str], reps: list[tuple[str, ...]]) -> RoutingTable:
+    return RoutingTable(
+        version=version,
+        num_experts=4,
+        servers=endpoints,
+        layers={LAYER: tuple(reps)},
+    )
+
+
+@pytest.fixture
+def servers(tmp_path):
+    tok = tmp_path / "token"
+    tok.write_text(TOKEN + "\n")
+    procs = []
+    try:
+        p0, ep0, _ = _start(tmp_path, "s0", ["--experts", SPEC])
+        procs.append(p0)
+        p1, ep1, port1 = _start(tmp_path, "s1", ["--push-token-file", str(tok)])
+        procs.append(p1)
+        yield {"s0": ep0, "s1": ep1}, port1
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _batch(seed: int, T: int = 8, k: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, HIDDEN, generator=g)
+    idx = torch.stack([torch.randperm(4, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g)
+    return hidden, idx, w
+
+
+def test_server_loads_assigned_experts_while_serving_and_refuses_dropped_ones(servers):
+    eps, port = servers
+    both = ("s0", "s1")
+    v1 = _table(1, eps, [("s0",)] * 4)  # s1 in the table, hosting nothing yet
+    v2 = _table(2, eps, [both] * 4)  # s1 gets a replica of every expert
+    v3 = _table(3, eps, [("s0",)] * 4)  # ... and loses them again
+
+    # the push protocol: no token 401, wrong model 400, then accepted (202)
+    assert _http("PUT", port, "/routing-table", v1.to_json(), token=None)[0] == 401
+    assert _http("PUT", port, "/routing-table", v1.to_json(), token="wrong")[0] == 401
+    bad = _table(1, eps, [("s0",)] * 3)
+    assert _http("PUT", port, "/routing-table", bad.to_json())[0] == 400
+    code, body = _http("PUT", port, "/routing-table", v1.to_json())
+    assert code == 202 and body["assigned_version"] == 1
+    assert wait_until(lambda: _http("GET", port, "/routing-table")[1]["weights_version"] == 1, 30)
+    assert _http("GET", port, "/routing-table")[1]["experts"] == 0
+
+    d = Dispatcher(0, HIDDEN, torch.float32, v1, timeout=30.0)
+    errors: list[BaseException] = []
+    calls = [0]
+    stop = threading.Event()
+
+    def traffic() -> None:  # the client keeps serving throughout
+        seed = 0
+        while not stop.is_set():
+            hidden, idx, w = _batch(seed)
+            try:
+                out = d.dispatch(LAYER, hidden, idx, w)
+                torch.testing.assert_close(out, reference(LAYER, hidden, idx, w, spec=SPEC))
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+                return
+            calls[0] += 1
+            seed += 1
+
+    t = threading.Thread(target=traffic, daemon=True)
+    t.start()
+    try:
+        assert wait_until(lambda: calls[0] >= 5, 30)
+        # phase 1: the new version goes to the server first; it loads while serving
+        code, body = _http("PUT", port, "/routing-table", v2.to_json())
+        assert code == 202 and body["assigned_version"] == 2
+        assert wait_until(
+            lambda: _http("GET", port, "/routing-table")[1]["weights_version"] == 2, 30
+        )
+        health = _http("GET", port, "/health")[1]
+        assert health["experts"] == 4
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+            text = r.read().decode()
+        assert "eaas_expert_server_weights_version 2.0" in text
+        assert health["routing_table"]["weights_version"] == 2
+        # an older or equal version is refused and changes nothing
+        code, body = _http("PUT", port, "/routing-table", v1.to_json())
+        assert code == 409 and body["error"]["code"] == "stale_version"
+        # phase 2: only now the clients get v2; s1 computes some pairs
+        assert d.set_table(v2)
+        assert wait_until(lambda: d.health()["servers"]["s1"]["tokens_sent"] > 0, 30)
+        served = _http("GET", port, "/health")[1]["stats"]["tokens"]
+        assert served > 0
+
+        # v3 without s1's experts; the client stays on v2 (as if it had not acknowledged yet)
+        assert _http("PUT", port, "/routing-table", v3.to_json())[0] == 202
+        assert wait_until(
+            lambda: _http("GET", port, "/routing-table")[1]["weights_version"] == 3, 30
+        )
+        assert _http("GET", port, "/health")[1]["experts"] == 4  # v2 not released: kept
+        assert _http("POST", port, "/routing-table/release", {"version": "x"})[0] == 400
+        code, body = _http("POST", port, "/routing-table/release", {"version": 3})
+        assert code == 200 and body["released_version"] == 3
+        assert wait_until(lambda: _http("GET", port, "/health")[1]["experts"] == 0, 30)
+        # the client on v2 still sends pairs to s1: refused (NOT_HOSTED), re-sent to s0
+        before = calls[0]
+        assert wait_until(lambda: d.not_hosted_resends >= 3 and calls[0] >= before + 5, 60)
+    finally:
+        stop.set()
+        t.join(30)
+        d.close()
+    assert not errors, errors[0]
+    h = d.health()
+    assert h["servers"]["s1"]["state"] != "down"  # refusing is not failing
+    assert calls[0] > 10
+
+
+def test_expert_server_cli_without_experts_needs_a_table_source(tmp_path):
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eaas.runtime.expert_server",
+            "--listen",
+            f"unix:{tmp_path}/x.sock",
+            "--random",
+            f"{HIDDEN}:{INTER}:{SEED}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ},
+    )
+    assert r.returncode == 2
+    assert "--push-token-file" in r.stderr
