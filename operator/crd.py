@@ -165,8 +165,9 @@ class PlacementSpec(_Model):
         default="round-robin",
         description="round-robin: every expert counts as equally loaded; load-balanced: hot "
         "experts get more replicas and replicas are packed to balance per-server load, using "
-        "the per-(layer, expert) load in the ConfigMap `<pool>-expert-load` (key "
-        "`expert-load.json`) when it exists. Either way placement is incremental: a rescale "
+        "the per-(layer, expert) load measured from the servers' token counters (status.load), "
+        "or the load in the ConfigMap `<pool>-expert-load` (key `expert-load.json`) when it "
+        "exists (an override). Either way placement is incremental: a rescale "
         "keeps what the servers already host.",
     )
     topology_key: str = Field(
