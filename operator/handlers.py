@@ -937,7 +937,9 @@ def _ensure_hpa(
     a = spec.autoscaling
     assert a is not None  # want is None without it
     if live is None:
-        hpa_api.create_namespaced_horizontal_pod_autoscaler(owner.namespace, want)
+        hpa_api.create_namespaced_horizontal_pod_autoscaler(
+            owner.namespace, k8s.V2HorizontalPodAutoscaler.model_validate(want)
+        )
         _event(
             body,
             "AutoscalerCreated",
