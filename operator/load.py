@@ -12,8 +12,8 @@ the way Prometheus' ``rate()`` does: a counter that goes down was reset (the con
 restarted), so the increase across the reset counts from zero. Samples are keyed by pod uid, so
 a replaced pod (same name, new uid) starts a new series.
 
-Pure parts (unit-tested): :func:`parse_expert_tokens`, :func:`server_rates`,
-:func:`pool_rates`, :func:`load_summary`, :func:`metrics_url`. The thin I/O part:
+Pure parts (unit-tested): :func:`parse_expert_tokens`, :func:`server_rates` (and its
+incremental form :class:`CounterWindow`, O(series) per sample), :func:`pool_rates`, :func:`load_summary`, :func:`metrics_url`. The thin I/O part:
 :class:`LoadScraper`, one background thread that scrapes every registered pod each
 ``interval_s`` seconds with a bounded number of concurrent GETs (``max_concurrency``), each with
 a timeout; reconcile steps only hand it targets and read its last result, so a slow or dead
@@ -124,6 +124,59 @@ def server_rates(
             va = a.counters.get(key, 0.0)
             increase[key] = increase.get(key, 0.0) + (vb - va if vb >= va else vb)
     return {k: v / span for k, v in increase.items()}, span
+
+
+class CounterWindow:
+    """:func:`server_rates` of one server, kept incrementally: each new sample costs O(series)
+    (its increase over the previous sample is added to a running sum; the oldest pair's is
+    subtracted when it leaves the window), so a 1024-server pool's round stays cheap.
+
+    ``add(sample)`` appends (samples must come in time order); ``rates(now_s)`` gives what
+    :func:`server_rates` gives for the samples in the window ending at ``now_s``, except that a
+    series seen only before the window stays listed with rate 0 (finding it would cost a pass
+    over every pair).
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._samples: collections.deque[CounterSample] = collections.deque()
+        # increase between sample i-1 and i, for i >= 1 of _samples
+        self._pairs: collections.deque[dict[LayerExpert, float]] = collections.deque()
+        self._sum: dict[LayerExpert, float] = {}
+
+    def add(self, sample: CounterSample) -> None:
+        """Append a sample (its time must not precede the last one's)."""
+        if self._samples:
+            prev = self._samples[-1].counters
+            inc = {}
+            for key, vb in sample.counters.items():
+                va = prev.get(key, 0.0)
+                d = vb - va if vb >= va else vb
+                inc[key] = d
+                self._sum[key] = self._sum.get(key, 0.0) + d
+            self._pairs.append(inc)
+        self._samples.append(sample)
+        self._evict(sample.time_s)
+
+    def _evict(self, now_s: float) -> None:
+        while self._samples and self._samples[0].time_s < now_s - self.window_s:
+            self._samples.popleft()
+            if self._pairs:
+                for key, d in self._pairs.popleft().items():
+                    self._sum[key] -= d
+            else:
+                self._sum.clear()
+
+    def rates(self, now_s: float | None = None) -> tuple[dict[LayerExpert, float], float] | None:
+        """``(tokens/s per (layer, expert), span_s)`` or None, as :func:`server_rates`."""
+        if now_s is not None:
+            self._evict(now_s)
+        if len(self._samples) < 2:
+            return None
+        span = self._samples[-1].time_s - self._samples[0].time_s
+        if span <= 0:
+            return None
+        return {k: max(0.0, v) / span for k, v in self._sum.items()}, span
 
 
 def pool_rates(per_server: Mapping[str, Mapping[LayerExpert, float]]) -> dict[LayerExpert, float]:
@@ -260,7 +313,7 @@ class LoadScraper:
         self._fetch = fetch
         self._lock = threading.Lock()
         self._targets: dict[Any, tuple[float, dict[str, tuple[str, str]]]] = {}
-        self._samples: dict[str, collections.deque[CounterSample]] = {}
+        self._windows: dict[str, CounterWindow] = {}
         self._loads: dict[Any, PoolLoad] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -338,22 +391,20 @@ class LoadScraper:
         now = time.monotonic()
         with self._lock:
             live = {uid for t in targets.values() for uid in t}
-            for uid in set(self._samples) - live:
-                del self._samples[uid]
+            for uid in set(self._windows) - live:
+                del self._windows[uid]
             for uid, (at, counters, _) in results.items():
-                if counters is None:
-                    continue
-                dq = self._samples.setdefault(uid, collections.deque())
-                dq.append(CounterSample(at, counters))
-                while dq and dq[0].time_s < at - self.window_s:
-                    dq.popleft()
+                if counters is not None:
+                    window = self._windows.setdefault(uid, CounterWindow(self.window_s))
+                    window.add(CounterSample(at, counters))
             for pool, t in targets.items():
                 load = PoolLoad(window_s=self.window_s, updated_s=time.monotonic())
                 for uid, (name, _) in t.items():
                     err = results.get(uid, (0.0, None, "not scraped"))[2]
                     if err:
                         load.errors[name] = err
-                    r = server_rates(list(self._samples.get(uid, ())), self.window_s, now_s=now)
+                    window = self._windows.get(uid)
+                    r = window.rates(now) if window is not None else None
                     if r is not None:
                         load.per_server[name] = r[0]
                 self._loads[pool] = load

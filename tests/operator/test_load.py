@@ -11,6 +11,7 @@ import pytest
 
 from eaas.operator.load import (
     CounterSample,
+    CounterWindow,
     LoadScraper,
     load_summary,
     metrics_url,
@@ -188,3 +189,34 @@ def test_scraper_settings_are_checked():
         ).window_s
         == 12
     )
+
+
+def test_counter_window_matches_server_rates_on_random_counters_with_resets():
+    import random
+
+    rng = random.Random(7)
+    window = CounterWindow(30.0)
+    samples = []
+    values = {(1, e): 0.0 for e in range(6)}
+    t = 0.0
+    for _ in range(60):
+        t += rng.uniform(1.0, 6.0)
+        for key in values:
+            if rng.random() < 0.05:
+                values[key] = rng.uniform(0, 5)  # a restart: counted from 0
+            else:
+                values[key] += rng.uniform(0, 50)
+        shown = {k: v for k, v in values.items() if not (k[1] == 5 and t < 40)}  # appears later
+        sample = CounterSample(t, shown)
+        samples.append(sample)
+        window.add(sample)
+        want = server_rates(samples, 30.0)
+        got = window.rates()
+        if want is None:
+            assert got is None
+            continue
+        assert got[1] == pytest.approx(want[1])
+        assert set(want[0]) <= set(got[0])
+        for key, rate in got[0].items():
+            assert rate == pytest.approx(want[0].get(key, 0.0), abs=1e-6)
+    assert window.rates(now_s=t + 100) is None  # everything left the window
