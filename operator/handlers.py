@@ -889,11 +889,10 @@ def _placement_load(
 
 
 def _load_status(state: OperatorState, namespace: str, pool: str) -> dict[str, Any]:
-    """``{"load": <summary>}`` for the pool's status, or {} before anything was measured."""
-    if state.scraper is None:
-        return {}
-    load = state.scraper.load((namespace, pool))
-    return {"load": load.summary()} if load.per_server else {}
+    """``{"load": <summary>}`` for the pool's status; ``{"load": None}`` (the merge patch
+    removes it) while nothing is measured, so a stale summary never stays."""
+    load = state.scraper.load((namespace, pool)) if state.scraper is not None else None
+    return {"load": load.summary() if load is not None and load.per_server else None}
 
 
 def _pool_load(state: OperatorState, namespace: str, pool: str) -> tuple[float, float] | None:
