@@ -25,6 +25,7 @@ import re
 import socket
 import ssl
 import threading
+import time
 import urllib.request
 import uuid
 
@@ -203,6 +204,7 @@ def test_load_status_and_hpa_scale_up_then_missing_metric_holds(setup):
                     failures.append(repr(exc))
 
         threads = [threading.Thread(target=traffic, daemon=True) for _ in range(2)]
+        t_traffic = time.monotonic()
         for t in threads:
             t.start()
 
@@ -223,14 +225,20 @@ def test_load_status_and_hpa_scale_up_then_missing_metric_holds(setup):
             timeout=120,
             interval=1,
         )
+        t_up = time.monotonic() - t_traffic
         wait_for(
             "3 Ready servers",
             lambda: (get("expertpool", "tiny", ns).get("status") or {}).get("readyReplicas") == 3,
             timeout=180,
             interval=1,
         )
+        print(
+            f"[measure] traffic -> HPA sets 3 replicas {t_up:.1f}s, -> 3 Ready servers "
+            f"{time.monotonic() - t_traffic:.1f}s"
+        )
 
         # ---- 3. a missing metric holds the count ----------------------------------------------
+        t_hold = time.monotonic()
         setup["op"].stop()  # the external metrics API is unavailable
         stop.set()
         for t in threads:
@@ -269,11 +277,16 @@ def test_load_status_and_hpa_scale_up_then_missing_metric_holds(setup):
             interval=1,
         )
         assert get("expertpool", "tiny", ns)["spec"]["replicas"] == 3
+        held = time.monotonic() - t_hold
         wait_for(
             "idle load measured again: HPA scales down to minReplicas",
             lambda: get("expertpool", "tiny", ns)["spec"]["replicas"] == 2,
             timeout=180,
             interval=1,
+        )
+        print(
+            f"[measure] metric missing: count held at 3 for >= {held:.1f}s; idle load measured "
+            f"-> scaled to 2 after {time.monotonic() - t_hold:.1f}s"
         )
 
         # ---- 4. autoscaling unset: the operator deletes its HPA; `kubectl autoscale` works -----
