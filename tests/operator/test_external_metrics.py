@@ -154,3 +154,73 @@ def test_crd_autoscaling_schema_and_rules():
     assert any("autoscaling.minReplicas" in r for r in pool_rules)
     status = root["properties"]["status"]["properties"]
     assert "hottestExperts" in status["load"]["properties"]
+
+
+def test_listener_serves_tls_and_accepts_only_the_front_proxy(tmp_path):
+    """The real listener: TLS with our serving certificate; the aggregator's client certificate
+    (signed by the request-header CA, CN in the allowed names) gets the metric; no client
+    certificate fails the handshake; another CN gets 403; a standby answers 503."""
+    import asyncio
+    import json
+    import socket
+    import ssl
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from eaas.operator.external_metrics import start_server
+    from eaas.testbed import pki
+
+    paths = pki.make_pki(tmp_path, "10.96.0.1")  # CA, apiserver (serving), admin, front proxy
+    ca_pem = paths["ca_crt"].read_text()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    leader = {"yes": True}
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    runner = asyncio.run_coroutine_threadsafe(
+        start_server(
+            f"127.0.0.1:{port}",
+            str(paths["apiserver_crt"]),
+            str(paths["apiserver_key"]),
+            ca_pem,
+            ["front-proxy-client"],
+            loads({("ns", "tiny"): (42.0, 30.0)}),
+            lambda: leader["yes"],
+        ),
+        loop,
+    ).result(timeout=60)
+    url = (
+        f"https://127.0.0.1:{port}/apis/external.metrics.k8s.io/v1beta1/namespaces/ns/"
+        f"{METRIC_NAME}?labelSelector=eaas.io%2Fpool%3Dtiny"
+    )
+
+    def client(cert: str | None) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(paths["ca_crt"]))
+        if cert:
+            ctx.load_cert_chain(str(paths[f"{cert}_crt"]), str(paths[f"{cert}_key"]))
+        return ctx
+
+    def get(cert: str | None, u: str = url) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(u, context=client(cert), timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    try:
+        code, body = get("front_proxy_client")
+        assert code == 200 and body["items"][0]["value"] == "42000m"
+        code, body = get("front_proxy_client", url.split("/namespaces")[0])
+        assert code == 200 and body["resources"][0]["name"] == METRIC_NAME
+        code, body = get("admin")  # signed by the CA, but not the front proxy
+        assert code == 403 and "front proxy" in body["message"]
+        with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+            get(None)
+        leader["yes"] = False
+        code, body = get("front_proxy_client")
+        assert code == 503 and "standby" in body["message"]
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
