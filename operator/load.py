@@ -403,8 +403,8 @@ class LoadScraper:
                     err = results.get(uid, (0.0, None, "not scraped"))[2]
                     if err:
                         load.errors[name] = err
-                    window = self._windows.get(uid)
-                    r = window.rates(now) if window is not None else None
+                    held = self._windows.get(uid)
+                    r = held.rates(now) if held is not None else None
                     if r is not None:
                         load.per_server[name] = r[0]
                 self._loads[pool] = load
