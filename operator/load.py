@@ -55,6 +55,8 @@ DEFAULT_CONCURRENCY = 32
 HOTTEST = 5
 
 _LINE = re.compile(r"^eaas_expert_tokens_total\{([^}]*)\}\s+(\S+)", re.M)
+# prometheus-client's own rendering (label names sorted): one findall over the whole text
+_FAST = re.compile(r'^eaas_expert_tokens_total\{expert="(\d+)",layer="(\d+)"\} ([0-9.e+]+)$', re.M)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -69,6 +71,11 @@ def parse_expert_tokens(text: str) -> dict[LayerExpert, float]:
     Raises:
         ValueError: a sample of that metric whose value or labels are not numbers.
     """
+    fast = _FAST.findall(text)
+    if len(fast) == text.count("\neaas_expert_tokens_total{") + text.startswith(
+        "eaas_expert_tokens_total{"
+    ):  # every sample in the usual form: ~4x cheaper than the general parse below
+        return {(int(layer), int(expert)): float(v) for expert, layer, v in fast}
     out: dict[LayerExpert, float] = {}
     for m in _LINE.finditer(text):
         labels = dict(_LABEL.findall(m.group(1)))

@@ -220,3 +220,21 @@ def test_counter_window_matches_server_rates_on_random_counters_with_resets():
         for key, rate in got[0].items():
             assert rate == pytest.approx(want[0].get(key, 0.0), abs=1e-6)
     assert window.rates(now_s=t + 100) is None  # everything left the window
+
+
+def test_parse_real_prometheus_client_exposition_fast_path_equals_general():
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    import eaas.operator.load as load_mod
+
+    reg = CollectorRegistry()
+    c = Counter("eaas_expert_tokens", "t", ["layer", "expert"], registry=reg)
+    for layer in (3, 4):
+        for e in range(40):
+            c.labels(layer=str(layer), expert=str(e)).inc(layer * 1000 + e * 7.5)
+    text = generate_latest(reg).decode()
+    fast = parse_expert_tokens(text)
+    assert load_mod._FAST.findall(text)  # this text takes the fast path
+    slow = parse_expert_tokens(text + '\neaas_expert_tokens_total{layer="9",expert="9"} 1 1700\n')
+    assert fast[(4, 39)] == 4000 + 39 * 7.5 and len(fast) == 80
+    assert {k: v for k, v in slow.items() if k != (9, 9)} == fast and slow[(9, 9)] == 1.0
