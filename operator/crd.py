@@ -166,8 +166,9 @@ class PlacementSpec(_Model):
         default="round-robin",
         description="round-robin: every expert counts as equally loaded; load-balanced: hot "
         "experts get more replicas and replicas are packed to balance per-server load, using "
-        "the per-(layer, expert) load in the ConfigMap `<pool>-expert-load` (key "
-        "`expert-load.json`) when it exists. Either way placement is incremental: a rescale "
+        "the per-(layer, expert) load measured from the servers' token counters (status.load), "
+        "or the load in the ConfigMap `<pool>-expert-load` (key `expert-load.json`) when it "
+        "exists (an override). Either way placement is incremental: a rescale "
         "keeps what the servers already host.",
     )
     topology_key: str = Field(
@@ -227,6 +228,49 @@ class FailureDetectionSpec(_Model):
     )
 
 
+class AutoscalingSpec(_Model):
+    """Autoscaling on expert load: the operator owns an ``autoscaling/v2``
+    HorizontalPodAutoscaler named like the pool that targets the pool's ``scale`` subresource
+    with the External metric ``eaas_expert_load`` (the pool's expert load, tokens/s, served by
+    the operator through ``external.metrics.k8s.io``). The HPA controller sets ``spec.replicas``
+    to ``ceil(pool load / targetLoadPerServer)`` within [minReplicas, maxReplicas]. A missing
+    metric (no load measured yet, scrapes failing) holds the replica count."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.minReplicas <= self.maxReplicas",
+                    "message": "spec.autoscaling.minReplicas must not exceed maxReplicas",
+                    "fieldPath": ".minReplicas",
+                }
+            ]
+        }
+    )
+
+    min_replicas: int = Field(
+        ge=1,
+        le=4096,
+        description="Fewest expert servers the HPA may scale to (at least spec.redundancy).",
+    )
+    max_replicas: int = Field(
+        ge=1, le=4096, description="Most expert servers the HPA may scale to."
+    )
+    target_load_per_server: int = Field(
+        ge=1,
+        le=1_000_000_000,
+        description="Target expert load per server in tokens per second (summed over the "
+        "(layer, expert) replicas a server hosts): the HPA's AverageValue target.",
+    )
+    scale_down_stabilization_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=3600,
+        description="The HPA's behavior.scaleDown.stabilizationWindowSeconds: it scales down "
+        "only to the highest recommendation of this many past seconds.",
+    )
+
+
 def _default_tolerations() -> list[dict[str, Any]]:
     return [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
 
@@ -242,7 +286,12 @@ class ExpertPoolSpec(_Model):
                     "rule": "self.redundancy <= self.replicas",
                     "message": "spec.redundancy must not exceed spec.replicas",
                     "fieldPath": ".redundancy",
-                }
+                },
+                {
+                    "rule": "!has(self.autoscaling) || self.redundancy <= self.autoscaling.minReplicas",
+                    "message": "spec.autoscaling.minReplicas must be at least spec.redundancy",
+                    "fieldPath": ".autoscaling.minReplicas",
+                },
             ]
         }
     )
@@ -307,6 +356,12 @@ class ExpertPoolSpec(_Model):
     failure_detection: FailureDetectionSpec = Field(
         default_factory=FailureDetectionSpec, description="Failure-detection timing."
     )
+    autoscaling: AutoscalingSpec | None = Field(
+        default=None,
+        description="Autoscale the pool on expert load (an operator-owned HPA). Unset: the "
+        "operator owns no HPA (and deletes the one it made); a user-made HPA (e.g. `kubectl "
+        "autoscale expertpool/NAME`) may still drive the scale subresource.",
+    )
     pod_template: dict[str, Any] | None = Field(
         default=None,
         json_schema_extra=_K8S_OBJECT,
@@ -361,6 +416,30 @@ class PlacementSummary(_Model):
     )
 
 
+class LoadSummary(_Model):
+    """Expert load measured from the servers' ``eaas_expert_tokens_total`` counters over a
+    sliding window (the operator scrapes each Ready server's /metrics)."""
+
+    servers: int = Field(default=0, description="Servers with a measured rate.")
+    window_seconds: float = Field(default=0, description="Rate window (seconds).")
+    total_tokens_per_second: float = Field(
+        default=0, description="Pool load: tokens/s summed over servers (the HPA's metric)."
+    )
+    server_max_tokens_per_second: float = Field(
+        default=0, description="Highest per-server load (tokens/s)."
+    )
+    server_mean_tokens_per_second: float = Field(
+        default=0, description="Mean per-server load (tokens/s)."
+    )
+    balancedness: float = Field(
+        default=1, description="Mean / max per-server load (1: perfectly balanced)."
+    )
+    hottest_experts: list[str] = Field(
+        default_factory=list,
+        description="Hottest logical experts pool-wide, as `L<layer>/E<expert>: <tokens/s>`.",
+    )
+
+
 class ExpertPoolStatus(_Model):
     """Observed state of an ExpertPool."""
 
@@ -409,6 +488,9 @@ class ExpertPoolStatus(_Model):
     )
     last_rebalance_time: str = Field(
         default="", description="When the last load rebalance was staged (RFC 3339)."
+    )
+    load: LoadSummary | None = Field(
+        default=None, description="Measured expert load (absent until two scrapes)."
     )
 
 
@@ -703,6 +785,13 @@ def expertpool_crd() -> dict[str, Any]:
                 "type": "integer",
                 "jsonPath": ".status.routingTableVersion",
                 "description": "Routing table version",
+            },
+            {
+                "name": "Load",
+                "type": "number",
+                "jsonPath": ".status.load.totalTokensPerSecond",
+                "description": "Expert load, tokens/s",
+                "priority": 1,
             },
             {
                 "name": "Below-Redundancy",

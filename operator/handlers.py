@@ -83,7 +83,16 @@ from eaas.operator.desired import (
     server_labels,
     table_configmap_name,
 )
+from eaas.operator.external_metrics import (
+    LABEL_MANAGED,
+    hpa_differs,
+    hpa_manifest,
+    hpa_name,
+    read_front_proxy_auth,
+)
+from eaas.operator.external_metrics import start_server as start_metrics_server
 from eaas.operator.leader import LeaderElector, LeaseSettings
+from eaas.operator.load import LoadScraper, metrics_url, pool_rates
 from eaas.operator.monitor import (
     MAX_REPORT_BYTES,
     bearer_ok,
@@ -165,6 +174,12 @@ class OperatorState:
         elector: the Lease election (:mod:`eaas.operator.leader`); None: act unconditionally
             (only for tests of single steps).
         loop: kopf's event loop (to wake daemons from other threads).
+        scraper: the expert-load scraper (:mod:`eaas.operator.load`; started by
+            :func:`configure`), keyed by ``(namespace, pool)``.
+        placement_load: ``(namespace, pool)`` -> (monotonic time, measured load) given to
+            load-balanced placement, refreshed at most once per load window (a new load is a
+            new placement input).
+        metrics_runner: the external metrics API listener (:mod:`eaas.operator.external_metrics`).
     """
 
     resync_s: float = 2.0
@@ -190,6 +205,11 @@ class OperatorState:
     elector: LeaderElector | None = None
     report_runner: Any = None
     loop: asyncio.AbstractEventLoop | None = None
+    scraper: LoadScraper | None = None
+    placement_load: dict[tuple[str, str], tuple[float, dict[LayerExpert, float]]] = field(
+        default_factory=dict
+    )
+    metrics_runner: Any = None
     _api: k8s.ApiClient | None = None
     _pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -389,6 +409,9 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
     state.elector = LeaderElector(LeaseSettings.from_env(), state.api(), on_change).start()
     if state.report_listen:
         state.report_runner = await _start_report_server(state)
+    state.scraper = LoadScraper.from_env(os.environ).start()
+    if os.environ.get("EAAS_OPERATOR_METRICS_LISTEN"):
+        state.metrics_runner = await _start_external_metrics(state)
 
 
 async def _start_report_server(state: OperatorState) -> web.AppRunner:
@@ -530,6 +553,10 @@ async def release_lease(memo: Any, **_: Any) -> None:
         state.elector.stop(release=True)
     if state is not None and state.report_runner is not None:
         await state.report_runner.cleanup()
+    if state is not None and state.metrics_runner is not None:
+        await state.metrics_runner.cleanup()
+    if state is not None and state.scraper is not None:
+        state.scraper.stop()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -683,10 +710,11 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
     ]  # a same-named older pool's pods: GC's job
     try:
         spec = ExpertPoolSpec.model_validate(body["spec"])
+        _track_load(state, namespace, name, pods, observed)
         if table_assignment(spec):
             _reconcile_table_pool(state, core, custom, body, owner, spec, observed, pods, logger)
             return
-        load = _read_load(core, body, spec, logger)
+        load = _placement_load(state, core, body, spec, logger)
         placement = state.placement(spec, observed, load)
         revision = placement_revision(spec)
         desired = desired_server_pods(owner, spec, placement, revision)
@@ -725,6 +753,8 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
     )
     client_acks = [v for acks in state.fleet_acks.get((namespace, name), {}).values() for v in acks]
     status.update(clients=len(client_acks), **ack_summary(client_acks, table.version))
+    status.update(_load_status(state, namespace, name))
+    _ensure_hpa(state, body, owner, spec, logger)
     _finish_status(custom, body, old_status, status)
 
 
@@ -984,7 +1014,7 @@ def _reconcile_table_pool(
         rebalanced = False
     else:
         in_force = pending or published
-        load = _read_load(core, body, spec, logger)
+        load = _placement_load(state, core, body, spec, logger)
         since = _seconds_since(old_status.get("lastRebalanceTime") or "")
         due, imbalance = rebalance_due(spec, table_placement(spec, members, in_force), load, since)
         domains = [
@@ -1087,6 +1117,8 @@ def _reconcile_table_pool(
     last = state.last_rebalance.get(key) or old_status.get("lastRebalanceTime") or ""
     if last:
         status["lastRebalanceTime"] = last
+    status.update(_load_status(state, namespace, name))
+    _ensure_hpa(state, body, owner, spec, logger)
     _finish_status(custom, body, old_status, status)
 
 
@@ -1154,6 +1186,150 @@ def _read_load(
         logger.warning("ignoring expert load: %s", exc)
         _event(body, "InvalidExpertLoad", str(exc), warning=True)
         return None
+
+
+# ---------------------------------------------------------------------------------------------
+# expert load and autoscaling (issue 7 items 2 and 4)
+# ---------------------------------------------------------------------------------------------
+def _track_load(
+    state: OperatorState,
+    namespace: str,
+    pool: str,
+    pods: list[dict[str, Any]],
+    observed: list[ObservedPod],
+) -> None:
+    """Hand the pool's live server pods (uid -> name, /metrics URL) to the scraper (cheap; the
+    scrapes themselves run in the scraper's thread and never block this step)."""
+    if state.scraper is None:
+        return
+    live = {p.uid for p in observed if p.live}
+    targets = {}
+    for pod in pods:
+        uid = pod["metadata"].get("uid", "")
+        url = metrics_url(pod)
+        if uid in live and url:
+            targets[uid] = (pod["metadata"]["name"], url)
+    state.scraper.set_targets((namespace, pool), targets)
+
+
+def _placement_load(
+    state: OperatorState,
+    core: k8s.CoreV1Api,
+    body: dict[str, Any],
+    spec: ExpertPoolSpec,
+    logger: kopf.Logger,
+) -> dict[LayerExpert, float] | None:
+    """Expert load for ``load-balanced`` placement: the ConfigMap ``<pool>-expert-load`` when it
+    exists (an override, :func:`_read_load`), else the load measured from the servers, as a
+    snapshot renewed at most once per load window; None for round-robin or nothing measured."""
+    override = _read_load(core, body, spec, logger)
+    if override is not None or spec.placement.policy != "load-balanced" or state.scraper is None:
+        return override
+    key = (body["metadata"]["namespace"], body["metadata"]["name"])
+    held = state.placement_load.get(key)
+    if held is None or time.monotonic() - held[0] >= state.scraper.window_s:
+        measured = pool_rates(state.scraper.load(key).per_server)
+        if measured:
+            held = (time.monotonic(), measured)
+            state.placement_load[key] = held
+    return dict(held[1]) if held else None
+
+
+def _load_status(state: OperatorState, namespace: str, pool: str) -> dict[str, Any]:
+    """``{"load": <summary>}`` for the pool's status; ``{"load": None}`` (the merge patch
+    removes it) while nothing is measured, so a stale summary never stays."""
+    load = state.scraper.load((namespace, pool)) if state.scraper is not None else None
+    return {"load": load.summary() if load is not None and load.per_server else None}
+
+
+def _pool_load(state: OperatorState, namespace: str, pool: str) -> tuple[float, float] | None:
+    """``(tokens/s, window s)`` of a pool for the external metrics API, or None (not measured)."""
+    if state.scraper is None:
+        return None
+    load = state.scraper.load((namespace, pool))
+    total = load.total()
+    return None if total is None else (total, load.window_s)
+
+
+def _ensure_hpa(
+    state: OperatorState,
+    body: dict[str, Any],
+    owner: Owner,
+    spec: ExpertPoolSpec,
+    logger: kopf.Logger,
+) -> None:
+    """Create/patch the operator-owned HPA of a pool with ``spec.autoscaling``; delete the one
+    it made (label ``eaas.io/managed-hpa``) when autoscaling is unset. A user-made HPA of the
+    same name (no such label) is left alone, with a Warning event."""
+    want = hpa_manifest(owner, spec)
+    name = hpa_name(owner.name)
+    key = (owner.namespace, "HorizontalPodAutoscaler", name, json.dumps(want, sort_keys=True))
+    if time.monotonic() - state.applied.get(key, -1e18) < RBAC_RECHECK_S:
+        return  # checked recently with the same spec: save a GET per pool per step
+    hpa_api = k8s.AutoscalingV2Api(state.api())
+    try:
+        live = _raw(hpa_api.read_namespaced_horizontal_pod_autoscaler, name, owner.namespace)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        live = None
+    managed = live is not None and (live["metadata"].get("labels") or {}).get(LABEL_MANAGED)
+    if want is None:
+        if managed:
+            hpa_api.delete_namespaced_horizontal_pod_autoscaler(name, owner.namespace)
+            logger.info("deleted HPA %s (spec.autoscaling unset)", name)
+        state.applied[key] = time.monotonic()
+        return
+    a = spec.autoscaling
+    assert a is not None  # want is None without it
+    if live is None:
+        hpa_api.create_namespaced_horizontal_pod_autoscaler(
+            owner.namespace, k8s.V2HorizontalPodAutoscaler.model_validate(want)
+        )
+        _event(
+            body,
+            "AutoscalerCreated",
+            f"HPA {name}: {a.min_replicas}-{a.max_replicas} servers, target "
+            f"{a.target_load_per_server} tokens/s per server on metric eaas_expert_load",
+        )
+    elif not managed:
+        _event(
+            body,
+            "AutoscalerConflict",
+            f"HPA {name} exists and was not made by the operator; spec.autoscaling is not applied",
+            warning=True,
+        )
+    elif hpa_differs(live, want):
+        hpa_api.patch_namespaced_horizontal_pod_autoscaler(name, owner.namespace, want)
+    state.applied[key] = time.monotonic()
+
+
+async def _start_external_metrics(state: OperatorState) -> Any:
+    """Serve the external metrics API (env ``EAAS_OPERATOR_METRICS_LISTEN`` = ``HOST:PORT``,
+    ``EAAS_OPERATOR_METRICS_CERT_FILE`` / ``EAAS_OPERATOR_METRICS_KEY_FILE`` = its serving
+    certificate), client certificates checked against the apiserver's request-header CA.
+
+    Raises:
+        ValueError: the certificate variables are unset, or the cluster has no aggregation
+            layer (:func:`eaas.operator.external_metrics.read_front_proxy_auth`).
+    """
+    cert = os.environ.get("EAAS_OPERATOR_METRICS_CERT_FILE", "")
+    key = os.environ.get("EAAS_OPERATOR_METRICS_KEY_FILE", "")
+    if not cert or not key:
+        raise ValueError(
+            "EAAS_OPERATOR_METRICS_LISTEN needs EAAS_OPERATOR_METRICS_CERT_FILE and "
+            "EAAS_OPERATOR_METRICS_KEY_FILE (the serving certificate the APIService trusts)"
+        )
+    ca, allowed = await asyncio.to_thread(read_front_proxy_auth, k8s.CoreV1Api(state.api()))
+    return await start_metrics_server(
+        os.environ["EAAS_OPERATOR_METRICS_LISTEN"],
+        cert,
+        key,
+        ca,
+        allowed,
+        lambda ns, pool: _pool_load(state, ns, pool),
+        state.is_leader,
+    )
 
 
 def _publish_table(

@@ -5,11 +5,14 @@ What runs (all on 127.0.0.1, detached from the calling process, one log file eac
 
 * etcd — the store.
 * kube-apiserver — client-certificate auth, RBAC, default admission plugins, service-account
-  token signing, ``--service-cluster-ip-range`` 10.96.0.0/16 (virtual; there is no kube-proxy).
+  token signing, ``--service-cluster-ip-range`` 10.96.0.0/16 (virtual; there is no kube-proxy),
+  the aggregation layer (request-header CA and a front-proxy client certificate) for
+  aggregated APIs such as the operator's ``external.metrics.k8s.io``.
 * kube-controller-manager — Deployments/ReplicaSets, garbage collection of owned objects, the
   ``default`` ServiceAccount, node lifecycle (NotReady taints, eviction). Its node monitor is
   shortened (``--node-monitor-grace-period`` :data:`NODE_MONITOR_GRACE_S` s, period 2 s, the
-  upstream defaults are 50 s / 5 s) so that a stopped node turns NotReady within seconds.
+  upstream defaults are 50 s / 5 s) so that a stopped node turns NotReady within seconds. The
+  HorizontalPodAutoscaler controller syncs every :data:`HPA_SYNC_PERIOD_S` s (upstream 15 s).
 * kube-scheduler — the real scheduler, so extended resources (``nvidia.com/gpu``,
   ``rdma/ib``), node selectors and affinity are enforced as in a real cluster.
 * one node agent per *process node* (:mod:`.agent`): the node's kubelet. Pods bound to it run
@@ -65,6 +68,8 @@ GPU_ALLOCATABLE = {
 CPU_ALLOCATABLE = {"cpu": "32", "memory": "128Gi", "pods": "110", "ephemeral-storage": "500Gi"}
 PROCESS_LABEL = "eaas.io/testbed-node"  # "process" or "kwok"
 NODE_MONITOR_GRACE_S = 20
+#: kube-controller-manager --horizontal-pod-autoscaler-sync-period (s); upstream default 15.
+HPA_SYNC_PERIOD_S = 3
 STATE_FILE = "testbed.json"
 # Start order; `down` stops in reverse.
 COMPONENTS = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"]
@@ -548,6 +553,13 @@ def _up(tb: Testbed, pki: dict, deadline: float, echo, attached: bool) -> None:
             "--requestheader-username-headers=X-Remote-User",
             "--requestheader-group-headers=X-Remote-Group",
             "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            # aggregation layer: the client certificate the apiserver proxies to aggregated API
+            # servers with (the operator's external.metrics.k8s.io). No
+            # --enable-aggregator-routing: it routes to EndpointSlice addresses, which may not
+            # be loopback (every pod IP here is), so APIServices here point at ExternalName
+            # Services (127.0.0.1 / a pod IP), which the default ClusterIP routing resolves.
+            f"--proxy-client-cert-file={pki['front_proxy_client_crt']}",
+            f"--proxy-client-key-file={pki['front_proxy_client_key']}",
             "--authorization-mode=RBAC",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
@@ -588,6 +600,8 @@ def _up(tb: Testbed, pki: dict, deadline: float, echo, attached: bool) -> None:
             "--controllers=*",
             f"--node-monitor-grace-period={NODE_MONITOR_GRACE_S}s",
             "--node-monitor-period=2s",
+            # the real HPA controller, syncing every few seconds (upstream default 15 s)
+            f"--horizontal-pod-autoscaler-sync-period={HPA_SYNC_PERIOD_S}s",
             "--profiling=false",
             "--v=1",
         ],

@@ -3,7 +3,8 @@
 What: one CA, the kube-apiserver serving certificate (SANs: 127.0.0.1, localhost and the
 in-cluster ``kubernetes.default.svc`` names plus the first service IP), one admin client
 certificate (``O=system:masters``, used by kubectl, helm, the controller-manager, the scheduler,
-kwok and the tests), and the RSA key pair the apiserver signs and verifies service-account tokens
+kwok and the tests), the aggregation layer's front-proxy client certificate
+(``CN=front-proxy-client``), and the RSA key pair the apiserver signs and verifies service-account tokens
 with. This mirrors what envtest (sigs.k8s.io/controller-runtime/pkg/envtest) generates for its
 apiserver, with client-certificate instead of token authentication.
 
@@ -70,7 +71,7 @@ def make_pki(pki_dir: Path, service_ip: str) -> dict[str, Path]:
     """Create all certificates and keys in ``pki_dir`` (created, mode 0700).
 
     Returns a dict of paths: ``ca_crt, ca_key, apiserver_crt, apiserver_key, admin_crt,
-    admin_key, sa_key, sa_pub``.
+    admin_key, front_proxy_client_crt, front_proxy_client_key, sa_key, sa_pub``.
     """
     pki_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     _key(pki_dir, "ca")
@@ -118,9 +119,24 @@ def make_pki(pki_dir: Path, service_ip: str) -> dict[str, Path]:
         "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
         "extendedKeyUsage=clientAuth\n",
     )
+    # the aggregation layer's client certificate (kube-apiserver --proxy-client-cert-file):
+    # the apiserver presents it to aggregated API servers (the operator's external metrics API),
+    # which verify it against --requestheader-client-ca-file (our CA) and its allowed names
+    _sign(
+        pki_dir,
+        "front-proxy-client",
+        "/CN=front-proxy-client",
+        "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage=clientAuth\n",
+    )
     _key(pki_dir, "sa")
     _openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki_dir)
-    names = {"ca": "ca", "apiserver": "apiserver", "admin": "admin"}
+    names = {
+        "ca": "ca",
+        "apiserver": "apiserver",
+        "admin": "admin",
+        "front_proxy_client": "front-proxy-client",
+    }
     out = {}
     for k, n in names.items():
         out[f"{k}_crt"] = pki_dir / f"{n}.crt"

@@ -578,6 +578,22 @@ def test_dead_node_leaves_the_routing_table(ns, operator):
         ),
         (lambda s: s.update(redundancy=0), "spec.redundancy"),
         (lambda s: s.update(port=70000), "spec.port"),
+        (
+            lambda s: s.update(
+                autoscaling={"minReplicas": 3, "maxReplicas": 2, "targetLoadPerServer": 10}
+            ),
+            "spec.autoscaling.minReplicas must not exceed maxReplicas",
+        ),
+        (
+            lambda s: s.update(
+                autoscaling={"minReplicas": 1, "maxReplicas": 4, "targetLoadPerServer": 10}
+            ),
+            "spec.autoscaling.minReplicas must be at least spec.redundancy",
+        ),
+        (
+            lambda s: s.update(autoscaling={"minReplicas": 2, "maxReplicas": 4}),
+            "spec.autoscaling.targetLoadPerServer",
+        ),
     ],
     ids=[
         "replicas0",
@@ -590,6 +606,9 @@ def test_dead_node_leaves_the_routing_table(ns, operator):
         "absoluteUriInVolume",
         "redundancy0",
         "port",
+        "autoscalingMin>Max",
+        "autoscalingMin<redundancy",
+        "autoscalingNoTarget",
     ],
 )
 def test_invalid_specs_rejected(ns, operator, mutate, field):
