@@ -92,7 +92,7 @@ from eaas.operator.monitor import (
 )
 from eaas.operator.names import PUSH_TOKEN_KEY, push_secret_name
 from eaas.operator.overlay import OverlayError
-from eaas.operator.push import ObservedClient, clients_to_push, push_all
+from eaas.operator.push import ObservedClient, PushRetry, clients_to_push, push_all
 from eaas.runtime.placement import LayerExpert, Placement, PlacementError, auto_slots
 from eaas.runtime.routing import RoutingTable, RoutingTableError
 
@@ -127,6 +127,8 @@ class OperatorState:
         tokens: ``(namespace, fleet, fleet uid)`` -> the fleet's push token (from its Secret).
         acks: ``(namespace, fleet)`` -> client pod uid -> newest routing-table version it
             acknowledged (lost on restart: the next push's 409 tells it again).
+        push_retries: ``(namespace, fleet)`` -> client pod uid -> push back-off state
+            (:func:`eaas.operator.push.push_retry_delay_s`).
         fleet_acks: ``(namespace, pool)`` -> fleet -> acknowledged versions of its Ready
             clients (for the pool's status).
         report_listen: ``HOST:PORT`` of the failure-report endpoint (env
@@ -154,6 +156,7 @@ class OperatorState:
     report_base_url: str = ""
     tokens: dict[tuple[str, str, str], str] = field(default_factory=dict)
     acks: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
+    push_retries: dict[tuple[str, str], dict[str, PushRetry]] = field(default_factory=dict)
     fleet_acks: dict[tuple[str, str], dict[str, list[int]]] = field(default_factory=dict)
     report_listen: str = ""
     applied: dict[tuple[str, str, str, str], float] = field(default_factory=dict)
@@ -1007,11 +1010,24 @@ def reconcile_fleet(state: OperatorState, namespace: str, name: str, logger: kop
         )["items"]
     ]
     acks = state.acks.setdefault((namespace, name), {})
-    for uid in set(acks) - {c.uid for c in clients}:
-        del acks[uid]  # pod gone
-    todo = clients_to_push(clients, acks, table_version) if table_json else []
+    retries = state.push_retries.setdefault((namespace, name), {})
+    for m in (acks, retries):
+        for uid in set(m) - {c.uid for c in clients}:
+            del m[uid]  # pod gone
+    now = time.monotonic()
+    todo = clients_to_push(clients, acks, table_version, retries, now) if table_json else []
     if todo:
-        failures = push_all(todo, spec.port, table_json, token, acks, state.executor())
+        failures = push_all(
+            todo,
+            spec.port,
+            table_json,
+            token,
+            acks,
+            state.executor(),
+            retries=retries,
+            version=table_version,
+            now=now,
+        )
         for pod_name, why in failures.items():
             logger.info("push of table %d to %s not acknowledged: %s", table_version, pod_name, why)
     ready = [c for c in clients if c.ready and c.ip]
