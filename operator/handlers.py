@@ -84,8 +84,10 @@ from eaas.operator.desired import (
 )
 from eaas.operator.leader import LeaderElector, LeaseSettings
 from eaas.operator.monitor import (
+    FORWARDED_HEADER,
     MAX_REPORT_BYTES,
     bearer_ok,
+    forward_report,
     health_url,
     parse_report,
     probe_health,
@@ -439,7 +441,7 @@ async def failure_report(state: OperatorState, request: web.Request) -> web.Resp
     and wake its pool (the next table leaves it out)."""
     namespace, fleet = request.match_info["namespace"], request.match_info["fleet"]
     if not state.is_leader():
-        return web.json_response({"error": "standby operator; report to the leader"}, status=503)
+        return await _forward_to_leader(state, request)
     auth = request.headers.get("Authorization")
     token = await asyncio.to_thread(_report_token, state, namespace, fleet, False)
     if not bearer_ok(auth, token):
@@ -496,6 +498,38 @@ async def failure_report(state: OperatorState, request: web.Request) -> web.Resp
         f"({report.reason}); its /health probe failed too: leaving the routing table"
     )
     return web.json_response({"action": "removed"})
+
+
+async def _forward_to_leader(state: OperatorState, request: web.Request) -> web.Response:
+    """A standby's answer to a failure report: the leader's answer to the same report
+    (:func:`eaas.operator.monitor.forward_report`), or 503 when there is no leader to ask."""
+    url = state.elector.leader_url if state.elector is not None else ""
+    if request.headers.get(FORWARDED_HEADER) or not url:
+        return web.json_response(
+            {"error": "standby operator and no leader known yet; retry later"}, status=503
+        )
+    identity = state.elector.settings.identity if state.elector is not None else ""
+    body = await request.read()
+    try:
+        status, answer = await asyncio.to_thread(
+            forward_report,
+            url,
+            request.path_qs,
+            body,
+            request.headers.get("Authorization"),
+            identity,
+        )
+    except OSError as exc:
+        return web.json_response(
+            {"error": f"standby operator; leader at {url} unreachable ({exc}); retry later"},
+            status=503,
+        )
+    return web.Response(
+        status=status,
+        body=answer,
+        content_type="application/json",
+        headers={"X-EAAS-Forwarded-To": url},
+    )
 
 
 @kopf.on.cleanup()

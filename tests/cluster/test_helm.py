@@ -111,6 +111,13 @@ def test_install_two_replicas_on_the_cpu_node_one_leader(release):
         return spec.get("holderIdentity") in names and spec["holderIdentity"]
 
     holder = wait_for("a Lease holder among the pods", leader, timeout=60, interval=1)
+    lease = get_json("lease", "eaas-operator", "-n", NS)
+    (owner,) = lease["metadata"]["ownerReferences"]
+    dep = get_json("deployment", RELEASE, "-n", NS)
+    assert (owner["kind"], owner["uid"]) == ("Deployment", dep["metadata"]["uid"])
+    # a standby forwards failure reports to the leader at its advertised pod IP
+    holder_ip = next(p for p in pods if p["metadata"]["name"] == holder)["status"]["podIP"]
+    assert lease["metadata"]["annotations"]["eaas.io/leader-url"] == f"http://{holder_ip}:8081"
 
     # exactly one pod logged "acquired leadership": the holder
     def acquirers():
@@ -170,6 +177,17 @@ def test_rbac_is_least_privilege(release):
         ("update", "leases.coordination.k8s.io", NS),
         ("create", "leases.coordination.k8s.io", NS),
     ]
+    # the Lease eaas-operator only: deleted by a leader that shuts down
+    r = kubectl(
+        "auth",
+        "can-i",
+        "delete",
+        "leases.coordination.k8s.io/eaas-operator",
+        f"--as={SA}",
+        "-n",
+        NS,
+    )
+    assert r.stdout.strip() == "yes"
     may_not = [
         ("delete", "nodes", None),
         ("create", "clusterroles.rbac.authorization.k8s.io", None),
@@ -177,6 +195,7 @@ def test_rbac_is_least_privilege(release):
         ("list", "secrets", "kube-system"),
         ("delete", "secrets", "default"),
         ("update", "leases.coordination.k8s.io", "kube-node-lease"),
+        ("delete", "leases.coordination.k8s.io", NS),  # any other Lease
         ("delete", "namespaces", None),
         ("create", "pods/exec", "default"),
         ("delete", "customresourcedefinitions.apiextensions.k8s.io", None),
@@ -282,6 +301,14 @@ def test_upgrade_then_uninstall_leaves_nothing(release):
         return not left or None
 
     wait_for("no object of the release left", gone, timeout=120, interval=1)
+    # nor the leader-election Lease: deleted by the last leader or, owned by the Deployment,
+    # by the garbage collector
+    wait_for(
+        "the Lease is gone",
+        lambda: kubectl("get", "lease", "eaas-operator", "-n", NS, check=False).returncode != 0,
+        timeout=60,
+        interval=1,
+    )
     for kind in ("clusterrole", "clusterrolebinding"):
         assert kubectl("get", kind, RELEASE, check=False).returncode != 0
     assert helm("list", "-n", NS, "-q").stdout.strip() == ""
