@@ -20,8 +20,10 @@ Measured per fault (wall clock, ms precision: the clients' log lines carry ``asc
   line for that version.
 
 And the throughput timeline: tokens per 100 ms (all 16 streams) over the run, as a PNG with
-each fault marked; the dip is the mean rate over the 2 s after a fault against the steady-state
-mean rate (the 10 s before the first fault).
+each fault marked (and a 1 s rolling mean); the dip of a fault is the mean rate over the 2 s
+after it against the mean rate over the 10 s before it (its steady state). The noise floor is
+the spread (standard deviation / mean) of 2 s window means in the 10 s before the first fault:
+a dip below it cannot be told apart from the machine's own jitter.
 
 Every completed request is checked against transformers' greedy reference; a wrong or failed
 request is reported (and makes the exit status 1).
@@ -116,15 +118,22 @@ class Cluster:
         )
 
     def table(self) -> tuple[int, dict[str, str]]:
+        """(version, servers) of the routing-table ConfigMap; (0, {}) before there is one."""
         from eaas.runtime.routing import RoutingTable
 
-        cm = get_json("configmap", "tiny-routing-table", "-n", self.ns)
-        t = RoutingTable.from_json(cm["data"]["routing-table.json"])
+        raw = kubectl(
+            "get", "configmap", "tiny-routing-table", "-n", self.ns, "-o", "json", check=False
+        )
+        if not raw:
+            return 0, {}
+        t = RoutingTable.from_json(json.loads(raw)["data"]["routing-table.json"])
         return t.version, dict(t.servers)
 
     def steady(self) -> int | None:
         """The table version when all 4 servers are Ready in it and both clients applied it."""
         version, servers = self.table()
+        if not version:
+            return None
         pods = self.servers()
         if len(pods) != 4 or not all(map(ready, pods.values())):
             return None
@@ -238,22 +247,28 @@ def throughput(load: StreamLoad, t0: float, t1: float, bin_s: float = 0.1) -> li
 
 
 def plot(bins: list[int], faults: list[tuple[float, str]], steady: float, path: Path) -> None:
+    """Tokens per 100 ms, their 1 s rolling mean, the steady state and the faults, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     xs = [i * 0.1 for i in range(len(bins))]
-    fig, ax = plt.subplots(figsize=(12, 4))
-    ax.plot(xs, bins, lw=0.7, color="tab:blue", label="tokens per 100 ms (16 streams)")
+    rolling = [statistics.mean(bins[max(0, i - 9) : i + 1]) for i in range(len(bins))]
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    ax.plot(xs, bins, lw=0.5, color="tab:blue", alpha=0.45, label="tokens per 100 ms")
+    ax.plot(xs, rolling, lw=1.4, color="tab:blue", label="1 s rolling mean")
     ax.axhline(steady, color="gray", ls="--", lw=0.8, label=f"steady state {steady:.1f}")
+    top = max(bins) * 1.05 + 1
     for t, label in faults:
-        ax.axvline(t, color="tab:red", lw=0.8)
-        ax.text(t, max(bins) * 1.02, label, rotation=90, va="bottom", ha="right", fontsize=7)
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel("tokens / 100 ms")
-    ax.set_title("Throughput across faults (testbed, tiny pool: 4 servers, redundancy 2)")
-    ax.set_ylim(0, max(bins) * 1.25 + 1)
+        ax.axvline(t, color="tab:red", lw=0.9)
+        ax.text(t + 0.4, top * 0.98, label, rotation=90, va="top", ha="left", fontsize=7)
+    ax.set_xlabel("time since the load started (s)")
+    ax.set_ylabel("tokens / 100 ms (16 streams)")
+    ax.set_title(
+        "Throughput across faults (testbed: tiny pool, 4 expert servers, redundancy 2)", pad=10
+    )
+    ax.set_ylim(0, top)
     ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -410,11 +425,14 @@ def run(tb, args, prompts, references, model_dir) -> int:
     first = int(marks[0][0] / 0.1) if marks else len(bins)
     steady_bins = bins[max(0, first - 100) : first]
     steady = statistics.mean(steady_bins) if steady_bins else float("nan")
+    windows = [statistics.mean(steady_bins[k : k + 20]) for k in range(0, len(steady_bins), 20)]
+    noise = statistics.pstdev(windows) / steady if len(windows) > 1 and steady else float("nan")
     dips = []
     for t, kind in marks:
         i = int(t / 0.1)
-        after = bins[i : i + 20]
-        dips.append((kind, 1 - statistics.mean(after) / steady if after else float("nan")))
+        before, after = bins[max(0, i - 100) : i], bins[i : i + 20]
+        base = statistics.mean(before) if before else steady
+        dips.append((kind, 1 - statistics.mean(after) / base if after and base else float("nan")))
     plot(bins, marks, steady, args.png)
 
     kills = [r for r in results if r["kind"] == "SIGKILL server"]
@@ -434,9 +452,15 @@ def run(tb, args, prompts, references, model_dir) -> int:
             f"| {r['kind']} | {r['failover_s'] * 1e3:.0f} ms | {r['table_s'] * 1e3:.0f} ms | "
             f"{r['acked_s'] * 1e3:.0f} ms |"
         )
-    print(f"\nsteady state {steady * 10:.0f} tokens/s ({steady:.1f} per 100 ms)")
+    print(
+        f"\nsteady state {steady * 10:.0f} tokens/s ({steady:.1f} per 100 ms); noise floor of "
+        f"a 2 s window: +-{noise * 100:.1f}%"
+    )
     for kind, d in dips:
-        print(f"dip over the 2 s after {kind}: {d * 100:.1f}% below steady state")
+        print(f"dip over the 2 s after {kind}: {d * 100:+.1f}% (vs. the 10 s before it)")
+    kill_dips = [d for k, d in dips if k == "SIGKILL server"]
+    if kill_dips:
+        print(f"SIGKILL server: mean dip {statistics.mean(kill_dips) * 100:+.1f}%")
     bad = load.wrong(references)
     print(
         f"{len(requests)} requests, {sum(1 for r in requests if r.finished and not r.error)} "
@@ -446,7 +470,10 @@ def run(tb, args, prompts, references, model_dir) -> int:
         print("  ", b)
     if args.json:
         args.json.write_text(
-            json.dumps({"faults": results, "steady_per_100ms": steady, "dips": dips}, indent=1)
+            json.dumps(
+                {"faults": results, "steady_per_100ms": steady, "noise": noise, "dips": dips},
+                indent=1,
+            )
         )
     return 1 if bad else 0
 
