@@ -42,7 +42,7 @@ def cpu_seconds(pid: int) -> float:
 def run(servers: int, idle_s: float, profile: Path | None, namespace: str = "bench-idle") -> int:
     kubectl("apply", "-f", str(ROOT / "deploy/crds"))
     kubectl("wait", "--for=condition=Established", "crd/expertpools.eaas.io", "--timeout=60s")
-    nodes = add_gpu_nodes(-(-servers // 8))
+    nodes = add_gpu_nodes(-(-servers // 8), first_index=8)  # podCIDR 127.1.<i>: i <= 255
     print(f"added {len(nodes)} kwok GPU nodes ({len(nodes) * 8} GPUs)")
     cmd = [sys.executable]
     if profile is not None:
@@ -56,9 +56,12 @@ def run(servers: int, idle_s: float, profile: Path | None, namespace: str = "ben
         pool["metadata"]["name"] = "idle"
         pool["spec"]["replicas"] = servers
         pool["spec"]["model"].pop("persistentVolumeClaim", None)
+        pool["spec"]["model"]["uri"] = "/models/DeepSeek-V3"  # baked into the image
         pool["spec"]["resources"] = {"requests": {"cpu": "1", "memory": "1Gi"}}
         t0 = time.monotonic()
-        kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(pool))
+        r = kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(pool), check=False)
+        if r.returncode != 0:
+            raise RuntimeError(f"kubectl apply of the pool failed: {r.stderr}")
         while not pool_ready(namespace, "idle"):
             if op.poll() is not None:
                 raise RuntimeError("the operator exited")

@@ -95,6 +95,7 @@ from eaas.operator.monitor import (
 from eaas.operator.names import PUSH_TOKEN_KEY, push_secret_name
 from eaas.operator.overlay import OverlayError
 from eaas.operator.push import ObservedClient, PushRetry, clients_to_push, push_all
+from eaas.operator.resync import IDLE_RESYNC_S, idle_resync_from_env, step_due
 from eaas.runtime.placement import LayerExpert, Placement, PlacementError, auto_slots
 from eaas.runtime.routing import RoutingTable, RoutingTableError
 
@@ -118,6 +119,8 @@ class OperatorState:
     Attributes:
         resync_s: periodic resync of every pool/fleet (seconds), on top of event wakeups
             (env ``EAAS_OPERATOR_RESYNC_S``, default 2).
+        idle_resync_s: a pool nothing happened to gets a full step only this often
+            (:mod:`eaas.operator.resync`; env ``EAAS_OPERATOR_IDLE_RESYNC_S``, default 120).
         wakeups: ``(kind, namespace, name)`` -> the event that wakes that object's daemon.
         tables: ``(namespace, ConfigMap name)`` -> ``(resourceVersion, parsed table)``.
         node_ready: node name -> its Ready condition is True (from the node watch).
@@ -150,6 +153,7 @@ class OperatorState:
     """
 
     resync_s: float = 2.0
+    idle_resync_s: float = IDLE_RESYNC_S
     wakeups: dict[tuple[str, str, str], asyncio.Event] = field(default_factory=dict)
     tables: dict[tuple[str, str], tuple[str, RoutingTable]] = field(default_factory=dict)
     node_ready: dict[str, bool] = field(default_factory=dict)
@@ -177,6 +181,7 @@ class OperatorState:
         ``EAAS_OPERATOR_REPORT_URL``, ``EAAS_OPERATOR_REPORT_LISTEN``)."""
         return cls(
             resync_s=float(env.get("EAAS_OPERATOR_RESYNC_S", "2.0")),
+            idle_resync_s=idle_resync_from_env(env),
             report_base_url=env.get("EAAS_OPERATOR_REPORT_URL", ""),
             report_listen=env.get("EAAS_OPERATOR_REPORT_LISTEN", ""),
         )
@@ -309,11 +314,22 @@ async def _loop(
     logger: kopf.Logger,
 ) -> None:
     event = state.wake_event(kind, namespace, name)
+    woken, failed, last_step = True, False, -1e18
     try:
         while not stopped:
+            # pools: full steps on events, else once per idle resync (:mod:`.resync`)
+            due = kind != "pool" or step_due(
+                woken,
+                failed,
+                bool(state.suspects.get((namespace, name))),
+                time.monotonic() - last_step,
+                state.idle_resync_s,
+            )
             try:
-                if state.is_leader():  # a standby operator watches but never acts
+                if state.is_leader() and due:  # a standby operator watches but never acts
+                    last_step, failed = time.monotonic(), True
                     await asyncio.to_thread(step, state, namespace, name, logger)
+                    failed = False
             except ApiException as exc:
                 if exc.status == 409:
                     logger.debug("conflict during reconcile of %s/%s; retrying", namespace, name)
@@ -331,6 +347,7 @@ async def _loop(
                 await asyncio.wait_for(event.wait(), timeout=state.resync_s)
             except asyncio.TimeoutError:
                 pass
+            woken = event.is_set()
             event.clear()
     finally:
         state.wakeups.pop((kind, namespace, name), None)
@@ -350,6 +367,7 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
     settings.watching.server_timeout = int(os.environ.get("EAAS_OPERATOR_WATCH_TIMEOUT_S", "60"))
     settings.watching.client_timeout = settings.watching.server_timeout + 10
     settings.watching.label_selectors["v1", "pods"] = LABEL_POOL
+    settings.watching.label_selectors["v1", "configmaps"] = LABEL_POOL
     settings.persistence.finalizer = "eaas.io/operator"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="eaas.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -595,6 +613,15 @@ async def pool_daemon(
 @kopf.on.event("", "v1", "pods", labels={LABEL_POOL: kopf.PRESENT, LABEL_ROLE: SERVER_ROLE})
 async def server_pod_event(namespace: str | None, labels: kopf.Labels, memo: Any, **_: Any) -> None:
     """Any change of an expert-server pod (readiness, IP, deletion) wakes its pool."""
+    _state(memo).wake("pool", _namespace(namespace), labels[LABEL_POOL])
+
+
+@kopf.on.event("", "v1", "configmaps", labels={LABEL_POOL: kopf.PRESENT})
+async def pool_configmap_event(
+    namespace: str | None, labels: kopf.Labels, memo: Any, **_: Any
+) -> None:
+    """A ConfigMap of a pool (its routing table: edited or deleted by hand) changed: reconcile
+    the pool now rather than at its next idle resync (:mod:`eaas.operator.resync`)."""
     _state(memo).wake("pool", _namespace(namespace), labels[LABEL_POOL])
 
 
