@@ -1,7 +1,7 @@
 """Failover on the testbed with process nodes: how fast a fault reaches the clients, and what it
 costs the token stream (issue 6, closing note).
 
-Starts a private testbed (2 GPU + 1 CPU process nodes, ``eaas.testbed``), ``eaas operator``, the
+Starts a private testbed (4 GPU + 1 CPU process nodes, one per expert server, ``eaas.testbed``), ``eaas operator``, the
 tiny pool (4 expert servers, redundancy 2, on the GPU nodes) and a fleet of 2 attention clients
 (on the CPU node); 16 concurrent streaming completions (greedy, official ``openai`` client)
 run through client A the whole time. Then, one at a time, each waiting for full recovery (all 4
@@ -297,7 +297,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="eaas-failover-") as tmp:
         tb = tbmod.up(
             state_dir=Path(tmp) / "state",
-            gpu_nodes=2,
+            gpu_nodes=4,
             cpu_nodes=1,
             attached=True,
             process_nodes="all",

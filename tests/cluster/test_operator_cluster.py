@@ -26,6 +26,12 @@ from eaas.runtime.routing import RoutingTable
 
 pytestmark = pytest.mark.cluster
 
+# one GPU node per expert server of the fault scenario (the scheduler spreads the 4 pods one
+# per node): powering off any node leaves every expert a live replica. With 2 nodes the two
+# replicas of an expert can share one (the operator reports that as ReplicasSpread=False but
+# does not re-place), and a node stop would fail requests by design.
+CLUSTER_GPU_NODES = 4
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -274,7 +280,7 @@ def test_pool_and_fleet_serve_push_ack_and_monitor(operator):
 
 # =============================================================================================
 # faults under load (issue 6, "What must be shown"): one pool (4 servers, redundancy 2) on the
-# two GPU process nodes, one fleet of 2 attention clients on the CPU node; 16 streaming
+# four GPU process nodes, one fleet of 2 attention clients on the CPU node; 16 streaming
 # requests through client A while faults happen one after the other.
 # =============================================================================================
 FAULT_TEXTS = [
@@ -453,6 +459,10 @@ def test_faults_under_load(fault_fleet, operator, cluster):
         )
         on_node = {n: _endpoint(p) for n, p in pods.items() if p["spec"]["nodeName"] == node}
         assert node != CPU_NODE and on_node
+        # the precondition of a node loss that leaves every expert a replica (one server per
+        # node; the operator reports it, it does not enforce it)
+        spread = {c["type"]: c for c in get("expertpool", "tiny", ns)["status"]["conditions"]}
+        assert len(on_node) == 1 and spread["ReplicasSpread"]["status"] == "True", (on_node, spread)
         t0 = time.monotonic()
         tbmod.node_stop(node, cluster.state_dir)
         try:
