@@ -63,20 +63,13 @@ def client_pod(ns: str) -> dict | None:
     return ready[0] if ready else None
 
 
-def server_pid(pod_name: str) -> int | None:
-    """PID of the expert-server process of ``pod_name`` (a child of the test's node agent)."""
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"expert-server" in argv and b"--server-id" in argv:
-            if argv[argv.index(b"--server-id") + 1] == pod_name.encode():
-                return int(d)
-    return None
+def server_pid(pod_name: str, ns: str) -> int | None:
+    """Host PID of the expert-server process of ``pod_name`` (from its containerID: a scan of
+    /proc by ``--server-id`` can find another testbed's server of the same name)."""
+    from fault_helpers import container_pid
+
+    pod = server_pods(ns).get(pod_name)
+    return container_pid(pod, "expert-server") if pod else None
 
 
 def post_report(port: int, ns: str, token: str, server: str, endpoint: str) -> tuple[int, dict]:
@@ -200,7 +193,7 @@ def test_pool_and_fleet_serve_push_ack_and_monitor(operator):
         assert victim in table(ns).servers
 
         # ---- a frozen server: the probe confirms the report; liveness restarts it ------------
-        pid = wait_for("victim pid", lambda: server_pid(victim), timeout=30)
+        pid = wait_for("victim pid", lambda: server_pid(victim, ns), timeout=30)
         before = server_pods(ns)[victim]["status"]["containerStatuses"][0]["restartCount"]
         os.kill(pid, signal.SIGSTOP)
         try:
