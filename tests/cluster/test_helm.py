@@ -4,7 +4,8 @@ exactly one holds the Lease and acts), with a Service, least-privilege RBAC (``k
 can-i`` as its ServiceAccount), a values schema that rejects a bad value naming it, and a
 ``helm test`` hook that GETs every replica's ``/healthz``. With that operator, ``kubectl apply``
 of ``deploy/examples/tiny-pool.yaml`` (its model as a hostPath of the tiny model) turns Ready;
-``helm upgrade`` changes the Deployment; ``helm uninstall`` leaves nothing of the release
+the example AttentionFleet then serves a completion through its pod IP equal to transformers'
+greedy reference; ``helm upgrade`` changes the Deployment; ``helm uninstall`` leaves nothing of the release
 (the CRDs stay: Helm never deletes ``crds/``)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import subprocess
 import urllib.request
 
+import openai
 import pytest
 import yaml
 from k8s_helpers import get_json, kubectl, wait_for
@@ -245,6 +247,35 @@ def test_tiny_pool_example_turns_ready(release):
         return f"{series} {version}\n" in text or None
 
     wait_for("the leader's /metrics shows the table version", version_shown, timeout=60)
+
+    # the example fleet (one client here, weights from the same hostPath): a completion through
+    # its pod IP gives transformers' greedy tokens
+    fleet = yaml.safe_load(open(os.path.join(ROOT, "deploy", "examples", "tiny-fleet.yaml")))
+    fleet["spec"]["replicas"] = 1
+    fleet["spec"]["model"] = {"hostPath": str(model_dir.parent), "uri": model_dir.name}
+    kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(fleet))
+
+    def client_acked():
+        st = get_json("attentionfleet", "tiny-clients", "-n", ns).get("status") or {}
+        if st.get("clientsAcknowledged") != 1:
+            return None
+        pods = get_json("pods", "-n", ns, "-l", "eaas.io/fleet=tiny-clients")["items"]
+        return next((p for p in pods if ready(p)), None)
+
+    cpod = wait_for("fleet client Ready and acknowledged", client_acked, timeout=240, interval=2)
+    from transformers import AutoTokenizer
+
+    from eaas.runtime.models.reference import reference_generate
+
+    prompt = AutoTokenizer.from_pretrained(str(model_dir))("Hello world")["input_ids"]
+    ref = reference_generate(str(model_dir), [prompt], 8)[0]
+    api = openai.OpenAI(
+        base_url=f"http://{cpod['status']['podIP']}:8000/v1", api_key="unused", timeout=120
+    )
+    model_id = api.models.list().data[0].id
+    out = api.completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0)
+    assert out.choices[0].model_extra["token_ids"] == ref
+    kubectl("delete", "attentionfleet", "tiny-clients", "-n", ns, "--timeout=120s")
     # delete it while the operator runs (its finalizer needs the operator)
     kubectl("delete", "expertpool", "tiny", "-n", ns, "--timeout=120s")
     kubectl("delete", "namespace", ns, "--wait=false")
