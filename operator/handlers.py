@@ -94,8 +94,10 @@ from eaas.operator.external_metrics import start_server as start_metrics_server
 from eaas.operator.leader import LeaderElector, LeaseSettings
 from eaas.operator.load import LoadScraper, metrics_url, pool_rates
 from eaas.operator.monitor import (
+    FORWARDED_HEADER,
     MAX_REPORT_BYTES,
     bearer_ok,
+    forward_report,
     health_url,
     parse_report,
     probe_health,
@@ -110,7 +112,8 @@ from eaas.operator.pods import (
     table_assignment,
 )
 from eaas.operator.pool_placement import member_placement, rebalance_due, table_placement
-from eaas.operator.push import ObservedClient, clients_to_push, push_all
+from eaas.operator.push import ObservedClient, PushRetry, clients_to_push, push_all
+from eaas.operator.resync import IDLE_RESYNC_S, idle_resync_from_env, step_due
 from eaas.operator.server_push import (
     ServerTableState,
     get_server_state,
@@ -141,6 +144,8 @@ class OperatorState:
     Attributes:
         resync_s: periodic resync of every pool/fleet (seconds), on top of event wakeups
             (env ``EAAS_OPERATOR_RESYNC_S``, default 2).
+        idle_resync_s: a pool nothing happened to gets a full step only this often
+            (:mod:`eaas.operator.resync`; env ``EAAS_OPERATOR_IDLE_RESYNC_S``, default 120).
         wakeups: ``(kind, namespace, name)`` -> the event that wakes that object's daemon.
         tables: ``(namespace, ConfigMap name)`` -> ``(resourceVersion, parsed table)``.
         node_ready: node name -> its Ready condition is True (from the node watch).
@@ -152,6 +157,8 @@ class OperatorState:
         tokens: ``(namespace, fleet, fleet uid)`` -> the fleet's push token (from its Secret).
         acks: ``(namespace, fleet)`` -> client pod uid -> newest routing-table version it
             acknowledged (lost on restart: the next push's 409 tells it again).
+        push_retries: ``(namespace, fleet)`` -> client pod uid -> push back-off state
+            (:func:`eaas.operator.push.push_retry_delay_s`).
         fleet_acks: ``(namespace, pool)`` -> fleet -> acknowledged versions of its Ready
             clients (for the pool's status).
         report_listen: ``HOST:PORT`` of the failure-report endpoint (env
@@ -171,6 +178,8 @@ class OperatorState:
         server_tables: ``(namespace, pool)`` -> ``(pod uid, restarts)`` -> the server's last
             answer (assigned / weights / released versions).
         last_rebalance: ``(namespace, pool)`` -> when the last load rebalance was staged.
+        load_driven: pools whose outcome follows the measured load (``spec.autoscaling`` or the
+            ``load-balanced`` policy): they keep the ``resync_s`` steps (status.load, rebalancing).
         elector: the Lease election (:mod:`eaas.operator.leader`); None: act unconditionally
             (only for tests of single steps).
         loop: kopf's event loop (to wake daemons from other threads).
@@ -183,6 +192,7 @@ class OperatorState:
     """
 
     resync_s: float = 2.0
+    idle_resync_s: float = IDLE_RESYNC_S
     wakeups: dict[tuple[str, str, str], asyncio.Event] = field(default_factory=dict)
     tables: dict[tuple[str, str], tuple[str, RoutingTable]] = field(default_factory=dict)
     node_ready: dict[str, bool] = field(default_factory=dict)
@@ -191,6 +201,7 @@ class OperatorState:
     report_base_url: str = ""
     tokens: dict[tuple[str, str, str], str] = field(default_factory=dict)
     acks: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
+    push_retries: dict[tuple[str, str], dict[str, PushRetry]] = field(default_factory=dict)
     fleet_acks: dict[tuple[str, str], dict[str, list[int]]] = field(default_factory=dict)
     report_listen: str = ""
     applied: dict[tuple[str, str, str, str], float] = field(default_factory=dict)
@@ -198,6 +209,7 @@ class OperatorState:
     suspects: dict[tuple[str, str], dict[str, tuple[str, float]]] = field(default_factory=dict)
     report_tokens: dict[tuple[str, str], str] = field(default_factory=dict)
     staged: dict[tuple[str, str], RoutingTable] = field(default_factory=dict)
+    load_driven: set[tuple[str, str]] = field(default_factory=set)
     server_tables: dict[tuple[str, str], dict[tuple[str, int], ServerTableState]] = field(
         default_factory=dict
     )
@@ -219,6 +231,7 @@ class OperatorState:
         ``EAAS_OPERATOR_REPORT_URL``, ``EAAS_OPERATOR_REPORT_LISTEN``)."""
         return cls(
             resync_s=float(env.get("EAAS_OPERATOR_RESYNC_S", "2.0")),
+            idle_resync_s=idle_resync_from_env(env),
             report_base_url=env.get("EAAS_OPERATOR_REPORT_URL", ""),
             report_listen=env.get("EAAS_OPERATOR_REPORT_LISTEN", ""),
         )
@@ -341,6 +354,14 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _pool_busy(state: OperatorState, namespace: str, name: str) -> bool:
+    """Whether a pool needs a full step every ``resync_s`` rather than once per idle resync: it
+    has servers under suspicion (re-probed), a routing table staged on its servers and not yet
+    published (their weight confirmations are polled), or it follows the measured load."""
+    key = (namespace, name)
+    return bool(state.suspects.get(key)) or key in state.staged or key in state.load_driven
+
+
 async def _loop(
     state: OperatorState,
     kind: str,
@@ -351,11 +372,22 @@ async def _loop(
     logger: kopf.Logger,
 ) -> None:
     event = state.wake_event(kind, namespace, name)
+    woken, failed, last_step = True, False, -1e18
     try:
         while not stopped:
+            # pools: full steps on events, else once per idle resync (:mod:`.resync`)
+            due = kind != "pool" or step_due(
+                woken,
+                failed,
+                _pool_busy(state, namespace, name),
+                time.monotonic() - last_step,
+                state.idle_resync_s,
+            )
             try:
-                if state.is_leader():  # a standby operator watches but never acts
+                if state.is_leader() and due:  # a standby operator watches but never acts
+                    last_step, failed = time.monotonic(), True
                     await asyncio.to_thread(step, state, namespace, name, logger)
+                    failed = False
             except ApiException as exc:
                 if exc.status == 409:
                     logger.debug("conflict during reconcile of %s/%s; retrying", namespace, name)
@@ -373,6 +405,7 @@ async def _loop(
                 await asyncio.wait_for(event.wait(), timeout=state.resync_s)
             except asyncio.TimeoutError:
                 pass
+            woken = event.is_set()
             event.clear()
     finally:
         state.wakeups.pop((kind, namespace, name), None)
@@ -392,6 +425,7 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
     settings.watching.server_timeout = int(os.environ.get("EAAS_OPERATOR_WATCH_TIMEOUT_S", "60"))
     settings.watching.client_timeout = settings.watching.server_timeout + 10
     settings.watching.label_selectors["v1", "pods"] = LABEL_POOL
+    settings.watching.label_selectors["v1", "configmaps"] = LABEL_POOL
     settings.persistence.finalizer = "eaas.io/operator"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="eaas.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -486,7 +520,7 @@ async def failure_report(state: OperatorState, request: web.Request) -> web.Resp
     and wake its pool (the next table leaves it out)."""
     namespace, fleet = request.match_info["namespace"], request.match_info["fleet"]
     if not state.is_leader():
-        return web.json_response({"error": "standby operator; report to the leader"}, status=503)
+        return await _forward_to_leader(state, request)
     auth = request.headers.get("Authorization")
     token = await asyncio.to_thread(_report_token, state, namespace, fleet, False)
     if not bearer_ok(auth, token):
@@ -543,6 +577,38 @@ async def failure_report(state: OperatorState, request: web.Request) -> web.Resp
         f"({report.reason}); its /health probe failed too: leaving the routing table"
     )
     return web.json_response({"action": "removed"})
+
+
+async def _forward_to_leader(state: OperatorState, request: web.Request) -> web.Response:
+    """A standby's answer to a failure report: the leader's answer to the same report
+    (:func:`eaas.operator.monitor.forward_report`), or 503 when there is no leader to ask."""
+    url = state.elector.leader_url if state.elector is not None else ""
+    if request.headers.get(FORWARDED_HEADER) or not url:
+        return web.json_response(
+            {"error": "standby operator and no leader known yet; retry later"}, status=503
+        )
+    identity = state.elector.settings.identity if state.elector is not None else ""
+    body = await request.read()
+    try:
+        status, answer = await asyncio.to_thread(
+            forward_report,
+            url,
+            request.path_qs,
+            body,
+            request.headers.get("Authorization"),
+            identity,
+        )
+    except OSError as exc:
+        return web.json_response(
+            {"error": f"standby operator; leader at {url} unreachable ({exc}); retry later"},
+            status=503,
+        )
+    return web.Response(
+        status=status,
+        body=answer,
+        content_type="application/json",
+        headers={"X-EAAS-Forwarded-To": url},
+    )
 
 
 @kopf.on.cleanup()
@@ -612,6 +678,15 @@ async def pool_daemon(
 @kopf.on.event("", "v1", "pods", labels={LABEL_POOL: kopf.PRESENT, LABEL_ROLE: SERVER_ROLE})
 async def server_pod_event(namespace: str | None, labels: kopf.Labels, memo: Any, **_: Any) -> None:
     """Any change of an expert-server pod (readiness, IP, deletion) wakes its pool."""
+    _state(memo).wake("pool", _namespace(namespace), labels[LABEL_POOL])
+
+
+@kopf.on.event("", "v1", "configmaps", labels={LABEL_POOL: kopf.PRESENT})
+async def pool_configmap_event(
+    namespace: str | None, labels: kopf.Labels, memo: Any, **_: Any
+) -> None:
+    """A ConfigMap of a pool (its routing table: edited or deleted by hand) changed: reconcile
+    the pool now rather than at its next idle resync (:mod:`eaas.operator.resync`)."""
     _state(memo).wake("pool", _namespace(namespace), labels[LABEL_POOL])
 
 
@@ -710,6 +785,10 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
     ]  # a same-named older pool's pods: GC's job
     try:
         spec = ExpertPoolSpec.model_validate(body["spec"])
+        if spec.autoscaling is not None or spec.placement.policy == "load-balanced":
+            state.load_driven.add((namespace, name))
+        else:
+            state.load_driven.discard((namespace, name))
         _track_load(state, namespace, name, pods, observed)
         if table_assignment(spec):
             _reconcile_table_pool(state, core, custom, body, owner, spec, observed, pods, logger)
@@ -1574,11 +1653,24 @@ def reconcile_fleet(state: OperatorState, namespace: str, name: str, logger: kop
         )["items"]
     ]
     acks = state.acks.setdefault((namespace, name), {})
-    for uid in set(acks) - {c.uid for c in clients}:
-        del acks[uid]  # pod gone
-    todo = clients_to_push(clients, acks, table_version) if table_json else []
+    retries = state.push_retries.setdefault((namespace, name), {})
+    for m in (acks, retries):
+        for uid in set(m) - {c.uid for c in clients}:
+            del m[uid]  # pod gone
+    now = time.monotonic()
+    todo = clients_to_push(clients, acks, table_version, retries, now) if table_json else []
     if todo:
-        failures = push_all(todo, spec.port, table_json, token, acks, state.executor())
+        failures = push_all(
+            todo,
+            spec.port,
+            table_json,
+            token,
+            acks,
+            state.executor(),
+            retries=retries,
+            version=table_version,
+            now=now,
+        )
         for pod_name, why in failures.items():
             logger.info("push of table %d to %s not acknowledged: %s", table_version, pod_name, why)
     ready = [c for c in clients if c.ready and c.ip]

@@ -15,6 +15,15 @@ and acts on failure reports. The others watch and wait. This is client-go's lead
 * every write carries the resourceVersion it read (optimistic concurrency): of two candidates
   one wins, the other gets 409 and stays a candidate.
 
+The leader advertises where it takes failure reports (annotation ``eaas.io/leader-url`` on the
+Lease, :attr:`LeaseSettings.advertise_url`); a standby that gets a report forwards it there
+(:attr:`LeaderElector.leader_url`), so a Service in front of all replicas works. On shutdown a
+leader deletes the Lease (precondition: the resourceVersion it holds) instead of only freeing
+it: a successor creates it again at once. With :attr:`LeaseSettings.owner_deployment` (the
+Helm chart sets its own Deployment) the Lease carries an ownerReference to that Deployment, so
+the garbage collector deletes it with the release even when no replica got to clean up
+(``helm uninstall`` deletes the RBAC that the last replica's delete would need).
+
 kopf's own peering is not used: operators of equal priority all freeze under it (kopf docs,
 "Peering"), which is no failover.
 
@@ -37,6 +46,8 @@ from typing import Any, Literal
 log = logging.getLogger("eaas.operator.leader")
 
 LEASE_NAME = "eaas-operator"
+#: Lease annotation: the holder's failure-report base URL (``http://IP:PORT``).
+ANNOTATION_LEADER_URL = "eaas.io/leader-url"
 
 Decision = Literal["renew", "acquire", "wait"]
 
@@ -51,6 +62,10 @@ class LeaseSettings:
         lease_duration_s: how long a candidate waits after the last change it saw.
         renew_deadline_s: how stale its own last renewal may get before a leader stops acting.
         retry_s: period of renew / acquire attempts.
+        advertise_url: this process's failure-report base URL, written on the Lease while it
+            leads ("" : none).
+        owner_deployment: name of an ``apps/v1`` Deployment in ``namespace`` that owns the
+            Lease ("": none).
     """
 
     namespace: str
@@ -59,13 +74,18 @@ class LeaseSettings:
     lease_duration_s: float = 15.0
     renew_deadline_s: float = 10.0
     retry_s: float = 2.0
+    advertise_url: str = ""
+    owner_deployment: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> LeaseSettings:
         """From ``EAAS_OPERATOR_LEASE_NAMESPACE`` (else ``POD_NAMESPACE``, else ``default``),
         ``EAAS_OPERATOR_LEASE_NAME``, ``EAAS_OPERATOR_ID`` (else ``POD_NAME``, else
         host-pid-random), ``EAAS_OPERATOR_LEASE_DURATION_S`` (default 15; the renew deadline is
-        2/3 of it and the retry period 2/15 of it).
+        2/3 of it and the retry period 2/15 of it), the advertised report URL
+        ``EAAS_OPERATOR_ADVERTISE_URL`` (else :func:`advertise_url` of
+        ``EAAS_OPERATOR_REPORT_LISTEN`` and ``POD_IP``), the owning Deployment
+        ``EAAS_OPERATOR_LEASE_OWNER_DEPLOYMENT``.
 
         Raises:
             ValueError: a duration that is not a positive number.
@@ -87,7 +107,25 @@ class LeaseSettings:
             lease_duration_s=duration,
             renew_deadline_s=duration * 2 / 3,
             retry_s=duration * 2 / 15,
+            advertise_url=env.get("EAAS_OPERATOR_ADVERTISE_URL")
+            or advertise_url(env.get("EAAS_OPERATOR_REPORT_LISTEN", ""), env.get("POD_IP", "")),
+            owner_deployment=env.get("EAAS_OPERATOR_LEASE_OWNER_DEPLOYMENT", ""),
         )
+
+
+def advertise_url(listen: str, pod_ip: str) -> str:
+    """Base URL at which the other replicas reach this one's report listener ``HOST:PORT``:
+    a wildcard host (``0.0.0.0``, ``::``, empty) becomes ``pod_ip`` (else 127.0.0.1).
+    "" when ``listen`` is empty or has no port."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        return ""
+    host = host.strip("[]")
+    if host in ("", "0.0.0.0", "::"):
+        host = pod_ip or "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
 
 
 def lease_decision(
@@ -153,10 +191,18 @@ class LeaderElector:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._was_leader = False
+        self._leader_url = ""
+        self._owner_refs: list[Any] | None = None
 
     def is_leader(self) -> bool:
         """True while this process holds the Lease and renewed it within the renew deadline."""
         return time.monotonic() - self._renewed_at < self.settings.renew_deadline_s
+
+    @property
+    def leader_url(self) -> str:
+        """The current holder's advertised report URL as last read ("" when unknown or when
+        this process holds the Lease)."""
+        return "" if self.is_leader() else self._leader_url
 
     def start(self) -> LeaderElector:
         self._thread = threading.Thread(target=self._run, name="eaas-leader", daemon=True)
@@ -164,8 +210,8 @@ class LeaderElector:
         return self
 
     def stop(self, release: bool = True) -> None:
-        """Stop campaigning; with ``release``, free the Lease if held (a successor starts at
-        once instead of after the lease duration)."""
+        """Stop campaigning; with ``release``, delete the Lease if held (a successor creates it
+        at once instead of waiting out the lease duration, and nothing is left behind)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
@@ -175,11 +221,20 @@ class LeaderElector:
                     self.settings.name, self.settings.namespace
                 )
                 if lease.spec is not None and lease.spec.holder_identity == self.settings.identity:
-                    lease.spec.holder_identity = ""
-                    self.coord.replace_namespaced_lease(
-                        self.settings.name, self.settings.namespace, lease
+                    from kubernetes import client as k8s
+
+                    self.coord.delete_namespaced_lease(
+                        self.settings.name,
+                        self.settings.namespace,
+                        body=k8s.V1DeleteOptions(
+                            preconditions=k8s.V1Preconditions(
+                                resource_version=(
+                                    lease.metadata or k8s.V1ObjectMeta()
+                                ).resource_version
+                            )
+                        ),
                     )
-                    log.info("released Lease %s", self.settings.name)
+                    log.info("released Lease %s (deleted)", self.settings.name)
             except Exception as exc:  # best effort: the successor waits the lease out instead
                 log.warning("could not release Lease %s: %s", self.settings.name, exc)
         self._renewed_at = -1e18
@@ -208,6 +263,30 @@ class LeaderElector:
             self._flip()
             self._stop.wait(self.settings.retry_s)
 
+    def _owners(self) -> list[Any] | None:
+        """ownerReferences for the Lease (the owning Deployment, read once), or None."""
+        s = self.settings
+        if not s.owner_deployment:
+            return None
+        if self._owner_refs is None:
+            from kubernetes import client as k8s
+
+            dep = k8s.AppsV1Api(self.coord.api_client).read_namespaced_deployment(
+                s.owner_deployment, s.namespace
+            )
+            uid = dep.metadata.uid if dep.metadata is not None else None
+            if not uid:
+                raise RuntimeError(f"Deployment {s.owner_deployment} has no uid")
+            self._owner_refs = [
+                k8s.V1OwnerReference(
+                    api_version="apps/v1",
+                    kind="Deployment",
+                    name=s.owner_deployment,
+                    uid=str(uid),
+                )
+            ]
+        return self._owner_refs
+
     def step(self) -> Decision:
         """Read the Lease, decide, write if needed. Returns the decision taken."""
         from kubernetes import client as k8s
@@ -221,7 +300,12 @@ class LeaderElector:
             if exc.status != 404:
                 raise
             body = k8s.V1Lease(
-                metadata=k8s.V1ObjectMeta(name=s.name, namespace=s.namespace),
+                metadata=k8s.V1ObjectMeta(
+                    name=s.name,
+                    namespace=s.namespace,
+                    annotations={ANNOTATION_LEADER_URL: s.advertise_url},
+                    owner_references=self._owners(),
+                ),
                 spec=k8s.V1LeaseSpec(**lease_spec(s, s.identity, 0, None)),
             )
             try:
@@ -238,12 +322,18 @@ class LeaderElector:
             self._seen_rv, self._seen_at = rv, now
         spec = lease.spec or k8s.V1LeaseSpec()
         holder = spec.holder_identity or ""
+        annotations = (lease.metadata.annotations if lease.metadata else None) or {}
+        self._leader_url = annotations.get(ANNOTATION_LEADER_URL, "") if holder else ""
         decision = lease_decision(holder, s.identity, now - self._seen_at, s.lease_duration_s)
         if decision == "wait":
             return decision
         transitions = int(spec.lease_transitions or 0) + (decision == "acquire")
         keep = spec.acquire_time if decision == "renew" else None
         lease.spec = k8s.V1LeaseSpec(**lease_spec(s, s.identity, transitions, keep))
+        if lease.metadata is not None:
+            lease.metadata.annotations = {**annotations, ANNOTATION_LEADER_URL: s.advertise_url}
+            if self.settings.owner_deployment and not lease.metadata.owner_references:
+                lease.metadata.owner_references = self._owners()
         try:
             self.coord.replace_namespaced_lease(s.name, s.namespace, lease)  # carries rv
         except ApiException as exc:

@@ -11,8 +11,12 @@ the pod is replaced). Answers (JSON):
 * ``200 {"action": "removed"}``: the probe confirmed the failure; the next table drops it;
 * ``200 {"action": "kept"}``: the server answered its probe (the client's problem, or a blip);
 * ``200 {"action": "ignored", "reason": ...}``: no such expert-server pod (already gone);
-* ``400`` malformed report, ``401`` wrong or missing token, ``503`` this operator is a standby
-  (not the Lease holder).
+* ``400`` malformed report, ``401`` wrong or missing token.
+
+A standby operator (not the Lease holder) forwards the report unchanged to the leader's
+advertised URL (:func:`forward_report`; header ``X-EAAS-Forwarded``, so a report is forwarded at
+most once) and answers with the leader's answer plus ``X-EAAS-Forwarded-To``; it answers ``503``
+only when no leader is known or the leader is unreachable (the client retries later).
 
 The pure parts (:func:`parse_report`, :func:`bearer_ok`, :func:`health_url`) decide; the
 aiohttp handler in :mod:`eaas.operator.handlers` does the I/O.
@@ -32,6 +36,13 @@ from eaas.operator.names import SERVER_ROLE
 
 #: Timeout of the operator's own health probe of a reported server (s).
 PROBE_TIMEOUT_S = 1.0
+
+#: Timeout of a standby's forward of a report to the leader (s): the leader's own probe
+#: (PROBE_TIMEOUT_S) plus two API reads.
+FORWARD_TIMEOUT_S = 10.0
+
+#: Header marking a forwarded report (its value: the forwarding replica's identity).
+FORWARDED_HEADER = "X-EAAS-Forwarded"
 
 #: Largest report body accepted (bytes).
 MAX_REPORT_BYTES = 64 * 1024
@@ -122,3 +133,33 @@ def probe_health(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
             return resp.status == 200
     except (OSError, urllib.error.HTTPError):
         return False
+
+
+def forward_report(
+    leader_url: str,
+    path: str,
+    body: bytes,
+    authorization: str | None,
+    forwarder: str,
+    timeout_s: float = FORWARD_TIMEOUT_S,
+) -> tuple[int, bytes]:
+    """POST a failure report, as received by a standby, to the leader at ``leader_url``
+    (``http://IP:PORT``) under the same ``path``, with the client's ``Authorization``.
+
+    Returns:
+        ``(HTTP status, body)`` of the leader's answer (any status).
+
+    Raises:
+        OSError: the leader is unreachable (refused, timed out).
+    """
+    headers = {"Content-Type": "application/json", FORWARDED_HEADER: forwarder or "standby"}
+    if authorization:
+        headers["Authorization"] = authorization
+    req = urllib.request.Request(
+        leader_url.rstrip("/") + path, data=body, method="POST", headers=headers
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()

@@ -6,11 +6,19 @@ bearer token from the fleet's Secret; :func:`put_table` speaks it with the stand
 because that module imports fastapi, which the operator image does not carry). A client's answer is its acknowledgement: ``200`` names the version it applied;
 ``409`` (stale) names the version it already holds (it got it from its ConfigMap watch). The
 operator keeps, per client pod uid, the newest version acknowledged; a pod below the current
-version is pushed again on the next reconcile step (every resync), so a missed push is retried
-while the ConfigMap watch converges the client independently.
+version is pushed again on a later reconcile step, so a missed push is retried while the
+ConfigMap watch converges the client independently.
 
-The decisions (:func:`ObservedClient.from_pod`, :func:`clients_to_push`, :func:`acknowledged`)
-are pure; :func:`push_all` does the I/O on a thread pool.
+Retries back off per client (:func:`push_retry_delay_s`: 1 s, 2 s, 4 s ... capped at 60 s, the
+shape of client-go's ``ItemExponentialFailureRateLimiter``): a client that is down (crashed,
+SIGSTOPped, partitioned) is not hit every resync, and the reconcile step does not wait out a
+push timeout for it each time. The first push of each *new* version goes out at once whatever
+the back-off (failover latency matters more than one wasted request); the failure count only
+resets when the client acknowledges.
+
+The decisions (:func:`ObservedClient.from_pod`, :func:`clients_to_push`, :func:`acknowledged`,
+:func:`push_retry_delay_s`, :func:`push_due`, :func:`after_push`) are pure; :func:`push_all`
+does the I/O on a thread pool.
 """
 
 from __future__ import annotations
@@ -28,6 +36,53 @@ log = logging.getLogger("eaas.operator.push")
 
 #: Connect + read timeout of one push (s): a client applies a table within one MoE layer call.
 PUSH_TIMEOUT_S = 3.0
+
+
+#: First retry delay of an unacknowledged push (s); doubles per failure up to the cap.
+PUSH_RETRY_BASE_S = 1.0
+#: Largest retry delay (s): a client down for long is still retried once a minute (its
+#: ConfigMap watch converges it anyway when it comes back).
+PUSH_RETRY_CAP_S = 60.0
+
+
+@dataclass(frozen=True)
+class PushRetry:
+    """Back-off state of one client (pod uid).
+
+    Attributes:
+        failures: consecutive unacknowledged pushes (>= 1).
+        version: table version of the last failed push.
+        next_at: monotonic time (s) before which that version is not pushed again.
+    """
+
+    failures: int
+    version: int
+    next_at: float
+
+
+def push_retry_delay_s(
+    failures: int, base_s: float = PUSH_RETRY_BASE_S, cap_s: float = PUSH_RETRY_CAP_S
+) -> float:
+    """Delay (s) before retrying a client after ``failures`` consecutive failed pushes:
+    ``min(cap_s, base_s * 2**(failures - 1))``; 0 for ``failures <= 0``."""
+    if failures <= 0:
+        return 0.0
+    return min(cap_s, base_s * 2.0 ** min(failures - 1, 62))
+
+
+def push_due(retry: PushRetry | None, version: int, now: float) -> bool:
+    """Whether a client with back-off state ``retry`` may be pushed ``version`` at ``now``
+    (monotonic s): no failures, a version newer than the one that failed, or the delay is over."""
+    return retry is None or version > retry.version or now >= retry.next_at
+
+
+def after_push(retry: PushRetry | None, version: int, ok: bool, now: float) -> PushRetry | None:
+    """Back-off state after a push of ``version`` at ``now``: None when acknowledged (``ok``),
+    else one more failure and the next allowed time."""
+    if ok:
+        return None
+    failures = (retry.failures if retry is not None else 0) + 1
+    return PushRetry(failures, version, now + push_retry_delay_s(failures))
 
 
 @dataclass(frozen=True)
@@ -111,18 +166,33 @@ class ObservedClient:
 
 
 def clients_to_push(
-    clients: Sequence[ObservedClient], acks: Mapping[str, int], version: int
+    clients: Sequence[ObservedClient],
+    acks: Mapping[str, int],
+    version: int,
+    retries: Mapping[str, PushRetry] | None = None,
+    now: float = 0.0,
 ) -> list[ObservedClient]:
-    """Ready clients with an IP that have not acknowledged ``version`` (or newer) yet.
+    """Ready clients with an IP that have not acknowledged ``version`` (or newer) yet and are
+    not backing off (:func:`push_due`).
 
     Args:
         clients: the fleet's client pods.
         acks: pod uid -> newest version that pod acknowledged.
         version: the version in the routing-table ConfigMap (0: none, nothing to push).
+        retries: pod uid -> back-off state (None: no back-off).
+        now: monotonic time (s) to compare with the back-off.
     """
     if version <= 0:
         return []
-    return [c for c in clients if c.ready and c.ip and acks.get(c.uid, 0) < version]
+    retries = retries or {}
+    return [
+        c
+        for c in clients
+        if c.ready
+        and c.ip
+        and acks.get(c.uid, 0) < version
+        and push_due(retries.get(c.uid), version, now)
+    ]
 
 
 def acknowledged(result: PushResult) -> int | None:
@@ -143,8 +213,13 @@ def push_all(
     acks: MutableMapping[str, int],
     executor: concurrent.futures.Executor,
     timeout_s: float = PUSH_TIMEOUT_S,
+    retries: MutableMapping[str, PushRetry] | None = None,
+    version: int = 0,
+    now: float = 0.0,
 ) -> dict[str, str]:
-    """PUT ``table_json`` to each client concurrently and record acknowledgements in ``acks``.
+    """PUT ``table_json`` (version ``version``) to each client concurrently and record
+    acknowledgements in ``acks`` and, when ``retries`` is given, each client's back-off state
+    (:func:`after_push` at ``now``, monotonic s).
 
     Returns:
         pod name -> outcome for each push that was not acknowledged (HTTP status and message,
@@ -160,9 +235,15 @@ def push_all(
 
     failures: dict[str, str] = {}
     for c, result, err in executor.map(one, clients):
-        version = acknowledged(result) if result is not None else None
-        if version is not None:
-            acks[c.uid] = max(acks.get(c.uid, 0), version)
+        applied = acknowledged(result) if result is not None else None
+        if applied is not None:
+            acks[c.uid] = max(acks.get(c.uid, 0), applied)
         else:
             failures[c.name] = f"{result.status}: {result.message}" if result is not None else err
+        if retries is not None:
+            backoff = after_push(retries.get(c.uid), version, applied is not None, now)
+            if backoff is None:
+                retries.pop(c.uid, None)
+            else:
+                retries[c.uid] = backoff
     return failures

@@ -203,6 +203,7 @@ class Agent:
         self.lock = threading.Lock()
         self.workers: dict[str, PodWorker] = {}
         self.ips: dict[str, str] = {}  # pod uid -> IP
+        self.last_ip: str | None = None  # host-local IPAM: allocate after the last one
         self.gpus_used: dict[str, list[int]] = {}  # "<uid>/<container>" -> indices
         self.pod_cidr = ""
         self.gpu_total = 0
@@ -261,7 +262,8 @@ class Agent:
             if wanted and wanted not in used and _in_cidr(wanted, self.pod_cidr):
                 ip = wanted
             else:
-                ip = podlogic.allocate_ip(self.pod_cidr, used)
+                ip = podlogic.allocate_ip(self.pod_cidr, used, self.last_ip)
+                self.last_ip = ip
             self.ips[uid] = ip
             return ip
 

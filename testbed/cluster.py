@@ -25,7 +25,9 @@ What runs (all on 127.0.0.1, detached from the calling process, one log file eac
   Stages are the kwok defaults (``kwok-stages.yaml``). Docs: https://kwok.sigs.k8s.io/docs/
   (user/kwok-in-cluster, user/kwok-manage-nodes-and-pods, user/stages-configuration).
 
-Every node ``i`` gets ``spec.podCIDR`` 127.1.<i>.0/24, so pod IPs are loopback addresses.
+Every node ``i`` gets ``spec.podCIDR`` 127.<net>.<i>.0/24, so pod IPs are loopback addresses.
+``net`` (1..254) is claimed per testbed (:func:`claim_pod_net`), so several testbeds on one
+machine (parallel test runs) never hand out the same pod IP.
 There is no container runtime and no image pull: a process node's single "image" is the local
 ``eaas`` install (see :mod:`.agent`).
 
@@ -45,6 +47,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +104,8 @@ class Testbed:
     agents: dict = field(default_factory=dict)
     #: node agent settings (restart_backoff_s, volume_sync_s), reused by ``node start``
     agent_settings: dict = field(default_factory=dict)
+    #: second octet of the pod IPs (127.<pod_net>.<node>.<n>), unique among live testbeds
+    pod_net: int = 1
 
     def env(self, base: dict | None = None) -> dict:
         """A copy of ``base`` (default ``os.environ``) with KUBECONFIG and PATH pointing here."""
@@ -136,6 +141,7 @@ class Testbed:
             "process_nodes": self.process_nodes,
             "agents": self.agents,
             "agent_settings": self.agent_settings,
+            "pod_net": self.pod_net,
         }
 
     @classmethod
@@ -152,10 +158,89 @@ class Testbed:
             process_nodes=d.get("process_nodes", []),
             agents=d.get("agents", {}),
             agent_settings=d.get("agent_settings", {}),
+            pod_net=d.get("pod_net", 1),
         )
 
     def save(self) -> None:
         (self.state_dir / STATE_FILE).write_text(json.dumps(self.to_json(), indent=2))
+
+
+def _pod_net_dir() -> Path:
+    return Path(tempfile.gettempdir()) / "eaas-testbed-pod-nets"
+
+
+def _claim_alive(text: str) -> bool:
+    """Whether a claim file's ``<pid> <state dir>`` still stands: its claimer runs, or the
+    testbed recorded in that state dir has a live component."""
+    pid, _, other = text.partition(" ")
+    try:
+        os.kill(int(pid), 0)
+        return True
+    except (ValueError, ProcessLookupError):
+        pass
+    except PermissionError:
+        return True
+    tb = load(Path(other)) if other else None
+    return tb is not None and any(_pid_alive(p, n) for n, p in tb.pids.items())
+
+
+def _nets_in_use() -> set[int]:
+    """Second octets of 127.x.y.z addresses that local TCP sockets are bound to (testbeds that
+    hold no claim: older versions, or a claim file removed by hand)."""
+    used = set()
+    for table in ("/proc/net/tcp",):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            ip_hex = line.split()[1].split(":")[0]
+            ip = socket.inet_ntoa(int(ip_hex, 16).to_bytes(4, "little"))
+            a, b, _, _ = ip.split(".")
+            if a == "127" and ip != "127.0.0.1":
+                used.add(int(b))
+    return used
+
+
+def claim_pod_net(state_dir: Path) -> int:
+    """Claim the second octet ``net`` of this testbed's pod IPs (127.<net>.<node>.<n>): the
+    lowest in 1..254 that no live testbed holds (claim files ``<tmp>/eaas-testbed-pod-nets/
+    <net>`` holding ``<pid> <state dir>``, under an flock) and no local TCP socket is bound in.
+    Released by :func:`down`.
+
+    Raises:
+        TestbedError: all 254 are taken.
+    """
+    import fcntl
+
+    d = _pod_net_dir()
+    d.mkdir(exist_ok=True)
+    with open(d / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        busy = _nets_in_use()
+        for net in range(1, 255):
+            f = d / str(net)
+            own = False
+            if f.exists():
+                text = f.read_text().strip()
+                own = text.partition(" ")[2] == str(state_dir)
+                if not own and _claim_alive(text):
+                    continue
+            if net in busy and not own:
+                continue
+            f.write_text(f"{os.getpid()} {state_dir}")
+            return net
+    raise TestbedError("no free pod network 127.<net>.0.0/16 (254 testbeds alive?)")
+
+
+def release_pod_net(tb: Testbed) -> None:
+    """Drop this testbed's claim on its pod network (if still its own)."""
+    f = _pod_net_dir() / str(tb.pod_net)
+    try:
+        if f.read_text().strip().partition(" ")[2] == str(tb.state_dir):
+            f.unlink()
+    except OSError:
+        pass
 
 
 def default_state_dir() -> Path:
@@ -342,19 +427,9 @@ def _https_ok(port: int, path: str, ctx: ssl.SSLContext) -> bool:
         conn.close()
 
 
-def _pod_cidr(index: int) -> str:
-    """Pod CIDR of node ``index``: ``127.<EAAS_TESTBED_POD_NET or 1>.<index>.0/24``.
-
-    Raises:
-        ValueError: ``EAAS_TESTBED_POD_NET`` is not an integer in 1..254.
-    """
-    net = int(os.environ.get("EAAS_TESTBED_POD_NET", "1"))
-    if not 1 <= net <= 254:
-        raise ValueError(f"EAAS_TESTBED_POD_NET must be in 1..254, got {net}")
-    return f"127.{net}.{index}.0/24"
-
-
-def _node(name: str, index: int, labels: dict, allocatable: dict, process: bool) -> dict:
+def _node(
+    name: str, index: int, labels: dict, allocatable: dict, process: bool, net: int = 1
+) -> dict:
     annotations = {"node.alpha.kubernetes.io/ttl": "0"}
     if not process:
         annotations[KWOK_ANNOTATION] = "fake"  # kwok manages this node and its pods
@@ -373,10 +448,8 @@ def _node(name: str, index: int, labels: dict, allocatable: dict, process: bool)
                 **labels,
             },
         },
-        # pod IPs come from spec.podCIDR: loopback addresses, one /24 per node; the second octet
-        # is $EAAS_TESTBED_POD_NET (default 1) so testbeds running side by side on one machine
-        # can use disjoint pod addresses.
-        "spec": {"podCIDR": _pod_cidr(index), "podCIDRs": [_pod_cidr(index)]},
+        # pod IPs come from spec.podCIDR: loopback addresses, one /24 per node.
+        "spec": {"podCIDR": f"127.{net}.{index}.0/24", "podCIDRs": [f"127.{net}.{index}.0/24"]},
         "status": {"allocatable": dict(allocatable), "capacity": dict(allocatable)},
     }
 
@@ -487,6 +560,7 @@ def up(
     )
     tb.gpu_nodes, tb.cpu_nodes, tb.process_nodes = gpu_names, cpu_names, proc_names
     tb.agent_settings = {"restart_backoff_s": restart_backoff_s, "volume_sync_s": volume_sync_s}
+    tb.pod_net = claim_pod_net(state_dir)
     try:
         _up(tb, pki, deadline, echo, attached)
     except BaseException:
@@ -632,7 +706,7 @@ def _up(tb: Testbed, pki: dict, deadline: float, echo, attached: bool) -> None:
             "--manage-all-nodes=false",
             f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}=fake",
             "--node-ip=127.0.0.1",
-            "--cidr=127.1.255.0/24",
+            f"--cidr=127.{tb.pod_net}.255.0/24",
             # kwok renews its leases every quarter of this (2.5 s; measured gaps up to 10 s on a
             # loaded machine), well inside the node monitor's grace
             "--node-lease-duration-seconds=10",
@@ -642,10 +716,11 @@ def _up(tb: Testbed, pki: dict, deadline: float, echo, attached: bool) -> None:
     # Nodes: created by us, kept alive by kwok or by their node agent.
     proc = set(tb.process_nodes)
     nodes = [
-        _node(n, i, GPU_LABELS, GPU_ALLOCATABLE, n in proc) for i, n in enumerate(tb.gpu_nodes)
+        _node(n, i, GPU_LABELS, GPU_ALLOCATABLE, n in proc, tb.pod_net)
+        for i, n in enumerate(tb.gpu_nodes)
     ]
     nodes += [
-        _node(n, len(tb.gpu_nodes) + i, CPU_LABELS, CPU_ALLOCATABLE, n in proc)
+        _node(n, len(tb.gpu_nodes) + i, CPU_LABELS, CPU_ALLOCATABLE, n in proc, tb.pod_net)
         for i, n in enumerate(tb.cpu_nodes)
     ]
     for node in nodes:
@@ -898,6 +973,7 @@ def down(
                 os.rmdir(d)
             except OSError:
                 pass
+    release_pod_net(tb)
     if remove:
         shutil.rmtree(state_dir, ignore_errors=True)
     echo(f"testbed stopped (state {state_dir}{' removed' if remove else ''})")

@@ -213,20 +213,22 @@ def pod_phase(restart_policy: str, containers: Iterable[dict]) -> str:
     return "Succeeded" if all(code == 0 for code in codes) else "Failed"
 
 
-def allocate_ip(cidr: str, used: Iterable[str]) -> str:
-    """The lowest free host address of ``cidr`` (the first, ``.1``, is the node's own and is
-    skipped, as a bridge CNI does).
+def allocate_ip(cidr: str, used: Iterable[str], last: str | None = None) -> str:
+    """The first free host address of ``cidr`` after ``last`` (the previous allocation),
+    wrapping around; the lowest free one when ``last`` is None. The first address (``.1``) is
+    the node's own and is skipped, as a bridge CNI does. Like the host-local IPAM plugin, a
+    freed address is not handed out again at once, so a replacement pod gets a new IP.
 
     Raises:
         RuntimeError: the range is exhausted.
     """
     net = ipaddress.ip_network(cidr)
+    hosts = [str(h) for i, h in enumerate(net.hosts()) if i > 0]
     taken = set(used)
-    for i, host in enumerate(net.hosts()):
-        if i == 0:
-            continue
-        if str(host) not in taken:
-            return str(host)
+    start = hosts.index(last) + 1 if last in hosts else 0
+    for ip in hosts[start:] + hosts[:start]:
+        if ip not in taken:
+            return ip
     raise RuntimeError(f"pod CIDR {cidr} exhausted")
 
 

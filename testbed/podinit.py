@@ -11,7 +11,12 @@ starts in tens of milliseconds). SPEC: ``{"argv": [...], "env": {...}, "cwd": st
    missing mount point is created inside an overlay of its nearest existing parent (upper
    layer on a tmpfs under ``scratch``), so the host's filesystem is untouched; a missing
    top-level folder (``/models``) cannot be overlaid without hiding ``/`` and is expected to
-   have been created by the agent. Read-only mounts are remounted ``ro``.
+   have been created by the agent. Folders made inside an overlay that is already in place are
+   simply created there (two mount points under one missing folder, e.g. ``/etc/eaas/a`` and
+   ``/etc/eaas/b``, share the overlay of ``/etc``: a second overlay of ``/etc/eaas`` would hide
+   the first mount, since overlayfs does not show the mounts under its lower folder). Mounts are
+   made parents first (sorted by the depth of ``mountPath``, as containerd does), so a volume
+   mounted inside another volume is not hidden by it. Read-only mounts are remounted ``ro``.
    With ``enter_pid`` (exec probes), the mount namespace of that container is joined instead.
 3. ``chdir(cwd)`` and ``execvpe(argv[0], argv, env)``.
 
@@ -53,14 +58,27 @@ def _mount(src: str | None, dst: str, fstype: str | None, flags: int, data: str 
     )
 
 
-def _ensure_target(dst: str, is_file: bool, scratch: str, overlaid: set[str]) -> None:
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def _ensure_target(
+    dst: str, is_file: bool, scratch: str, overlaid: list[str], bound: list[str]
+) -> None:
+    """Create the mount point ``dst`` without touching the host: inside an overlay of its
+    nearest existing parent, or directly when that parent already lies in one of our overlays
+    (``overlaid``) and no bind mount (``bound``) lies between them."""
     if os.path.lexists(dst):
         return
     parent = os.path.dirname(dst)
     while parent != "/" and not os.path.isdir(parent):
         parent = os.path.dirname(parent)
     parent = os.path.realpath(parent)
-    if parent != "/" and parent not in overlaid:
+    writable = any(
+        _inside(parent, o) and not any(_inside(b, o) and _inside(parent, b) for b in bound)
+        for o in overlaid
+    )
+    if parent != "/" and not writable:
         if not overlaid:
             os.makedirs(scratch, exist_ok=True)
             _mount("tmpfs", scratch, "tmpfs", 0, "mode=0700")
@@ -71,7 +89,7 @@ def _ensure_target(dst: str, is_file: bool, scratch: str, overlaid: set[str]) ->
         _mount(
             "overlay", parent, "overlay", 0, f"lowerdir={parent},upperdir={upper},workdir={work}"
         )
-        overlaid.add(parent)
+        overlaid.append(parent)
     if is_file:
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         open(dst, "a").close()
@@ -92,11 +110,14 @@ def main(spec_path: str) -> None:
     elif spec["mounts"]:
         _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
         _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
-        overlaid: set[str] = set()
-        for m in spec["mounts"]:
+        overlaid: list[str] = []
+        bound: list[str] = []
+        mounts = sorted(spec["mounts"], key=lambda m: os.path.normpath(m["dst"]).count("/"))
+        for m in mounts:
             src, dst = m["src"], os.path.normpath(m["dst"])
-            _ensure_target(dst, os.path.isfile(src), spec["scratch"], overlaid)
+            _ensure_target(dst, os.path.isfile(src), spec["scratch"], overlaid, bound)
             _mount(src, dst, None, MS_BIND | MS_REC, None)
+            bound.append(os.path.realpath(dst))
             if m.get("ro"):
                 _mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
     os.chdir(spec.get("cwd") or "/")

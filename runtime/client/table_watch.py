@@ -226,6 +226,12 @@ class ConfigMapTableWatcher:
                             rv = None  # too old: read it again
                             break
                         raise RuntimeError(f"watch error event: {obj}")
+                    if ev["type"] == "BOOKMARK":
+                        # the kubernetes client hands bookmarks over undecoded (a dict): only
+                        # the resourceVersion to resume from
+                        md = obj.get("metadata") if isinstance(obj, dict) else None
+                        rv = (md or {}).get("resourceVersion") or rv
+                        continue
                     rv = obj.metadata.resource_version
                     if ev["type"] in ("ADDED", "MODIFIED"):
                         self._apply(obj.data, obj.binary_data, rv)

@@ -3,8 +3,8 @@ pods as local processes (``eaas.testbed.agent``).
 
 ``cluster`` (module scope, so it is gone before the kwok-only ``testbed`` of ``tests/k8s``
 starts) brings up etcd, kube-apiserver, kube-controller-manager (node monitor grace 20 s),
-kube-scheduler and kwok in a private temp state dir, with 2 GPU/RDMA nodes and 1 CPU node, all
-process nodes; crash-loop back-off base 1 s (upstream: 10 s) so restarts show within seconds.
+kube-scheduler and kwok in a private temp state dir, with 2 GPU/RDMA nodes (or the module's
+``CLUSTER_GPU_NODES``) and 1 CPU node, all process nodes; crash-loop back-off base 1 s (upstream: 10 s) so restarts show within seconds.
 ``KUBECONFIG`` and ``PATH`` point at it for the module. Everything it started, containers
 included, dies with the test process (PR_SET_PDEATHSIG) and is stopped at teardown.
 """
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "k8s"))
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, request):
     from eaas import testbed as tbmod
 
     if tbmod.find_bin_dir() is None:
@@ -34,7 +34,7 @@ def cluster(tmp_path_factory):
     state_dir = tmp_path_factory.mktemp("cluster") / "state"
     tb = tbmod.up(
         state_dir=state_dir,
-        gpu_nodes=2,
+        gpu_nodes=getattr(request.module, "CLUSTER_GPU_NODES", 2),
         cpu_nodes=1,
         timeout=300,
         attached=True,

@@ -4,7 +4,8 @@ exactly one holds the Lease and acts), with a Service, least-privilege RBAC (``k
 can-i`` as its ServiceAccount), a values schema that rejects a bad value naming it, and a
 ``helm test`` hook that GETs every replica's ``/healthz``. With that operator, ``kubectl apply``
 of ``deploy/examples/tiny-pool.yaml`` (its model as a hostPath of the tiny model) turns Ready;
-``helm upgrade`` changes the Deployment; ``helm uninstall`` leaves nothing of the release
+the example AttentionFleet then serves a completion through its pod IP equal to transformers'
+greedy reference; ``helm upgrade`` changes the Deployment; ``helm uninstall`` leaves nothing of the release
 (the CRDs stay: Helm never deletes ``crds/``)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import subprocess
 import urllib.request
 
+import openai
 import pytest
 import yaml
 from k8s_helpers import get_json, kubectl, wait_for
@@ -111,6 +113,13 @@ def test_install_two_replicas_on_the_cpu_node_one_leader(release):
         return spec.get("holderIdentity") in names and spec["holderIdentity"]
 
     holder = wait_for("a Lease holder among the pods", leader, timeout=60, interval=1)
+    lease = get_json("lease", "eaas-operator", "-n", NS)
+    (owner,) = lease["metadata"]["ownerReferences"]
+    dep = get_json("deployment", RELEASE, "-n", NS)
+    assert (owner["kind"], owner["uid"]) == ("Deployment", dep["metadata"]["uid"])
+    # a standby forwards failure reports to the leader at its advertised pod IP
+    holder_ip = next(p for p in pods if p["metadata"]["name"] == holder)["status"]["podIP"]
+    assert lease["metadata"]["annotations"]["eaas.io/leader-url"] == f"http://{holder_ip}:8081"
 
     # exactly one pod logged "acquired leadership": the holder
     def acquirers():
@@ -170,6 +179,17 @@ def test_rbac_is_least_privilege(release):
         ("update", "leases.coordination.k8s.io", NS),
         ("create", "leases.coordination.k8s.io", NS),
     ]
+    # the Lease eaas-operator only: deleted by a leader that shuts down
+    r = kubectl(
+        "auth",
+        "can-i",
+        "delete",
+        "leases.coordination.k8s.io/eaas-operator",
+        f"--as={SA}",
+        "-n",
+        NS,
+    )
+    assert r.stdout.strip() == "yes"
     may_not = [
         ("delete", "nodes", None),
         ("create", "clusterroles.rbac.authorization.k8s.io", None),
@@ -177,6 +197,7 @@ def test_rbac_is_least_privilege(release):
         ("list", "secrets", "kube-system"),
         ("delete", "secrets", "default"),
         ("update", "leases.coordination.k8s.io", "kube-node-lease"),
+        ("delete", "leases.coordination.k8s.io", NS),  # any other Lease
         ("delete", "namespaces", None),
         ("create", "pods/exec", "default"),
         ("delete", "customresourcedefinitions.apiextensions.k8s.io", None),
@@ -226,6 +247,35 @@ def test_tiny_pool_example_turns_ready(release):
         return f"{series} {version}\n" in text or None
 
     wait_for("the leader's /metrics shows the table version", version_shown, timeout=60)
+
+    # the example fleet (one client here, weights from the same hostPath): a completion through
+    # its pod IP gives transformers' greedy tokens
+    fleet = yaml.safe_load(open(os.path.join(ROOT, "deploy", "examples", "tiny-fleet.yaml")))
+    fleet["spec"]["replicas"] = 1
+    fleet["spec"]["model"] = {"hostPath": str(model_dir.parent), "uri": model_dir.name}
+    kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(fleet))
+
+    def client_acked():
+        st = get_json("attentionfleet", "tiny-clients", "-n", ns).get("status") or {}
+        if st.get("clientsAcknowledged") != 1:
+            return None
+        pods = get_json("pods", "-n", ns, "-l", "eaas.io/fleet=tiny-clients")["items"]
+        return next((p for p in pods if ready(p)), None)
+
+    cpod = wait_for("fleet client Ready and acknowledged", client_acked, timeout=240, interval=2)
+    from transformers import AutoTokenizer
+
+    from eaas.runtime.models.reference import reference_generate
+
+    prompt = AutoTokenizer.from_pretrained(str(model_dir))("Hello world")["input_ids"]
+    ref = reference_generate(str(model_dir), [prompt], 8)[0]
+    api = openai.OpenAI(
+        base_url=f"http://{cpod['status']['podIP']}:8000/v1", api_key="unused", timeout=120
+    )
+    model_id = api.models.list().data[0].id
+    out = api.completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0)
+    assert out.choices[0].model_extra["token_ids"] == ref
+    kubectl("delete", "attentionfleet", "tiny-clients", "-n", ns, "--timeout=120s")
     # delete it while the operator runs (its finalizer needs the operator)
     kubectl("delete", "expertpool", "tiny", "-n", ns, "--timeout=120s")
     kubectl("delete", "namespace", ns, "--wait=false")
@@ -282,6 +332,14 @@ def test_upgrade_then_uninstall_leaves_nothing(release):
         return not left or None
 
     wait_for("no object of the release left", gone, timeout=120, interval=1)
+    # nor the leader-election Lease: deleted by the last leader or, owned by the Deployment,
+    # by the garbage collector
+    wait_for(
+        "the Lease is gone",
+        lambda: kubectl("get", "lease", "eaas-operator", "-n", NS, check=False).returncode != 0,
+        timeout=60,
+        interval=1,
+    )
     for kind in ("clusterrole", "clusterrolebinding"):
         assert kubectl("get", kind, RELEASE, check=False).returncode != 0
     assert helm("list", "-n", NS, "-q").stdout.strip() == ""

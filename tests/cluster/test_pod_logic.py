@@ -113,6 +113,10 @@ def test_ip_and_gpu_allocation():
     assert P.allocate_ip("127.1.3.0/24", ["127.1.3.2", "127.1.3.4"]) == "127.1.3.3"
     with pytest.raises(RuntimeError, match="exhausted"):
         P.allocate_ip("127.1.3.0/30", ["127.1.3.2"])
+    # after the previous allocation, wrapping around: a freed address is not reused at once
+    assert P.allocate_ip("127.1.3.0/24", ["127.1.3.2"], last="127.1.3.3") == "127.1.3.4"
+    assert P.allocate_ip("127.1.3.0/29", ["127.1.3.3"], last="127.1.3.6") == "127.1.3.2"
+    assert P.allocate_ip("127.1.3.0/29", [], last="127.1.3.9") == "127.1.3.2"  # not in range
     assert P.allocate_gpus(2, 8, [0, 2]) == [1, 3]
     assert P.allocate_gpus(0, 8, range(8)) == []
     with pytest.raises(RuntimeError, match="need 3 GPUs"):

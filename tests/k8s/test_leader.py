@@ -104,11 +104,31 @@ def test_two_operators_exactly_one_acts(testbed, crds, tmp_path):  # noqa: F811
             standby = next(n for n in ops if n != leader)
             assert "acquired leadership" in ops[leader].log_path.read_text()
             assert "acquired leadership" not in ops[standby].log_path.read_text()
-            # a standby does not act on failure reports either
+            # a standby does not act on failure reports: it forwards them to the leader, whose
+            # answer comes back (here 401: no token) with the leader's advertised URL
+            url = f"http://127.0.0.1:{ports[standby]}/v1/failure-reports/{ns}/f"
+            req = urllib.request.Request(url, data=b"{}", method="POST")
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(req, timeout=30)
+            assert err.value.code == 401
+            assert err.value.headers["X-EAAS-Forwarded-To"] == f"http://127.0.0.1:{ports[leader]}"
+            # with the fleet's token the leader acts on it (an unknown pod: ignored)
+            kubectl(
+                "create", "secret", "generic", "f-push-token", "-n", ns, "--from-literal=token=tok"
+            )
+            report = {"client_id": "c", "server_id": "no-such-pod", "table_version": 1}
             req = urllib.request.Request(
-                f"http://127.0.0.1:{ports[standby]}/v1/failure-reports/{ns}/f",
-                data=b"{}",
+                url,
+                data=json.dumps(report).encode(),
                 method="POST",
+                headers={"Authorization": "Bearer tok", "Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=30) as r:
+                assert r.headers["X-EAAS-Forwarded-To"] == f"http://127.0.0.1:{ports[leader]}"
+                assert json.loads(r.read()) == {"action": "ignored", "reason": "no such pod"}
+            # a report forwarded once is never forwarded again (no loops): 503
+            req = urllib.request.Request(
+                url, data=b"{}", method="POST", headers={"X-EAAS-Forwarded": "op-x"}
             )
             with pytest.raises(urllib.error.HTTPError) as err:
                 urllib.request.urlopen(req, timeout=30)
@@ -138,3 +158,5 @@ def test_two_operators_exactly_one_acts(testbed, crds, tmp_path):  # noqa: F811
         kubectl("delete", "namespace", ns, "--wait=false", check=False)
         for op in ops.values():
             op.stop()
+    # a leader that shuts down deletes its Lease (nothing left behind by `helm uninstall`)
+    assert get("lease", "eaas-operator", LEASE_NS) is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eaas.operator.leader import LeaseSettings, lease_decision, lease_spec
+from eaas.operator.leader import LeaseSettings, advertise_url, lease_decision, lease_spec
 
 
 def test_lease_decision():
@@ -34,3 +34,15 @@ def test_lease_spec_keeps_acquire_time_when_renewing():
     assert again["acquire_time"] == first["acquire_time"]
     assert again["renew_time"] >= first["renew_time"]
     assert first["lease_duration_seconds"] == 3 and first["holder_identity"] == "me"
+
+
+def test_advertise_url_for_forwarded_reports():
+    assert advertise_url("0.0.0.0:8081", "10.0.0.7") == "http://10.0.0.7:8081"
+    assert advertise_url(":8081", "") == "http://127.0.0.1:8081"
+    assert advertise_url("127.0.0.1:9000", "10.0.0.7") == "http://127.0.0.1:9000"
+    assert advertise_url("[::]:8081", "fd00::5") == "http://[fd00::5]:8081"
+    assert advertise_url("", "10.0.0.7") == "" and advertise_url("host", "") == ""
+    env = {"EAAS_OPERATOR_REPORT_LISTEN": "0.0.0.0:8081", "POD_IP": "10.1.2.3"}
+    assert LeaseSettings.from_env(env).advertise_url == "http://10.1.2.3:8081"
+    env["EAAS_OPERATOR_ADVERTISE_URL"] = "http://op:1"
+    assert LeaseSettings.from_env(env).advertise_url == "http://op:1"

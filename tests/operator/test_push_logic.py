@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from eaas.operator.push import ObservedClient, PushResult, acknowledged, clients_to_push
+from eaas.operator.push import (
+    ObservedClient,
+    PushResult,
+    PushRetry,
+    acknowledged,
+    after_push,
+    clients_to_push,
+    push_all,
+    push_due,
+    push_retry_delay_s,
+)
 
 
 def pod(name, uid, ip="127.1.0.5", ready=True, deleting=False):
@@ -88,3 +98,55 @@ def test_put_table_speaks_the_push_protocol():
         closed = s.getsockname()[1]
     with pytest.raises(OSError):
         put_table(f"http://127.0.0.1:{closed}", "{}", "tok", 10)
+
+
+def test_push_retry_delay_doubles_to_a_cap():
+    assert push_retry_delay_s(0) == 0.0
+    assert [push_retry_delay_s(n) for n in range(1, 6)] == [1.0, 2.0, 4.0, 8.0, 16.0]
+    assert push_retry_delay_s(7) == 60.0  # 64 capped
+    assert push_retry_delay_s(10_000) == 60.0  # no overflow
+    assert push_retry_delay_s(3, base_s=0.5, cap_s=1.5) == 1.5
+
+
+def test_back_off_per_client_and_new_versions_go_out_at_once():
+    a, b = (
+        ObservedClient("a", "u1", "127.1.0.5", True),
+        ObservedClient("b", "u2", "127.1.0.6", True),
+    )
+    retries = {}
+    r1 = after_push(None, 5, ok=False, now=100.0)
+    assert r1 == PushRetry(failures=1, version=5, next_at=101.0)
+    retries["u1"] = r1
+    # u1 waits its delay for version 5; u2 is not affected
+    assert clients_to_push([a, b], {}, 5, retries, now=100.5) == [b]
+    assert clients_to_push([a, b], {}, 5, retries, now=101.0) == [a, b]
+    # failures add up: the next delay doubles
+    r2 = after_push(r1, 5, ok=False, now=101.0)
+    assert r2 == PushRetry(2, 5, 103.0)
+    assert not push_due(r2, 5, 102.9) and push_due(r2, 5, 103.0)
+    # a newer version is pushed at once, but a failure keeps counting up
+    assert push_due(r2, 6, 101.5)
+    assert after_push(r2, 6, ok=False, now=101.5) == PushRetry(3, 6, 105.5)
+    # an acknowledgement clears the back-off
+    assert after_push(r2, 6, ok=True, now=102.0) is None
+
+
+def test_push_all_records_back_off_for_unreachable_clients():
+    import concurrent.futures
+    import socket
+
+    with socket.socket() as s:  # a port with nothing listening: connection refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = ObservedClient("a", "u1", "127.0.0.1", True)
+    acks, retries = {}, {}
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        failures = push_all(
+            [client], port, "{}", "t", acks, ex, timeout_s=10, retries=retries, version=3, now=50.0
+        )
+        assert "unreachable" in failures["a"]
+        assert acks == {} and retries == {"u1": PushRetry(1, 3, 51.0)}
+        push_all(
+            [client], port, "{}", "t", acks, ex, timeout_s=10, retries=retries, version=3, now=51.0
+        )
+        assert retries == {"u1": PushRetry(2, 3, 53.0)}

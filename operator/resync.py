@@ -1,0 +1,58 @@
+"""When a pool's daemon runs a full reconcile step (issue 6, item 6: an idle operator with one
+1024-server pool must cost well under 1% of a core).
+
+A full step of a large pool is expensive (measured with ``bench/operator_idle.py``, 1024 servers:
+LIST of the pods and its JSON decode ~37%, the desired pod manifests ~26%, the next routing table
+~17% of ~0.5 CPU-s per step), and an idle pool changes nothing between steps. Everything that
+can change a pool's outcome wakes its daemon through a watch (its spec, its server pods, nodes,
+failure reports, the clients' acknowledgements), so the periodic resync is only a safety net,
+as in client-go's informer resync or controller-runtime's ``SyncPeriod``: a step runs
+
+* at once when the daemon was woken (an event), or when the previous step failed (retry after
+  ``resync_s``), or while the pool has servers under suspicion (they are re-probed every few
+  seconds to bring them back), a routing table staged on its servers, or placement or
+  autoscaling that follows the measured load;
+* otherwise once per ``idle_resync_s`` (env ``EAAS_OPERATOR_IDLE_RESYNC_S``, default 120 s; 0:
+  every ``resync_s`` as before). ``status.load`` of a pool that is not load-driven is therefore
+  refreshed only this often.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+#: Default period (s) of full steps of a pool nothing happened to.
+IDLE_RESYNC_S = 120.0
+
+
+def idle_resync_from_env(env: Mapping[str, str] = os.environ) -> float:
+    """``EAAS_OPERATOR_IDLE_RESYNC_S`` (s), default :data:`IDLE_RESYNC_S`.
+
+    Raises:
+        ValueError: not a number >= 0 (the message names the variable).
+    """
+    raw = env.get("EAAS_OPERATOR_IDLE_RESYNC_S", str(IDLE_RESYNC_S))
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"EAAS_OPERATOR_IDLE_RESYNC_S must be a number, got {raw!r}") from None
+    if not value >= 0:
+        raise ValueError(f"EAAS_OPERATOR_IDLE_RESYNC_S must be >= 0, got {raw!r}")
+    return value
+
+
+def step_due(
+    woken: bool, failed: bool, busy: bool, since_last_step_s: float, idle_resync_s: float
+) -> bool:
+    """Whether the daemon runs a full step now (it is called every ``resync_s``).
+
+    Args:
+        woken: an event woke the daemon since the last step (or this is the first one).
+        failed: the last step raised (an API error): retry.
+        busy: the object needs periodic steps (a pool with suspected servers, a staged table
+            or load-driven placement/autoscaling: ``handlers._pool_busy``).
+        since_last_step_s: seconds since the last full step began.
+        idle_resync_s: period of steps when nothing happens (0: every call).
+    """
+    return woken or failed or busy or since_last_step_s >= idle_resync_s
