@@ -162,7 +162,7 @@ class TableWatch:
     def _run(self) -> None:
         from kubernetes import client, config, watch
 
-        config.load_kube_config()
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))  # read now, not at import
         core = client.CoreV1Api()
         while not self._stop.is_set():
             w = watch.Watch()

@@ -121,7 +121,7 @@ class TableRecorder:
     def __init__(self, ns: str, pool: str, fleet: str, interval_s: float = 0.2) -> None:
         from kubernetes import client, config
 
-        config.load_kube_config()
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))  # read now, not at import
         api = client.ApiClient()
         self.core, self.custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
         self.ns, self.pool, self.fleet, self.interval_s = ns, pool, fleet, interval_s
