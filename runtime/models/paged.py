@@ -43,12 +43,15 @@ class Chunk:
         start: tokens of this sequence already in the cache (= position of the first token).
         block_table: the sequence's block ids, covering at least ``start + n`` tokens.
         want_logits: return next-token logits of this chunk's last position.
+        all_logits: also return the next-token logits of every position of the chunk
+            (:meth:`PagedModelRunner.forward_full`; prompt logprobs).
     """
 
     token_ids: list[int]
     start: int
     block_table: list[int]
     want_logits: bool = True
+    all_logits: bool = False
 
 
 @dataclass
@@ -170,7 +173,6 @@ class PagedModelRunner:
         )
 
     # ---- forward -------------------------------------------------------------------------
-    @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Run one varlen step, writing every chunk's keys/values (or latents) into the cache.
 
@@ -180,6 +182,17 @@ class PagedModelRunner:
 
         Returns:
             ``(B, vocab)`` float32 next-token logits of the chunks with ``want_logits``, in order.
+        """
+        return self.forward_full(chunks)[0]
+
+    @torch.inference_mode()
+    def forward_full(self, chunks: list[Chunk]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """:meth:`forward`, plus the logits of every position of the chunks with ``all_logits``.
+
+        Returns:
+            ``(logits, per_chunk)``: ``logits`` as :meth:`forward`; ``per_chunk`` maps the index
+            (in ``chunks``) of each chunk with ``all_logits`` to its ``(n, vocab)`` float32
+            next-token logits (row ``i``: after the chunk's token ``i``).
         """
         ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
         inner = self.model.model
@@ -196,12 +209,15 @@ class PagedModelRunner:
             m = layer.mlp(h[None])  # the model's MLP / MoE block over (1, T, H)
             x = x + (m[0] if isinstance(m, tuple) else m)[0]
         ends, row = [], 0
-        for c in chunks:
+        full: dict[int, torch.Tensor] = {}
+        for i, c in enumerate(chunks):
+            if c.all_logits:  # (n, H) -> (n, V)
+                full[i] = self.model.lm_head(inner.norm(x[row : row + len(c.token_ids)])).float()
             row += len(c.token_ids)
             if c.want_logits:
                 ends.append(row - 1)
         x = inner.norm(x[torch.tensor(ends, dtype=torch.long, device=self.device)])  # (B, H)
-        return self.model.lm_head(x).float()  # (B, V)
+        return self.model.lm_head(x).float(), full  # (B, V)
 
     def _attend(self, q, k, v, mask, scale, gqa: bool) -> torch.Tensor:
         # q (B, Hq, n, dk), k (B, Hk, L, dk), v (B, Hk, L, dv), mask bool broadcastable (B,1,n,L)
