@@ -140,6 +140,10 @@ def proc_name(pid: int) -> str:
         return "?"
     if not argv:
         return "?"
+    if any(a.endswith("/vllm") for a in argv[:2]) and "serve" in argv:
+        return "vllm serve (API server)"
+    if "multiprocessing.resource_tracker" in " ".join(argv):
+        return "multiprocessing resource tracker"
     for role in ("expert-server", "attention-client", "serve", "monitor"):
         if role in argv:
             i = argv.index(role)
@@ -149,8 +153,6 @@ def proc_name(pid: int) -> str:
             if role == "attention-client" and "--local-experts" in argv[i:]:
                 extra = " (local experts)"
             return role + extra
-    if "serve" in argv and any(a.endswith("vllm") for a in argv):
-        return "vllm serve (API server)"
     return os.path.basename(argv[0])[:40] + (" " + argv[1][:40] if len(argv) > 1 else "")
 
 
@@ -491,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default="eaas,single", help="comma list of eaas,single")
     ap.add_argument("--vllm", action="store_true", help="also start and measure vLLM's CPU build")
     ap.add_argument("--vllm-venv", default=str(DEFAULT_VLLM_VENV))
-    ap.add_argument("--vllm-kv-gib", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     ap.add_argument("--vllm-eager", action="store_true", help="vllm serve --enforce-eager")
     ap.add_argument(
         "--peer-url", default=None, help="a running OpenAI-compatible server to compare"
