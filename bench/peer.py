@@ -90,6 +90,48 @@ def workload_w1(
     return out
 
 
+async def run_load(
+    url: str, model: str, specs: list[loadgen.RequestSpec], concurrency: int, label: str
+) -> dict:
+    """:func:`loadgen.run_load` plus TPOT (time per output token after the first, per request:
+    ``(latency - TTFT) / (tokens - 1)``, as vLLM's serving benchmark reports it) p50 / p99;
+    unlike the per-gap ITL it does not depend on how the SSE chunks were grouped on the way."""
+    queue: asyncio.Queue[loadgen.RequestSpec] = asyncio.Queue()
+    for spec in specs:
+        queue.put_nowait(spec)
+    results: list[loadgen.RequestResult] = []
+    bar = tqdm(total=len(specs), desc=f"{label} (c={concurrency})", unit="req") if tqdm else None
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while True:
+            try:
+                spec = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            results.append(await loadgen.run_one(client, url, model, spec))
+            if bar:
+                bar.update(1)
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(600.0, connect=10.0),
+        limits=httpx.Limits(max_connections=concurrency + 4),
+    ) as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    if bar:
+        bar.close()
+    out = loadgen.summarize(label, results, wall, concurrency)
+    tpots = [
+        (r.latency - r.ttft) / (r.output_tokens - 1)
+        for r in results
+        if r.ok and r.output_tokens > 1
+    ]
+    out["tpot_p50_ms"] = 1e3 * loadgen._pct(tpots, 50)
+    out["tpot_p99_ms"] = 1e3 * loadgen._pct(tpots, 99)
+    return out
+
+
 # ---- memory ----------------------------------------------------------------------------------
 
 
@@ -283,7 +325,7 @@ def measure_running(url: str, label: str, workloads: dict, args, root: int | Non
     out: dict = {"model": model, "workloads": {}}
     if args.warmup:
         w = next(iter(workloads.values()))[0][: args.warmup]
-        asyncio.run(loadgen.run_load(url, model, w, len(w), f"{label} warm-up"))
+        asyncio.run(run_load(url, model, w, len(w), f"{label} warm-up"))
     if root is not None:
         time.sleep(1.0)  # let the warm-up's buffers settle before the idle reading
         out["pss_idle"] = pss_snapshot(root)
@@ -293,7 +335,7 @@ def measure_running(url: str, label: str, workloads: dict, args, root: int | Non
     try:
         for wname, (specs, conc) in workloads.items():
             out["workloads"][wname] = asyncio.run(
-                loadgen.run_load(url, model, specs, conc, f"{label} {wname}")
+                run_load(url, model, specs, conc, f"{label} {wname}")
             )
     finally:
         if sampler:
@@ -352,13 +394,13 @@ def report(res: dict, args) -> tuple[str, list[str]]:
         lines.append(f"\n### {dtype}\n")
         lines.append(
             "| workload | system | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | "
-            "ITL p99/p50 | tok/s vs "
+            "ITL p99/p50 | TPOT p50 / p99 (ms) | tok/s vs "
             + (ref or "peer")
             + " | TTFT p50 vs "
             + (ref or "peer")
             + " | failed |"
         )
-        lines.append("|---|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
         for wname in ("W1", "W2"):
             peer_r = systems.get(ref, {}).get("workloads", {}).get(wname) if ref else None
             for kind, r in systems.items():
@@ -366,7 +408,7 @@ def report(res: dict, args) -> tuple[str, list[str]]:
                 if w is None:
                     misses.append(f"{dtype} {wname}: {kind} failed")
                     lines.append(
-                        f"| {wname} | {kind} | failed: {r.get('error', '?')} | | | | | | |"
+                        f"| {wname} | {kind} | failed: {r.get('error', '?')} | | | | | | | |"
                     )
                     continue
                 tps = _ratio(w["output_tokens_per_s"], peer_r and peer_r["output_tokens_per_s"])
@@ -376,6 +418,7 @@ def report(res: dict, args) -> tuple[str, list[str]]:
                     f"| {wname} | {kind} | {_f(w['output_tokens_per_s'])} | "
                     f"{_f(w['ttft_p50_ms'], '{:.0f}')} / {_f(w['ttft_p99_ms'], '{:.0f}')} | "
                     f"{_f(w['itl_p50_ms'])} / {_f(w['itl_p99_ms'])} | {_f(spread, '{:.2f}')} | "
+                    f"{_f(w.get('tpot_p50_ms'))} / {_f(w.get('tpot_p99_ms'))} | "
                     f"{_f(tps, '{:.2f}x') if kind != ref else ''} | "
                     f"{_f(ttft, '{:.2f}x') if kind != ref else ''} | {w['failed']} |"
                 )
@@ -390,7 +433,7 @@ def report(res: dict, args) -> tuple[str, list[str]]:
             s = systems.get("single", {}).get("workloads", {}).get(wname)
             if e and s:
                 r_es = _ratio(e["output_tokens_per_s"], s["output_tokens_per_s"])
-                lines.append(f"| {wname} | eaas / single | {_f(r_es, '{:.2f}x')} | | | | | | |")
+                lines.append(f"| {wname} | eaas / single | {_f(r_es, '{:.2f}x')} | | | | | | | |")
                 if r_es is not None and r_es < TARGETS["eaas_vs_single"]:
                     misses.append(f"{dtype} {wname}: eaas/single {r_es:.2f} < 0.85")
         # memory
