@@ -477,7 +477,7 @@ def plot(res: dict, path: Path) -> None:
     for j, kind in enumerate(kinds):
         for ax, key, scale in (
             (axes[0], "output_tokens_per_s", 1.0),
-            (axes[1], "itl_p50_ms", 1.0),
+            (axes[1], "tpot_p50_ms", 1.0),
         ):
             ys = [
                 res[d].get(kind, {}).get("workloads", {}).get(w, {}).get(key, 0.0) * scale
@@ -514,7 +514,7 @@ def plot(res: dict, path: Path) -> None:
         )
     for ax, title in (
         (axes[0], "output tokens/s (higher is better)"),
-        (axes[1], "ITL p50, ms (lower is better)"),
+        (axes[1], "TPOT p50, ms per output token (lower is better)"),
     ):
         ax.set_xticks(
             [i + 0.4 - width / 2 for i in range(len(groups))], [f"{d}\n{w}" for d, w in groups]
