@@ -22,8 +22,13 @@ Workloads (streamed ``/v1/completions``, ``temperature 0``, ``ignore_eos``):
 * W2: the ShareGPT-shaped workload of ``bench/loadgen.py`` (``--w2-requests``, concurrency
   ``--w2-concurrency`` 16, ``--w2-length-scale``).
 
+Every system runs with the same ``--max-num-batched-tokens`` (tokens per forward; default 2048,
+vLLM CPU's API-server default) and ``--max-num-seqs`` 64, after ``--warmup`` requests whose
+prompts differ from the measured ones (so vLLM's prefix cache gains nothing from them).
+
 Per system, dtype and workload: output tokens/s (completion tokens / wall time), TTFT p50/p99,
-ITL p50/p99; ratios vs vLLM (or the peer) and eaas/single. Memory: PSS (``Pss`` of
+ITL p50/p99 (gaps between streamed chunks), TPOT p50/p99 (per request: time after
+the first token / (tokens - 1)); ratios vs vLLM (or the peer) and eaas/single. Memory: PSS (``Pss`` of
 ``/proc/PID/smaps_rollup``, i.e. shared pages split among the processes that map them) of every
 process of the system (the launched process and all its descendants), at idle (after a warm-up,
 before the load) and under load (the largest total seen while the workloads ran, sampled every
@@ -268,6 +273,8 @@ def vllm_command(args, dtype: str, port: int, model_dir: str, name: str) -> tupl
         str(args.max_model_len),
         "--max-num-seqs",
         "64",
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
         "--seed",
         "0",
     ] + (["--enforce-eager"] if args.vllm_eager else [])
@@ -300,6 +307,8 @@ def eaas_command(kind: str, args, dtype: str, port: int, model_dir: str | None) 
                 "shm",
                 "--dtype",
                 dtype,
+                "--max-num-batched-tokens",
+                str(args.max_num_batched_tokens),
             ]
             + model
         )
@@ -314,6 +323,8 @@ def eaas_command(kind: str, args, dtype: str, port: int, model_dir: str | None) 
             dtype,
             "--threads",
             str(args.single_threads),
+            "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens),
         ]
         + model
     )
@@ -324,7 +335,7 @@ def measure_running(url: str, label: str, workloads: dict, args, root: int | Non
     model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
     out: dict = {"model": model, "workloads": {}}
     if args.warmup:
-        w = next(iter(workloads.values()))[0][: args.warmup]
+        w = workloads["warmup"]
         asyncio.run(run_load(url, model, w, len(w), f"{label} warm-up"))
     if root is not None:
         time.sleep(1.0)  # let the warm-up's buffers settle before the idle reading
@@ -334,6 +345,8 @@ def measure_running(url: str, label: str, workloads: dict, args, root: int | Non
         sampler.__enter__()
     try:
         for wname, (specs, conc) in workloads.items():
+            if wname == "warmup":
+                continue
             out["workloads"][wname] = asyncio.run(
                 run_load(url, model, specs, conc, f"{label} {wname}")
             )
@@ -401,7 +414,7 @@ def report(res: dict, args) -> tuple[str, list[str]]:
             + " | failed |"
         )
         lines.append("|---|---|---|---|---|---|---|---|---|---|")
-        for wname in ("W1", "W2"):
+        for wname in args.workloads.split(","):
             peer_r = systems.get(ref, {}).get("workloads", {}).get(wname) if ref else None
             for kind, r in systems.items():
                 w = r.get("workloads", {}).get(wname)
@@ -552,6 +565,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--w2-length-scale", type=float, default=0.2)
     ap.add_argument("--workloads", default="W1,W2")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens per forward, the same for every system (vLLM CPU's API-server default)",
+    )
     ap.add_argument("--warmup", type=int, default=4, help="W1 requests sent before measuring")
     ap.add_argument("--pss-interval", type=float, default=1.0)
     ap.add_argument("--start-timeout", type=float, default=900.0)
@@ -594,7 +613,11 @@ def main(argv: list[str] | None = None) -> int:
             args.w2_concurrency,
         ),
     }
-    workloads = {w: workloads_all[w] for w in args.workloads.split(",")}
+    workloads: dict = {w: workloads_all[w] for w in args.workloads.split(",")}
+    # warm-up prompts differ from the measured ones (no prefix-cache hits in vLLM from them)
+    workloads["warmup"] = workload_w1(
+        args.warmup, args.w1_prompt_tokens, 16, cfg["vocab_size"], args.seed + 1000
+    )
     kinds = [k for k in args.systems.split(",") if k]
     for k in kinds:
         if k not in ("eaas", "single"):
