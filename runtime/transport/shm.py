@@ -172,6 +172,10 @@ class _Slots:
             raise FrameError(f"shared slot too small: {len(mm)} bytes < {total}")
         off = 0
         self.req_hdr = np.frombuffer(mm, dtype=np.int64, count=8, offset=off)
+        # the data path reads and writes header fields through int64 memoryviews: a field
+        # access costs ~50 ns there against ~150 ns for a numpy scalar
+        self._mv = memoryview(mm)
+        self.req_q = self._mv[off : off + _HDR_BYTES].cast("q")
         off += _HDR_BYTES
         self.req_hidden = torch.frombuffer(
             mm, dtype=dtype, count=cap_tokens * hidden, offset=off
@@ -186,6 +190,7 @@ class _Slots:
         )
         off = resp_off
         self.resp_hdr = np.frombuffer(mm, dtype=np.int64, count=8, offset=off)
+        self.resp_q = self._mv[off : off + _HDR_BYTES].cast("q")
         off += _HDR_BYTES
         self.resp_msg = np.frombuffer(mm, dtype=np.uint8, count=_MSG_BYTES, offset=off)
         off += _MSG_BYTES
@@ -225,6 +230,8 @@ class _Slots:
         mm = self.mm
         self.req_hdr = self.req_hidden = self.req_experts = self.req_weights = None  # type: ignore
         self.resp_hdr = self.resp_msg = self.resp_out = None  # type: ignore
+        for v in (self.req_q, self.resp_q, self._mv):
+            v.release()
         self._req_views, self._resp_views = {}, {}
         self.mm = None  # type: ignore
         if mm is not None:
@@ -413,7 +420,7 @@ class ShmClientConnection(SocketClientConnection):
                 torch.index_select(h, 0, rows, out=vh)
             ve.copy_(ex)
             vw.copy_(w)
-        hdr = s.req_hdr
+        hdr = s.req_q
         hdr[1] = frame.layer
         hdr[2] = frame.table_version
         hdr[3] = n
@@ -456,7 +463,7 @@ class ShmClientConnection(SocketClientConnection):
 
     def _response(self) -> ResponseFrame:
         s = self._slots_now()
-        hdr = s.resp_hdr
+        hdr = s.resp_q
         self._outstanding = False
         self._rtt = 0.75 * self._rtt + 0.25 * (time.monotonic() - self._sent_at)
         _, layer, status, n, ln, seq, _, _ = hdr.tolist()  # one read of the header
@@ -478,7 +485,7 @@ class ShmClientConnection(SocketClientConnection):
             FrameError: no request in flight.
         """
         sock = self._sock_for_recv()
-        hdr = self._slots_now().resp_hdr
+        hdr = self._slots_now().resp_q
         want = self._counter
         if hdr[0] == want:
             return self._response()
@@ -508,7 +515,7 @@ class ShmClientConnection(SocketClientConnection):
                     raise PeerDeadError(f"connection to {self.server_id} is closed") from None
         finally:
             if self._slots is not None:
-                self._slots.resp_hdr[7] = 0
+                self._slots.resp_q[7] = 0
 
 
 class _ServerConn(ServerConn):
@@ -667,8 +674,8 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
             s = conn.slots
             if not conn.ready or conn.in_flight or s is None:
                 continue
-            hdr = s.req_hdr
-            c = int(hdr[0])
+            hdr = s.req_q
+            c = hdr[0]
             if c == conn.last_seen:
                 continue
             conn.last_seen = c
@@ -727,7 +734,7 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
         """Set the server-waiting flag in every connection's request header."""
         for conn in self._conns.values():
             if conn.slots is not None:
-                conn.slots.req_hdr[7] = flag
+                conn.slots.req_q[7] = flag
 
     def respond(self, conn: object, frame: ResponseFrame) -> None:
         """Copy ``frame`` into ``conn``'s response slot, set the done counter, ring the doorbell.
@@ -739,7 +746,7 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
         if not self._is_live(conn) or conn.slots is None:
             return
         s = conn.slots
-        hdr = s.resp_hdr
+        hdr = s.resp_q
         hdr[1] = frame.layer
         hdr[2] = frame.status
         hdr[5] = frame.seq
