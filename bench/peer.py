@@ -51,6 +51,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -344,9 +345,10 @@ def measure_running(url: str, label: str, workloads: dict, args, root: int | Non
     if sampler:
         sampler.__enter__()
     try:
-        for wname, (specs, conc) in workloads.items():
+        for wname, item in workloads.items():
             if wname == "warmup":
                 continue
+            specs, conc = item
             out["workloads"][wname] = asyncio.run(
                 run_load(url, model, specs, conc, f"{label} {wname}")
             )
@@ -582,6 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so every started server is stopped (the finally blocks)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.short:
         args.w1_requests, args.w1_output_tokens, args.w2_requests, args.warmup = 8, 16, 12, 2
 
