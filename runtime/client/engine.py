@@ -69,6 +69,8 @@ class TokenEvent:
         logprob: raw logprob of ``token_id`` when the request asked for ``logprobs``.
         top_logprobs: ``[(token_id, logprob)]`` of the ``logprobs`` most likely tokens.
         stop_reason: the matched stop string or stop token id (``None`` for EOS / length).
+        prompt_logprobs: on a request's first event when it asked for ``prompt_logprobs``: per
+            prompt token ``None`` (the first) or ``(logprob, [(token_id, logprob)] top-k)``.
     """
 
     token_id: int
@@ -77,6 +79,7 @@ class TokenEvent:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
 
 @dataclass
@@ -102,6 +105,8 @@ class GenerationRequest:
         output_ids: generated token ids so far.
         text: generated text so far (what was delivered, stop strings cut).
         finish_reason: final reason once finished, ``"cancelled"`` or ``"error"``.
+        prompt_logprobs: with ``params.prompt_logprobs``: per prompt token ``None`` (the first,
+            and any not computed yet) or ``(logprob, top-k)``, filled while the prompt prefills.
     """
 
     prompt_ids: list[int]
@@ -114,6 +119,7 @@ class GenerationRequest:
     submitted_at: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None
     _cancelled: threading.Event = field(default_factory=threading.Event)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
     _generator: torch.Generator | None = None
     _detok: IncrementalDetokenizer | None = None
 
@@ -351,8 +357,9 @@ class EngineBase:
             finish = "length"
         req.text += delta
         req.finish_reason = finish
+        plp = req.prompt_logprobs if len(req.output_ids) == 1 else None
         try:
-            req.on_event(TokenEvent(tok, delta, finish, logprob, top_logprobs, stop_reason))
+            req.on_event(TokenEvent(tok, delta, finish, logprob, top_logprobs, stop_reason, plp))
         except Exception:  # noqa: BLE001
             log.exception("event callback failed")
         return finish is not None
@@ -501,13 +508,23 @@ class Engine(EngineBase):
             self._publish()
             return
         chunks = [
-            Chunk(self._tokens(c.seq.request, c.start, c.n), c.start, c.seq.block_table, c.samples)
+            Chunk(
+                self._tokens(c.seq.request, c.start, c.n),
+                c.start,
+                c.seq.block_table,
+                c.samples,
+                # positions before the prompt's last one predict prompt tokens
+                c.seq.request.params.prompt_logprobs is not None
+                and c.start < len(c.seq.request.prompt_ids) - 1,
+            )
             for c in plan.chunks
         ]
         sampling = [c for c in plan.chunks if c.samples]
         reqs = [c.seq.request for c in sampling]
         try:
-            logits = self.runner.forward(chunks)  # (len(sampling), V) float32
+            logits, full = self.runner.forward_full(chunks)  # (len(sampling), V) float32
+            for i, pos_logits in full.items():
+                self._prompt_logprobs(plan.chunks[i].seq.request, plan.chunks[i].start, pos_logits)
             out = self._sample(reqs, logits)
         except Exception as exc:  # noqa: BLE001
             for c in plan.chunks:
@@ -531,6 +548,23 @@ class Engine(EngineBase):
                 sched.remove(c.seq)
         self.steps += 1
         self._publish()
+
+    @staticmethod
+    def _prompt_logprobs(req: GenerationRequest, start: int, logits: torch.Tensor) -> None:
+        """Record the prompt logprobs of one chunk: ``logits`` ``(n, V)`` after positions
+        ``start .. start + n - 1``; position ``p`` predicts prompt token ``p + 1``."""
+        from eaas.runtime.client.sampling import prompt_logprobs
+
+        prompt = req.prompt_ids
+        k = req.params.prompt_logprobs
+        assert k is not None
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None] * len(prompt)
+        n = min(logits.shape[0], len(prompt) - 1 - start)  # rows that predict a prompt token
+        if n <= 0:
+            return
+        rows = prompt_logprobs(logits[:n], prompt[start + 1 : start + 1 + n], k)
+        req.prompt_logprobs[start + 1 : start + 1 + n] = rows
 
     def _publish(self) -> None:
         self._running_gauge.set(len(self.scheduler.running))

@@ -54,6 +54,9 @@ class SamplingParams:
         logit_bias: ``{token_id: bias}`` added to the logits (bias in ``[-100, 100]``).
         logprobs: ``None`` = no logprobs; ``k >= 0`` = the sampled token's logprob and the ``k``
             most likely tokens' logprobs.
+        prompt_logprobs: ``None`` = none; ``k >= 0`` = for every prompt token after the first,
+            its raw logprob given the tokens before it and the ``k`` most likely tokens there
+            (``echo`` with ``logprobs``; vLLM's ``prompt_logprobs``).
         skip_special_tokens: leave special tokens out of the text.
     """
 
@@ -73,6 +76,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
 
@@ -270,4 +274,39 @@ def sample(
     return SampleOutput(token_ids, lps, tops)
 
 
-__all__ = ["SamplingParams", "SampleOutput", "apply_penalties", "make_generator", "sample"]
+def prompt_logprobs(
+    logits: torch.Tensor, targets: Sequence[int], k: int
+) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Raw logprobs of the given next tokens (prompt logprobs; vLLM ``prompt_logprobs``).
+
+    Args:
+        logits: ``(n, V)`` logits at ``n`` consecutive positions (any float dtype).
+        targets: ``n`` token ids: the token that follows each position.
+        k: how many most likely tokens to list per position (``>= 0``).
+
+    Returns:
+        per position ``(logprob of its target, [(token_id, logprob)] of the k most likely,
+        descending)``; logprobs are ``log_softmax`` of the raw logits in float32.
+
+    Raises:
+        ValueError: ``len(targets) != n`` or ``k < 0``.
+    """
+    n, V = logits.shape
+    if len(targets) != n or k < 0:
+        raise ValueError(f"prompt_logprobs: {len(targets)} targets for {n} rows, k={k}")
+    lp = torch.log_softmax(logits.float(), dim=-1)  # (n, V)
+    chosen = lp.gather(1, torch.tensor(list(targets), dtype=torch.long)[:, None])[:, 0].tolist()
+    top_v, top_i = torch.topk(lp, min(k, V), dim=-1)  # (n, k)
+    return [
+        (chosen[i], list(zip(top_i[i].tolist(), top_v[i].tolist(), strict=True))) for i in range(n)
+    ]
+
+
+__all__ = [
+    "SamplingParams",
+    "SampleOutput",
+    "apply_penalties",
+    "make_generator",
+    "prompt_logprobs",
+    "sample",
+]

@@ -293,12 +293,6 @@ class OpenAIServer:
                 text = self.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
             prompts.append(ids)
             echo_texts.append(text if req.echo else "")
-        if req.echo and req.logprobs is not None:
-            raise bad(
-                "'echo' with 'logprobs' needs prompt logprobs, which this server does not compute",
-                "echo",
-                "unsupported_parameter",
-            )
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         params: list[SamplingParams] = []
         for ids in prompts:
@@ -306,6 +300,8 @@ class OpenAIServer:
             params = ps  # identical per prompt apart from the length checks
         for sp in params:
             sp.logprobs = req.logprobs
+            if req.echo and req.logprobs is not None:  # echoed prompt tokens carry logprobs too
+                sp.prompt_logprobs = req.logprobs
         so = req.stream_options
         return Prepared(
             prompts,
@@ -443,6 +439,64 @@ class OpenAIServer:
                 top.setdefault(self.token_str(t), lp)
             out.top_logprobs.append(top)
         return out
+
+    def echo_logprobs(
+        self,
+        prompt_ids: list[int],
+        rows: list[tuple[float, list[tuple[int, float]]] | None] | None,
+        k: int,
+    ) -> CompletionLogProbs:
+        """Completions ``logprobs`` of the echoed prompt tokens (as vLLM's ``echo`` with
+        ``logprobs``): the first token's logprob and top logprobs are ``null``; offsets from 0.
+
+        Raises:
+            RuntimeError: the engine delivered no prompt logprobs for a requested echo.
+        """
+        if rows is None or len(rows) != len(prompt_ids):
+            raise RuntimeError("the engine returned no prompt logprobs for 'echo' with 'logprobs'")
+        out = CompletionLogProbs()
+        offset = 0
+        for i, t in enumerate(prompt_ids):
+            s = self.token_str(t)
+            out.text_offset.append(offset)
+            offset += len(s)
+            out.tokens.append(s)
+            row = rows[i]
+            if i == 0 or row is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            lp, tops = row
+            out.token_logprobs.append(lp)
+            top = {s: lp}
+            for tt, tlp in tops[:k]:
+                top.setdefault(self.token_str(tt), tlp)
+            out.top_logprobs.append(top)
+        return out
+
+    def _choice_logprobs(
+        self, prep: Prepared, ch: _Choice, events: list[TokenEvent], offset: int, first: bool
+    ) -> tuple[CompletionLogProbs, int]:
+        """Completions ``logprobs`` of ``events`` and the text offset after them. With ``echo``,
+        on the choice's first chunk the prompt tokens' come first and offsets count from 0 over
+        the token strings (as vLLM: ``offset`` is then ignored)."""
+        assert prep.logprobs is not None
+        if not (
+            first and prep.echo_texts[ch.prompt] and prep.params[0].prompt_logprobs is not None
+        ):
+            gen = self.completion_logprobs(events, offset, prep.logprobs)
+            return gen, offset + sum(len(t) for t in gen.tokens)
+        head = self.echo_logprobs(
+            prep.prompts[ch.prompt], events[0].prompt_logprobs if events else None, prep.logprobs
+        )
+        offset = sum(len(t) for t in head.tokens)
+        gen = self.completion_logprobs(events, offset, prep.logprobs)
+        return CompletionLogProbs(
+            text_offset=head.text_offset + gen.text_offset,
+            token_logprobs=head.token_logprobs + gen.token_logprobs,
+            tokens=head.tokens + gen.tokens,
+            top_logprobs=head.top_logprobs + gen.top_logprobs,
+        ), offset + sum(len(t) for t in gen.tokens)
 
     def chat_logprobs(self, events: list[TokenEvent]) -> ChatLogProbs:
         content = []
@@ -591,9 +645,9 @@ class OpenAIServer:
                 CompletionChoice(
                     index=ch.index,
                     text=prep.echo_texts[ch.prompt] + ch.req.text,
-                    logprobs=self.completion_logprobs(
-                        ch.events, len(prep.echo_texts[ch.prompt]), prep.logprobs
-                    )
+                    logprobs=self._choice_logprobs(
+                        prep, ch, ch.events, len(prep.echo_texts[ch.prompt]), True
+                    )[0]
                     if prep.logprobs is not None
                     else None,
                     finish_reason=ch.finish,
@@ -690,8 +744,9 @@ class OpenAIServer:
                         text = prep.echo_texts[ch.prompt] + text
                     lp = None
                     if prep.logprobs is not None:
-                        lp = self.completion_logprobs([ev], offsets[ch.index], prep.logprobs)
-                        offsets[ch.index] += len(self.token_str(ev.token_id))
+                        lp, offsets[ch.index] = self._choice_logprobs(
+                            prep, ch, [ev], offsets[ch.index], ch.index in first
+                        )
                     chunk = CompletionChunk(
                         id=rid,
                         created=created,

@@ -43,12 +43,15 @@ class Chunk:
         start: tokens of this sequence already in the cache (= position of the first token).
         block_table: the sequence's block ids, covering at least ``start + n`` tokens.
         want_logits: return next-token logits of this chunk's last position.
+        all_logits: also return the next-token logits of every position of the chunk
+            (:meth:`PagedModelRunner.forward_full`; prompt logprobs).
     """
 
     token_ids: list[int]
     start: int
     block_table: list[int]
     want_logits: bool = True
+    all_logits: bool = False
 
 
 @dataclass
@@ -59,8 +62,8 @@ class _Meta:
     cos: torch.Tensor  # (T, d_rope)
     sin: torch.Tensor  # (T, d_rope)
     dec_rows: torch.Tensor  # (Bd,) token rows of one-token chunks
-    dec_blocks: torch.Tensor  # (Bd, nb) padded block tables of one-token chunks
-    dec_mask: torch.Tensor  # (Bd, nb * block_size) bool, True = attend
+    dec_slots: torch.Tensor  # (Bd, L) cache slot of every context position; past the end: slot 0's
+    dec_mask: torch.Tensor  # (Bd, L) bool, True = attend
     pre: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (row0, n, blocks, mask (n, ctx))
 
 
@@ -122,55 +125,62 @@ class PagedModelRunner:
         return m
 
     def _meta(self, chunks: list[Chunk], hidden: torch.Tensor) -> _Meta:
+        """Index tensors of one forward: token slots and positions (Python ints, one tensor
+        each), the decode rows' context slots ``(Bd, L)`` and mask, each prefill chunk's blocks
+        and causal mask. Decode context positions past a sequence's end point at the slot of its
+        position 0 (always written), so every gathered value is finite: masked positions then
+        add exactly 0 (never-written cache memory may hold NaN, and ``0 * NaN`` is NaN)."""
         bs = self.cache.block_size
-        pos_list: list[torch.Tensor] = []
-        slot_list: list[torch.Tensor] = []
+        positions: list[int] = []
+        slots: list[int] = []
         dec_rows, dec_tables, dec_ctx = [], [], []
         pre = []
         row = 0
         for c in chunks:
             n = len(c.token_ids)
-            ctx = c.start + n
-            bt = torch.tensor(c.block_table[: -(-ctx // bs)], dtype=torch.long)
-            pos = torch.arange(c.start, ctx, dtype=torch.long)
-            pos_list.append(pos)
-            slot_list.append(bt[pos // bs] * bs + pos % bs)
+            start, ctx, bt = c.start, c.start + n, c.block_table
             if n == 1:
+                positions.append(start)
+                slots.append(bt[start // bs] * bs + start % bs)
                 dec_rows.append(row)
-                dec_tables.append(bt)
+                dec_tables.append(bt[: -(-ctx // bs)])
                 dec_ctx.append(ctx)
             else:
+                positions.extend(range(start, ctx))
+                slots.extend(bt[p // bs] * bs + p % bs for p in range(start, ctx))
+                pos = torch.arange(start, ctx, dtype=torch.long)
                 k_pos = torch.arange(ctx, dtype=torch.long)
                 mask = self._visible(pos[:, None], k_pos[None, :])  # (n, ctx)
-                pre.append((row, n, bt.to(self.device), mask.to(self.device)))
+                blocks = torch.tensor(bt[: -(-ctx // bs)], dtype=torch.long)
+                pre.append((row, n, blocks.to(self.device), mask.to(self.device)))
             row += n
-        positions = torch.cat(pos_list)  # (T,)
         dev = self.device
         if dec_rows:
             nb = max(len(t) for t in dec_tables)
-            blocks = torch.zeros(len(dec_rows), nb, dtype=torch.long)
-            for i, t in enumerate(dec_tables):
-                blocks[i, : len(t)] = t
+            blocks = torch.tensor([t + [t[0]] * (nb - len(t)) for t in dec_tables])  # (Bd, nb)
+            in_block = torch.arange(bs, dtype=torch.long)
+            dslots = (blocks[:, :, None] * bs + in_block).view(len(dec_rows), nb * bs)  # (Bd, L)
             k_pos = torch.arange(nb * bs, dtype=torch.long)[None, :]  # (1, L)
             ctx_t = torch.tensor(dec_ctx, dtype=torch.long)[:, None]  # (Bd, 1)
-            mask = (k_pos < ctx_t) & self._visible(ctx_t - 1, k_pos)  # (Bd, L)
-            dec_mask = mask
+            written = k_pos < ctx_t  # (Bd, L)
+            dslots = torch.where(written, dslots, dslots[:, :1])
+            dec_mask = written & self._visible(ctx_t - 1, k_pos)  # (Bd, L)
         else:
-            blocks = torch.zeros(0, 1, dtype=torch.long)
+            dslots = torch.zeros(0, bs, dtype=torch.long)
             dec_mask = torch.zeros(0, bs, dtype=torch.bool)
-        cos, sin = self.model.model.rotary_emb(hidden, positions.to(dev)[None, :])  # (1, T, d)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        cos, sin = self.model.model.rotary_emb(hidden, pos_t[None, :])  # (1, T, d)
         return _Meta(
-            slots=torch.cat(slot_list).to(dev),
+            slots=torch.tensor(slots, dtype=torch.long).to(dev),
             cos=cos[0],
             sin=sin[0],
             dec_rows=torch.tensor(dec_rows, dtype=torch.long, device=dev),
-            dec_blocks=blocks.to(dev),
+            dec_slots=dslots.to(dev),
             dec_mask=dec_mask.to(dev),
             pre=pre,
         )
 
     # ---- forward -------------------------------------------------------------------------
-    @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """Run one varlen step, writing every chunk's keys/values (or latents) into the cache.
 
@@ -180,6 +190,17 @@ class PagedModelRunner:
 
         Returns:
             ``(B, vocab)`` float32 next-token logits of the chunks with ``want_logits``, in order.
+        """
+        return self.forward_full(chunks)[0]
+
+    @torch.inference_mode()
+    def forward_full(self, chunks: list[Chunk]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """:meth:`forward`, plus the logits of every position of the chunks with ``all_logits``.
+
+        Returns:
+            ``(logits, per_chunk)``: ``logits`` as :meth:`forward`; ``per_chunk`` maps the index
+            (in ``chunks``) of each chunk with ``all_logits`` to its ``(n, vocab)`` float32
+            next-token logits (row ``i``: after the chunk's token ``i``).
         """
         ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
         inner = self.model.model
@@ -196,12 +217,15 @@ class PagedModelRunner:
             m = layer.mlp(h[None])  # the model's MLP / MoE block over (1, T, H)
             x = x + (m[0] if isinstance(m, tuple) else m)[0]
         ends, row = [], 0
-        for c in chunks:
+        full: dict[int, torch.Tensor] = {}
+        for i, c in enumerate(chunks):
+            if c.all_logits:  # (n, H) -> (n, V)
+                full[i] = self.model.lm_head(inner.norm(x[row : row + len(c.token_ids)])).float()
             row += len(c.token_ids)
             if c.want_logits:
                 ends.append(row - 1)
         x = inner.norm(x[torch.tensor(ends, dtype=torch.long, device=self.device)])  # (B, H)
-        return self.model.lm_head(x).float()  # (B, V)
+        return self.model.lm_head(x).float(), full  # (B, V)
 
     def _attend(self, q, k, v, mask, scale, gqa: bool) -> torch.Tensor:
         # q (B, Hq, n, dk), k (B, Hk, L, dk), v (B, Hk, L, dv), mask bool broadcastable (B,1,n,L)
@@ -215,11 +239,10 @@ class PagedModelRunner:
         several times faster than SDPA's masked path for a single query).
 
         q (B, Hq, dk); k (B, L, Hk, dk); v (B, L, Hk, dv); valid (B, L) bool -> (B, Hq, dv).
-        Softmax in float32 (as transformers' eager attention). ``v`` must be a gathered copy
-        of the cache: its invalid positions are zeroed in place, because never-written cache
-        slots (``torch.empty``) may hold NaN or inf and ``0 * NaN`` is NaN.
+        Softmax in float32 (as transformers' eager attention). ``v`` must be finite at the
+        invalid positions too (they get probability 0, and ``0 * NaN`` is NaN): the gather of
+        :meth:`_meta`'s ``dec_slots`` points them at a written slot.
         """
-        v.masked_fill_(~valid[:, :, None, None], 0)
         B, Hq, dk = q.shape
         Hk = k.shape[2]
         qg = q.view(B, Hk, Hq // Hk, dk)  # (B, Hk, g, dk)
@@ -245,9 +268,10 @@ class PagedModelRunner:
         hk = kc.shape[1]
         out = q.new_empty(T, q.shape[1], d)  # (T, Hq, d)
         if len(meta.dec_rows):
-            B, nb = meta.dec_blocks.shape
-            kb = kc.view(-1, bs, hk, d)[meta.dec_blocks].view(B, nb * bs, hk, d)
-            vb = vc.view(-1, bs, hk, d)[meta.dec_blocks].view(B, nb * bs, hk, d)
+            B, L = meta.dec_slots.shape
+            flat = meta.dec_slots.view(-1)  # (B * L,)
+            kb = kc.index_select(0, flat).view(B, L, hk, d)
+            vb = vc.index_select(0, flat).view(B, L, hk, d)
             qd = q[meta.dec_rows]  # (Bd, Hq, d)
             out[meta.dec_rows] = self._decode_attend(qd, kb, vb, meta.dec_mask, attn.scaling)
         for row0, n, blocks, mask in meta.pre:
@@ -286,10 +310,10 @@ class PagedModelRunner:
             # absorbed: attention over the latent, no kv_b_proj over cached positions
             w_uk, w_uv_t = self._absorbed[li]
             rows = meta.dec_rows
-            B, nb = meta.dec_blocks.shape
+            B, L = meta.dec_slots.shape
             q_lat = torch.bmm(q_nope[rows].transpose(0, 1), w_uk).transpose(0, 1)  # (Bd, H, r)
             qq = torch.cat([q_lat, q_rot[rows]], dim=-1)  # (Bd, H, r + dr)
-            kv = lat.view(-1, bs, r + dr)[meta.dec_blocks].view(B, nb * bs, 1, r + dr)
+            kv = lat.index_select(0, meta.dec_slots.view(-1)).view(B, L, 1, r + dr)
             # one latent head shared by all query heads: keys [c_kv | k_rope], values c_kv
             o_lat = self._decode_attend(qq, kv, kv[..., :r], meta.dec_mask, attn.scaling)
             # o_lat (Bd, H, r) -> (H, Bd, r) @ (H, r, dv) -> (Bd, H, dv)

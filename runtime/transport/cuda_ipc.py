@@ -66,6 +66,7 @@ from eaas.runtime.transport.base import (
     RequestFrame,
 )
 from eaas.runtime.transport.shm import (
+    _HDR_BYTES,
     _KIND_HELLO,
     DEFAULT_SPIN_US,
     ShmClientConnection,
@@ -243,6 +244,7 @@ class _IpcSlots(_Slots):
     """shm's slot views over a header page (memfd) and a separate payload (host memfd or CUDA).
 
     Same attributes as :class:`~eaas.runtime.transport.shm._Slots` (``req_hdr``, ``resp_hdr``,
+    ``req_q``, ``resp_q``,
     ``resp_msg``, ``req_hidden``, ``req_experts``, ``req_weights``, ``resp_out``, ``cap_tokens``,
     ``cap_k``, ``req_views``, ``resp_view``), so the shm data path runs on it unchanged; plus
     ``payload`` (the :class:`_Payload`), ``is_cuda`` and ``raw`` (the payload's bytes).
@@ -254,6 +256,9 @@ class _IpcSlots(_Slots):
         self.cap_tokens, self.cap_k = payload.cap_tokens, payload.cap_k
         self.req_hdr = np.frombuffer(hdr_mm, dtype=np.int64, count=8, offset=0)
         self.resp_hdr = np.frombuffer(hdr_mm, dtype=np.int64, count=8, offset=64)
+        self._mv = memoryview(hdr_mm)  # shm's data path uses these int64 views of the headers
+        self.req_q = self._mv[0:_HDR_BYTES].cast("q")
+        self.resp_q = self._mv[64 : 64 + _HDR_BYTES].cast("q")
         self.resp_msg = np.frombuffer(hdr_mm, dtype=np.uint8, count=_MSG_BYTES, offset=128)
         self.req_hidden = payload.req_hidden  # (cap_tokens, H)
         self.req_experts = payload.req_experts  # (cap_tokens * cap_k,) int32

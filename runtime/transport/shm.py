@@ -172,6 +172,10 @@ class _Slots:
             raise FrameError(f"shared slot too small: {len(mm)} bytes < {total}")
         off = 0
         self.req_hdr = np.frombuffer(mm, dtype=np.int64, count=8, offset=off)
+        # the data path reads and writes header fields through int64 memoryviews: a field
+        # access costs ~50 ns there against ~150 ns for a numpy scalar
+        self._mv = memoryview(mm)
+        self.req_q = self._mv[off : off + _HDR_BYTES].cast("q")
         off += _HDR_BYTES
         self.req_hidden = torch.frombuffer(
             mm, dtype=dtype, count=cap_tokens * hidden, offset=off
@@ -186,6 +190,7 @@ class _Slots:
         )
         off = resp_off
         self.resp_hdr = np.frombuffer(mm, dtype=np.int64, count=8, offset=off)
+        self.resp_q = self._mv[off : off + _HDR_BYTES].cast("q")
         off += _HDR_BYTES
         self.resp_msg = np.frombuffer(mm, dtype=np.uint8, count=_MSG_BYTES, offset=off)
         off += _MSG_BYTES
@@ -230,6 +235,8 @@ class _Slots:
         mm = self.mm
         self.req_hdr = self.req_hidden = self.req_experts = self.req_weights = None  # type: ignore
         self.resp_hdr = self.resp_msg = self.resp_out = None  # type: ignore
+        for v in (self.req_q, self.resp_q, self._mv):
+            v.release()
         self._req_views, self._resp_views = {}, {}
         self.mm = None  # type: ignore
         if mm is not None:
@@ -421,7 +428,7 @@ class ShmClientConnection(SocketClientConnection):
             ve.copy_(ex)
             vw.copy_(w)
             s.sync()  # payload before flag
-        hdr = s.req_hdr
+        hdr = s.req_q
         hdr[1] = frame.layer
         hdr[2] = frame.table_version
         hdr[3] = n
@@ -464,7 +471,7 @@ class ShmClientConnection(SocketClientConnection):
 
     def _response(self) -> ResponseFrame:
         s = self._slots_now()
-        hdr = s.resp_hdr
+        hdr = s.resp_q
         self._outstanding = False
         self._rtt = 0.75 * self._rtt + 0.25 * (time.monotonic() - self._sent_at)
         _, layer, status, n, ln, seq, _, _ = hdr.tolist()  # one read of the header
@@ -486,7 +493,7 @@ class ShmClientConnection(SocketClientConnection):
             FrameError: no request in flight.
         """
         sock = self._sock_for_recv()
-        hdr = self._slots_now().resp_hdr
+        hdr = self._slots_now().resp_q
         want = self._counter
         if hdr[0] == want:
             return self._response()
@@ -516,7 +523,7 @@ class ShmClientConnection(SocketClientConnection):
                     raise PeerDeadError(f"connection to {self.server_id} is closed") from None
         finally:
             if self._slots is not None:
-                self._slots.resp_hdr[7] = 0
+                self._slots.resp_q[7] = 0
 
 
 class _ServerConn(ServerConn):
@@ -677,8 +684,8 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
             s = conn.slots
             if not conn.ready or conn.in_flight or s is None:
                 continue
-            hdr = s.req_hdr
-            c = int(hdr[0])
+            hdr = s.req_q
+            c = hdr[0]
             if c == conn.last_seen:
                 continue
             conn.last_seen = c
@@ -737,7 +744,7 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
         """Set the server-waiting flag in every connection's request header."""
         for conn in self._conns.values():
             if conn.slots is not None:
-                conn.slots.req_hdr[7] = flag
+                conn.slots.req_q[7] = flag
 
     def respond(self, conn: object, frame: ResponseFrame) -> None:
         """Copy ``frame`` into ``conn``'s response slot, set the done counter, ring the doorbell.
@@ -749,7 +756,7 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
         if not self._is_live(conn) or conn.slots is None:
             return
         s = conn.slots
-        hdr = s.resp_hdr
+        hdr = s.resp_q
         hdr[1] = frame.layer
         hdr[2] = frame.status
         hdr[5] = frame.seq

@@ -130,6 +130,42 @@ def test_greedy_equals_generate_chunked_and_batched_prefill(arch, models, loaded
     assert eng.kv_cache_usage()["blocks_used"] == 0  # every block came back
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_prompt_logprobs_equal_transformers_with_chunked_prefill(arch, models, loaded):
+    """``prompt_logprobs`` (echo with logprobs): every prompt token after the first gets the
+    logprob transformers' forward gives it, also when the prompt is prefilled in chunks of 4
+    beside another request's decode."""
+    model, tok, _ = loaded[arch]
+    prompts = [tok(TEXTS[4])["input_ids"], tok(TEXTS[0])["input_ids"]]
+    eng = Engine(model, tok, client_id=f"plp-{arch}", max_num_batched_tokens=4, block_size=4)
+    first: list = []
+    done = threading.Event()
+
+    def cb(ev):
+        if not isinstance(ev, ErrorEvent) and len(first) == 0:
+            first.append(ev)
+        if isinstance(ev, ErrorEvent) or ev.finish_reason is not None:
+            done.set()
+
+    other = eng.submit(prompts[1], SamplingParams(max_tokens=12, ignore_eos=True), lambda ev: None)
+    req = eng.submit(prompts[0], SamplingParams(max_tokens=2, prompt_logprobs=3), cb)
+    eng.start()
+    try:
+        assert done.wait(WAIT)
+    finally:
+        eng.stop()
+    p = prompts[0]
+    assert len(p) > 8 and eng.stats["prefill_chunks"] > eng.stats["prefills"]  # really chunked
+    want = torch.log_softmax(reference_logits(models[arch], p)[:-1], -1)  # (L - 1, V)
+    rows = first[0].prompt_logprobs
+    assert rows is req.prompt_logprobs and len(rows) == len(p) and rows[0] is None
+    for i in range(1, len(p)):
+        lp, top = rows[i]
+        assert lp == pytest.approx(float(want[i - 1, p[i]]), abs=1e-4)
+        assert [t for t, _ in top] == want[i - 1].topk(3).indices.tolist()
+    assert other.output_ids and not other.prompt_logprobs  # not asked: not computed
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_equals_generate_with_preemption(arch, models, loaded):
     """A cache of exactly one longest sequence: running sequences are preempted and recomputed."""

@@ -138,6 +138,48 @@ def test_completion_logprobs_equal_the_reference(
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
+def test_echo_with_logprobs_gives_prompt_logprobs(
+    oai, model_name, model_dir, prompt_ids, ref, tokenizer
+):
+    """As vLLM: the echoed prompt tokens come first in ``logprobs``, the first one's ``null``."""
+    n = 4
+    r = oai.completions.create(
+        model=model_name, prompt=prompt_ids, max_tokens=n, temperature=0, echo=True, logprobs=2
+    )
+    lp = r.choices[0].logprobs
+    ids = prompt_ids + ref[:n]
+    assert r.choices[0].model_extra["token_ids"] == ref[:n]
+    assert lp.tokens == [tokenizer.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = torch.log_softmax(reference_logits(model_dir, ids)[:-1], -1)  # (T - 1, V)
+    for i in range(1, len(ids)):
+        assert lp.token_logprobs[i] == pytest.approx(float(want[i - 1, ids[i]]), abs=1e-3)
+        top = lp.top_logprobs[i]
+        assert top[lp.tokens[i]] == pytest.approx(lp.token_logprobs[i])
+        assert 1 <= len(top) <= 3
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # streamed: the first chunk carries the prompt's logprobs, the concatenation is the same
+    s = oai.completions.create(
+        model=model_name,
+        prompt=prompt_ids,
+        max_tokens=n,
+        temperature=0,
+        echo=True,
+        logprobs=2,
+        stream=True,
+    )
+    toks, lps, offs = [], [], []
+    for c in s:
+        if c.choices and c.choices[0].logprobs:
+            toks += c.choices[0].logprobs.tokens
+            lps += c.choices[0].logprobs.token_logprobs
+            offs += c.choices[0].logprobs.text_offset
+    assert toks == lp.tokens and offs == lp.text_offset
+    assert lps[0] is None and lps[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    _ok_text = oai.completions.create(model=model_name, prompt="Hi", max_tokens=2, echo=True)
+    assert _ok_text.choices[0].text.startswith("Hi")
+
+
 def test_chat_logprobs_and_top_logprobs(oai, model_name):
     r = oai.chat.completions.create(
         model=model_name,
@@ -351,12 +393,6 @@ def test_bad_chat_field_is_rejected_by_name(deployment, model_name, case):
 
 
 def test_completion_only_bad_fields(deployment, model_name, oai):
-    r = _post(
-        deployment,
-        "/v1/completions",
-        {"model": model_name, "prompt": "Hi", "echo": True, "logprobs": 1},
-    )
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
     with pytest.raises(openai.NotFoundError):
         oai.completions.create(model="gpt-17", prompt="Hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError) as ei:

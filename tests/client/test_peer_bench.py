@@ -1,0 +1,84 @@
+"""bench/peer.py's own parts: the W1 workload, the process-tree PSS reading (real processes) and
+the target check of the report (pure logic on made-up summaries)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import peer  # noqa: E402
+
+pytestmark = pytest.mark.engine
+
+
+def test_w1_is_token_ids_of_the_asked_shape_and_seeded():
+    a = peer.workload_w1(5, 220, 128, vocab=922, seed=3)
+    assert len(a) == 5
+    for spec in a:
+        assert len(spec.prompt) == 220 and spec.max_tokens == 128
+        assert all(3 <= t < 922 for t in spec.prompt)
+    assert [s.prompt for s in a] == [s.prompt for s in peer.workload_w1(5, 220, 128, 922, 3)]
+    assert a[0].prompt != peer.workload_w1(1, 220, 128, 922, 4)[0].prompt
+
+
+def test_pss_covers_the_whole_process_tree():
+    # a parent shell with a sleeping child: both are in the tree, each with a positive PSS
+    p = subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True)
+    try:
+        for _ in range(200):
+            tree = peer.process_tree(p.pid)
+            if len(tree) >= 2:
+                break
+            os.sched_yield()
+        snap = peer.pss_snapshot(p.pid)
+        assert p.pid in snap and len(snap) >= 2, snap
+        assert all(kib > 0 for _name, kib in snap.values())
+        assert any(name.startswith("sleep") for name, _ in snap.values())
+        assert peer.pss_kib(os.getpid()) > 10_000  # this test process (a Python interpreter)
+    finally:
+        os.killpg(p.pid, 9)
+        p.wait()
+    assert peer.pss_kib(p.pid) is None  # gone
+
+
+def _summary(tok_s: float, ttft: float, itl50: float, itl99: float) -> dict:
+    return {
+        "output_tokens_per_s": tok_s,
+        "ttft_p50_ms": ttft,
+        "ttft_p99_ms": ttft,
+        "itl_p50_ms": itl50,
+        "itl_p99_ms": itl99,
+        "tpot_p50_ms": itl50,
+        "tpot_p99_ms": itl99,
+        "failed": 0,
+    }
+
+
+def test_report_names_each_missed_target():
+    args = argparse.Namespace(vllm=True, peer_url=None, workloads="W1")
+    res = {
+        "float32": {
+            "eaas": {"workloads": {"W1": _summary(40.0, 500.0, 10.0, 50.0)}},
+            "single": {"workloads": {"W1": _summary(100.0, 200.0, 5.0, 10.0)}},
+            "vllm": {"workloads": {"W1": _summary(100.0, 200.0, 5.0, 10.0)}},
+        }
+    }
+    table, misses = peer.report(res, args)
+    assert "| W1 | eaas | 40.0 |" in table and "0.40x" in table
+    assert sorted(m.split(": ")[1].split()[0] for m in misses) == [
+        "ITL",
+        "TTFT",
+        "eaas/single",
+        "tok/s",
+    ]
+    # all met: no misses; a failed system is a miss
+    res["float32"]["eaas"]["workloads"]["W1"] = _summary(90.0, 300.0, 10.0, 20.0)
+    assert peer.report(res, args)[1] == []
+    res["float32"]["eaas"] = {"error": "RuntimeError: boom"}
+    assert peer.report(res, args)[1] == ["float32 W1: eaas failed"]
