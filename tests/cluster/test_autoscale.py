@@ -90,8 +90,9 @@ def setup(cluster, tmp_path_factory):
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     op = Operator(log, env={**env, **FAST})
     op.start()
-    yield {"op": op, "env": env, "log": log, "tb": cluster}
-    op.stop()
+    state = {"op": op, "env": env, "log": log, "tb": cluster}
+    yield state
+    state["op"].stop()  # the test replaces the operator (step 3): stop the one running now
 
 
 def test_load_status_and_hpa_scale_up_then_missing_metric_holds(setup):
