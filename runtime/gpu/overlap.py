@@ -250,6 +250,14 @@ class PagedOverlapRunner:
         """Stop the worker thread (waits for a running MoE call)."""
         self._pool.shutdown(wait=True)
 
+    def forward_full(self, chunks: list[Chunk]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """:meth:`PagedModelRunner.forward_full`: a step asking for every position's logits
+        (prompt logprobs) is a prefill step and runs plain; any other step as :meth:`forward`."""
+        if any(c.all_logits for c in chunks):
+            self.stats["plain_steps"] += 1
+            return self.runner.forward_full(chunks)
+        return self.forward(chunks), {}
+
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:
         """One step; see the class doc. Returns ``(B, vocab)`` float32."""
