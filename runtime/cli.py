@@ -7,9 +7,34 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Annotated, Any
 
 import typer
+
+# The NVSHMEM world options, declared once: `eaas expert-server` and `eaas attention-client`
+# both join a world with them (docs/gpu.md "nvshmem:PE").
+NvshmemWorldOption = Annotated[
+    int | None,
+    typer.Option(
+        "--nvshmem-world",
+        envvar="EAAS_NVSHMEM_WORLD_SIZE",
+        help="Join an NVSHMEM world of this many PEs (clients + servers + spares; docs/gpu.md); "
+        "needs nvshmem4py, a GPU and --device cuda.",
+    ),
+]
+NvshmemPeOption = Annotated[
+    int | None,
+    typer.Option("--nvshmem-pe", envvar="EAAS_NVSHMEM_PE", help="This process's PE in the world."),
+]
+NvshmemUidFileOption = Annotated[
+    str | None,
+    typer.Option(
+        "--nvshmem-uid-file",
+        envvar="EAAS_NVSHMEM_UID_FILE",
+        help="PE 0 writes the world's unique id here; the other PEs read it (shared storage).",
+    ),
+]
+_DEVICE_HELP = "auto (cuda when available, else cpu), cpu, cuda or cuda:N."
 
 
 def register(app: typer.Typer) -> None:
@@ -53,6 +78,20 @@ def expert_server(
         0, "--metrics-port", help="Serve Prometheus /metrics on this port (0: none)."
     ),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    device: str = typer.Option(
+        "auto",
+        "--device",
+        help="Where the hosted experts' weights live and compute: " + _DEVICE_HELP + " On cuda "
+        "the native grouped kernels run (docs/gpu.md); nvshmem: and cudaipc CUDA-payload "
+        "clients need cuda.",
+    ),
+    spare: bool = typer.Option(
+        False,
+        "--spare",
+        help="Start as a spare: no experts, serving and ready (hosting 0 experts) until the "
+        "routing table assigns some (needs --push-token-file or --routing-table-configmap; "
+        "not with --experts). An NVSHMEM world's spare PEs run this (docs/gpu.md).",
+    ),
     threads: int = typer.Option(
         1, "--threads", min=0, help="torch intra-op threads (0: torch default)."
     ),
@@ -74,22 +113,9 @@ def expert_server(
         min=0.001,
         help="/health answers 503 when the serving loop's last iteration is older (s).",
     ),
-    nvshmem_world: int = typer.Option(
-        None,
-        "--nvshmem-world",
-        envvar="EAAS_NVSHMEM_WORLD_SIZE",
-        help="Join an NVSHMEM world of this many PEs (clients + servers + spares; docs/gpu.md); "
-        "needs nvshmem4py and a GPU.",
-    ),
-    nvshmem_pe: int = typer.Option(
-        None, "--nvshmem-pe", envvar="EAAS_NVSHMEM_PE", help="This process's PE in the world."
-    ),
-    nvshmem_uid_file: str = typer.Option(
-        None,
-        "--nvshmem-uid-file",
-        envvar="EAAS_NVSHMEM_UID_FILE",
-        help="PE 0 writes the world's unique id here; the other PEs read it (shared storage).",
-    ),
+    nvshmem_world: NvshmemWorldOption = None,
+    nvshmem_pe: NvshmemPeOption = None,
+    nvshmem_uid_file: NvshmemUidFileOption = None,
     push_token_file: str = typer.Option(
         None,
         "--push-token-file",
@@ -114,13 +140,32 @@ def expert_server(
     """
     import torch
 
+    from eaas.runtime.client.main import resolve_device
     from eaas.runtime.expert_server import ExpertServer, learn_from_table, run, start_http
+    from eaas.runtime.gpu.device import check_listen_device, check_world_device
     from eaas.runtime.placement import parse_expert_spec
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     if dtype not in dtypes:
         raise typer.BadParameter(f"--dtype must be one of {sorted(dtypes)}, got {dtype!r}")
+    try:
+        dev = resolve_device(device)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    if spare and experts:
+        raise typer.BadParameter("--spare starts with no experts: not with --experts")
+    if spare and not (push_token_file or routing_table_configmap):
+        raise typer.BadParameter(
+            "--spare needs --push-token-file or --routing-table-configmap (a spare gets its "
+            "experts from the routing table)"
+        )
     world_cfg = _nvshmem_world_config(nvshmem_world, nvshmem_pe, nvshmem_uid_file, listen)
+    try:
+        check_listen_device(listen, dev.type)
+        if world_cfg is not None:
+            check_world_device(dev.type)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     if model is None:
         from eaas.runtime.models.tiny import default_model_dir
 
@@ -149,8 +194,10 @@ def expert_server(
     if push_token_file and http_port is None:
         raise typer.BadParameter("--push-token-file needs --http-port (PUT /routing-table)")
     health = start_http(server_id, http_port, health_stale_s, http_host)  # 503 while loading
-    hosted = load_expert_weights(model, pairs, dtypes[dtype], progress=False)
+    hosted = _to_device(load_expert_weights(model, pairs, dtypes[dtype], progress=False), dev)
     listener_kw: dict[str, Any] = {}
+    if listen.startswith("cudaipc:"):
+        listener_kw["compute_device"] = str(dev)
     if world_cfg is not None:
         from eaas.runtime.transport.nvshmem import WorldSpec, open_world
 
@@ -167,6 +214,7 @@ def expert_server(
         server_id,
         num_threads=threads,
         batch_window_us=batch_window_us,
+        device=dev,
         **listener_kw,
     )
     try:
@@ -183,6 +231,18 @@ def expert_server(
         raise typer.BadParameter(str(exc)) from None
     run(server, metrics_port, health)
     _exit_now(f"expert-server {server_id}")
+
+
+def _to_device(hosted: dict, dev) -> dict:
+    """``{(layer, expert): ExpertWeights}`` moved to ``dev`` (a no-op on the CPU)."""
+    if dev.type == "cpu":
+        return hosted
+    from eaas.runtime.experts import ExpertWeights
+
+    return {
+        key: ExpertWeights(w.gate.to(dev), w.up.to(dev), w.down.to(dev))
+        for key, w in hosted.items()
+    }
 
 
 def _nvshmem_world_config(world_size, pe, uid_file, listen: str | None = None):
@@ -301,9 +361,7 @@ def attention_client(
         help="Preallocated paged KV cache, e.g. 512MiB or 2GiB (default: max-num-seqs full-length "
         "sequences, at most 4GiB; at least one full-length sequence).",
     ),
-    device: str = typer.Option(
-        "auto", "--device", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N."
-    ),
+    device: str = typer.Option("auto", "--device", help=_DEVICE_HELP),
     max_request_body: str = typer.Option(
         "32MiB",
         "--max-request-body",
@@ -321,22 +379,9 @@ def attention_client(
         help="Decode MoE round trips to cudaipc expert servers replay captured CUDA graphs "
         "(needs --device cuda and expert servers; docs/gpu.md).",
     ),
-    nvshmem_world: int = typer.Option(
-        None,
-        "--nvshmem-world",
-        envvar="EAAS_NVSHMEM_WORLD_SIZE",
-        help="Join an NVSHMEM world of this many PEs (clients + servers + spares; docs/gpu.md); "
-        "needs nvshmem4py and a GPU.",
-    ),
-    nvshmem_pe: int = typer.Option(
-        None, "--nvshmem-pe", envvar="EAAS_NVSHMEM_PE", help="This process's PE in the world."
-    ),
-    nvshmem_uid_file: str = typer.Option(
-        None,
-        "--nvshmem-uid-file",
-        envvar="EAAS_NVSHMEM_UID_FILE",
-        help="PE 0 writes the world's unique id here; the other PEs read it (shared storage).",
-    ),
+    nvshmem_world: NvshmemWorldOption = None,
+    nvshmem_pe: NvshmemPeOption = None,
+    nvshmem_uid_file: NvshmemUidFileOption = None,
 ) -> None:
     """Run one attention client with the OpenAI-compatible API (the process a client pod runs).
 
@@ -377,6 +422,10 @@ def attention_client(
         except ValueError as e:
             raise ValueError(f"--max-request-body: {e}") from None
         dev = resolve_device(device)
+        if world_cfg is not None:
+            from eaas.runtime.gpu.device import check_world_device
+
+            check_world_device(dev.type)
         if cuda_graphs:
             from eaas.runtime.gpu.graphs import check_cuda_graphs
 

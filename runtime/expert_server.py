@@ -476,7 +476,9 @@ def main(argv: list[str] | None = None) -> None:
             key: ExpertWeights(w.gate.to(dev), w.up.to(dev), w.down.to(dev))
             for key, w in hosted.items()
         }
-    kw = {} if a.spin_us is None else {"spin_us": a.spin_us}
+    kw: dict = {} if a.spin_us is None else {"spin_us": a.spin_us}
+    if a.listen.startswith("cudaipc:"):  # CUDA-payload clients only for a server on cuda
+        kw["compute_device"] = a.device
     health = start_http(a.server_id, a.http_port, a.health_stale_s)
     server = ExpertServer(
         a.listen,

@@ -442,11 +442,19 @@ class CudaIpcServerListener(ShmServerListener):
             ``OSError(EADDRINUSE)``; unlinked by :meth:`close`).
         hidden_size, dtype: hellos with another size/dtype are refused with a message.
         spin_us: busy-poll time in ``poll`` before blocking.
+        compute_device: where the expert server computes (``"cpu"``, ``"cuda"``, ``"cuda:N"``;
+            default ``"cpu"``). A CUDA-payload hello is refused unless it is a CUDA device
+            (:data:`eaas.runtime.gpu.device.CPU_SERVER_CUDA_PAYLOAD`): frames would arrive as
+            CUDA tensors that a CPU server cannot compute with.
 
     A CUDA-payload hello on a server without a GPU is refused ("no CUDA device").
     """
 
     _socket_path = staticmethod(socket_path)
+
+    def __init__(self, endpoint: str, *, compute_device: str | None = None, **kw):
+        self.compute_device = torch.device(compute_device or "cpu")
+        super().__init__(endpoint, **kw)
 
     def _on_map(self, conn: _ServerConn, data: bytes, fds: list[int]) -> None:
         hello = data[:1] == _KIND_HELLO
@@ -477,6 +485,10 @@ class CudaIpcServerListener(ShmServerListener):
                         raise FrameError("payload memfd smaller than announced")
                     pl = _host_payload(fds[1], total, hidden, dtype, cap_t, cap_k)
                 elif pkind == PAYLOAD_CUDA:
+                    if self.compute_device.type != "cuda":
+                        from eaas.runtime.gpu.device import CPU_SERVER_CUDA_PAYLOAD
+
+                        raise FrameError(CPU_SERVER_CUDA_PAYLOAD)
                     if not torch.cuda.is_available():
                         raise FrameError("no CUDA device on this expert server for a cuda payload")
                     pl = _open_cuda_payload(handle, dev, hidden, dtype, cap_t, cap_k)
