@@ -503,6 +503,12 @@ def serve(
         "--double-batch-overlap",
         help="Attention clients' --double-batch-overlap (decode as two overlapped micro-batches).",
     ),
+    server_device: str = typer.Option(
+        "cpu",
+        "--server-device",
+        help="Expert servers' --device: cpu (default), auto, cuda or cuda:N (cuda: the native "
+        "grouped kernels; frames still travel through host shared memory or TCP).",
+    ),
 ) -> None:
     """Start a whole deployment on this machine: expert servers + attention clients."""
     _check_dispatch_timeout(dispatch_timeout)
@@ -525,6 +531,7 @@ def serve(
             kv_cache_memory=kv_cache_memory,
             max_num_batched_tokens=max_num_batched_tokens,
             client_device=client_device,
+            server_device=server_device,
             double_batch_overlap=double_batch_overlap,
         )
     except (PlacementError, ValueError, FileNotFoundError) as exc:

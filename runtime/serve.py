@@ -134,6 +134,7 @@ class Deployment:
         dtype: activation/weight dtype of every process.
         client_threads / server_threads: torch intra-op threads per process.
         client_device: attention clients' ``--device`` (auto, cpu, cuda, cuda:N).
+        server_device: expert servers' ``--device`` (default cpu: the CPU path, unchanged).
         kv_cache_memory: attention clients' ``--kv-cache-memory`` (e.g. ``"1GiB"``; None: default).
         max_num_batched_tokens: attention clients' ``--max-num-batched-tokens``.
         double_batch_overlap: attention clients' ``--double-batch-overlap``.
@@ -154,6 +155,7 @@ class Deployment:
         client_threads: int = 1,
         server_threads: int = 1,
         client_device: str = "auto",
+        server_device: str = "cpu",
         kv_cache_memory: str | None = None,
         max_num_batched_tokens: int = 512,
         double_batch_overlap: bool = False,
@@ -182,6 +184,10 @@ class Deployment:
             resolve_device(client_device)
         except ValueError as exc:
             raise ValueError(str(exc).replace("--device", "--client-device", 1)) from None
+        try:  # the expert server's own check, up front
+            resolve_device(server_device)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("--device", "--server-device", 1)) from None
         if max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {max_num_batched_tokens}")
         _check_port_free(host, port)
@@ -210,6 +216,7 @@ class Deployment:
         self.dtype = dtype
         self.client_threads, self.server_threads = client_threads, server_threads
         self.client_device = client_device
+        self.server_device = server_device
         self.kv_cache_memory = kv_cache_memory
         self.max_num_batched_tokens = max_num_batched_tokens
         self.double_batch_overlap = bool(double_batch_overlap)
@@ -295,6 +302,8 @@ class Deployment:
                     self.dtype,
                     "--threads",
                     str(self.server_threads),
+                    "--device",
+                    self.server_device,
                 ]
                 self._spawn(Child(sid, "expert-server", argv, server_id=sid), env)
             for c in range(self.m):

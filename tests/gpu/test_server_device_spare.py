@@ -185,3 +185,18 @@ def test_cudaipc_server_on_cpu_refuses_a_cuda_payload(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.mark.gpu_cpu
+def test_serve_server_device_is_checked_up_front():
+    """``eaas serve --server-device`` is the expert servers' ``--device`` (default cpu: the CPU
+    path unchanged), checked before any process starts."""
+    port = str(free_port())
+    cases = [(["--server-device", "gpu"], "--server-device must be auto, cpu, cuda or cuda:N")]
+    if not torch.cuda.is_available():
+        cases.append((["--server-device", "cuda"], "--server-device cuda: no CUDA device"))
+    for extra, message in cases:
+        rc, out = _eaas("serve", "--port", port, *extra)
+        assert rc == 2, (extra, out)
+        assert message in out, (extra, out)
+        assert "Traceback" not in out, (extra, out)
