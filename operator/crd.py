@@ -228,6 +228,120 @@ class FailureDetectionSpec(_Model):
     )
 
 
+#: Where an NVSHMEM world's members mount ``spec.transport.nvshmem.uidVolume`` (read-write).
+NVSHMEM_UID_MOUNT_DIR = "/var/run/eaas/nvshmem"
+NVSHMEM_UID_VOLUME = "nvshmem-uid"
+
+TransportScheme = Literal["tcp", "nvshmem"]
+
+
+class NvshmemUidVolume(_Model):
+    """Storage every member of the world mounts read-write at ``/var/run/eaas/nvshmem``: PE 0
+    writes the world's unique id there and the other PEs read it (docs/gpu.md "nvshmem:PE").
+    Give exactly one source."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.hostPath) != has(self.persistentVolumeClaim)",
+                    "message": "give exactly one of hostPath and persistentVolumeClaim",
+                }
+            ]
+        }
+    )
+
+    persistent_volume_claim: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        description="Name of a ReadWriteMany PersistentVolumeClaim in the pool's namespace "
+        "(members on several nodes).",
+    )
+    host_path: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4096,
+        pattern="^/",
+        description="Absolute directory on the node (a hostPath volume of type "
+        "DirectoryOrCreate): only for a world whose members share one node.",
+    )
+
+    def volume(self) -> dict[str, Any]:
+        """The core/v1 Volume named ``nvshmem-uid``."""
+        if self.host_path:
+            return {
+                "name": NVSHMEM_UID_VOLUME,
+                "hostPath": {"path": self.host_path, "type": "DirectoryOrCreate"},
+            }
+        return {
+            "name": NVSHMEM_UID_VOLUME,
+            "persistentVolumeClaim": {"claimName": self.persistent_volume_claim},
+        }
+
+    def volume_mount(self) -> dict[str, Any]:
+        """The container's read-write mount of the ``nvshmem-uid`` volume."""
+        return {"name": NVSHMEM_UID_VOLUME, "mountPath": NVSHMEM_UID_MOUNT_DIR}
+
+
+class NvshmemSpec(_Model):
+    """One NVSHMEM world per pool (docs/gpu.md "Elastic membership"): PEs ``0 .. clients-1``
+    are the attention clients, ``clients .. clients+replicas-1`` the expert servers (pod index
+    order), then ``spares`` spare expert servers (pods ``<pool>-<replicas>`` on, started with
+    `--spare`: in the world, hosting nothing until the routing table assigns experts). The PE
+    set is fixed at start-up: a change of ``replicas``, ``clients`` or ``spares`` starts a new
+    world (new pods, new unique-id file)."""
+
+    clients: int = Field(
+        ge=1,
+        le=4096,
+        description="Attention-client PEs of the world (the replicas of the AttentionFleet "
+        "using this pool).",
+    )
+    spares: int = Field(
+        default=0,
+        ge=0,
+        le=4096,
+        description="Spare expert servers: pods in the world without experts (`--spare`), "
+        "given experts later by the routing table; needs placement.assignment routing-table.",
+    )
+    uid_volume: NvshmemUidVolume = Field(
+        description="Shared storage for the world's unique-id file (every member mounts it)."
+    )
+    ibgda: bool = Field(
+        default=True,
+        description="GPU-initiated RDMA (NVSHMEM_IB_ENABLE_IBGDA=1) where the NIC supports it.",
+    )
+
+
+class TransportSpec(_Model):
+    """The data plane between attention clients and expert servers."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "(self.scheme == 'nvshmem') == has(self.nvshmem)",
+                    "message": "spec.transport.nvshmem is required with scheme nvshmem and only "
+                    "allowed with it",
+                    "fieldPath": ".nvshmem",
+                }
+            ]
+        }
+    )
+
+    scheme: TransportScheme = Field(
+        default="tcp",
+        description="tcp: `tcp://IP:port` (any pods); nvshmem: an NVSHMEM world "
+        "(`--listen nvshmem:PE`, GPU-initiated put-with-signal; servers and clients on GPUs "
+        "with `--device cuda`). The same-node transports (shm, cudaipc) are for `eaas serve`, "
+        "not pods.",
+    )
+    nvshmem: NvshmemSpec | None = Field(
+        default=None, description="The NVSHMEM world (scheme nvshmem only)."
+    )
+
+
 class AutoscalingSpec(_Model):
     """Autoscaling on expert load: the operator owns an ``autoscaling/v2``
     HorizontalPodAutoscaler named like the pool that targets the pool's ``scale`` subresource
@@ -292,6 +406,22 @@ class ExpertPoolSpec(_Model):
                     "message": "spec.autoscaling.minReplicas must be at least spec.redundancy",
                     "fieldPath": ".autoscaling.minReplicas",
                 },
+                {
+                    "rule": "!has(self.transport) || !has(self.transport.nvshmem) || "
+                    "self.transport.nvshmem.spares == 0 || "
+                    "self.placement.assignment == 'routing-table'",
+                    "message": "spec.transport.nvshmem.spares needs spec.placement.assignment "
+                    "routing-table (spares get their experts from the routing table)",
+                    "fieldPath": ".transport.nvshmem.spares",
+                },
+                {
+                    "rule": "!has(self.transport) || self.transport.scheme != 'nvshmem' || "
+                    "!has(self.autoscaling)",
+                    "message": "spec.autoscaling is not supported with spec.transport.scheme "
+                    "nvshmem (an NVSHMEM world has a fixed set of PEs: use "
+                    "transport.nvshmem.spares)",
+                    "fieldPath": ".autoscaling",
+                },
             ]
         }
     )
@@ -355,6 +485,10 @@ class ExpertPoolSpec(_Model):
     )
     failure_detection: FailureDetectionSpec = Field(
         default_factory=FailureDetectionSpec, description="Failure-detection timing."
+    )
+    transport: TransportSpec = Field(
+        default_factory=TransportSpec,
+        description="Data plane: tcp (default) or an NVSHMEM world (docs/gpu.md).",
     )
     autoscaling: AutoscalingSpec | None = Field(
         default=None,

@@ -107,6 +107,7 @@ from eaas.operator.overlay import OverlayError
 from eaas.operator.pods import (
     PodPlan,
     desired_table_pods,
+    server_endpoint,
     server_push_secret,
     server_push_secret_name,
     table_assignment,
@@ -1059,7 +1060,7 @@ def _reconcile_table_pool(
     live = sorted(
         (p for p in observed if p.live and p.name not in down), key=lambda p: (p.index, p.name)
     )
-    endpoints = {p.name: f"tcp://{p.ip}:{spec.port}" for p in live}
+    endpoints = {p.name: server_endpoint(spec, p.index, p.ip) for p in live}
     client_acks = [v for acks in state.fleet_acks.get(key, {}).values() for v in acks]
 
     # 1. pods (ObservedPod.experts from the published table: plan_pods' coverage checks)

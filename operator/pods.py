@@ -12,6 +12,7 @@ from eaas.operator.crd import (
     ANNOTATION_SPEC_HASH,
     LABEL_PLACEMENT_REVISION,
     LABEL_SERVER_INDEX,
+    NVSHMEM_UID_MOUNT_DIR,
     ExpertPoolSpec,
 )
 from eaas.operator.names import (
@@ -31,6 +32,7 @@ from eaas.runtime.placement import (
     format_expert_spec,
     parse_expert_spec,
 )
+from eaas.runtime.transport.nvshmem_world import WorldLayout, world_env
 
 # ---------------------------------------------------------------------------------------------
 # expert-server pods
@@ -50,19 +52,105 @@ def table_assignment(spec: ExpertPoolSpec) -> bool:
     return spec.placement.assignment == "routing-table"
 
 
+# ---------------------------------------------------------------------------------------------
+# NVSHMEM world (spec.transport.scheme nvshmem; docs/gpu.md "nvshmem:PE")
+# ---------------------------------------------------------------------------------------------
+def world_layout(spec: ExpertPoolSpec) -> WorldLayout | None:
+    """The pool's NVSHMEM world (clients, ``replicas`` servers, spares), or None (tcp)."""
+    nv = spec.transport.nvshmem
+    if spec.transport.scheme != "nvshmem" or nv is None:
+        return None
+    return WorldLayout(clients=nv.clients, servers=spec.replicas, spares=nv.spares)
+
+
+def desired_server_count(spec: ExpertPoolSpec) -> int:
+    """Expert-server pods of the pool: ``replicas``, plus the NVSHMEM world's spares."""
+    layout = world_layout(spec)
+    return spec.replicas + (layout.spares if layout is not None else 0)
+
+
+def server_role(spec: ExpertPoolSpec, index: int) -> tuple[str, int]:
+    """``("server", index)`` for ``index < replicas``, else ``("spare", index - replicas)``."""
+    return ("server", index) if index < spec.replicas else ("spare", index - spec.replicas)
+
+
+def server_pe(spec: ExpertPoolSpec, index: int) -> int:
+    """The NVSHMEM PE of expert-server pod ``index`` (spares follow the servers).
+
+    Raises:
+        ValueError: the pool has no NVSHMEM world, or ``index`` is outside it.
+    """
+    layout = world_layout(spec)
+    if layout is None:
+        raise ValueError("spec.transport.scheme is not nvshmem: no PEs")
+    return layout.pe(*server_role(spec, index))
+
+
+def server_endpoint(spec: ExpertPoolSpec, index: int, ip: str) -> str:
+    """The routing-table endpoint of server pod ``index`` at ``ip``: ``nvshmem:PE`` in an
+    NVSHMEM world (its PE, whatever its IP; ``""`` for a pod outside the world, e.g. an excess
+    pod of an older spec, which no table lists), else ``tcp://IP:port``."""
+    layout = world_layout(spec)
+    if layout is not None:
+        if not 0 <= index < desired_server_count(spec):
+            return ""
+        return f"nvshmem:{server_pe(spec, index)}"
+    return f"tcp://{ip}:{spec.port}"
+
+
+def nvshmem_uid_file(pool: str, spec: ExpertPoolSpec) -> str:
+    """Where the world's members exchange its unique id: one file per pool and world layout
+    (a new layout is a new world, so no member ever reads an older world's id), on the
+    ``uidVolume`` mounted at ``/var/run/eaas/nvshmem``.
+
+    Raises:
+        ValueError: the pool has no NVSHMEM world.
+    """
+    layout = world_layout(spec)
+    if layout is None:
+        raise ValueError("spec.transport.scheme is not nvshmem: no unique-id file")
+    world = content_hash([layout.clients, layout.servers, layout.spares], 8)
+    return f"{NVSHMEM_UID_MOUNT_DIR}/{pool}-{world}.uid"
+
+
+def nvshmem_env(pool: str, spec: ExpertPoolSpec, role: str, index: int) -> list[dict[str, str]]:
+    """core/v1 EnvVars of one world member (``role`` client | server | spare, its index in
+    the role): :func:`eaas.runtime.transport.nvshmem_world.world_env` (``EAAS_NVSHMEM_*``,
+    ``NVSHMEM_IB_ENABLE_IBGDA``); empty without an NVSHMEM world."""
+    layout = world_layout(spec)
+    if layout is None or spec.transport.nvshmem is None:
+        return []
+    env = world_env(
+        layout, role, index, nvshmem_uid_file(pool, spec), ibgda=spec.transport.nvshmem.ibgda
+    )
+    return [{"name": k, "value": v} for k, v in sorted(env.items())]
+
+
 def server_command(
-    spec: ExpertPoolSpec, pod_name: str, experts: Sequence[LayerExpert]
+    spec: ExpertPoolSpec, pod_name: str, experts: Sequence[LayerExpert], index: int = 0
 ) -> list[str]:
     """The expert server's command line (flag names fixed by the runtime): the model path as the
     container sees it, the hosted experts (``assignment: command-line``) or the push token file
     (``routing-table``: no experts, they come from the pushed table), the data-plane listener
-    and the HTTP port of ``/health`` and ``/metrics`` (also the table push endpoint)."""
+    and the HTTP port of ``/health`` and ``/metrics`` (also the table push endpoint).
+
+    In an NVSHMEM world (``spec.transport.scheme: nvshmem``) the listener is ``nvshmem:PE``
+    (pod ``index``'s PE), the server computes on the GPU (``--device cuda``) and a spare pod
+    (``index >= replicas``) starts with ``--spare``; the world itself comes from the env vars
+    of :func:`nvshmem_env`."""
     cmd = ["eaas", "expert-server", "--model", spec.model.model_path(), "--server-id", pod_name]
-    if table_assignment(spec):
+    spare = world_layout(spec) is not None and server_role(spec, index)[0] == "spare"
+    if spare:
+        cmd += ["--spare"]
+    if table_assignment(spec) or spare:
         cmd += ["--push-token-file", f"{SERVER_TOKEN_MOUNT_DIR}/{PUSH_TOKEN_KEY}"]
     else:
         cmd += ["--experts", format_expert_spec(experts)]
-    return cmd + ["--listen", f"tcp://0.0.0.0:{spec.port}", "--http-port", str(spec.health_port)]
+    if world_layout(spec) is not None:
+        cmd += ["--listen", f"nvshmem:{server_pe(spec, index)}", "--device", "cuda"]
+    else:
+        cmd += ["--listen", f"tcp://0.0.0.0:{spec.port}"]
+    return cmd + ["--http-port", str(spec.health_port)]
 
 
 def server_push_secret(owner: Owner, token: str) -> dict[str, Any]:
@@ -159,7 +247,7 @@ def server_pod(
                 "name": SERVER_ROLE,
                 "image": spec.image,
                 "imagePullPolicy": spec.image_pull_policy,
-                "command": server_command(spec, name, experts),
+                "command": server_command(spec, name, experts, index),
                 "ports": [
                     {"name": "experts", "containerPort": spec.port, "protocol": "TCP"},
                     {"name": "http", "containerPort": spec.health_port, "protocol": "TCP"},
@@ -175,8 +263,15 @@ def server_pod(
     if volume is not None and mount is not None:
         pod_spec["volumes"] = [volume]
         pod_spec["containers"][0]["volumeMounts"] = [mount]
+    nv = spec.transport.nvshmem if world_layout(spec) is not None else None
+    if nv is not None:  # an NVSHMEM world member: its PE's env and the shared uid volume
+        container = pod_spec["containers"][0]
+        container["env"] = nvshmem_env(owner.name, spec, *server_role(spec, index))
+        container["ports"] = [p for p in container["ports"] if p["name"] != "experts"]
+        pod_spec.setdefault("volumes", []).append(nv.uid_volume.volume())
+        container.setdefault("volumeMounts", []).append(nv.uid_volume.volume_mount())
     table_mode = table_assignment(spec)
-    if table_mode:
+    if table_mode or (nv is not None and nv.spares > 0):
         pod_spec.setdefault("volumes", []).append(
             {
                 "name": "server-push-token",
@@ -229,10 +324,11 @@ def desired_table_pods(
     owner: Owner, spec: ExpertPoolSpec, revision: str
 ) -> dict[str, dict[str, Any]]:
     """Pod name -> manifest of ``spec.replicas`` servers of a ``routing-table`` pool (no
-    experts in any of them: the same manifests whatever the placement)."""
+    experts in any of them: the same manifests whatever the placement), plus an NVSHMEM
+    world's spare pods (indices ``replicas ..``; never placed on until the table names them)."""
     return {
         server_name(owner.name, s): server_pod(owner, spec, s, (), revision)
-        for s in range(spec.replicas)
+        for s in range(desired_server_count(spec))
     }
 
 

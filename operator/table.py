@@ -9,7 +9,7 @@ from typing import Any
 
 from eaas.operator.crd import ANNOTATION_TABLE_VERSION, LABEL_POOL, ExpertPoolSpec
 from eaas.operator.names import MANAGED_BY, TABLE_KEY, Owner, table_configmap_name
-from eaas.operator.pods import ObservedPod
+from eaas.operator.pods import ObservedPod, server_endpoint
 from eaas.runtime.placement import LayerExpert
 from eaas.runtime.routing import RoutingTable
 
@@ -21,7 +21,8 @@ def build_routing_table(
     spec: ExpertPoolSpec, live: Sequence[ObservedPod], version: int
 ) -> RoutingTable:
     """Routing table over the ``live`` pods: each (layer, expert) of the model lists the live
-    pods whose ``eaas.io/experts`` names it, in server-index order; endpoints ``tcp://IP:port``.
+    pods whose ``eaas.io/experts`` names it, in server-index order; endpoints ``tcp://IP:port``
+    (``nvshmem:PE`` in an NVSHMEM world, :func:`eaas.operator.pods.server_endpoint`).
     Experts outside the model's range (a pod from an older spec) are ignored."""
     pods = sorted(live, key=lambda p: (p.index, p.name))
     layers = spec.model.layers()
@@ -32,7 +33,7 @@ def build_routing_table(
     return RoutingTable(
         version=version,
         num_experts=spec.model.num_experts,
-        servers={p.name: f"tcp://{p.ip}:{spec.port}" for p in pods},
+        servers={p.name: server_endpoint(spec, p.index, p.ip) for p in pods},
         layers={
             layer: tuple(tuple(hosting.get((layer, e), ())) for e in range(spec.model.num_experts))
             for layer in layers
@@ -132,7 +133,7 @@ def table_from_assignment(
     version: int,
 ) -> RoutingTable:
     """Routing table of ``assignment`` (server id -> pairs) over the servers of ``endpoints``
-    (server id -> ``tcp://IP:port``; their order is the replica order). Pairs outside the
+    (server id -> ``tcp://IP:port`` or ``nvshmem:PE``; their order is the replica order). Pairs outside the
     model are ignored; servers not in ``endpoints`` are left out."""
     hosting: dict[LayerExpert, list[str]] = {}
     for sid in endpoints:
