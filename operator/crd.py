@@ -321,7 +321,7 @@ class TransportSpec(_Model):
         json_schema_extra={
             "x-kubernetes-validations": [
                 {
-                    "rule": "(self.scheme == 'nvshmem') == has(self.nvshmem)",
+                    "rule": "(has(self.scheme) && self.scheme == 'nvshmem') == has(self.nvshmem)",
                     "message": "spec.transport.nvshmem is required with scheme nvshmem and only "
                     "allowed with it",
                     "fieldPath": ".nvshmem",
@@ -415,7 +415,7 @@ class ExpertPoolSpec(_Model):
                     "fieldPath": ".transport.nvshmem.spares",
                 },
                 {
-                    "rule": "!has(self.transport) || self.transport.scheme != 'nvshmem' || "
+                    "rule": "!has(self.transport) || !has(self.transport.nvshmem) || "
                     "!has(self.autoscaling)",
                     "message": "spec.autoscaling is not supported with spec.transport.scheme "
                     "nvshmem (an NVSHMEM world has a fixed set of PEs: use "
