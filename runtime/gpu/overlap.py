@@ -28,13 +28,21 @@ shared expert, the routed experts' round trip through
 :class:`~eaas.runtime.client.dispatch.RemoteExperts`) on one worker thread and ``combine``
 waits for it, so the scheduler thread computes the other micro-batch's attention while the
 expert servers work. Other steps (prefill chunks, one sequence) run the wrapped runner as is.
-On the GPU the two micro-batches would use two CUDA streams and each micro-batch's round trip
-one captured graph (:mod:`eaas.runtime.gpu.graphs`); not done yet (docs/gpu.md).
+On a CUDA device each micro-batch's work is issued on its own CUDA stream
+(:class:`MicroBatchStreams`): both streams first wait for the step's producer (the current
+stream), the MoE worker waits for an event recorded after the micro-batch's attention, the
+micro-batch's stream waits for an event recorded after its MoE call, and the current stream
+waits for both streams at the end; tensors crossing streams are ``record_stream``-ed so the
+caching allocator never reuses them early. On the CPU all of this is a no-op. (Each
+micro-batch's round trip as one captured graph, :mod:`eaas.runtime.gpu.graphs`, is not wired
+into the overlap runner: docs/gpu.md.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -120,26 +128,112 @@ def schedule(num_layers: int, micro_batches: int) -> list[Op]:
     return ops
 
 
+class MicroBatchStreams:
+    """One CUDA stream per micro-batch on a CUDA device; every method a no-op on the CPU.
+
+    Ordering (all on the device, the host never waits): :meth:`start` makes each micro-batch
+    stream wait for the current stream (the step's inputs); :meth:`on` issues a micro-batch's
+    work on its stream; :meth:`finish` makes the current stream wait for every micro-batch
+    stream. Work handed to another thread (the MoE worker) is ordered with :func:`record_event`
+    / :func:`wait_event` (events, not stream syncs).
+
+    Args:
+        device: the step's device (``cuda``: streams; anything else: no-ops).
+        micro_batches: how many streams (1 or 2).
+
+    Attributes:
+        streams: the ``torch.cuda.Stream`` per micro-batch (empty on the CPU).
+    """
+
+    def __init__(self, device: torch.device, micro_batches: int):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.streams: list[Any] = (
+            [torch.cuda.Stream(self.device) for _ in range(micro_batches)] if self.cuda else []
+        )
+
+    def start(self, inputs: torch.Tensor) -> None:
+        """Each micro-batch stream waits for the current stream, which produced ``inputs``
+        (``inputs`` is kept alive for those streams)."""
+        if not self.cuda:
+            return
+        cur = torch.cuda.current_stream(self.device)
+        for st in self.streams:
+            st.wait_stream(cur)
+            inputs.record_stream(st)
+
+    @contextlib.contextmanager
+    def on(self, micro: int) -> Iterator[None]:
+        """Issue the block's CUDA work on micro-batch ``micro``'s stream (CPU: nothing)."""
+        if not self.cuda:
+            yield
+            return
+        with torch.cuda.stream(self.streams[micro]):
+            yield
+
+    def finish(self, outputs: list[torch.Tensor]) -> None:
+        """The current stream waits for every micro-batch stream; ``outputs`` (made on those
+        streams) are kept alive for the current stream."""
+        if not self.cuda:
+            return
+        cur = torch.cuda.current_stream(self.device)
+        for st in self.streams:
+            cur.wait_stream(st)
+        for t in outputs:
+            t.record_stream(cur)
+
+
+def record_event(device: torch.device) -> Any:
+    """An event recorded on this thread's current CUDA stream of ``device``; None on the CPU."""
+    if torch.device(device).type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    return ev
+
+
+def wait_event(event: Any, device: torch.device, *tensors: torch.Tensor) -> None:
+    """This thread's current CUDA stream waits for ``event`` (None: nothing to wait for); the
+    ``tensors`` it will read (made on another stream) are kept alive for it."""
+    if event is None:
+        return
+    st = torch.cuda.current_stream(device)
+    st.wait_event(event)
+    for t in tensors:
+        t.record_stream(st)
+
+
 def run_decode_layers(
-    stack: DecodeStack, h: torch.Tensor, num_layers: int, *, overlap: bool
+    stack: DecodeStack,
+    h: torch.Tensor,
+    num_layers: int,
+    *,
+    overlap: bool,
+    streams: MicroBatchStreams | None = None,
 ) -> torch.Tensor:
     """Run ``num_layers`` decode layers over ``h`` ``[B, H]``, with or without overlap.
 
     Returns ``[B, H]``; rows in the input order. Same numbers either way (each row sees the same
-    operations in the same order).
+    operations in the same order). On a CUDA device each micro-batch's operations are issued
+    on its own stream (``streams``, default :class:`MicroBatchStreams` of ``h.device``).
     """
     parts = split_batch(int(h.shape[0])) if overlap else [slice(0, int(h.shape[0]))]
+    if streams is None:
+        streams = MicroBatchStreams(h.device, len(parts))
+    streams.start(h)
     cur = [h[p] for p in parts]
     handles: list[Any] = [None] * len(parts)
     for op in schedule(num_layers, len(parts)):
         m = op.micro
-        if op.kind == "attn":
-            cur[m] = stack.attention(op.layer, cur[m], parts[m])
-        elif op.kind == "dispatch":
-            handles[m] = stack.dispatch(op.layer, cur[m], parts[m])
-        else:
-            cur[m] = stack.combine(op.layer, cur[m], handles[m])
-            handles[m] = None
+        with streams.on(m):
+            if op.kind == "attn":
+                cur[m] = stack.attention(op.layer, cur[m], parts[m])
+            elif op.kind == "dispatch":
+                handles[m] = stack.dispatch(op.layer, cur[m], parts[m])
+            else:
+                cur[m] = stack.combine(op.layer, cur[m], handles[m])
+                handles[m] = None
+    streams.finish(cur)
     return torch.cat(cur) if len(cur) > 1 else cur[0]
 
 
@@ -171,13 +265,17 @@ class _PagedStack:
 
     def dispatch(self, layer: int, h: torch.Tensor, rows: slice) -> Future:
         blk = self.layers[layer]
+        dev = h.device
+        ready = record_event(dev)  # after this micro-batch's attention (its stream; CPU: None)
 
-        def moe() -> torch.Tensor:
+        def moe() -> tuple[torch.Tensor, Any]:
             with torch.inference_mode():  # thread-local: the worker needs its own
                 self.owner._moe_begin()
                 try:
+                    wait_event(ready, dev, h)  # the worker's stream waits for the attention
                     m = blk.mlp(blk.post_attention_layernorm(h)[None])  # (1, b, H)
-                    return (m[0] if isinstance(m, tuple) else m)[0]  # (b, H)
+                    out = (m[0] if isinstance(m, tuple) else m)[0]  # (b, H)
+                    return out, record_event(dev)
                 finally:
                     self.owner._moe_end()
 
@@ -186,7 +284,9 @@ class _PagedStack:
         return fut
 
     def combine(self, layer: int, h: torch.Tensor, handle: Future) -> torch.Tensor:
-        return h + handle.result()  # the dispatcher's own deadline bounds the wait
+        out, done = handle.result()  # the dispatcher's own deadline bounds the wait
+        wait_event(done, h.device, out)  # this micro-batch's stream waits for its MoE call
+        return h + out
 
     def drain(self) -> None:
         """Wait for every MoE call still running (after an error): none outlives the step."""

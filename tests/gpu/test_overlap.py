@@ -101,3 +101,73 @@ def test_split_batch():
         split_batch(0)
     with pytest.raises(ValueError):
         schedule(1, 3)
+
+
+def test_micro_batch_streams_are_no_ops_on_the_cpu():
+    from eaas.runtime.gpu.overlap import MicroBatchStreams, record_event, wait_event
+
+    s = MicroBatchStreams(torch.device("cpu"), 2)
+    x = torch.ones(3)
+    assert s.streams == [] and not s.cuda
+    s.start(x)
+    with s.on(1):
+        y = x * 2
+    s.finish([y])
+    assert record_event(torch.device("cpu")) is None
+    wait_event(None, torch.device("cpu"), y)  # nothing to wait for
+    assert y.tolist() == [2.0, 2.0, 2.0]
+
+
+class _CudaStack:
+    """Toy decode stack on the GPU: the MoE stand-in runs on a worker thread ordered by events
+    (:func:`record_event` / :func:`wait_event`, as the engine's overlap runner does); records
+    the stream each micro-batch's attention ran on."""
+
+    def __init__(self, device):
+        g = torch.Generator().manual_seed(1)
+        self.dev = device
+        self.wq = [(torch.randn(H, H, generator=g) / H**0.5).to(device) for _ in range(L)]
+        self.wm = [(torch.randn(H, H, generator=g) / H**0.5).to(device) for _ in range(L)]
+        self.pool = ThreadPoolExecutor(1)
+        self.attn_streams: dict[int, set[int]] = {}
+
+    def attention(self, layer, h, rows):
+        st = torch.cuda.current_stream(self.dev)
+        self.attn_streams.setdefault(rows.start, set()).add(st.cuda_stream)
+        for _ in range(20):  # enough device work for a missing wait to show
+            h = h + torch.tanh(h @ self.wq[layer]) * 0.05
+        return h
+
+    def dispatch(self, layer, h, rows):
+        from eaas.runtime.gpu.overlap import record_event, wait_event
+
+        ready = record_event(self.dev)
+
+        def moe():
+            wait_event(ready, self.dev, h)
+            out = torch.relu(h @ self.wm[layer])
+            return out, record_event(self.dev)
+
+        return self.pool.submit(moe)
+
+    def combine(self, layer, h, fut):
+        from eaas.runtime.gpu.overlap import wait_event
+
+        out, done = fut.result(timeout=60)
+        wait_event(done, self.dev, out)
+        return h + out
+
+
+@pytest.mark.gpu
+def test_micro_batches_run_on_their_own_cuda_streams_with_identical_output():
+    dev = torch.device("cuda")
+    x = torch.randn(64, H, generator=torch.Generator().manual_seed(3)).to(dev)
+    off_stack, on_stack = _CudaStack(dev), _CudaStack(dev)
+    off = run_decode_layers(off_stack, x, L, overlap=False)
+    on = run_decode_layers(on_stack, x, L, overlap=True)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(on, off, rtol=1e-4, atol=1e-4)
+    default = torch.cuda.default_stream(dev).cuda_stream
+    a, b = on_stack.attn_streams[0], on_stack.attn_streams[32]
+    assert len(a) == len(b) == 1 and a != b, (a, b)  # one stream per micro-batch
+    assert default not in a | b
