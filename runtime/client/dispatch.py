@@ -30,7 +30,9 @@ connection per expert server. Per MoE layer call (:meth:`Dispatcher.dispatch`):
    :meth:`Dispatcher.uncovered` lists the experts without a live replica
    (GET /health answers 503 while there are any).
 4. **Combine.** The per-server partial sums are added (``index_add_``) into one ``[T, H]``
-   tensor, returned on the caller's device.
+   tensor, returned on the caller's device. Hidden states on a GPU stay there for connections
+   whose payload is on the GPU (``cudaipc`` with a CUDA payload, ``nvshmem``); host
+   connections get one host copy per call (:mod:`eaas.runtime.gpu.staging`).
 
 Connections are opened only by the dispatcher's connector thread, never on the request path: at
 once for a new server, and for a down one after ``retry_down_s``, doubling per consecutive
@@ -58,6 +60,7 @@ import torch
 from torch import nn
 
 from eaas.runtime import metrics
+from eaas.runtime.gpu.staging import FrameStaging, staging_device
 from eaas.runtime.routing import RoutingTable, RoutingTableError
 from eaas.runtime.transport.base import (
     STATUS_NOT_HOSTED,
@@ -668,11 +671,13 @@ class Dispatcher:
         t0 = time.perf_counter()
         in_dtype, device = hidden.dtype, hidden.device
         T, H = hidden.shape
-        # frames travel from host memory: (T, H) in the wire dtype, contiguous
-        hidden = hidden.to(device="cpu", dtype=self.dtype).contiguous()
+        # frames travel from host memory, or stay on the GPU when some connection's payload is
+        # there (cudaipc with a CUDA payload, nvshmem): (T, H) in the wire dtype, contiguous
+        stage = staging_device(device, [s.conn for s in list(self._servers.values())])
+        hidden = hidden.to(device=stage, dtype=self.dtype).contiguous()
         idx64 = top_k_index.to(device="cpu", dtype=torch.int64)
         w32 = top_k_weights.to(device="cpu", dtype=torch.float32)
-        out = torch.zeros(T, H, dtype=self.dtype)
+        out = torch.zeros(T, H, dtype=self.dtype, device=stage)
         with self._call_lock:
             pending = idx64 >= 0  # (T, k) pairs still to compute
             exclude: set[str] = set()  # servers that failed during this call
@@ -730,6 +735,7 @@ class Dispatcher:
         (kept up; their pairs go to other replicas).
         """
         T = int(hidden.shape[0])
+        staging = FrameStaging(hidden)  # a host copy only for host connections, once
         failed: list[int] = []
         refused: list[int] = []
         sent: list[tuple[_Server, int, torch.Tensor | None, int]] = []
@@ -746,17 +752,18 @@ class Dispatcher:
             else:
                 ex, w = ex.index_select(0, rows), w.index_select(0, rows)
             s.seq += 1
+            conn = s.conn
+            h = staging.hidden_for(conn)  # (T, H) where this connection reads frames
             frame = RequestFrame(
                 client_id=self.client_id,
                 layer=layer,
                 table_version=table.version,
                 seq=s.seq,
-                hidden=hidden,
+                hidden=h,
                 experts=ex.to(torch.int32),
                 weights=w,
                 rows=rows,
             )
-            conn = s.conn
             try:
                 if conn is None:
                     raise PeerDeadError("connection closed")
@@ -765,7 +772,7 @@ class Dispatcher:
                     n = T if rows is None else int(rows.shape[0])
                     g = self.graphs.for_connection(conn, n, int(ex.shape[1]))
                 if g is not None:
-                    hs = hidden if rows is None else hidden.index_select(0, rows)
+                    hs = h if rows is None else h.index_select(0, staging.rows_on(rows, h))
                     graph_out[si] = (g, g.run(hs, frame.experts, w, layer=layer,
                                               table_version=table.version))  # fmt: skip
                 else:
@@ -800,11 +807,11 @@ class Dispatcher:
                         continue
                     if resp.status != STATUS_OK or resp.output is None:
                         raise RuntimeError(f"error status {resp.status}: {resp.message}")
-                    output = resp.output
+                    output = resp.output.to(out.device)  # a no-op unless devices differ
                 if rows is None:
                     out.add_(output)
                 else:
-                    out.index_add_(0, rows, output)
+                    out.index_add_(0, staging.rows_on(rows, out), output)
                 s.tokens_sent += T if rows is None else int(rows.shape[0])
                 s.consecutive = 0
             except Exception as exc:  # noqa: BLE001

@@ -420,16 +420,25 @@ class CudaIpcClientConnection(ShmClientConnection):
             self._slots.release()
         self._slots = slots
 
+    @property
+    def device_payload(self) -> bool:
+        """True with a CUDA payload: frames are taken from GPU memory as they are (the
+        dispatcher then keeps hidden states on the GPU, :mod:`eaas.runtime.gpu.staging`)."""
+        return self.payload_kind == PAYLOAD_CUDA
+
     def send(self, frame: RequestFrame, deadline: float | None = None) -> None:
         """shm's ``send``; with a CUDA payload a frame's ``rows`` are gathered on the host first
-        (``index_select`` cannot write across devices). Raises FrameError / PeerDeadError."""
-        if (
-            frame.rows is not None
-            and self.payload_kind == PAYLOAD_CUDA
-            and frame.hidden.device.type != "cuda"
-        ):
-            rows = frame.rows.to(frame.hidden.device)
-            frame = dataclasses.replace(frame, hidden=frame.hidden.index_select(0, rows), rows=None)
+        for host hidden states (``index_select`` cannot write across devices), and moved to the
+        device for device hidden states (device-to-device gather straight into the IPC
+        buffer). Raises FrameError / PeerDeadError."""
+        if frame.rows is not None and self.payload_kind == PAYLOAD_CUDA:
+            if frame.hidden.device.type != "cuda":
+                rows = frame.rows.to(frame.hidden.device)
+                frame = dataclasses.replace(
+                    frame, hidden=frame.hidden.index_select(0, rows), rows=None
+                )
+            elif frame.rows.device != frame.hidden.device:
+                frame = dataclasses.replace(frame, rows=frame.rows.to(frame.hidden.device))
         super().send(frame, deadline)
 
 

@@ -256,6 +256,10 @@ class NvshmemClientConnection(ClientConnection):
         self._counter, self._outstanding = 0, False
         self._staging = torch.zeros(world.spec.request_bytes(), dtype=torch.uint8, device="cuda")
 
+    #: frames are staged in GPU memory: the dispatcher keeps hidden states on the GPU
+    #: (:mod:`eaas.runtime.gpu.staging`)
+    device_payload = True
+
     def send(self, frame: RequestFrame, deadline: float | None = None) -> None:
         if self._outstanding:
             raise FrameError(f"connection to {self.server_id}: a request is already in flight")
