@@ -200,3 +200,36 @@ def test_serve_server_device_is_checked_up_front():
         assert rc == 2, (extra, out)
         assert message in out, (extra, out)
         assert "Traceback" not in out, (extra, out)
+
+
+@pytest.mark.gpu
+def test_cli_expert_server_on_cuda_serves_cudaipc_cuda_payload(tmp_path):
+    """``eaas expert-server --device cuda``: checkpoint weights on the GPU (native grouped
+    kernels), a CUDA-payload ``cudaipc`` client gets CUDA outputs equal to the CPU reference."""
+    model = str(default_model_dir())
+    info = read_model_info(model)
+    layer = info.moe_layers[0]
+    sock = f"cudaipc:{tmp_path}/g.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eaas", "expert-server", "--model", model, "--server-id", "g",
+         "--experts", f"{layer}:0-3", "--device", "cuda", "--listen", sock],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert "hosting 4 experts" in (proc.stdout.readline() if proc.stdout else "")
+        g = torch.Generator().manual_seed(5)
+        hidden = torch.randn(9, info.hidden_size, generator=g)
+        idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(9)])
+        w = torch.rand(9, 2, generator=g)
+        c = connect(sock, "g", hidden_size=info.hidden_size, dtype=torch.float32, payload="cuda")
+        c.send(RequestFrame(0, layer, 1, 1, hidden.cuda(), idx.to(torch.int32).cuda(), w.cuda()))
+        r = c.recv(time.monotonic() + 60)
+        assert r.status == 0, r.message
+        assert r.output.is_cuda
+        hosted = load_expert_weights(model, [(layer, e) for e in range(4)], torch.float32)
+        ref = weighted_expert_sum(hidden, idx, w, {e: hosted[(layer, e)] for e in range(4)})
+        torch.testing.assert_close(r.output.cpu(), ref, rtol=1e-4, atol=1e-5)
+        c.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)
