@@ -10,6 +10,7 @@ from typing import Any
 from eaas.operator.crd import ANNOTATION_SPEC_HASH, AttentionFleetSpec, Condition, ExpertPoolSpec
 from eaas.operator.names import (
     CLIENT_ROLE,
+    GPU_RESOURCE,
     MANAGED_BY,
     PUSH_TOKEN_KEY,
     PUSH_TOKEN_MOUNT_DIR,
@@ -23,7 +24,9 @@ from eaas.operator.names import (
     table_configmap_name,
 )
 from eaas.operator.overlay import apply_pod_template
+from eaas.operator.pods import nvshmem_uid_file, world_layout
 from eaas.operator.status import set_condition
+from eaas.runtime.transport.nvshmem_world import client_env
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,7 +66,31 @@ def client_command(
         cmd += ["--failure-report-url", failure_report_url]
     if pool is not None:
         cmd += ["--dispatch-timeout", f"{pool.failure_detection.dispatch_timeout_ms / 1000:g}"]
+        if world_layout(pool) is not None:  # an NVSHMEM world member computes on the GPU
+            cmd += ["--device", "cuda"]
     return cmd
+
+
+def _join_world(
+    spec: AttentionFleetSpec,
+    pool: ExpertPoolSpec,
+    container: dict[str, Any],
+    volumes: list[dict[str, Any]],
+) -> None:
+    """Make the client container a member of the pool's NVSHMEM world (in place): the env of
+    :func:`~eaas.runtime.transport.nvshmem_world.client_env` (each pod claims a free client
+    PE next to the uid file: Deployment pods are identical), one GPU, the uid volume."""
+    layout, nv = world_layout(pool), pool.transport.nvshmem
+    assert layout is not None and nv is not None
+    uid_file = nvshmem_uid_file(spec.expert_pool_ref.name, pool)
+    env = client_env(layout, uid_file, ibgda=nv.ibgda)
+    container["env"] = [{"name": k, "value": v} for k, v in sorted(env.items())]
+    res = dict(container.get("resources") or {})
+    for key in ("requests", "limits"):
+        res[key] = {**(res.get(key) or {}), GPU_RESOURCE: "1"}
+    container["resources"] = res
+    volumes.append(nv.uid_volume.volume())
+    container["volumeMounts"].append(nv.uid_volume.volume_mount())
 
 
 def fleet_deployment(
@@ -79,6 +106,10 @@ def fleet_deployment(
     Secret ``<fleet>-push-token`` read-only and, with ``spec.model`` naming a volume, the
     weights at ``/models``; ``GET /health`` is the readiness probe (503 while some expert has no
     live replica, so the Service routes elsewhere). ``spec.podTemplate`` is merged in last.
+    With a pool whose ``spec.transport.scheme`` is ``nvshmem`` every client joins the pool's
+    NVSHMEM world (:func:`_join_world`: ``--device cuda``, one GPU, the uid volume, env to
+    claim a client PE; strategy Recreate). The fleet's ``replicas`` must equal the pool's
+    ``transport.nvshmem.clients``: a surplus client finds no free PE and exits.
 
     Args:
         report_base_url: the operator's monitor address as clients reach it (e.g.
@@ -124,6 +155,10 @@ def fleet_deployment(
     if volume is not None and mount is not None:
         volumes.append(volume)
         container["volumeMounts"].append(mount)
+    in_world = pool is not None and world_layout(pool) is not None
+    if in_world:
+        assert pool is not None
+        _join_world(spec, pool, container, volumes)
     pod_spec: dict[str, Any] = {
         "serviceAccountName": client_account_name(owner.name),
         "containers": [container],
@@ -140,11 +175,13 @@ def fleet_deployment(
         },
         spec.pod_template,
     )
-    dep_spec = {
+    dep_spec: dict[str, Any] = {
         "replicas": spec.replicas,
         "selector": {"matchLabels": labels},
         "template": template,
     }
+    if in_world:  # a world's PEs are fixed: never run old and new clients side by side
+        dep_spec["strategy"] = {"type": "Recreate"}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

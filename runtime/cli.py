@@ -272,6 +272,41 @@ def _nvshmem_world_config(world_size, pe, uid_file, listen: str | None = None):
     return cfg
 
 
+def _claim_client_pe(world_size, pe, uid_file, client_pes: int) -> int:
+    """``--nvshmem-client-pes``: this client's PE, claimed next to the uid file
+    (:func:`eaas.runtime.transport.nvshmem_world.claim_client_pe`, holder = ``HOSTNAME``).
+    Nothing is claimed where the world cannot be joined.
+
+    Raises:
+        typer.BadParameter: with ``--nvshmem-pe``, without the world size / uid file, a count
+            outside ``1 .. world-1``, no nvshmem4py / GPU here, or no free client PE.
+    """
+    import socket
+
+    from eaas.runtime.transport.nvshmem import nvshmem_unavailable_reason
+    from eaas.runtime.transport.nvshmem_world import MembershipError, claim_client_pe
+
+    if pe is not None:
+        raise typer.BadParameter("give --nvshmem-pe or --nvshmem-client-pes, not both")
+    if world_size is None or not uid_file:
+        raise typer.BadParameter(
+            "--nvshmem-client-pes needs --nvshmem-world and --nvshmem-uid-file"
+        )
+    if not 1 <= client_pes < world_size:
+        raise typer.BadParameter(
+            f"--nvshmem-client-pes must be in 1..{world_size - 1} (--nvshmem-world "
+            f"{world_size}), got {client_pes}"
+        )
+    reason = nvshmem_unavailable_reason()
+    if reason is not None:
+        raise typer.BadParameter(f"--nvshmem-world: {reason}")
+    holder = os.environ.get("HOSTNAME") or socket.gethostname()
+    try:
+        return claim_client_pe(uid_file, client_pes, holder)
+    except (ValueError, MembershipError, OSError) as e:
+        raise typer.BadParameter(f"--nvshmem-client-pes: {e}") from None
+
+
 def _check_dispatch_timeout(seconds: float) -> None:
     """Raises: typer.BadParameter (exit code 2) unless ``seconds`` is a finite number > 0."""
     import math
@@ -382,6 +417,13 @@ def attention_client(
     nvshmem_world: NvshmemWorldOption = None,
     nvshmem_pe: NvshmemPeOption = None,
     nvshmem_uid_file: NvshmemUidFileOption = None,
+    nvshmem_client_pes: int = typer.Option(
+        None,
+        "--nvshmem-client-pes",
+        envvar="EAAS_NVSHMEM_CLIENT_PES",
+        help="Instead of --nvshmem-pe: claim a free client PE 0..N-1 next to the uid file "
+        "(identical pods of a Deployment; a restarted pod gets its PE back).",
+    ),
 ) -> None:
     """Run one attention client with the OpenAI-compatible API (the process a client pod runs).
 
@@ -390,6 +432,10 @@ def attention_client(
     from eaas.runtime.client.main import run_attention_client
 
     _check_dispatch_timeout(dispatch_timeout)
+    if nvshmem_client_pes is not None:
+        nvshmem_pe = _claim_client_pe(
+            nvshmem_world, nvshmem_pe, nvshmem_uid_file, nvshmem_client_pes
+        )
     world_cfg = _nvshmem_world_config(nvshmem_world, nvshmem_pe, nvshmem_uid_file)
     if world_cfg is not None and local_experts:
         raise typer.BadParameter(

@@ -9,6 +9,7 @@ re-exports every name here. Design: docs/gpu.md "nvshmem:PE" and "Elastic member
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 
@@ -131,6 +132,8 @@ class WorldLayout:
 ENV_WORLD_SIZE = "EAAS_NVSHMEM_WORLD_SIZE"
 ENV_PE = "EAAS_NVSHMEM_PE"
 ENV_UID_FILE = "EAAS_NVSHMEM_UID_FILE"
+#: Identical pods (an AttentionFleet's Deployment) claim a client PE instead of being given one.
+ENV_CLIENT_PES = "EAAS_NVSHMEM_CLIENT_PES"
 
 
 @dataclass(frozen=True)
@@ -230,3 +233,62 @@ def ibgda_env(enable: bool = True) -> dict[str, str]:
     (``NVSHMEM_IB_ENABLE_IBGDA``). Set them in the process environment before init.
     """
     return {"NVSHMEM_IB_ENABLE_IBGDA": "1" if enable else "0"}
+
+
+def client_env(layout: WorldLayout, uid_file: str, *, ibgda: bool = True) -> dict[str, str]:
+    """Environment of an attention client that claims its PE (:func:`claim_client_pe`): the
+    world size, the uid file, :data:`ENV_CLIENT_PES` (how many client PEs there are) and
+    :func:`ibgda_env`. For identical pods, which cannot each be given a PE."""
+    return {
+        ENV_WORLD_SIZE: str(layout.world_size),
+        ENV_CLIENT_PES: str(layout.clients),
+        ENV_UID_FILE: uid_file,
+        **ibgda_env(ibgda),
+    }
+
+
+def claim_client_pe(uid_file: str, clients: int, holder: str) -> int:
+    """Claim the lowest free client PE ``0 .. clients-1`` of the world whose unique id lives in
+    ``uid_file``: an exclusive create of ``<uid_file>.client-<PE>`` holding ``holder`` (the
+    pod name), atomic on one file system, so concurrent claimers get distinct PEs. A holder
+    that already claimed one (a restarted container of the same pod) gets it back.
+
+    Args:
+        uid_file: the world's unique-id file (its directory is the shared volume).
+        clients: client PEs of the world (``>= 1``).
+        holder: this process's stable name (the pod name: ``HOSTNAME``); not empty.
+
+    Returns:
+        the claimed PE.
+
+    Raises:
+        ValueError: bad arguments.
+        MembershipError: every client PE is held by another holder (more clients than the
+            world has client PEs, or a client was replaced: the world must be restarted).
+    """
+    if clients < 1:
+        raise ValueError(f"--nvshmem-client-pes must be >= 1, got {clients}")
+    if not holder or "\n" in holder:
+        raise ValueError(f"a client PE holder needs a one-line name, got {holder!r}")
+    held = {}
+    for pe in range(clients):
+        path = f"{uid_file}.client-{pe}"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            try:
+                with open(path) as f:
+                    owner = f.read().strip()
+            except OSError:
+                owner = "?"
+            if owner == holder:
+                return pe
+            held[pe] = owner
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(holder + "\n")
+        return pe
+    raise MembershipError(
+        f"no free client PE in 0..{clients - 1} of the NVSHMEM world at {uid_file}: held by "
+        f"{held}; the world has a fixed set of PEs, start a new world to replace a client"
+    )

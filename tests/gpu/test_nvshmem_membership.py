@@ -169,3 +169,51 @@ def test_cli_nvshmem_world_errors(tmp_path):
         assert rc == 2, (args, out)
         assert message in out, (args, out)
         assert "Traceback" not in out, (args, out)
+
+
+def test_client_pe_claims_are_exclusive_and_stable(tmp_path):
+    from eaas.runtime.transport.nvshmem_world import MembershipError, claim_client_pe
+
+    uid = str(tmp_path / "w.uid")
+    got: list[int] = []
+    lock = threading.Lock()
+
+    def claim(name):
+        pe = claim_client_pe(uid, 3, name)
+        with lock:
+            got.append(pe)
+
+    ts = [threading.Thread(target=claim, args=(f"pod-{i}",)) for i in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert sorted(got) == [0, 1, 2]  # concurrent claimers: distinct PEs
+    mine = claim_client_pe(uid, 3, "pod-1")  # a restarted container of the same pod
+    assert (tmp_path / f"w.uid.client-{mine}").read_text().strip() == "pod-1"
+    with pytest.raises(MembershipError, match="no free client PE in 0..2"):
+        claim_client_pe(uid, 3, "pod-new")  # a replacement pod: the world must restart
+    with pytest.raises(ValueError, match="one-line name"):
+        claim_client_pe(uid, 3, "")
+
+
+@pytest.mark.skipif(
+    nvshmem_unavailable_reason() is None, reason="checks the error where nvshmem4py/GPU is missing"
+)
+def test_cli_client_pe_claim_errors(tmp_path):
+    uid = str(tmp_path / "uid")
+    base = ["attention-client", "--routing-table", uid, "--port", "1"]
+    cases = [
+        (["--nvshmem-client-pes", "2", "--nvshmem-pe", "0", "--nvshmem-world", "4",
+          "--nvshmem-uid-file", uid], "give --nvshmem-pe or --nvshmem-client-pes, not both"),
+        (["--nvshmem-client-pes", "2"], "needs --nvshmem-world and --nvshmem-uid-file"),
+        (["--nvshmem-client-pes", "4", "--nvshmem-world", "4", "--nvshmem-uid-file", uid],
+         "must be in 1..3"),
+        (["--nvshmem-client-pes", "2", "--nvshmem-world", "4", "--nvshmem-uid-file", uid],
+         "nvshmem4py"),
+    ]  # fmt: skip
+    for args, message in cases:
+        rc, out = _eaas(*base, *args)
+        assert rc == 2, (args, out)
+        assert message in out, (args, out)
+    assert list(tmp_path.iterdir()) == []  # nothing claimed where the world cannot be joined

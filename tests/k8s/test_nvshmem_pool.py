@@ -145,3 +145,26 @@ def test_nvshmem_spares_are_started_empty(ns, operator):  # noqa: F811
         assert _env(p)["EAAS_NVSHMEM_WORLD_SIZE"] == "7"
         vols = {v["name"]: v for v in p["spec"]["volumes"]}
         assert vols["nvshmem-uid"]["hostPath"] == {"path": "/var/eaas", "type": "DirectoryOrCreate"}
+
+
+def test_fleet_of_an_nvshmem_pool_joins_its_world(ns, operator):  # noqa: F811
+    """The pool's AttentionFleet: client pods claim a client PE of the same world (same uid
+    file), on a GPU, with ``--device cuda``; Recreate rollouts."""
+    transport = _nv(clients=2, uidVolume={"hostPath": "/var/run/eaas-nv"})
+    assert apply(pool_manifest("tiny", transport=transport), ns).returncode == 0
+    fleet = {
+        "apiVersion": "eaas.io/v1alpha1",
+        "kind": "AttentionFleet",
+        "metadata": {"name": "tiny-clients"},
+        "spec": {"expertPoolRef": {"name": "tiny"}, "replicas": 2, "model": {"uri": "/m"}},
+    }
+    assert apply(fleet, ns).returncode == 0
+    dep = wait_for("deployment", lambda: get("deployment", "tiny-clients", ns), timeout=60)
+    assert dep["spec"]["strategy"]["type"] == "Recreate"
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert _flag(c["command"], "--device") == "cuda"
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["EAAS_NVSHMEM_WORLD_SIZE"] == "6" and env["EAAS_NVSHMEM_CLIENT_PES"] == "2"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    server = wait_for("a server pod", lambda: (pods(ns, "tiny") or [None])[0], timeout=60)
+    assert env["EAAS_NVSHMEM_UID_FILE"] == _env(server)["EAAS_NVSHMEM_UID_FILE"]

@@ -155,3 +155,38 @@ def test_routing_table_lists_nvshmem_endpoints():
     ]  # fmt: skip
     table = build_routing_table(spec, live, 1)
     assert table.servers == {f"tiny-{i}": f"nvshmem:{3 + i}" for i in range(4)}
+
+
+def test_fleet_clients_join_the_pools_world():
+    from eaas.operator.crd import AttentionFleetSpec
+    from eaas.operator.desired import fleet_deployment
+
+    fleet = AttentionFleetSpec.model_validate(
+        {"expertPoolRef": {"name": "tiny"}, "replicas": 2, "model": {"uri": "/models/tiny"},
+         "resources": {"requests": {"cpu": "2"}}}
+    )  # fmt: skip
+    owner = Owner(kind="AttentionFleet", name="tiny-clients", namespace="ns", uid="u2")
+    pool = nv_spec(clients=2, spares=1, placement={"assignment": "routing-table"})
+    dep = fleet_deployment(owner, fleet, pool)
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert _flag(c["command"], "--device") == "cuda"
+    assert _env(c) == {
+        "EAAS_NVSHMEM_WORLD_SIZE": "7",  # 2 clients + 4 servers + 1 spare
+        "EAAS_NVSHMEM_CLIENT_PES": "2",
+        "EAAS_NVSHMEM_UID_FILE": nvshmem_uid_file("tiny", pool),  # the servers' file
+        "NVSHMEM_IB_ENABLE_IBGDA": "1",
+    }
+    assert c["resources"] == {
+        "requests": {"cpu": "2", "nvidia.com/gpu": "1"},
+        "limits": {"nvidia.com/gpu": "1"},
+    }
+    assert {"name": "nvshmem-uid", "mountPath": NVSHMEM_UID_MOUNT_DIR} in c["volumeMounts"]
+    assert any(v["name"] == "nvshmem-uid" for v in pod["volumes"])
+    # a tcp pool's clients are unchanged
+    plain = fleet_deployment(owner, fleet, make_spec())
+    assert "strategy" not in plain["spec"]
+    (pc,) = plain["spec"]["template"]["spec"]["containers"]
+    assert "--device" not in pc["command"] and "env" not in pc
+    assert pc["resources"] == {"requests": {"cpu": "2"}}
