@@ -111,6 +111,7 @@ from eaas.operator.pods import (
     server_push_secret,
     server_push_secret_name,
     table_assignment,
+    table_members,
 )
 from eaas.operator.pool_placement import member_placement, rebalance_due, table_placement
 from eaas.operator.push import ObservedClient, PushRetry, clients_to_push, push_all
@@ -1087,7 +1088,7 @@ def _reconcile_table_pool(
     endpoints = {n: ep for n, ep in endpoints.items() if n not in deleted}
 
     # 2. the candidate table
-    members = [p.name for p in live if 0 <= p.index < spec.replicas]
+    members = table_members(spec, live)  # in an NVSHMEM world spares stand in for the missing
     if published is not None and any(endpoints.get(s) != ep for s, ep in published.servers.items()):
         survivors = {s: ep for s, ep in published.servers.items() if endpoints.get(s) == ep}
         candidate = table_from_assignment(spec, held, survivors, 0)  # failure: remove at once

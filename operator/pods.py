@@ -126,6 +126,20 @@ def nvshmem_env(pool: str, spec: ExpertPoolSpec, role: str, index: int) -> list[
     return [{"name": k, "value": v} for k, v in sorted(env.items())]
 
 
+def table_members(spec: ExpertPoolSpec, live: Sequence[ObservedPod]) -> list[str]:
+    """The servers a ``routing-table`` placement spreads experts over, in index order: the live
+    pods with ``index < replicas``; in an NVSHMEM world, live spares (``index >= replicas``,
+    lowest first) stand in for the missing ones -- a server that left the world cannot come
+    back into it (its PE set is fixed), so its replacement is a spare (docs/gpu.md "Elastic
+    membership"). ``live``: pods usable now (:attr:`ObservedPod.live`)."""
+    pods = sorted(live, key=lambda p: (p.index, p.name))
+    members = [p.name for p in pods if 0 <= p.index < spec.replicas]
+    if world_layout(spec) is not None:
+        spares = [p.name for p in pods if spec.replicas <= p.index < desired_server_count(spec)]
+        members += spares[: max(0, spec.replicas - len(members))]
+    return members
+
+
 def server_command(
     spec: ExpertPoolSpec, pod_name: str, experts: Sequence[LayerExpert], index: int = 0
 ) -> list[str]:

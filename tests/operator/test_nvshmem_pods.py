@@ -190,3 +190,22 @@ def test_fleet_clients_join_the_pools_world():
     (pc,) = plain["spec"]["template"]["spec"]["containers"]
     assert "--device" not in pc["command"] and "env" not in pc
     assert pc["resources"] == {"requests": {"cpu": "2"}}
+
+
+def test_spares_stand_in_for_missing_servers_in_the_placement():
+    from eaas.operator.pods import table_members
+
+    def pod(i, live=True):
+        return ObservedPod(name=f"tiny-{i}", index=i, ready=live, ip="10.0.0.1", phase="Running")
+
+    spec = nv_spec(clients=1, spares=2, placement={"assignment": "routing-table"})
+    everyone = [pod(i) for i in range(6)]
+    assert table_members(spec, everyone) == [f"tiny-{i}" for i in range(4)]  # spares idle
+    # tiny-1 left the world (dead, or a replacement that cannot join): the first spare stands in
+    without_1 = [p for p in everyone if p.index != 1]
+    assert table_members(spec, without_1) == ["tiny-0", "tiny-2", "tiny-3", "tiny-4"]
+    gone = [p for p in everyone if p.index not in (1, 2, 4)]
+    assert table_members(spec, gone) == ["tiny-0", "tiny-3", "tiny-5"]  # no spare left
+    # a tcp pool has no spares: an excess pod never becomes a member
+    tcp = make_spec(placement={"assignment": "routing-table"})
+    assert table_members(tcp, without_1) == ["tiny-0", "tiny-2", "tiny-3"]
