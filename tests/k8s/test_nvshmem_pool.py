@@ -168,3 +168,14 @@ def test_fleet_of_an_nvshmem_pool_joins_its_world(ns, operator):  # noqa: F811
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
     server = wait_for("a server pod", lambda: (pods(ns, "tiny") or [None])[0], timeout=60)
     assert env["EAAS_NVSHMEM_UID_FILE"] == _env(server)["EAAS_NVSHMEM_UID_FILE"]
+
+
+def test_nvshmem_example_is_valid(ns, operator):  # noqa: F811
+    """``deploy/examples/tiny-pool-nvshmem.yaml`` passes the API server's validation."""
+    from k8s_helpers import kubectl
+    from test_operator import ROOT
+
+    path = str(ROOT / "deploy/examples/tiny-pool-nvshmem.yaml")
+    r = kubectl("apply", "--dry-run=server", "-n", ns, "-f", path, check=False)
+    assert r.returncode == 0, r.stderr
+    assert "expertpool.eaas.io/tiny created (server dry run)" in r.stdout, r.stdout
