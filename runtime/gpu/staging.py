@@ -71,6 +71,6 @@ class FrameStaging:
         return self._host
 
     @staticmethod
-    def rows_on(rows: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
-        """``rows`` ``[n]`` int64 on ``like``'s device (None stays None)."""
-        return None if rows is None else rows.to(like.device)
+    def rows_on(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """``rows`` ``[n]`` int64 on ``like``'s device (the same tensor when already there)."""
+        return rows.to(like.device)

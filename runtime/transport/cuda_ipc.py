@@ -431,14 +431,15 @@ class CudaIpcClientConnection(ShmClientConnection):
         for host hidden states (``index_select`` cannot write across devices), and moved to the
         device for device hidden states (device-to-device gather straight into the IPC
         buffer). Raises FrameError / PeerDeadError."""
-        if frame.rows is not None and self.payload_kind == PAYLOAD_CUDA:
-            if frame.hidden.device.type != "cuda":
-                rows = frame.rows.to(frame.hidden.device)
+        rows = frame.rows
+        if rows is not None and self.payload_kind == PAYLOAD_CUDA:
+            dev = frame.hidden.device
+            if dev.type != "cuda":
                 frame = dataclasses.replace(
-                    frame, hidden=frame.hidden.index_select(0, rows), rows=None
+                    frame, hidden=frame.hidden.index_select(0, rows.to(dev)), rows=None
                 )
-            elif frame.rows.device != frame.hidden.device:
-                frame = dataclasses.replace(frame, rows=frame.rows.to(frame.hidden.device))
+            elif rows.device != dev:
+                frame = dataclasses.replace(frame, rows=rows.to(dev))
         super().send(frame, deadline)
 
 
