@@ -39,80 +39,170 @@ ending before the client's next frame arrives (then a doorbell and a wake-up).
 from __future__ import annotations
 
 import argparse
+import functools
 import mmap
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
-import numpy as np
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 # ---- the minimal prototype ------------------------------------------------------------------
-class _Proto:
-    """One MAP_SHARED buffer: ``flags int64[16]`` ([0] request counter, [8] response counter,
-    separate cache lines), then the request and response regions of ``[n, H]`` each."""
+_MAX_SPIN_S = 2e-3  # as the shm client: never spin longer than this for one response
 
-    def __init__(self, n: int, hidden: int, dtype: torch.dtype):
+
+class _Proto:
+    """One MAP_SHARED buffer holding what a frame holds: ``flags int64[16]`` ([0] request
+    counter, [1] server waiting; [8] response counter, [9] client waiting: two cache lines),
+    the request ``hidden [n, H]``, ``experts [n, k]`` int32 and ``weights [n, k]`` float32,
+    and the response ``[n, H]``; plus a ``SOCK_SEQPACKET`` socket pair as the doorbell."""
+
+    def __init__(self, n: int, hidden: int, k: int, dtype: torch.dtype):
         esz = torch.empty((), dtype=dtype).element_size()
         body = n * hidden * esz
-        self.mm = mmap.mmap(-1, 128 + 2 * body)  # anonymous, shared with a forked child
-        self.flags = np.frombuffer(self.mm, dtype=np.int64, count=16)
+        self.mm = mmap.mmap(-1, 128 + 2 * body + 2 * n * k * 4)  # anonymous, shared with a fork
+        self.flags = memoryview(self.mm)[:128].cast("q")
         self.req = torch.frombuffer(self.mm, dtype=dtype, count=n * hidden, offset=128).view(
             n, hidden
         )
-        self.resp = torch.frombuffer(
-            self.mm, dtype=dtype, count=n * hidden, offset=128 + body
-        ).view(n, hidden)
+        off = 128 + body
+        self.experts = torch.frombuffer(self.mm, dtype=torch.int32, count=n * k, offset=off)
+        self.experts = self.experts.view(n, k)
+        off += n * k * 4
+        self.weights = torch.frombuffer(self.mm, dtype=torch.float32, count=n * k, offset=off)
+        self.weights = self.weights.view(n, k)
+        off += n * k * 4
+        self.resp = torch.frombuffer(self.mm, dtype=dtype, count=n * hidden, offset=off).view(
+            n, hidden
+        )
+        self.client_sock, self.server_sock = socket.socketpair(
+            socket.AF_UNIX, socket.SOCK_SEQPACKET
+        )
 
 
-def _proto_server(p: _Proto) -> None:
-    """Child: spin on the request counter, echo, publish the response counter; -1 stops."""
+_LOCK = threading.Lock()
+_acquire, _release = _LOCK.acquire, _LOCK.release  # the store-load fence (a locked op on x86)
+
+
+def _proto_block(flags, idx: int, old: int, waiting_idx: int, sock: socket.socket) -> None:
+    """Set our waiting flag (``flags[waiting_idx]``), then block on the doorbell until
+    ``flags[idx]`` is no longer ``old`` (Dekker-style, as shm: flag, fence, re-check, sleep)."""
+    flags[waiting_idx] = 1
+    try:
+        while True:
+            _acquire()
+            _release()
+            if flags[idx] != old:
+                return
+            select.select([sock], [], [])
+            sock.recv(64)
+    finally:
+        flags[waiting_idx] = 0
+
+
+def _proto_server(p: _Proto, spin_s: float) -> None:
+    """Child: the shm listener's policy (spin ``spin_s`` on the request counter, then block
+    on the doorbell), echo the hidden rows, publish the response counter, ring the client's
+    doorbell only if it waits; a counter of -1 stops."""
     torch.set_num_threads(1)
-    flags, seen = p.flags, 0
+    flags, seen, sock = p.flags, 0, p.server_sock
+    sock.setblocking(True)
+    mono, yld = time.monotonic, os.sched_yield
     while True:
-        c = int(flags[0])
-        if c == seen:
-            os.sched_yield()
-            continue
+        if flags[0] == seen:
+            end = mono() + spin_s
+            while flags[0] == seen and mono() < end:
+                yld()
+            if flags[0] == seen:
+                _proto_block(flags, 0, seen, 1, sock)
+        c = flags[0]
         if c < 0:
             os._exit(0)
         p.resp.copy_(p.req)
         seen = c
         flags[8] = c
+        _acquire()
+        _release()
+        if flags[9]:
+            sock.send(b"D")
 
 
-def measure_proto(h: torch.Tensor, iters: int, bar) -> list[float]:
-    n, hidden = h.shape
-    p = _Proto(n, hidden, h.dtype)
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        try:
-            _proto_server(p)
-        finally:
-            os._exit(1)
-    out = torch.empty_like(h)
-    flags, lat = p.flags, []
-    try:
-        for i in range(1, iters + 1):
+class ProtoClient:
+    """Client end of the prototype; :meth:`round_trips` runs the shm client's policy (spin at
+    least ``spin_s`` and up to 1.5x the recent round trip, at most 2 ms, then block).
+
+    Args:
+        n, hidden, k, dtype: the frame: ``[n, hidden]`` rows, ``[n, k]`` experts / weights.
+        spin_s: the spin time of both ends, seconds.
+    """
+
+    def __init__(self, n: int, hidden: int, k: int, dtype: torch.dtype, spin_s: float):
+        self.p = p = _Proto(n, hidden, k, dtype)
+        self.spin_s = spin_s
+        self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover - child
+            try:
+                p.client_sock.close()
+                _proto_server(p, spin_s)
+            finally:
+                os._exit(1)
+        p.server_sock.close()
+        self.counter = 0
+        self.rtt = 0.0
+
+    def round_trips(
+        self, h: torch.Tensor, ex: torch.Tensor, w: torch.Tensor, iters: int, bar
+    ) -> list[float]:
+        """``iters`` round trips of ``h`` / ``ex`` / ``w``; latencies in seconds."""
+        p, spin_s = self.p, self.spin_s
+        sock, flags = p.client_sock, p.flags
+        out = torch.empty_like(h)
+        lat, rtt = [], self.rtt
+        mono, yld = time.monotonic, os.sched_yield
+        for i in range(self.counter + 1, self.counter + iters + 1):
             t0 = time.perf_counter()
             p.req.copy_(h)
+            p.experts.copy_(ex)
+            p.weights.copy_(w)
             flags[0] = i
-            while int(flags[8]) != i:
-                os.sched_yield()
+            sent = mono()
+            _acquire()
+            _release()
+            if flags[1]:
+                sock.send(b"D")
+            if flags[8] != i:
+                end = mono() + max(spin_s, min(_MAX_SPIN_S, 1.5 * rtt))
+                while flags[8] != i and mono() < end:
+                    yld()
+                if flags[8] != i:
+                    _proto_block(flags, 8, i - 1, 9, sock)
+            rtt = 0.75 * rtt + 0.25 * (mono() - sent)
             out.copy_(p.resp)
             lat.append(time.perf_counter() - t0)
             bar.update(1)
-    finally:
+        self.counter += iters
+        self.rtt = rtt
+        assert torch.equal(out, h)
+        return lat
+
+    def close(self) -> None:
+        flags = self.p.flags
         flags[0] = -1
-        os.waitpid(pid, 0)
-    assert torch.equal(out, h)
-    return lat
+        _acquire()
+        _release()
+        if flags[1]:
+            self.p.client_sock.send(b"D")
+        os.waitpid(self.pid, 0)
+        self.p.client_sock.close()
 
 
 # ---- the real transports ----------------------------------------------------------------------
@@ -149,12 +239,12 @@ def _start(endpoint: str, hidden: int, dtype: str, spin_us: float) -> tuple[subp
     return p, line[1]
 
 
-def measure_transport(conn, h: torch.Tensor, k: int, iters: int, bar) -> list[float]:
+def measure_transport(
+    conn, h: torch.Tensor, ex: torch.Tensor, w: torch.Tensor, iters: int, bar
+) -> list[float]:
+    """``iters`` round trips through a transport's public interface; latencies in seconds."""
     from eaas.runtime.transport.base import RequestFrame
 
-    n = h.shape[0]
-    ex = torch.zeros(n, k, dtype=torch.int32)
-    w = torch.ones(n, k)
     out = torch.empty_like(h)
     lat = []
     for i in range(iters):
@@ -166,6 +256,13 @@ def measure_transport(conn, h: torch.Tensor, k: int, iters: int, bar) -> list[fl
         bar.update(1)
     assert torch.equal(out, h)
     return lat
+
+
+def _run(proto, conns, h, ex, w, bar, kind: str, iters: int) -> list[float]:
+    """``iters`` round trips of ``kind`` ("proto" or a transport in ``conns``)."""
+    if kind == "proto":
+        return proto.round_trips(h, ex, w, iters, bar)
+    return measure_transport(conns[kind], h, ex, w, iters, bar)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -184,11 +281,11 @@ def main() -> None:
         help="TOKENSxHIDDEN:DTYPE (repeatable); default 1x7168:bfloat16 and 64x7168:bfloat16",
     )
     ap.add_argument("--k", type=int, default=8, help="expert entries per token in the frame")
-    ap.add_argument("--iters", type=int, default=2000, help="round trips per payload and kind")
-    ap.add_argument("--blocks", type=int, default=10, help="interleaved blocks per payload")
-    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--iters", type=int, default=4000, help="round trips per payload and kind")
+    ap.add_argument("--blocks", type=int, default=20, help="interleaved blocks per payload")
+    ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument(
-        "--spin-us", type=float, default=80.0, help="transport busy-poll before blocking"
+        "--spin-us", type=float, default=80.0, help="busy-poll before blocking (both kinds)"
     )
     ap.add_argument("--tcp", action="store_true", help="also measure the tcp transport")
     ap.add_argument("--threads", type=int, default=1, help="torch threads in the client (copies)")
@@ -209,14 +306,18 @@ def main() -> None:
         payloads.append((n, hdim, dt or "bfloat16"))
     kinds = ["proto", "shm"] + (["tcp"] if a.tcp else [])
     per_block = max(1, a.iters // a.blocks)
-    results: dict[tuple, list[float]] = {}
+    # (payload, kind) -> one list of latencies (seconds) per block
+    results: dict[tuple, list[list[float]]] = {}
     tmp = tempfile.mkdtemp(prefix="eaas-bench-")
     total = len(payloads) * len(kinds) * (per_block * a.blocks + a.warmup)
     with tqdm(total=total, desc="round trips", unit="rt", mininterval=1.0) as bar:
         for n, hdim, dt in payloads:
             dtype = DTYPES[dt]
             h = torch.randn(n, hdim).to(dtype)
+            ex = torch.randint(0, 256, (n, a.k), dtype=torch.int32)
+            w = torch.rand(n, a.k)
             procs, conns = [], {}
+            proto = ProtoClient(n, hdim, a.k, dtype, a.spin_us * 1e-6)
             try:
                 for kind in kinds[1:]:
                     ep = f"unix:{tmp}/echo.sock" if kind == "shm" else "tcp://127.0.0.1:0"
@@ -226,20 +327,16 @@ def main() -> None:
                         ep, "echo", hidden_size=hdim, dtype=dtype, max_tokens=n, max_k=a.k,
                         spin_us=a.spin_us,
                     )  # fmt: skip
+
+                run = functools.partial(_run, proto, conns, h, ex, w, bar)
                 for kind in kinds:  # warm-up, not recorded
-                    if kind == "proto":
-                        measure_proto(h, a.warmup, bar)
-                    else:
-                        measure_transport(conns[kind], h, a.k, a.warmup, bar)
-                for _ in range(a.blocks):
-                    for kind in kinds:
-                        lat = (
-                            measure_proto(h, per_block, bar)
-                            if kind == "proto"
-                            else measure_transport(conns[kind], h, a.k, per_block, bar)
-                        )
-                        results.setdefault((n, hdim, dt, kind), []).extend(lat)
+                    run(kind, a.warmup)
+                for b in range(a.blocks):
+                    # alternate the order inside a block, so neither kind always runs first
+                    for kind in kinds if b % 2 == 0 else kinds[::-1]:
+                        results.setdefault((n, hdim, dt, kind), []).append(run(kind, per_block))
             finally:
+                proto.close()
                 for c in conns.values():
                     c.close()
                 for p in procs:
@@ -247,24 +344,35 @@ def main() -> None:
                     p.wait(10)
     if not os.listdir(tmp):
         os.rmdir(tmp)
-    print()
+    print(
+        f"\n{a.blocks} interleaved blocks x {per_block} round trips per kind and payload, "
+        f"k={a.k}, spin {a.spin_us:g} us, load average {os.getloadavg()[0]:.1f}"
+    )
     print(f"{'payload':<20}{'MB/way':>8}{'kind':>7}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}")
     for n, hdim, dt in payloads:
         mb = n * hdim * torch.empty((), dtype=DTYPES[dt]).element_size() / 1e6
         for kind in kinds:
-            lat = results[(n, hdim, dt, kind)]
+            lat = [x for blk in results[(n, hdim, dt, kind)] for x in blk]
             print(
                 f"{f'{n}x{hdim} {dt}':<20}{mb:>8.3f}{kind:>7}{_pct(lat, 0.5) * 1e6:>10.1f}"
                 f"{_pct(lat, 0.99) * 1e6:>10.1f}{sum(lat) / len(lat) * 1e6:>10.1f}"
             )
-        base = results[(n, hdim, dt, "proto")]
+        base_blocks = results[(n, hdim, dt, "proto")]
+        base = [x for blk in base_blocks for x in blk]
         for kind in kinds[1:]:
-            x = results[(n, hdim, dt, kind)]
+            blocks = results[(n, hdim, dt, kind)]
+            x = [v for blk in blocks for v in blk]
+            # the spread of the ratio over blocks says how stable the median is
+            per = sorted(
+                _pct(b, 0.5) / _pct(p, 0.5) for b, p in zip(blocks, base_blocks, strict=True)
+            )
             print(
                 f"{'':<20}{'':>8}{kind + '/proto':>13} "
                 f"{_pct(x, 0.5) / _pct(base, 0.5):>4.2f}x p50"
                 f"{_pct(x, 0.99) / _pct(base, 0.99):>7.2f}x p99"
                 f"{sum(x) / sum(base):>7.2f}x mean"
+                f"   per-block p50 ratio {per[len(per) // 4]:.2f}-{per[(3 * len(per)) // 4]:.2f}"
+                f" (quartiles)"
             )
 
 

@@ -108,14 +108,21 @@ _DOORBELL = b"D"
 
 
 _yield = os.sched_yield  # spin politely: let the peer run when cores are oversubscribed
+_monotonic = time.monotonic
 _FENCE = threading.Lock()
+_fence_acquire = _FENCE.acquire
+_fence_release = _FENCE.release
+_pack_req = struct.Struct("<6q").pack_into  # request header [1..6] at byte offset 8
+_pack_resp = struct.Struct("<5q").pack_into  # response header [1..5] at byte offset 8
+_MAX_PLANS = 256  # validated frame shapes remembered per connection (cleared when full)
 
 
 def _fence() -> None:
     """Full memory barrier (store-load order) between a flag store and a counter load: an
-    uncontended lock acquire is a locked instruction on x86."""
-    with _FENCE:
-        pass
+    uncontended lock acquire is a locked instruction on x86. (The data path inlines the two
+    calls.)"""
+    _fence_acquire()
+    _fence_release()
 
 
 def _align(x: int, a: int) -> int:
@@ -306,6 +313,11 @@ class ShmClientConnection(SocketClientConnection):
         self._sent_at = 0.0
         self._counter = 0
         self._slots: _Slots | None = None
+        # validated frame shapes -> slot views, for the mapping ``_plan_slots`` (see _plan)
+        self._plans: dict[tuple, tuple] = {}
+        self._plan_slots: _Slots | None = None
+        self._resp_n, self._resp_v = -1, None  # the last request's n and its [n, H] output view
+        self._resp_frame = ResponseFrame(0, 0, STATUS_OK, None)  # what recv returns, refilled
         path = self._socket_path(endpoint)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sock = sock
@@ -339,6 +351,8 @@ class ShmClientConnection(SocketClientConnection):
         return self._slots
 
     def _release_client(self) -> None:
+        self._plans, self._plan_slots, self._resp_v = {}, None, None  # drop views: unmap now
+        self._resp_frame.output = None
         if self._slots is not None:
             self._slots.release()
             self._slots = None
@@ -399,27 +413,35 @@ class ShmClientConnection(SocketClientConnection):
         Args:
             frame: ``hidden`` ``[n, H]`` (or ``[T, H]`` with ``rows`` ``[n]`` int64, gathered
                 straight into the slot) in this connection's dtype; ``experts`` ``[n, k]`` int
-                (any int dtype, converted to int32); ``weights`` ``[n, k]`` float (converted
-                to float32).
+                (any int dtype, converted to int32 by the copy into the slot); ``weights``
+                ``[n, k]`` float (converted to float32 the same way).
 
         Raises:
             FrameError: wrong shapes/dtype, ``n`` above ``MAX_TOKENS_HARD``, or a request still
                 in flight on this connection.
             PeerDeadError: the server is gone.
+
+        Per frame this is a dictionary look-up of the frame's shapes (validated by
+        :func:`~eaas.runtime.transport.base.check_request` the first time a shape is seen on
+        the current slot, together with its slot views), one copy per tensor into the slot,
+        six header stores, the counter store and a fence.
         """
-        sock = self._sock_for_send()
-        h, rows, ex, w = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
-        n = int(h.shape[0]) if rows is None else int(rows.shape[0])
-        k = int(ex.shape[1])
-        s = self._slots_now()
-        if n > s.cap_tokens or k > s.cap_k:
-            cap_t = s.cap_tokens
-            while cap_t < n:
-                cap_t *= 2
-            self._map(min(cap_t, MAX_TOKENS_HARD), max(k, s.cap_k), _KIND_REMAP)
-            s = self._slots_now()
+        if self._outstanding or self._sock is None:
+            self._sock_for_send()  # raises FrameError (in flight) / PeerDeadError (closed)
+        h, ex, w, rows = frame.hidden, frame.experts, frame.weights, frame.rows
+        key = (
+            (h.shape, h.dtype, ex.shape, w.shape)
+            if rows is None
+            else (h.shape, h.dtype, ex.shape, w.shape, rows.shape, rows.dtype)
+        )
+        s = self._slots
+        plan = self._plans.get(key) if s is self._plan_slots else None
+        if plan is None:
+            plan = self._plan(frame, key)
+            s = self._slots
+        n, k, vh, ve, vw, vo = plan
+        assert s is not None  # _plan raised PeerDeadError otherwise
         if n:
-            vh, ve, vw = s.req_views(n, k)
             # the one copy of the hidden states: straight from the caller's tensor into the slot
             if rows is None:
                 vh.copy_(h)
@@ -429,21 +451,19 @@ class ShmClientConnection(SocketClientConnection):
             vw.copy_(w)
             s.sync()  # payload before flag
         hdr = s.req_q
-        hdr[1] = frame.layer
-        hdr[2] = frame.table_version
-        hdr[3] = n
-        hdr[4] = k
-        hdr[5] = self.client_id
-        hdr[6] = frame.seq
-        self._counter += 1
-        hdr[0] = self._counter  # written last: the ready flag
+        # header fields [1..6] in one store (one cache-line transfer to the polling server)
+        _pack_req(hdr, 8, frame.layer, frame.table_version, n, k, self.client_id, frame.seq)
+        self._resp_n, self._resp_v = n, vo
+        self._counter = c = self._counter + 1
+        hdr[0] = c  # written last: the ready flag
         self._outstanding = True
-        self._sent_at = time.monotonic()
-        _fence()
+        self._sent_at = _monotonic()
+        _fence_acquire()  # store-load fence between the counter store and the waiting-flag load
+        _fence_release()
         if not hdr[7]:
             return  # the server is spinning or busy: it will see the counter without a doorbell
         try:
-            sock.send(_DOORBELL)
+            self._open_sock().send(_DOORBELL)
         except BlockingIOError:
             pass  # the server has unread doorbells queued already; it will wake anyway
         except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as e:
@@ -451,6 +471,37 @@ class ShmClientConnection(SocketClientConnection):
             raise PeerDeadError(
                 f"expert server {self.server_id} at {self.endpoint} is gone: {e}"
             ) from None
+
+    def _plan(
+        self, frame: RequestFrame, key: tuple
+    ) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Validate a frame shape not seen on the current slot, grow the slot if needed, and
+        remember ``(n, k, hidden view [n, H], experts view, weights view, output view [n, H])``
+        under ``key`` (the experts / weights views have the caller's shapes, ``[n, k]`` or
+        ``[n]``). Raises FrameError (shapes / dtype / limits) or PeerDeadError."""
+        _, rows, ex, _ = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
+        n = int(frame.hidden.shape[0]) if rows is None else int(rows.shape[0])
+        k = int(ex.shape[1])
+        s = self._slots_now()
+        if n > s.cap_tokens or k > s.cap_k:
+            cap_t = s.cap_tokens
+            while cap_t < n:
+                cap_t *= 2
+            self._map(min(cap_t, MAX_TOKENS_HARD), max(k, s.cap_k), _KIND_REMAP)
+            s = self._slots_now()
+        if s is not self._plan_slots or len(self._plans) >= _MAX_PLANS:
+            self._plans, self._plan_slots = {}, s  # a new mapping: the old views are stale
+        vh, ve, vw = s.req_views(n, k)
+        plan = (
+            n,
+            k,
+            vh,
+            ve.view(frame.experts.shape),
+            vw.view(frame.weights.shape),
+            s.resp_view(n),
+        )
+        self._plans[key] = plan
+        return plan
 
     def _drain(self) -> None:
         """Read pending doorbells; raise PeerDeadError on EOF/reset."""
@@ -470,15 +521,23 @@ class ShmClientConnection(SocketClientConnection):
                 )
 
     def _response(self) -> ResponseFrame:
+        """The response in the slot (its done counter matched): a :class:`ResponseFrame` whose
+        ``output`` ``[n, H]`` aliases the response slot."""
         s = self._slots_now()
         hdr = s.resp_q
         self._outstanding = False
-        self._rtt = 0.75 * self._rtt + 0.25 * (time.monotonic() - self._sent_at)
-        _, layer, status, n, ln, seq, _, _ = hdr.tolist()  # one read of the header
-        if status == STATUS_OK:
-            return ResponseFrame(seq, layer, status, s.resp_view(n))
-        msg = bytes(s.resp_msg[: min(ln, _MSG_BYTES)]).decode("utf-8", "replace")
-        return ResponseFrame(seq, layer, status, None, msg)
+        self._rtt = 0.75 * self._rtt + 0.25 * (_monotonic() - self._sent_at)
+        r = self._resp_frame  # refilled for every response: no allocation per frame
+        r.seq, r.layer, r.status = hdr[5], hdr[1], hdr[2]
+        if r.status == STATUS_OK:
+            n = hdr[3]
+            r.output = self._resp_v if n == self._resp_n else s.resp_view(n)
+            r.message = ""
+        else:
+            ln = hdr[4]
+            r.output = None
+            r.message = bytes(s.resp_msg[: min(ln, _MSG_BYTES)]).decode("utf-8", "replace")
+        return r
 
     def recv(self, deadline: float) -> ResponseFrame:
         """Wait for the response to the last ``send`` until ``deadline`` (``time.monotonic()``).
@@ -492,18 +551,27 @@ class ShmClientConnection(SocketClientConnection):
                 ``recv`` may still get it); ``close`` the connection to abandon it.
             FrameError: no request in flight.
         """
-        sock = self._sock_for_recv()
+        if not self._outstanding or self._sock is None:
+            self._sock_for_recv()  # raises FrameError (nothing in flight) / PeerDeadError
         hdr = self._slots_now().resp_q
         want = self._counter
-        if hdr[0] == want:
-            return self._response()
-        # spin at least spin_us, and up to 1.5x the recent round trip (large frames take longer
-        # than spin_us to copy both ways; blocking then costs a doorbell and a wake-up)
-        now = time.monotonic()
+        if hdr[0] != want:
+            self._wait(hdr, want, deadline)
+        return self._response()
+
+    def _wait(self, hdr: memoryview, want: int, deadline: float) -> None:
+        """Until the response header's done counter ``hdr[0]`` equals ``want``: spin at least
+        ``spin_us`` and up to 1.5x the recent round trip (large frames take longer than
+        ``spin_us`` to copy both ways; blocking then costs a doorbell and a wake-up), at most
+        ``MAX_ADAPTIVE_SPIN_S``; then set the client-waiting flag and block on the socket.
+
+        Raises PeerDeadError (EOF / reset, connection closed) or DeadlineExceeded."""
+        sock = self._open_sock()
+        now = _monotonic()
         spin_end = min(now + max(self.spin_s, min(MAX_ADAPTIVE_SPIN_S, 1.5 * self._rtt)), deadline)
-        while time.monotonic() < spin_end:
+        while _monotonic() < spin_end:
             if hdr[0] == want:
-                return self._response()
+                return
             _yield()
         hdr[7] = 1  # waiting: the server rings the doorbell from now on
         try:
@@ -511,8 +579,8 @@ class ShmClientConnection(SocketClientConnection):
                 _fence()
                 self._drain()
                 if hdr[0] == want:
-                    return self._response()
-                remaining = deadline - time.monotonic()
+                    return
+                remaining = deadline - _monotonic()
                 if remaining <= 0:
                     raise DeadlineExceeded(
                         f"expert server {self.server_id} at {self.endpoint}: no response before the deadline"
@@ -527,12 +595,14 @@ class ShmClientConnection(SocketClientConnection):
 
 
 class _ServerConn(ServerConn):
-    __slots__ = ("slots", "last_seen")
+    __slots__ = ("slots", "last_seen", "frame")
 
     def __init__(self, sock: socket.socket):
         super().__init__(sock)
         self.slots: _Slots | None = None
         self.last_seen = 0
+        # the connection's RequestFrame, refilled for every frame (one in flight at a time)
+        self.frame: RequestFrame | None = None
 
 
 class ShmServerListener(SocketServerListener[_ServerConn]):
@@ -600,6 +670,7 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
         return _ServerConn(sock)
 
     def _release(self, conn: _ServerConn) -> None:
+        conn.frame = None  # its views alias the slot
         if conn.slots is not None:
             conn.slots.release()
             conn.slots = None
@@ -700,9 +771,16 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
                 )
                 continue
             conn.in_flight = True
-            vh, ve, vw = s.req_views(n, k)
-            frame = RequestFrame(client_id, layer, version, seq, vh, ve, vw)
-            out.append((conn, frame))
+            v = s._req_views.get((n, k))
+            if v is None:
+                v = s.req_views(n, k)
+            f = conn.frame
+            if f is None:
+                f = conn.frame = RequestFrame(client_id, layer, version, seq, v[0], v[1], v[2])
+            else:  # refill the connection's frame: no allocation per frame
+                f.client_id, f.layer, f.table_version, f.seq = client_id, layer, version, seq
+                f.hidden, f.experts, f.weights = v
+            out.append((conn, f))
         return out
 
     def poll(self, timeout: float | None) -> Sequence[tuple[object, RequestFrame]]:
@@ -752,29 +830,42 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
         ``frame.output``: ``[n, H]`` in the connection dtype (ignored unless status is OK).
         A dead or vanished client is dropped silently.
         """
-        conn = self._own(conn)
-        if not self._is_live(conn) or conn.slots is None:
-            return
+        if not isinstance(conn, _ServerConn):
+            conn = self._own(conn)  # TypeError for a handle that is no connection at all
+        if self._conns.get(conn.fileno) is not conn:
+            return  # dropped (dead client) or not ours
         s = conn.slots
+        if s is None:
+            return
         hdr = s.resp_q
-        hdr[1] = frame.layer
-        hdr[2] = frame.status
-        hdr[5] = frame.seq
-        if frame.status == STATUS_OK and frame.output is not None:
-            n = int(frame.output.shape[0])
+        status, out = frame.status, frame.output
+        text: str | None = None  # error message
+        if status == STATUS_OK and out is not None:
+            n = out.shape[0]
             if n:
-                s.resp_view(n).copy_(frame.output)
-                s.sync()  # payload before flag
-            hdr[3] = n
-            hdr[4] = 0
+                v = s._resp_views.get(n)
+                if v is None:
+                    v = s.resp_view(n)
+                try:
+                    v.copy_(out)
+                except RuntimeError as e:  # wrong shape or more rows than the slot holds
+                    status = STATUS_BAD_FRAME
+                    text = f"server output {tuple(out.shape)} does not fit the response: {e}"
+                else:
+                    s.sync()  # payload before flag
+            ln = 0
         else:
-            msg = frame.message.encode("utf-8")[:_MSG_BYTES]
-            s.resp_msg[: len(msg)] = np.frombuffer(msg, dtype=np.uint8)
-            hdr[3] = 0
-            hdr[4] = len(msg)
+            text = frame.message
+        if text is not None:
+            raw = text.encode("utf-8")[:_MSG_BYTES]
+            s.resp_msg[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+            n, ln = 0, len(raw)
+        # header fields [1..5] in one store (one cache-line transfer to the spinning client)
+        _pack_resp(hdr, 8, frame.layer, status, n, ln, frame.seq)
         hdr[0] = conn.last_seen  # written last: done flag, echoes the request counter
         conn.in_flight = False
-        _fence()
+        _fence_acquire()  # store-load fence between the counter store and the waiting-flag load
+        _fence_release()
         if not hdr[7]:
             return  # the client is spinning: no doorbell needed
         try:
