@@ -94,6 +94,7 @@ from eaas.runtime.transport.sockets import ServerConn, SocketClientConnection, S
 
 DEFAULT_SPIN_US = 80.0
 MAX_ADAPTIVE_SPIN_S = 2e-3  # the client never spins longer than this for one response
+SOCKET_SERVICE_S = 1e-3  # a server busy with frames still reads its sockets this often
 _PAGE = mmap.PAGESIZE
 _HDR_BYTES = 64
 _MSG_BYTES = 1024
@@ -453,9 +454,9 @@ class ShmClientConnection(SocketClientConnection):
         hdr = s.req_q
         # header fields [1..6] in one store (one cache-line transfer to the polling server)
         _pack_req(hdr, 8, frame.layer, frame.table_version, n, k, self.client_id, frame.seq)
-        self._resp_n, self._resp_v = n, vo
         self._counter = c = self._counter + 1
         hdr[0] = c  # written last: the ready flag
+        self._resp_n, self._resp_v = n, vo
         self._outstanding = True
         self._sent_at = _monotonic()
         _fence_acquire()  # store-load fence between the counter store and the waiting-flag load
@@ -521,12 +522,11 @@ class ShmClientConnection(SocketClientConnection):
                 )
 
     def _response(self) -> ResponseFrame:
-        """The response in the slot (its done counter matched): a :class:`ResponseFrame` whose
-        ``output`` ``[n, H]`` aliases the response slot."""
+        """The response in the slot (its done counter matched): the connection's
+        :class:`ResponseFrame`, refilled, whose ``output`` ``[n, H]`` aliases the response slot."""
         s = self._slots_now()
         hdr = s.resp_q
         self._outstanding = False
-        self._rtt = 0.75 * self._rtt + 0.25 * (_monotonic() - self._sent_at)
         r = self._resp_frame  # refilled for every response: no allocation per frame
         r.seq, r.layer, r.status = hdr[5], hdr[1], hdr[2]
         if r.status == STATUS_OK:
@@ -543,7 +543,8 @@ class ShmClientConnection(SocketClientConnection):
         """Wait for the response to the last ``send`` until ``deadline`` (``time.monotonic()``).
 
         Returns:
-            :class:`ResponseFrame`; ``output`` ``[n, H]`` aliases the response slot.
+            :class:`ResponseFrame` (the connection's own, refilled by the next ``recv``);
+            ``output`` ``[n, H]`` aliases the response slot.
 
         Raises:
             PeerDeadError: the server died / closed (detected via socket EOF, typically < 1 ms).
@@ -553,32 +554,39 @@ class ShmClientConnection(SocketClientConnection):
         """
         if not self._outstanding or self._sock is None:
             self._sock_for_recv()  # raises FrameError (nothing in flight) / PeerDeadError
-        hdr = self._slots_now().resp_q
-        want = self._counter
-        if hdr[0] != want:
-            self._wait(hdr, want, deadline)
+        if self._slots_now().resp_q[0] != self._counter:
+            self._wait(deadline)
         return self._response()
 
-    def _wait(self, hdr: memoryview, want: int, deadline: float) -> None:
-        """Until the response header's done counter ``hdr[0]`` equals ``want``: spin at least
+    def _wait(self, deadline: float) -> None:
+        """Until the response header's done counter equals the request counter: spin at least
         ``spin_us`` and up to 1.5x the recent round trip (large frames take longer than
         ``spin_us`` to copy both ways; blocking then costs a doorbell and a wake-up), at most
         ``MAX_ADAPTIVE_SPIN_S``; then set the client-waiting flag and block on the socket.
 
         Raises PeerDeadError (EOF / reset, connection closed) or DeadlineExceeded."""
         sock = self._open_sock()
+        hdr = self._slots_now().resp_q
+        want = self._counter
         now = _monotonic()
         spin_end = min(now + max(self.spin_s, min(MAX_ADAPTIVE_SPIN_S, 1.5 * self._rtt)), deadline)
-        while _monotonic() < spin_end:
+        while now < spin_end:
             if hdr[0] == want:
+                # the round trip, for the next spin window (only waits measure it)
+                self._rtt = 0.75 * self._rtt + 0.25 * (now - self._sent_at)
                 return
             _yield()
+            now = _monotonic()
         hdr[7] = 1  # waiting: the server rings the doorbell from now on
         try:
             while True:
                 _fence()
-                self._drain()
-                if hdr[0] == want:
+                # the counter first: after a wake-up the response is there, and its doorbell is
+                # drained on the next wait (draining first would cost two recv calls here)
+                if hdr[0] != want:
+                    self._drain()  # PeerDeadError on EOF
+                if hdr[0] == want:  # (again after the drain: a doorbell it consumed is no loss)
+                    self._rtt = 0.75 * self._rtt + 0.25 * (_monotonic() - self._sent_at)
                     return
                 remaining = deadline - _monotonic()
                 if remaining <= 0:
@@ -645,6 +653,7 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
             lsock.close()
             raise
         self._owner_pid = os.getpid()
+        self._service_due = 0.0  # time.monotonic() by which poll reads the sockets again
         super().__init__(lsock)
 
     @staticmethod
@@ -750,29 +759,29 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
 
     # -- data path ----------------------------------------------------------------------
     def _collect(self) -> list[tuple[object, RequestFrame]]:
+        """Every connection's new frame (its ready counter moved) as ``(conn, frame)``."""
         out: list[tuple[object, RequestFrame]] = []
         for conn in self._conns.values():
             s = conn.slots
-            if not conn.ready or conn.in_flight or s is None:
+            if s is None or conn.in_flight or not conn.ready:
                 continue
             hdr = s.req_q
             c = hdr[0]
             if c == conn.last_seen:
                 continue
             conn.last_seen = c
-            _, layer, version, n, k, client_id, seq, _ = hdr.tolist()  # one read of the header
-            if not (0 <= n <= s.cap_tokens and 0 <= k <= s.cap_k):
-                conn.in_flight = True
-                self.respond(
-                    conn,
-                    ResponseFrame(
-                        seq, layer, STATUS_BAD_FRAME, None, f"bad frame size n={n} k={k}"
-                    ),
-                )
-                continue
             conn.in_flight = True
-            v = s._req_views.get((n, k))
+            _, layer, version, n, k, client_id, seq, _ = hdr.tolist()  # one read of the header
+            v = s._req_views.get((n, k))  # a hit: a size this slot has served before
             if v is None:
+                if not (0 <= n <= s.cap_tokens and 0 <= k <= s.cap_k):
+                    self.respond(
+                        conn,
+                        ResponseFrame(
+                            seq, layer, STATUS_BAD_FRAME, None, f"bad frame size n={n} k={k}"
+                        ),
+                    )
+                    continue
                 v = s.req_views(n, k)
             f = conn.frame
             if f is None:
@@ -787,20 +796,26 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
         """Ready frames of all clients: spin ``spin_us``, then block up to ``timeout`` seconds.
 
         ``timeout=0`` checks once without blocking. Returned tensors alias the client's slot and
-        stay valid until :meth:`respond` on that handle. A connection with a frame in flight is
-        not polled again until it is answered.
+        stay valid until :meth:`respond` on that handle (the frame object is the connection's
+        own, refilled for its next frame). A connection with a frame in flight is not polled
+        again until it is answered. The sockets (new connections, remaps, closed clients) are
+        read whenever ``poll`` blocks and at least every ``SOCKET_SERVICE_S`` while frames keep
+        coming, so a busy server never starves a connecting or remapping client.
         """
+        now = _monotonic()
+        if now >= self._service_due:
+            self._service_sockets(now)
         frames = self._collect()
         if frames:
             return frames
-        now = time.monotonic()
         deadline = None if timeout is None else now + timeout
         spin_end = now + (self.spin_s if timeout is None else min(self.spin_s, timeout))
-        while time.monotonic() < spin_end:
+        while now < spin_end:
             frames = self._collect()
             if frames:
                 return frames
             _yield()
+            now = _monotonic()
         try:
             while True:
                 self._set_waiting(1)  # clients ring the doorbell from now on
@@ -808,15 +823,28 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
                 frames = self._collect()
                 if frames:
                     return frames
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                for conn, _ in self._select(remaining):
+                remaining = None if deadline is None else max(0.0, deadline - _monotonic())
+                ready = self._select(remaining)
+                # frames first: a doorbell left unread wakes the next select, which drains it
+                frames = self._collect()
+                if frames:
+                    return frames
+                for conn, _ in ready:
                     if self._is_live(conn):
                         self._read(conn)
+                self._service_due = _monotonic() + SOCKET_SERVICE_S
                 frames = self._collect()
-                if frames or (deadline is not None and time.monotonic() >= deadline):
+                if frames or (deadline is not None and _monotonic() >= deadline):
                     return frames
         finally:
             self._set_waiting(0)
+
+    def _service_sockets(self, now: float) -> None:
+        """Read every readable socket without blocking: accept, hello / remap, EOF, doorbells."""
+        self._service_due = now + SOCKET_SERVICE_S
+        for conn, _ in self._select(0):
+            if self._is_live(conn):
+                self._read(conn)
 
     def _set_waiting(self, flag: int) -> None:
         """Set the server-waiting flag in every connection's request header."""
