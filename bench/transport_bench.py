@@ -143,14 +143,25 @@ class ProtoClient:
     Args:
         n, hidden, k, dtype: the frame: ``[n, hidden]`` rows, ``[n, k]`` experts / weights.
         spin_s: the spin time of both ends, seconds.
+        server_cpu: pin the server process to this CPU (None: no pinning).
     """
 
-    def __init__(self, n: int, hidden: int, k: int, dtype: torch.dtype, spin_s: float):
+    def __init__(
+        self,
+        n: int,
+        hidden: int,
+        k: int,
+        dtype: torch.dtype,
+        spin_s: float,
+        server_cpu: int | None = None,
+    ):
         self.p = p = _Proto(n, hidden, k, dtype)
         self.spin_s = spin_s
         self.pid = os.fork()
         if self.pid == 0:  # pragma: no cover - child
             try:
+                if server_cpu is not None:
+                    os.sched_setaffinity(0, {server_cpu})
                 p.client_sock.close()
                 _proto_server(p, spin_s)
             finally:
@@ -206,8 +217,10 @@ class ProtoClient:
 
 
 # ---- the real transports ----------------------------------------------------------------------
-def serve(endpoint: str, hidden: int, dtype: str, spin_us: float) -> None:
-    """Echo server loop (runs in the child process)."""
+def serve(endpoint: str, hidden: int, dtype: str, spin_us: float, cpu: int | None) -> None:
+    """Echo server loop (runs in the child process), pinned to ``cpu`` unless None."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
     from eaas.runtime.transport.base import STATUS_OK, ResponseFrame
     from eaas.runtime.transport.factory import listen
 
@@ -224,10 +237,13 @@ def serve(endpoint: str, hidden: int, dtype: str, spin_us: float) -> None:
         lst.close()
 
 
-def _start(endpoint: str, hidden: int, dtype: str, spin_us: float) -> tuple[subprocess.Popen, str]:
+def _start(
+    endpoint: str, hidden: int, dtype: str, spin_us: float, cpu: int | None
+) -> tuple[subprocess.Popen, str]:
     p = subprocess.Popen(
         [sys.executable, __file__, "--serve", endpoint, "--hidden", str(hidden)]
-        + ["--dtype", dtype, "--spin-us", str(spin_us)],
+        + ["--dtype", dtype, "--spin-us", str(spin_us)]
+        + ([] if cpu is None else ["--server-cpu", str(cpu)]),
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -265,6 +281,26 @@ def _run(proto, conns, h, ex, w, bar, kind: str, iters: int) -> list[float]:
     return measure_transport(conns[kind], h, ex, w, iters, bar)
 
 
+def _cpus(spec: str) -> tuple[int | None, int | None]:
+    """``--cpus`` -> ``(client CPU, server CPU)``; ``(None, None)`` for no pinning.
+
+    Raises:
+        SystemExit: a malformed value or a CPU this process may not use.
+    """
+    allowed = sorted(os.sched_getaffinity(0))
+    if spec == "none" or (spec == "auto" and len(allowed) < 2):
+        return None, None
+    if spec == "auto":
+        return allowed[0], allowed[1]
+    try:
+        c, srv = (int(x) for x in spec.split(","))
+    except ValueError:
+        raise SystemExit(f"--cpus must be CLIENT,SERVER, 'auto' or 'none', got {spec!r}") from None
+    if c not in allowed or srv not in allowed:
+        raise SystemExit(f"--cpus {spec}: this process may use CPUs {allowed}")
+    return c, srv
+
+
 def _pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -289,11 +325,23 @@ def main() -> None:
     )
     ap.add_argument("--tcp", action="store_true", help="also measure the tcp transport")
     ap.add_argument("--threads", type=int, default=1, help="torch threads in the client (copies)")
+    ap.add_argument(
+        "--cpus",
+        default="auto",
+        help="CLIENT,SERVER: pin the client and every server process to these CPUs (the same "
+        "placement for each kind; unpinned, the scheduler sometimes puts both ends on one CPU "
+        "and a round trip then costs context switches); 'auto': the first two CPUs this "
+        "process may use, 'none': no pinning",
+    )
+    ap.add_argument("--server-cpu", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if a.serve:
-        serve(a.serve, a.hidden, a.dtype, a.spin_us)
+        serve(a.serve, a.hidden, a.dtype, a.spin_us, a.server_cpu)
         return
+    client_cpu, server_cpu = _cpus(a.cpus)
+    if client_cpu is not None:
+        os.sched_setaffinity(0, {client_cpu})
 
     from tqdm import tqdm
 
@@ -317,11 +365,11 @@ def main() -> None:
             ex = torch.randint(0, 256, (n, a.k), dtype=torch.int32)
             w = torch.rand(n, a.k)
             procs, conns = [], {}
-            proto = ProtoClient(n, hdim, a.k, dtype, a.spin_us * 1e-6)
+            proto = ProtoClient(n, hdim, a.k, dtype, a.spin_us * 1e-6, server_cpu)
             try:
                 for kind in kinds[1:]:
                     ep = f"unix:{tmp}/echo.sock" if kind == "shm" else "tcp://127.0.0.1:0"
-                    p, ep = _start(ep, hdim, dt, a.spin_us)
+                    p, ep = _start(ep, hdim, dt, a.spin_us, server_cpu)
                     procs.append(p)
                     conns[kind] = connect(
                         ep, "echo", hidden_size=hdim, dtype=dtype, max_tokens=n, max_k=a.k,
@@ -346,7 +394,8 @@ def main() -> None:
         os.rmdir(tmp)
     print(
         f"\n{a.blocks} interleaved blocks x {per_block} round trips per kind and payload, "
-        f"k={a.k}, spin {a.spin_us:g} us, load average {os.getloadavg()[0]:.1f}"
+        f"k={a.k}, spin {a.spin_us:g} us, load average {os.getloadavg()[0]:.1f}, "
+        f"CPUs client/server {client_cpu}/{server_cpu}"
     )
     print(f"{'payload':<20}{'MB/way':>8}{'kind':>7}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}")
     for n, hdim, dt in payloads:
