@@ -521,24 +521,6 @@ class ShmClientConnection(SocketClientConnection):
                     f"expert server {self.server_id} at {self.endpoint} closed the connection"
                 )
 
-    def _response(self) -> ResponseFrame:
-        """The response in the slot (its done counter matched): the connection's
-        :class:`ResponseFrame`, refilled, whose ``output`` ``[n, H]`` aliases the response slot."""
-        s = self._slots_now()
-        hdr = s.resp_q
-        self._outstanding = False
-        r = self._resp_frame  # refilled for every response: no allocation per frame
-        r.seq, r.layer, r.status = hdr[5], hdr[1], hdr[2]
-        if r.status == STATUS_OK:
-            n = hdr[3]
-            r.output = self._resp_v if n == self._resp_n else s.resp_view(n)
-            r.message = ""
-        else:
-            ln = hdr[4]
-            r.output = None
-            r.message = bytes(s.resp_msg[: min(ln, _MSG_BYTES)]).decode("utf-8", "replace")
-        return r
-
     def recv(self, deadline: float) -> ResponseFrame:
         """Wait for the response to the last ``send`` until ``deadline`` (``time.monotonic()``).
 
@@ -554,9 +536,22 @@ class ShmClientConnection(SocketClientConnection):
         """
         if not self._outstanding or self._sock is None:
             self._sock_for_recv()  # raises FrameError (nothing in flight) / PeerDeadError
-        if self._slots_now().resp_q[0] != self._counter:
-            self._wait(deadline)
-        return self._response()
+        s = self._slots
+        assert s is not None  # open (checked above): mapped
+        hdr = s.resp_q
+        if hdr[0] != self._counter:
+            self._wait(deadline)  # PeerDeadError / DeadlineExceeded
+        self._outstanding = False
+        r = self._resp_frame  # refilled for every response: no allocation per frame
+        r.seq, r.layer, r.status = hdr[5], hdr[1], hdr[2]
+        if r.status == STATUS_OK:
+            n = hdr[3]
+            r.output = self._resp_v if n == self._resp_n else s.resp_view(n)
+            r.message = ""
+        else:
+            r.output = None
+            r.message = bytes(s.resp_msg[: min(hdr[4], _MSG_BYTES)]).decode("utf-8", "replace")
+        return r
 
     def _wait(self, deadline: float) -> None:
         """Until the response header's done counter equals the request counter: spin at least
@@ -810,10 +805,19 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
             return frames
         deadline = None if timeout is None else now + timeout
         spin_end = now + (self.spin_s if timeout is None else min(self.spin_s, timeout))
-        while now < spin_end:
-            frames = self._collect()
-            if frames:
-                return frames
+        # spin on the ready counters alone (a frame arrives only in the current slots, and the
+        # slots change only when the sockets are read, which the spin does not do)
+        watch = [
+            (c.slots.req_q, c.last_seen)
+            for c in self._conns.values()
+            if c.slots is not None and c.ready and not c.in_flight
+        ]
+        while watch and now < spin_end:
+            for q, last in watch:
+                if q[0] != last:
+                    frames = self._collect()
+                    if frames:
+                        return frames
             _yield()
             now = _monotonic()
         try:
