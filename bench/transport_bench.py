@@ -3,37 +3,55 @@
 One client (this process) and one echo server process per transport: the server answers every
 frame with its hidden states, so the payload travels both ways, as in the paper's
 "(batch, 7168) bf16, send and return" measurement; no expert compute. Measured side by side in
-one run, interleaved in blocks (so machine load hits every kind alike):
+one run, interleaved in blocks (so machine load hits every kind alike; the order alternates
+from block to block), with the client pinned to one CPU and every server to another (``--cpus``;
+the same placement for every kind: unpinned, the scheduler sometimes puts both ends on one CPU
+and a round trip then costs context switches, which swamps what is measured here):
 
-* ``proto``: the floor -- two processes, one shared buffer (request and response regions), a
-  counter flag each way, spin-wait with ``sched_yield``; per round trip the client copies its
-  ``[n, H]`` rows into the buffer, the server copies them to the response region, the client
-  copies them out. Nothing else (no validation, no header, no doorbell, no liveness).
-* ``shm``: :mod:`eaas.runtime.transport.shm` through its public interface (``send`` /
-  ``recv`` of a :class:`RequestFrame` with ``[n, k]`` experts / weights, output copied out).
+* ``proto``: the floor -- two processes (the server a fork of the client), one shared buffer
+  holding what a frame holds (``[n, H]`` rows, ``[n, k]`` int32 experts and float32 weights,
+  the ``[n, H]`` response) and a counter flag each way. The same wait policy as shm: the client
+  spins at least ``--spin-us`` and up to 1.5x its recent round trip (at most 2 ms) with
+  ``sched_yield``, the server spins ``--spin-us``; then a side sets its waiting flag, fences and
+  blocks on a doorbell socket, and the other rings it only when that flag is set. Per round
+  trip the client copies its three tensors in, the server copies the rows to the response, the
+  client copies them out, each a ``Tensor.copy_`` as in shm. Nothing else: no validation, no
+  header fields, no frame objects, no liveness checks.
+* ``shm``: :mod:`eaas.runtime.transport.shm` through its public interface (a new
+  :class:`RequestFrame` per ``send``, ``recv``, the echo server's ``poll`` / ``respond`` with a
+  new :class:`ResponseFrame`; output copied out).
 * ``tcp``: :mod:`eaas.runtime.transport.tcp` over loopback (``--tcp``).
 
-Reports p50 / p99 / mean in microseconds and each transport's ratio to ``proto`` (target for
-shm: within 1.2x at 1 and 64 tokens).
+Reports p50 / p99 / mean in microseconds, each transport's ratio to ``proto`` and the spread
+(quartiles) of the per-block p50 ratio, which says how stable the median is (target for shm:
+within 1.2x at 1 and 64 tokens).
 
     python bench/transport_bench.py                         # 1x7168 and 64x7168 bf16
     python bench/transport_bench.py --iters 3000 --tcp --payload 128x7168:bfloat16
 
-Measured 2026-11-30 on the shared 2-core dev machine (AVX2, load 1.5-2.5; p50, 4000 round
-trips in 20 interleaved blocks; runs vary by about +-0.1x):
+Measured 2026-11-30 on the shared 2-core dev machine (KVM, AVX2 + AVX-512, load average 4-7
+from other work: the p99 are that load, ms-long preemptions of a pinned process, in both kinds
+alike); p50 of 4000 round trips per kind in 20 interleaved blocks, three runs each. "main" is
+the shm code before issue 8 item 4 (edd84d5), measured with this same bench in alternating
+runs, and once in the same run as a third kind:
 
-=================  ==============================  ==============================
-payload            shm before (f685de4) / proto    shm now / proto
-=================  ==============================  ==============================
-1 x 7168 bf16      87.3 / 11.6 us = 7.5x           25.7 / 8.9 us = 2.9x (2.9-3.4x)
-64 x 7168 bf16     475 / 244 us = 1.95x            255 / 196 us = 1.30x (1.3-1.4x);
-                                                   1.18x with --spin-us 1000
-=================  ==============================  ==============================
+=================  ==================================  ==================================
+payload            shm main / proto                    shm now / proto
+=================  ==================================  ==================================
+1 x 7168 bf16      1.57-1.66x (16.5-18.1 / 10.5-11 us) 1.28-1.39x (15.4-17.4 / 11.5-13.5 us)
+                   same run: 18.9 vs 15.4 us           p99 ratio 1.2-1.8x (load)
+64 x 7168 bf16     1.18-1.22x                          1.01-1.08x (296-352 / 297-331 us)
+=================  ==================================  ==================================
 
-What is left at one token is per-frame Python work on both sides (frame validation, header
-stores, four small tensor copies, the frame objects): about 15 us; the prototype does three
-copies and nothing else. At 64 tokens the copies dominate; the gap is the server's 80 us spin
-ending before the client's next frame arrives (then a doorbell and a wake-up).
+The issue's 2.9x at one token (and this file's earlier 2.9x / 1.30x) came from the earlier bench:
+unpinned processes and a prototype that moved only the hidden rows and never blocked.
+
+What is left at one token, on the critical path: about 3 us of per-frame Python on both sides
+(in one process, with the copies taken out: ``send`` 1.5 us of which 0.65 us is reading the
+four shapes and dtype that pick the frame's validated slot views, the server's frame 0.55 us,
+``respond`` 1 us, ``recv`` 0.2 us, the caller's two frame objects 0.4 us) over a prototype
+round trip of about 11 us, of which the five ``copy_`` calls are ~6 us. At 64 tokens the
+copies dominate.
 """
 
 from __future__ import annotations
