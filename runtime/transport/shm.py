@@ -425,7 +425,7 @@ class ShmClientConnection(SocketClientConnection):
         Per frame this is a dictionary look-up of the frame's shapes (validated by
         :func:`~eaas.runtime.transport.base.check_request` the first time a shape is seen on
         the current slot, together with its slot views), one copy per tensor into the slot,
-        six header stores, the counter store and a fence.
+        one store of the header fields, the counter store and a fence.
         """
         if self._outstanding or self._sock is None:
             self._sock_for_send()  # raises FrameError (in flight) / PeerDeadError (closed)
@@ -807,17 +807,15 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
         spin_end = now + (self.spin_s if timeout is None else min(self.spin_s, timeout))
         # spin on the ready counters alone (a frame arrives only in the current slots, and the
         # slots change only when the sockets are read, which the spin does not do)
-        watch = [
-            (c.slots.req_q, c.last_seen)
-            for c in self._conns.values()
-            if c.slots is not None and c.ready and not c.in_flight
-        ]
+        watch = self._watch_list()
         while watch and now < spin_end:
             for q, last in watch:
                 if q[0] != last:
                     frames = self._collect()
                     if frames:
                         return frames
+                    watch = self._watch_list()  # (a bad frame, answered at once)
+                    break
             _yield()
             now = _monotonic()
         try:
@@ -842,6 +840,14 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
                     return frames
         finally:
             self._set_waiting(0)
+
+    def _watch_list(self) -> list[tuple[memoryview, int]]:
+        """``(request header, last seen counter)`` of every connection that may send a frame."""
+        return [
+            (c.slots.req_q, c.last_seen)
+            for c in self._conns.values()
+            if c.slots is not None and c.ready and not c.in_flight
+        ]
 
     def _service_sockets(self, now: float) -> None:
         """Read every readable socket without blocking: accept, hello / remap, EOF, doorbells."""
