@@ -29,18 +29,21 @@ within 1.2x at 1 and 64 tokens).
     python bench/transport_bench.py                         # 1x7168 and 64x7168 bf16
     python bench/transport_bench.py --iters 3000 --tcp --payload 128x7168:bfloat16
 
-Measured 2026-11-30 on the shared 2-core dev machine (KVM, AVX2 + AVX-512, load average 4-7
+Measured 2026-11-30 on the shared 2-core dev machine (KVM, AVX2 + AVX-512, load average 4-6.5
 from other work: the p99 are that load, ms-long preemptions of a pinned process, in both kinds
-alike); p50 of 4000 round trips per kind in 20 interleaved blocks, three runs each. "main" is
-the shm code before issue 8 item 4 (edd84d5), measured with this same bench in alternating
-runs, and once in the same run as a third kind:
+alike); p50 of 4000 round trips per kind in 20 interleaved blocks, six runs. "main" is the shm
+code before issue 8 item 4 (edd84d5), measured with this same bench in alternating runs, and
+twice in the same run as a third kind:
 
 =================  ==================================  ==================================
 payload            shm main / proto                    shm now / proto
 =================  ==================================  ==================================
-1 x 7168 bf16      1.57-1.66x (16.5-18.1 / 10.5-11 us) 1.28-1.39x (15.4-17.4 / 11.5-13.5 us)
-                   same run: 18.9 vs 15.4 us           p99 ratio 1.2-1.8x (load)
-64 x 7168 bf16     1.18-1.22x                          1.01-1.08x (296-352 / 297-331 us)
+1 x 7168 bf16      1.57-1.80x                          1.28-1.44x (15.4-18.3 / 11.4-13.8 us)
+                   same run: 22.3 vs 17.8 us (proto    p99 ratio 1.2-1.8x (load)
+                   12.4)
+64 x 7168 bf16     1.18-1.32x                          1.01-1.08x at load 4-5 (296-352 us);
+                                                       1.12-1.34x at load 5.5-6.5 (per-block
+                                                       0.97-1.67: both kinds block and wake)
 =================  ==================================  ==================================
 
 The issue's 2.9x at one token (and this file's earlier 2.9x / 1.30x) came from the earlier bench:
