@@ -3,121 +3,245 @@
 One client (this process) and one echo server process per transport: the server answers every
 frame with its hidden states, so the payload travels both ways, as in the paper's
 "(batch, 7168) bf16, send and return" measurement; no expert compute. Measured side by side in
-one run, interleaved in blocks (so machine load hits every kind alike):
+one run, interleaved in blocks (so machine load hits every kind alike; the order alternates
+from block to block), with the client pinned to one CPU and every server to another (``--cpus``;
+the same placement for every kind: unpinned, the scheduler sometimes puts both ends on one CPU
+and a round trip then costs context switches, which swamps what is measured here):
 
-* ``proto``: the floor -- two processes, one shared buffer (request and response regions), a
-  counter flag each way, spin-wait with ``sched_yield``; per round trip the client copies its
-  ``[n, H]`` rows into the buffer, the server copies them to the response region, the client
-  copies them out. Nothing else (no validation, no header, no doorbell, no liveness).
-* ``shm``: :mod:`eaas.runtime.transport.shm` through its public interface (``send`` /
-  ``recv`` of a :class:`RequestFrame` with ``[n, k]`` experts / weights, output copied out).
+* ``proto``: the floor -- two processes (the server a fork of the client), one shared buffer
+  holding what a frame holds (``[n, H]`` rows, ``[n, k]`` int32 experts and float32 weights,
+  the ``[n, H]`` response) and a counter flag each way. The same wait policy as shm: the client
+  spins at least ``--spin-us`` and up to 1.5x its recent round trip (at most 2 ms) with
+  ``sched_yield``, the server spins ``--spin-us``; then a side sets its waiting flag, fences and
+  blocks on a doorbell socket, and the other rings it only when that flag is set. Per round
+  trip the client copies its three tensors in, the server copies the rows to the response, the
+  client copies them out, each a ``Tensor.copy_`` as in shm. Nothing else: no validation, no
+  header fields, no frame objects, no liveness checks.
+* ``shm``: :mod:`eaas.runtime.transport.shm` through its public interface (a new
+  :class:`RequestFrame` per ``send``, ``recv``, the echo server's ``poll`` / ``respond`` with a
+  new :class:`ResponseFrame`; output copied out).
 * ``tcp``: :mod:`eaas.runtime.transport.tcp` over loopback (``--tcp``).
 
-Reports p50 / p99 / mean in microseconds and each transport's ratio to ``proto`` (target for
-shm: within 1.2x at 1 and 64 tokens).
+Reports p50 / p99 / mean in microseconds, each transport's ratio to ``proto`` and the spread
+(quartiles) of the per-block p50 ratio, which says how stable the median is (target for shm:
+within 1.2x at 1 and 64 tokens).
 
     python bench/transport_bench.py                         # 1x7168 and 64x7168 bf16
     python bench/transport_bench.py --iters 3000 --tcp --payload 128x7168:bfloat16
 
-Measured 2026-11-30 on the shared 2-core dev machine (AVX2, load 1.5-2.5; p50, 4000 round
-trips in 20 interleaved blocks; runs vary by about +-0.1x):
+Measured 2026-11-30 on the shared 2-core dev machine (KVM, AVX2 + AVX-512, load average 4-6.5
+from other work: the p99 are that load, ms-long preemptions of a pinned process, in both kinds
+alike); p50 of 4000 round trips per kind in 20 interleaved blocks, six runs. "main" is the shm
+code before issue 8 item 4 (edd84d5), measured with this same bench in alternating runs, and
+twice in the same run as a third kind:
 
-=================  ==============================  ==============================
-payload            shm before (f685de4) / proto    shm now / proto
-=================  ==============================  ==============================
-1 x 7168 bf16      87.3 / 11.6 us = 7.5x           25.7 / 8.9 us = 2.9x (2.9-3.4x)
-64 x 7168 bf16     475 / 244 us = 1.95x            255 / 196 us = 1.30x (1.3-1.4x);
-                                                   1.18x with --spin-us 1000
-=================  ==============================  ==============================
+=================  ==================================  ==================================
+payload            shm main / proto                    shm now / proto
+=================  ==================================  ==================================
+1 x 7168 bf16      1.57-1.80x                          1.28-1.44x (15.4-18.3 / 11.4-13.8 us)
+                   same run: 22.3 vs 17.8 us (proto    p99 ratio 1.2-1.8x (load)
+                   12.4)
+64 x 7168 bf16     1.18-1.32x                          1.01-1.08x at load 4-5 (296-352 us);
+                                                       1.12-1.34x at load 5.5-6.5 (per-block
+                                                       0.97-1.67: both kinds block and wake)
+=================  ==================================  ==================================
 
-What is left at one token is per-frame Python work on both sides (frame validation, header
-stores, four small tensor copies, the frame objects): about 15 us; the prototype does three
-copies and nothing else. At 64 tokens the copies dominate; the gap is the server's 80 us spin
-ending before the client's next frame arrives (then a doorbell and a wake-up).
+The issue's 2.9x at one token (and this file's earlier 2.9x / 1.30x) came from the earlier bench:
+unpinned processes and a prototype that moved only the hidden rows and never blocked.
+
+What is left at one token, on the critical path: about 3 us of per-frame Python on both sides
+(in one process, with the copies taken out: ``send`` 1.5 us of which 0.65 us is reading the
+four shapes and dtype that pick the frame's validated slot views, the server's frame 0.55 us,
+``respond`` 1 us, ``recv`` 0.2 us, the caller's two frame objects 0.4 us) over a prototype
+round trip of about 11 us, of which the five ``copy_`` calls are ~6 us. At 64 tokens the
+copies dominate.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import mmap
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
-import numpy as np
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 # ---- the minimal prototype ------------------------------------------------------------------
-class _Proto:
-    """One MAP_SHARED buffer: ``flags int64[16]`` ([0] request counter, [8] response counter,
-    separate cache lines), then the request and response regions of ``[n, H]`` each."""
+_MAX_SPIN_S = 2e-3  # as the shm client: never spin longer than this for one response
 
-    def __init__(self, n: int, hidden: int, dtype: torch.dtype):
+
+class _Proto:
+    """One MAP_SHARED buffer holding what a frame holds: ``flags int64[16]`` ([0] request
+    counter, [1] server waiting; [8] response counter, [9] client waiting: two cache lines),
+    the request ``hidden [n, H]``, ``experts [n, k]`` int32 and ``weights [n, k]`` float32,
+    and the response ``[n, H]``; plus a ``SOCK_SEQPACKET`` socket pair as the doorbell."""
+
+    def __init__(self, n: int, hidden: int, k: int, dtype: torch.dtype):
         esz = torch.empty((), dtype=dtype).element_size()
         body = n * hidden * esz
-        self.mm = mmap.mmap(-1, 128 + 2 * body)  # anonymous, shared with a forked child
-        self.flags = np.frombuffer(self.mm, dtype=np.int64, count=16)
+        self.mm = mmap.mmap(-1, 128 + 2 * body + 2 * n * k * 4)  # anonymous, shared with a fork
+        self.flags = memoryview(self.mm)[:128].cast("q")
         self.req = torch.frombuffer(self.mm, dtype=dtype, count=n * hidden, offset=128).view(
             n, hidden
         )
-        self.resp = torch.frombuffer(
-            self.mm, dtype=dtype, count=n * hidden, offset=128 + body
-        ).view(n, hidden)
+        off = 128 + body
+        self.experts = torch.frombuffer(self.mm, dtype=torch.int32, count=n * k, offset=off)
+        self.experts = self.experts.view(n, k)
+        off += n * k * 4
+        self.weights = torch.frombuffer(self.mm, dtype=torch.float32, count=n * k, offset=off)
+        self.weights = self.weights.view(n, k)
+        off += n * k * 4
+        self.resp = torch.frombuffer(self.mm, dtype=dtype, count=n * hidden, offset=off).view(
+            n, hidden
+        )
+        self.client_sock, self.server_sock = socket.socketpair(
+            socket.AF_UNIX, socket.SOCK_SEQPACKET
+        )
 
 
-def _proto_server(p: _Proto) -> None:
-    """Child: spin on the request counter, echo, publish the response counter; -1 stops."""
+_LOCK = threading.Lock()
+_acquire, _release = _LOCK.acquire, _LOCK.release  # the store-load fence (a locked op on x86)
+
+
+def _proto_block(flags, idx: int, old: int, waiting_idx: int, sock: socket.socket) -> None:
+    """Set our waiting flag (``flags[waiting_idx]``), then block on the doorbell until
+    ``flags[idx]`` is no longer ``old`` (Dekker-style, as shm: flag, fence, re-check, sleep)."""
+    flags[waiting_idx] = 1
+    try:
+        while True:
+            _acquire()
+            _release()
+            if flags[idx] != old:
+                return
+            select.select([sock], [], [])
+            sock.recv(64)
+    finally:
+        flags[waiting_idx] = 0
+
+
+def _proto_server(p: _Proto, spin_s: float) -> None:
+    """Child: the shm listener's policy (spin ``spin_s`` on the request counter, then block
+    on the doorbell), echo the hidden rows, publish the response counter, ring the client's
+    doorbell only if it waits; a counter of -1 stops."""
     torch.set_num_threads(1)
-    flags, seen = p.flags, 0
+    flags, seen, sock = p.flags, 0, p.server_sock
+    sock.setblocking(True)
+    mono, yld = time.monotonic, os.sched_yield
     while True:
-        c = int(flags[0])
-        if c == seen:
-            os.sched_yield()
-            continue
+        if flags[0] == seen:
+            end = mono() + spin_s
+            while flags[0] == seen and mono() < end:
+                yld()
+            if flags[0] == seen:
+                _proto_block(flags, 0, seen, 1, sock)
+        c = flags[0]
         if c < 0:
             os._exit(0)
         p.resp.copy_(p.req)
         seen = c
         flags[8] = c
+        _acquire()
+        _release()
+        if flags[9]:
+            sock.send(b"D")
 
 
-def measure_proto(h: torch.Tensor, iters: int, bar) -> list[float]:
-    n, hidden = h.shape
-    p = _Proto(n, hidden, h.dtype)
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        try:
-            _proto_server(p)
-        finally:
-            os._exit(1)
-    out = torch.empty_like(h)
-    flags, lat = p.flags, []
-    try:
-        for i in range(1, iters + 1):
+class ProtoClient:
+    """Client end of the prototype; :meth:`round_trips` runs the shm client's policy (spin at
+    least ``spin_s`` and up to 1.5x the recent round trip, at most 2 ms, then block).
+
+    Args:
+        n, hidden, k, dtype: the frame: ``[n, hidden]`` rows, ``[n, k]`` experts / weights.
+        spin_s: the spin time of both ends, seconds.
+        server_cpu: pin the server process to this CPU (None: no pinning).
+    """
+
+    def __init__(
+        self,
+        n: int,
+        hidden: int,
+        k: int,
+        dtype: torch.dtype,
+        spin_s: float,
+        server_cpu: int | None = None,
+    ):
+        self.p = p = _Proto(n, hidden, k, dtype)
+        self.spin_s = spin_s
+        self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover - child
+            try:
+                if server_cpu is not None:
+                    os.sched_setaffinity(0, {server_cpu})
+                p.client_sock.close()
+                _proto_server(p, spin_s)
+            finally:
+                os._exit(1)
+        p.server_sock.close()
+        self.counter = 0
+        self.rtt = 0.0
+
+    def round_trips(
+        self, h: torch.Tensor, ex: torch.Tensor, w: torch.Tensor, iters: int, bar
+    ) -> list[float]:
+        """``iters`` round trips of ``h`` / ``ex`` / ``w``; latencies in seconds."""
+        p, spin_s = self.p, self.spin_s
+        sock, flags = p.client_sock, p.flags
+        out = torch.empty_like(h)
+        lat, rtt = [], self.rtt
+        mono, yld = time.monotonic, os.sched_yield
+        for i in range(self.counter + 1, self.counter + iters + 1):
             t0 = time.perf_counter()
             p.req.copy_(h)
+            p.experts.copy_(ex)
+            p.weights.copy_(w)
             flags[0] = i
-            while int(flags[8]) != i:
-                os.sched_yield()
+            sent = mono()
+            _acquire()
+            _release()
+            if flags[1]:
+                sock.send(b"D")
+            if flags[8] != i:
+                end = mono() + max(spin_s, min(_MAX_SPIN_S, 1.5 * rtt))
+                while flags[8] != i and mono() < end:
+                    yld()
+                if flags[8] != i:
+                    _proto_block(flags, 8, i - 1, 9, sock)
+            rtt = 0.75 * rtt + 0.25 * (mono() - sent)
             out.copy_(p.resp)
             lat.append(time.perf_counter() - t0)
             bar.update(1)
-    finally:
+        self.counter += iters
+        self.rtt = rtt
+        assert torch.equal(out, h)
+        return lat
+
+    def close(self) -> None:
+        flags = self.p.flags
         flags[0] = -1
-        os.waitpid(pid, 0)
-    assert torch.equal(out, h)
-    return lat
+        _acquire()
+        _release()
+        if flags[1]:
+            self.p.client_sock.send(b"D")
+        os.waitpid(self.pid, 0)
+        self.p.client_sock.close()
 
 
 # ---- the real transports ----------------------------------------------------------------------
-def serve(endpoint: str, hidden: int, dtype: str, spin_us: float) -> None:
-    """Echo server loop (runs in the child process)."""
+def serve(endpoint: str, hidden: int, dtype: str, spin_us: float, cpu: int | None) -> None:
+    """Echo server loop (runs in the child process), pinned to ``cpu`` unless None."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
     from eaas.runtime.transport.base import STATUS_OK, ResponseFrame
     from eaas.runtime.transport.factory import listen
 
@@ -134,10 +258,13 @@ def serve(endpoint: str, hidden: int, dtype: str, spin_us: float) -> None:
         lst.close()
 
 
-def _start(endpoint: str, hidden: int, dtype: str, spin_us: float) -> tuple[subprocess.Popen, str]:
+def _start(
+    endpoint: str, hidden: int, dtype: str, spin_us: float, cpu: int | None
+) -> tuple[subprocess.Popen, str]:
     p = subprocess.Popen(
         [sys.executable, __file__, "--serve", endpoint, "--hidden", str(hidden)]
-        + ["--dtype", dtype, "--spin-us", str(spin_us)],
+        + ["--dtype", dtype, "--spin-us", str(spin_us)]
+        + ([] if cpu is None else ["--server-cpu", str(cpu)]),
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -149,12 +276,12 @@ def _start(endpoint: str, hidden: int, dtype: str, spin_us: float) -> tuple[subp
     return p, line[1]
 
 
-def measure_transport(conn, h: torch.Tensor, k: int, iters: int, bar) -> list[float]:
+def measure_transport(
+    conn, h: torch.Tensor, ex: torch.Tensor, w: torch.Tensor, iters: int, bar
+) -> list[float]:
+    """``iters`` round trips through a transport's public interface; latencies in seconds."""
     from eaas.runtime.transport.base import RequestFrame
 
-    n = h.shape[0]
-    ex = torch.zeros(n, k, dtype=torch.int32)
-    w = torch.ones(n, k)
     out = torch.empty_like(h)
     lat = []
     for i in range(iters):
@@ -166,6 +293,33 @@ def measure_transport(conn, h: torch.Tensor, k: int, iters: int, bar) -> list[fl
         bar.update(1)
     assert torch.equal(out, h)
     return lat
+
+
+def _run(proto, conns, h, ex, w, bar, kind: str, iters: int) -> list[float]:
+    """``iters`` round trips of ``kind`` ("proto" or a transport in ``conns``)."""
+    if kind == "proto":
+        return proto.round_trips(h, ex, w, iters, bar)
+    return measure_transport(conns[kind], h, ex, w, iters, bar)
+
+
+def _cpus(spec: str) -> tuple[int | None, int | None]:
+    """``--cpus`` -> ``(client CPU, server CPU)``; ``(None, None)`` for no pinning.
+
+    Raises:
+        SystemExit: a malformed value or a CPU this process may not use.
+    """
+    allowed = sorted(os.sched_getaffinity(0))
+    if spec == "none" or (spec == "auto" and len(allowed) < 2):
+        return None, None
+    if spec == "auto":
+        return allowed[0], allowed[1]
+    try:
+        c, srv = (int(x) for x in spec.split(","))
+    except ValueError:
+        raise SystemExit(f"--cpus must be CLIENT,SERVER, 'auto' or 'none', got {spec!r}") from None
+    if c not in allowed or srv not in allowed:
+        raise SystemExit(f"--cpus {spec}: this process may use CPUs {allowed}")
+    return c, srv
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -184,19 +338,31 @@ def main() -> None:
         help="TOKENSxHIDDEN:DTYPE (repeatable); default 1x7168:bfloat16 and 64x7168:bfloat16",
     )
     ap.add_argument("--k", type=int, default=8, help="expert entries per token in the frame")
-    ap.add_argument("--iters", type=int, default=2000, help="round trips per payload and kind")
-    ap.add_argument("--blocks", type=int, default=10, help="interleaved blocks per payload")
-    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--iters", type=int, default=4000, help="round trips per payload and kind")
+    ap.add_argument("--blocks", type=int, default=20, help="interleaved blocks per payload")
+    ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument(
-        "--spin-us", type=float, default=80.0, help="transport busy-poll before blocking"
+        "--spin-us", type=float, default=80.0, help="busy-poll before blocking (both kinds)"
     )
     ap.add_argument("--tcp", action="store_true", help="also measure the tcp transport")
     ap.add_argument("--threads", type=int, default=1, help="torch threads in the client (copies)")
+    ap.add_argument(
+        "--cpus",
+        default="auto",
+        help="CLIENT,SERVER: pin the client and every server process to these CPUs (the same "
+        "placement for each kind; unpinned, the scheduler sometimes puts both ends on one CPU "
+        "and a round trip then costs context switches); 'auto': the first two CPUs this "
+        "process may use, 'none': no pinning",
+    )
+    ap.add_argument("--server-cpu", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if a.serve:
-        serve(a.serve, a.hidden, a.dtype, a.spin_us)
+        serve(a.serve, a.hidden, a.dtype, a.spin_us, a.server_cpu)
         return
+    client_cpu, server_cpu = _cpus(a.cpus)
+    if client_cpu is not None:
+        os.sched_setaffinity(0, {client_cpu})
 
     from tqdm import tqdm
 
@@ -209,37 +375,37 @@ def main() -> None:
         payloads.append((n, hdim, dt or "bfloat16"))
     kinds = ["proto", "shm"] + (["tcp"] if a.tcp else [])
     per_block = max(1, a.iters // a.blocks)
-    results: dict[tuple, list[float]] = {}
+    # (payload, kind) -> one list of latencies (seconds) per block
+    results: dict[tuple, list[list[float]]] = {}
     tmp = tempfile.mkdtemp(prefix="eaas-bench-")
     total = len(payloads) * len(kinds) * (per_block * a.blocks + a.warmup)
     with tqdm(total=total, desc="round trips", unit="rt", mininterval=1.0) as bar:
         for n, hdim, dt in payloads:
             dtype = DTYPES[dt]
             h = torch.randn(n, hdim).to(dtype)
+            ex = torch.randint(0, 256, (n, a.k), dtype=torch.int32)
+            w = torch.rand(n, a.k)
             procs, conns = [], {}
+            proto = ProtoClient(n, hdim, a.k, dtype, a.spin_us * 1e-6, server_cpu)
             try:
                 for kind in kinds[1:]:
                     ep = f"unix:{tmp}/echo.sock" if kind == "shm" else "tcp://127.0.0.1:0"
-                    p, ep = _start(ep, hdim, dt, a.spin_us)
+                    p, ep = _start(ep, hdim, dt, a.spin_us, server_cpu)
                     procs.append(p)
                     conns[kind] = connect(
                         ep, "echo", hidden_size=hdim, dtype=dtype, max_tokens=n, max_k=a.k,
                         spin_us=a.spin_us,
                     )  # fmt: skip
+
+                run = functools.partial(_run, proto, conns, h, ex, w, bar)
                 for kind in kinds:  # warm-up, not recorded
-                    if kind == "proto":
-                        measure_proto(h, a.warmup, bar)
-                    else:
-                        measure_transport(conns[kind], h, a.k, a.warmup, bar)
-                for _ in range(a.blocks):
-                    for kind in kinds:
-                        lat = (
-                            measure_proto(h, per_block, bar)
-                            if kind == "proto"
-                            else measure_transport(conns[kind], h, a.k, per_block, bar)
-                        )
-                        results.setdefault((n, hdim, dt, kind), []).extend(lat)
+                    run(kind, a.warmup)
+                for b in range(a.blocks):
+                    # alternate the order inside a block, so neither kind always runs first
+                    for kind in kinds if b % 2 == 0 else kinds[::-1]:
+                        results.setdefault((n, hdim, dt, kind), []).append(run(kind, per_block))
             finally:
+                proto.close()
                 for c in conns.values():
                     c.close()
                 for p in procs:
@@ -247,24 +413,36 @@ def main() -> None:
                     p.wait(10)
     if not os.listdir(tmp):
         os.rmdir(tmp)
-    print()
+    print(
+        f"\n{a.blocks} interleaved blocks x {per_block} round trips per kind and payload, "
+        f"k={a.k}, spin {a.spin_us:g} us, load average {os.getloadavg()[0]:.1f}, "
+        f"CPUs client/server {client_cpu}/{server_cpu}"
+    )
     print(f"{'payload':<20}{'MB/way':>8}{'kind':>7}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}")
     for n, hdim, dt in payloads:
         mb = n * hdim * torch.empty((), dtype=DTYPES[dt]).element_size() / 1e6
         for kind in kinds:
-            lat = results[(n, hdim, dt, kind)]
+            lat = [x for blk in results[(n, hdim, dt, kind)] for x in blk]
             print(
                 f"{f'{n}x{hdim} {dt}':<20}{mb:>8.3f}{kind:>7}{_pct(lat, 0.5) * 1e6:>10.1f}"
                 f"{_pct(lat, 0.99) * 1e6:>10.1f}{sum(lat) / len(lat) * 1e6:>10.1f}"
             )
-        base = results[(n, hdim, dt, "proto")]
+        base_blocks = results[(n, hdim, dt, "proto")]
+        base = [x for blk in base_blocks for x in blk]
         for kind in kinds[1:]:
-            x = results[(n, hdim, dt, kind)]
+            blocks = results[(n, hdim, dt, kind)]
+            x = [v for blk in blocks for v in blk]
+            # the spread of the ratio over blocks says how stable the median is
+            per = sorted(
+                _pct(b, 0.5) / _pct(p, 0.5) for b, p in zip(blocks, base_blocks, strict=True)
+            )
             print(
                 f"{'':<20}{'':>8}{kind + '/proto':>13} "
                 f"{_pct(x, 0.5) / _pct(base, 0.5):>4.2f}x p50"
                 f"{_pct(x, 0.99) / _pct(base, 0.99):>7.2f}x p99"
                 f"{sum(x) / sum(base):>7.2f}x mean"
+                f"   per-block p50 ratio {per[len(per) // 4]:.2f}-{per[(3 * len(per)) // 4]:.2f}"
+                f" (quartiles)"
             )
 
 

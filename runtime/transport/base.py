@@ -60,7 +60,7 @@ STATUS_NOT_HOSTED = 1  # an expert in the frame is not hosted by this server
 STATUS_BAD_FRAME = 2
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestFrame:
     """Tokens of one MoE layer sent by one attention client to one expert server.
 
@@ -98,7 +98,7 @@ class RequestFrame:
         return self.hidden if self.rows is None else self.hidden.index_select(0, self.rows)
 
 
-@dataclass
+@dataclass(slots=True)
 class ResponseFrame:
     """Answer to one :class:`RequestFrame`.
 
@@ -192,6 +192,8 @@ class ClientConnection(abc.ABC):
         """Wait for the next response until ``deadline`` (``time.monotonic()`` seconds).
 
         The returned ``output`` may alias transport buffers: copy it before the next ``send``.
+        The frame object itself may be reused by the connection's next ``recv`` (the shared-memory
+        transport does: no allocation per frame): read its fields before then.
         Raises :class:`PeerDeadError` or :class:`DeadlineExceeded`.
         """
 
@@ -210,7 +212,8 @@ class ServerListener(abc.ABC):
 
         Spins briefly, then blocks up to ``timeout`` seconds (``None`` = forever) without
         burning CPU. Accepts new connections and drops dead ones as a side effect. The frame's
-        tensors may alias transport buffers and stay valid until ``respond`` on that handle.
+        tensors may alias transport buffers and stay valid until ``respond`` on that handle; the
+        frame object may be reused for that connection's next frame (after ``respond``).
         """
 
     @abc.abstractmethod

@@ -1,0 +1,179 @@
+"""The shared-memory transport's per-frame fast path (issue 8 item 4) keeps the protocol's rules:
+frame shapes validated once per shape are still validated for every new shape, a server busy
+with one client still accepts and remaps others, and a server answer that does not fit the
+response slot is an error response, never a hang. Real server processes and sockets; shm and the
+``cudaipc`` host emulation (the shm data path with another payload mapping); tcp where the rule
+is the transport interface's."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+
+import pytest
+import torch
+from srv_helpers import HIDDEN, reference, start_server
+from test_transport import KINDS, _endpoint, _frame, connect
+
+from eaas.runtime.transport.base import (
+    STATUS_BAD_FRAME,
+    STATUS_OK,
+    FrameError,
+    RequestFrame,
+    ResponseFrame,
+)
+from eaas.runtime.transport.factory import listen
+
+pytestmark = pytest.mark.timeout(60)
+
+SHM_KINDS = ["unix", pytest.param("cudaipc", marks=pytest.mark.gpu_cpu)]
+
+
+def _round_trip(c, f: RequestFrame, seq: int):
+    c.send(f)
+    r = c.recv(time.monotonic() + 10)
+    assert r.status == STATUS_OK, r.message
+    assert r.seq == seq
+    return r.output.clone()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_new_frame_shape_is_validated_after_cached_ones(kind, tmp_path):
+    """Good frames of one shape first (their validation is remembered), then frames that differ
+    from them in one property each: every bad one raises FrameError, loses nothing, and the
+    good shapes keep working; 1-D experts / weights (k = 1) and ``rows`` frames are exact."""
+    srv = start_server(_endpoint(kind, tmp_path))
+    try:
+        c = connect(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
+        good = _frame(3, 2, seq=1)
+        for _ in range(3):
+            out = _round_trip(c, good, 1)
+        ref = reference(1, good.hidden, good.experts, good.weights)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        h, ex, w = good.hidden, good.experts, good.weights
+        bad = [
+            ("dtype", RequestFrame(1, 1, 3, 2, h.to(torch.bfloat16), ex, w)),
+            ("hidden", RequestFrame(1, 1, 3, 2, torch.randn(3, HIDDEN + 1), ex, w)),
+            ("must both be", RequestFrame(1, 1, 3, 2, h, ex, w[:, :1])),
+            ("must both be", RequestFrame(1, 1, 3, 2, h, ex[:2], w[:2])),
+            ("rows must be", RequestFrame(1, 1, 3, 2, h, ex, w, rows=torch.tensor([0, 1, 2.0]))),
+        ]
+        for match, f in bad:
+            with pytest.raises(FrameError, match=match):
+                c.send(f)
+            assert not c.in_flight  # nothing was sent
+        # k = 1 as 1-D tensors, and rows gathered from a larger batch
+        g = torch.Generator().manual_seed(5)
+        h1 = torch.randn(4, HIDDEN, generator=g)
+        ex1, w1 = torch.tensor([0, 3, 1, 2], dtype=torch.int32), torch.rand(4, generator=g)
+        out = _round_trip(c, RequestFrame(1, 1, 3, 3, h1, ex1, w1), 3)
+        ref = reference(1, h1, ex1.unsqueeze(1), w1.unsqueeze(1))
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        rows = torch.tensor([3, 0], dtype=torch.int64)
+        exr, wr = ex1[rows].unsqueeze(1).to(torch.int64), w1[rows].unsqueeze(1)
+        for seq in (4, 5):  # the second time from the remembered shape
+            out = _round_trip(c, RequestFrame(1, 1, 3, seq, h1, exr, wr, rows=rows), seq)
+            ref = reference(1, h1[rows], exr, wr)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        out = _round_trip(c, good, 1)  # and the first shape still
+        torch.testing.assert_close(
+            out, reference(1, good.hidden, good.experts, good.weights), rtol=1e-5, atol=1e-6
+        )
+        c.close()
+    finally:
+        srv.stop()
+
+
+def _busy_client(endpoint, started, stop, result):
+    """Round trips back to back (the server never idles long enough to block) until ``stop``;
+    puts ``(round trips, all ok)`` in ``result``."""
+    torch.set_num_threads(1)  # forked child: keep out of the parent's OpenMP pool
+    c = connect(endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
+    f = _frame(2, 1)
+    ok, n = True, 0
+    while not stop.is_set():
+        c.send(f)
+        ok &= c.recv(time.monotonic() + 20).status == STATUS_OK
+        n += 1
+        if n == 50:
+            started.set()
+    c.close()
+    result.put((n, ok))
+
+
+@pytest.mark.parametrize("kind", SHM_KINDS)
+def test_busy_server_still_accepts_and_remaps_another_client(kind, tmp_path):
+    """A server that always has a frame ready (so it never blocks in select) still reads its
+    sockets: a new client's hello is answered and its slot grows (remap) on a busy server.
+    The server spins up to 50 ms for a frame before it would block (its poll timeout), so the
+    busy client's next frame always comes first."""
+    srv = start_server(_endpoint(kind, tmp_path), spin_us=50_000)
+    ctx = mp.get_context("fork")
+    started, stop, result = ctx.Event(), ctx.Event(), ctx.Queue()
+    p = ctx.Process(target=_busy_client, args=(srv.endpoint, started, stop, result), daemon=True)
+    p.start()
+    try:
+        assert started.wait(30)
+        c = connect(
+            srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32, max_tokens=1,
+            connect_timeout=20,
+        )  # fmt: skip
+        for i, n in enumerate((1, 40, 3)):  # 40 tokens: a new, larger slot (remap)
+            f = _frame(n, 2, seq=i)
+            out = _round_trip(c, f, i)
+            ref = reference(1, f.hidden, f.experts, f.weights)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        c.close()
+        stop.set()
+        n_busy, ok = result.get(timeout=30)
+        assert ok and n_busy >= 50
+    finally:
+        stop.set()
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+        srv.stop()
+
+
+@pytest.mark.parametrize("kind", SHM_KINDS)
+def test_server_output_that_does_not_fit_is_an_error_response(kind, tmp_path):
+    """``respond`` with an output of more rows than the client's slot holds, or of the wrong
+    hidden size, answers STATUS_BAD_FRAME with a message (the client never waits out its
+    deadline), and the connection keeps working."""
+    ep = _endpoint(kind, tmp_path)
+    lst = listen(ep, hidden_size=HIDDEN, dtype=torch.float32)
+    client: dict = {}
+
+    def open_client():
+        client["c"] = connect(
+            lst.endpoint, "s", hidden_size=HIDDEN, dtype=torch.float32, max_tokens=2
+        )
+
+    t = threading.Thread(target=open_client)
+    t.start()
+    deadline = time.monotonic() + 20
+    while t.is_alive() and time.monotonic() < deadline:
+        lst.poll(0.05)  # answers the hello
+    t.join()
+    c = client["c"]
+    try:
+        outputs = [torch.zeros(3, HIDDEN), torch.zeros(1, HIDDEN + 4)]  # 3 rows > 2 of the slot
+        for seq, bad in enumerate(outputs):
+            c.send(_frame(1, 1, seq=seq))
+            (conn, f), *rest = lst.poll(10)
+            assert not rest and f.seq == seq
+            lst.respond(conn, ResponseFrame(f.seq, f.layer, STATUS_OK, bad))
+            r = c.recv(time.monotonic() + 10)
+            assert r.status == STATUS_BAD_FRAME and r.seq == seq
+            assert "does not fit" in r.message and r.output is None
+        f0 = _frame(2, 1, seq=7)
+        c.send(f0)
+        (conn, f), *_ = lst.poll(10)
+        lst.respond(conn, ResponseFrame(f.seq, f.layer, STATUS_OK, f.hidden * 2))
+        r = c.recv(time.monotonic() + 10)
+        assert r.status == STATUS_OK and r.seq == 7
+        torch.testing.assert_close(r.output, f0.hidden * 2)
+    finally:
+        c.close()
+        lst.close()
