@@ -21,6 +21,7 @@ import pytest
 from k8s_helpers import get_json, kubectl, wait_for
 from test_operator import Operator
 
+from eaas.runtime.cli import client_id_of
 from eaas.runtime.client.table_push import push_routing_table
 from eaas.runtime.routing import RoutingTable
 
@@ -529,6 +530,12 @@ def test_client_faults(fault_fleet):
     wait_for("steady state", lambda: _all_acked(ns, 4, 2), timeout=240, interval=0.5)
     a, b = client_pods(ns)
     a_ip, b_ip = a["status"]["podIP"], b["status"]["podIP"]
+    # each replica runs with its own client id (frames, metrics, failure reports): its pod name's
+    ids = {}
+    for p in (a, b):
+        with urllib.request.urlopen(f"http://{p['status']['podIP']}:8000/health", timeout=30) as r:
+            ids[p["metadata"]["name"]] = json.loads(r.read())["client_id"]
+    assert ids == {n: str(client_id_of(n)) for n in ids} and len(set(ids.values())) == 2, ids
     load = StreamLoad(f"http://{a_ip}:8000/v1", model_id, prompts, FAULT_MAX_TOKENS).start()
     try:
         # B talks to every server once it served a request

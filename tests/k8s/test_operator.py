@@ -689,16 +689,20 @@ def test_attention_fleet(ns, operator):
     dep = wait_for("deployment", lambda: get("deployment", "tiny-clients", ns), timeout=30)
     pod_spec = dep["spec"]["template"]["spec"]
     c = pod_spec["containers"][0]
-    assert c["command"][:8] == [
+    assert c["command"][:10] == [
         "eaas",
         "attention-client",
         "--model",
         "/models/tiny",
+        "--client-id",
+        "$(EAAS_POD_NAME)",  # one id per replica: the kubelet expands the pod name
         "--routing-table-configmap",
         f"{ns}/tiny-routing-table",
         "--push-token-file",
         "/etc/eaas/push-token/token",
     ]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["EAAS_POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert pod_spec["serviceAccountName"] == "tiny-clients-client"
     vol = next(v for v in pod_spec["volumes"] if v["name"] == "push-token")
     assert vol["secret"]["secretName"] == "tiny-clients-push-token"
