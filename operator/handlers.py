@@ -87,6 +87,7 @@ from eaas.operator.external_metrics import (
     LABEL_MANAGED,
     hpa_differs,
     hpa_manifest,
+    hpa_metrics_warning,
     hpa_name,
     read_front_proxy_auth,
 )
@@ -1354,7 +1355,9 @@ def _ensure_hpa(
 ) -> None:
     """Create/patch the operator-owned HPA of a pool with ``spec.autoscaling``; delete the one
     it made (label ``eaas.io/managed-hpa``) when autoscaling is unset. A user-made HPA of the
-    same name (no such label) is left alone, with a Warning event."""
+    same name (no such label) is left alone, with a Warning event. While this operator serves no
+    external metrics API, an ``AutoscalerNoMetrics`` Warning event says the HPA cannot get its
+    metric (again at most every ``RBAC_RECHECK_S``)."""
     want = hpa_manifest(owner, spec)
     name = hpa_name(owner.name)
     key = (owner.namespace, "HorizontalPodAutoscaler", name, json.dumps(want, sort_keys=True))
@@ -1395,6 +1398,11 @@ def _ensure_hpa(
         )
     elif hpa_differs(live, want):
         hpa_api.patch_namespaced_horizontal_pod_autoscaler(name, owner.namespace, want)
+    if live is None or managed:  # an HPA of ours: say when nothing serves its metric
+        problem = hpa_metrics_warning(owner.name, state.metrics_runner is not None)
+        if problem:
+            logger.warning("%s", problem)
+            _event(body, "AutoscalerNoMetrics", problem, warning=True)
     state.applied[key] = time.monotonic()
 
 

@@ -144,6 +144,25 @@ def test_load_status_and_hpa_scale_up_then_missing_metric_holds(setup):
         hpa = get("hpa", "tiny", ns)
         assert hpa is not None, "operator-owned HPA missing"
         assert hpa["metadata"]["ownerReferences"][0]["kind"] == "ExpertPool"
+        # this operator serves the metric: the event of the HPA's creation, and no warning
+        # (AutoscalerNoMetrics would be posted by the same step that made the HPA)
+        reasons = wait_for(
+            "AutoscalerCreated event",
+            lambda: (
+                (
+                    r := {
+                        e["reason"]
+                        for e in get_json(
+                            "events", "-n", ns, "--field-selector", "involvedObject.kind=ExpertPool"
+                        )["items"]
+                    }
+                )
+                and "AutoscalerCreated" in r
+                and r
+            ),
+            timeout=60,
+        )
+        assert "AutoscalerNoMetrics" not in reasons, reasons
         raw = wait_for(
             "external metric served",
             lambda: (

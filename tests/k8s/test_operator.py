@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from k8s_helpers import kubectl, wait_for
+from k8s_helpers import get_json, kubectl, wait_for
 
 from eaas.runtime.placement import parse_expert_spec
 from eaas.runtime.routing import RoutingTable
@@ -311,6 +311,28 @@ def test_no_pod_on_cpu_node(ns, operator):
     used = {p["spec"]["nodeName"] for p in got["pods"]}
     assert all(n.startswith("gpu-node-") for n in used), used
     assert len(used) > 1, "topology spread should use several GPU nodes"
+
+
+def test_hpa_without_a_metrics_listener_gets_a_warning_event(ns, operator):
+    """This operator serves no external metrics API (no ``EAAS_OPERATOR_METRICS_LISTEN``): it
+    still makes the pool's HPA, and a Warning event on the pool says the HPA cannot get its
+    metric."""
+    auto = {"minReplicas": 2, "maxReplicas": 4, "targetLoadPerServer": 10}
+    apply(pool_manifest("auto", autoscaling=auto), ns)
+    hpa = wait_for("the pool's HPA", lambda: get("hpa", "auto", ns), timeout=90)
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "ExpertPool"
+
+    def warning():
+        for e in get_json("events", "-n", ns, "--field-selector", "involvedObject.kind=ExpertPool")[
+            "items"
+        ]:
+            if e["reason"] == "AutoscalerNoMetrics":
+                return e
+        return None
+
+    e = wait_for("AutoscalerNoMetrics event", warning, timeout=60)
+    assert e["type"] == "Warning" and e["involvedObject"]["name"] == "auto"
+    assert "EAAS_OPERATOR_METRICS_LISTEN" in e["message"] and "eaas_expert_load" in e["message"]
 
 
 def test_scale_up_and_down(ns, operator):
