@@ -22,38 +22,30 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import threading
 import time
 import uuid
 
 import openai
 import pytest
-from k8s_helpers import get_json, kubectl, wait_for
-from test_operator import Operator
+from k8s_helpers import Operator, apply_crds, get, get_json, kubectl, routing_table, wait_for
+from k8s_helpers import server_pods as _server_pods
 
 from eaas.runtime.routing import RoutingTable
 
 pytestmark = [pytest.mark.cluster, pytest.mark.elastic]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = [f"Request {i}: tell me about the number {i * 7}" for i in range(16)]
 MAX_TOKENS = 12
 
 
-def get(kind: str, name: str, ns: str) -> dict | None:
-    r = kubectl("get", kind, name, "-n", ns, "-o", "json", check=False)
-    return json.loads(r.stdout) if r.returncode == 0 else None
-
-
-def table(ns: str) -> RoutingTable | None:
-    cm = get("configmap", "live-routing-table", ns)
-    return RoutingTable.from_json(cm["data"]["routing-table.json"]) if cm else None
+def table(ns: str):
+    return routing_table(ns, "live")
 
 
 def server_pods(ns: str) -> dict[str, dict]:
-    items = get_json("pods", "-n", ns, "-l", "eaas.io/role=expert-server")["items"]
-    return {p["metadata"]["name"]: p for p in items}
+    """The pool's server pods, those being deleted included (the watcher sees the deletion)."""
+    return _server_pods(ns, "live", terminating=True)
 
 
 def restarts(pod: dict) -> int:
@@ -128,9 +120,7 @@ def write_load(ns: str, hot: int) -> None:
 
 @pytest.fixture(scope="module")
 def operator(cluster, tmp_path_factory):
-    kubectl("apply", "-f", os.path.join(ROOT, "deploy/crds"))
-    for crd in ("expertpools.eaas.io", "attentionfleets.eaas.io"):
-        kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    apply_crds()
     op = Operator(tmp_path_factory.mktemp("operator") / "operator.log")
     op.start()
     yield op
