@@ -10,7 +10,7 @@ that serves ``external.metrics.k8s.io`` through the testbed's aggregation layer
 2. completions: ``status.load`` shows tokens/s, per-server max/mean and the hottest experts;
    the real HPA controller scales the pool up to 3 and the third server turns Ready;
 3. a missing metric holds the count: with the operator stopped (API unavailable) and then
-   restarted with a long scrape interval (the API answers an empty list), the HPA fails to get
+   restarted with a long scrape interval (30 s: the API answers an empty list), the HPA fails to get
    the metric on several syncs (kube-controller-manager's own counter of failed metric
    computations) and ``spec.replicas`` stays 3; once the (idle) load is measured
    again, the HPA scales down to 2 — the hold came from the missing metric, not from idleness;
@@ -31,21 +31,16 @@ import uuid
 
 import openai
 import pytest
-from k8s_helpers import get_json, kubectl, wait_for
-from test_operator import Operator
+from k8s_helpers import Operator, apply_crds, get, get_json, kubectl, wait_for
 
-from eaas.testbed.metrics_api import register_external_metrics
+from eaas.testbed.metrics_api import APISERVICE, register_external_metrics
 
 pytestmark = [pytest.mark.cluster, pytest.mark.elastic]
 
 FAST = {"EAAS_OPERATOR_LOAD_SCRAPE_S": "2", "EAAS_OPERATOR_LOAD_WINDOW_S": "10"}
-# first rate only after two scrapes, 45 s apart: the metric is missing (empty) meanwhile
-SLOW = {"EAAS_OPERATOR_LOAD_SCRAPE_S": "45", "EAAS_OPERATOR_LOAD_WINDOW_S": "90"}
-
-
-def get(kind: str, name: str, ns: str) -> dict | None:
-    r = kubectl("get", kind, name, "-n", ns, "-o", "json", check=False)
-    return json.loads(r.stdout) if r.returncode == 0 else None
+# first rate only after two scrapes, 30 s apart: the metric is missing (empty) meanwhile, long
+# enough for the HPA (sync every 3 s, testbed) to fail to get it on 3 syncs with a margin
+SLOW = {"EAAS_OPERATOR_LOAD_SCRAPE_S": "30", "EAAS_OPERATOR_LOAD_WINDOW_S": "60"}
 
 
 def hpa_conditions(ns: str) -> dict[str, dict]:
@@ -77,12 +72,7 @@ def failed_metric_fetches(tb) -> float:
 
 @pytest.fixture(scope="module")
 def setup(cluster, tmp_path_factory):
-    import os
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    kubectl("apply", "-f", os.path.join(root, "deploy/crds"))
-    for crd in ("expertpools.eaas.io", "attentionfleets.eaas.io"):
-        kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    apply_crds()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -93,6 +83,9 @@ def setup(cluster, tmp_path_factory):
     state = {"op": op, "env": env, "log": log, "tb": cluster}
     yield state
     state["op"].stop()  # the test replaces the operator (step 3): stop the one running now
+    # the tier's next modules share the testbed: an APIService whose backend is gone makes API
+    # discovery (kubectl, helm) report errors
+    kubectl("delete", "apiservice", APISERVICE, "--ignore-not-found")
 
 
 def test_load_status_and_hpa_scale_up_then_missing_metric_holds(setup):
