@@ -56,7 +56,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "cluster"))
 sys.path.insert(0, str(ROOT / "tests" / "k8s"))
 
-from fault_helpers import StreamLoad, container_pid, serving_table  # noqa: E402
+from fault_helpers import (  # noqa: E402
+    StreamLoad,
+    apply_tiny_pool_and_fleet,
+    container_pid,
+    serving_table,
+)
 from k8s_helpers import (  # noqa: E402
     Operator,
     apply_crds,
@@ -285,30 +290,9 @@ def run(tb, args, prompts, references, model_dir) -> int:
 
     ns = "failover"
     kubectl("create", "namespace", ns)
-    model = {"hostPath": str(model_dir.parent), "uri": model_dir.name}
-    pool = {
-        "apiVersion": "eaas.io/v1alpha1",
-        "kind": "ExpertPool",
-        "metadata": {"name": "tiny"},
-        "spec": {
-            "model": {**model, "firstMoeLayer": 1, "numMoeLayers": 3, "numExperts": 32},
-            "replicas": 4,
-            "redundancy": 2,
-        },
-    }
-    fleet = {
-        "apiVersion": "eaas.io/v1alpha1",
-        "kind": "AttentionFleet",
-        "metadata": {"name": "clients"},
-        "spec": {
-            "expertPoolRef": {"name": "tiny"},
-            "replicas": 2,
-            "model": model,
-            "nodeSelector": {"kubernetes.io/hostname": CPU_NODE},
-        },
-    }
-    for obj in (pool, fleet):
-        kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(obj))
+    apply_tiny_pool_and_fleet(
+        ns, servers=4, clients=2, fleet_spec={"nodeSelector": {"kubernetes.io/hostname": CPU_NODE}}
+    )
     c = Cluster(ns, tb.state_dir)
     t_setup = time.monotonic()
     wait_for("pool and fleet serving", c.steady, timeout=300, interval=1)

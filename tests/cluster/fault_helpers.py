@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import openai
-from k8s_helpers import client_pods, get, pod_ready, routing_table, server_pods
+from k8s_helpers import client_pods, get, kubectl, pod_ready, routing_table, server_pods
 
 #: TCP states in /proc/net/tcp (include/net/tcp_states.h).
 TCP_ESTABLISHED, TCP_CLOSE_WAIT = "01", "08"
@@ -269,3 +269,47 @@ def serving_table(ns: str, pool: str, fleet: str, servers: int, clients: int) ->
     if any(client_table_version(p["status"]["podIP"]) != t.version for p in cps):
         return None
     return t
+
+
+def apply_tiny_pool_and_fleet(
+    ns: str,
+    pool: str = "tiny",
+    servers: int = 4,
+    clients: int = 1,
+    pool_spec: dict | None = None,
+    fleet_spec: dict | None = None,
+) -> None:
+    """``kubectl apply`` into ``ns`` an ExpertPool ``pool`` of the built-in tiny model (its
+    weights from a hostPath of the local cache; 3 MoE layers x 32 experts, redundancy 2,
+    ``servers`` servers) and an AttentionFleet ``clients`` of ``clients`` attention clients
+    using it; ``pool_spec`` / ``fleet_spec`` add to (override) the specs."""
+    from eaas.runtime.models.tiny import default_model_dir
+
+    model_dir = default_model_dir()
+    model = {"hostPath": str(model_dir.parent), "uri": model_dir.name}
+    objs = [
+        {
+            "apiVersion": "eaas.io/v1alpha1",
+            "kind": "ExpertPool",
+            "metadata": {"name": pool},
+            "spec": {
+                "model": {**model, "firstMoeLayer": 1, "numMoeLayers": 3, "numExperts": 32},
+                "replicas": servers,
+                "redundancy": 2,
+                **(pool_spec or {}),
+            },
+        },
+        {
+            "apiVersion": "eaas.io/v1alpha1",
+            "kind": "AttentionFleet",
+            "metadata": {"name": "clients"},
+            "spec": {
+                "expertPoolRef": {"name": pool},
+                "replicas": clients,
+                "model": model,
+                **(fleet_spec or {}),
+            },
+        },
+    ]
+    for obj in objs:
+        kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(obj))

@@ -28,7 +28,17 @@ import uuid
 
 import openai
 import pytest
-from k8s_helpers import Operator, apply_crds, get, get_json, kubectl, routing_table, wait_for
+from fault_helpers import apply_tiny_pool_and_fleet
+from k8s_helpers import (
+    Operator,
+    apply_crds,
+    get,
+    get_json,
+    kubectl,
+    routing_table,
+    wait_for,
+    wait_namespaces_deleted,
+)
 from k8s_helpers import server_pods as _server_pods
 
 from eaas.runtime.routing import RoutingTable
@@ -124,35 +134,16 @@ def operator(cluster, tmp_path_factory):
     op = Operator(tmp_path_factory.mktemp("operator") / "operator.log")
     op.start()
     yield op
+    wait_namespaces_deleted()  # while the operator runs: it removes the pools' finalizers
     op.stop()
 
 
 def test_rebalancing_and_scale_down_restart_nothing_and_keep_tokens(operator):
-    from eaas.runtime.models.tiny import default_model_dir
-
-    model_dir = default_model_dir()
-    model = {"hostPath": str(model_dir.parent), "uri": model_dir.name}
     ns = f"t-{uuid.uuid4().hex[:6]}"
     kubectl("create", "namespace", ns)
-    pool = {
-        "apiVersion": "eaas.io/v1alpha1",
-        "kind": "ExpertPool",
-        "metadata": {"name": "live"},
-        "spec": {
-            "model": {**model, "firstMoeLayer": 1, "numMoeLayers": 3, "numExperts": 32},
-            "replicas": 5,
-            "redundancy": 2,
-            "placement": {"assignment": "routing-table"},
-        },
-    }
-    fleet = {
-        "apiVersion": "eaas.io/v1alpha1",
-        "kind": "AttentionFleet",
-        "metadata": {"name": "clients"},
-        "spec": {"expertPoolRef": {"name": "live"}, "replicas": 1, "model": model},
-    }
-    for obj in (pool, fleet):
-        kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(obj))
+    apply_tiny_pool_and_fleet(
+        ns, pool="live", servers=5, pool_spec={"placement": {"assignment": "routing-table"}}
+    )
     try:
 
         def serving():

@@ -18,7 +18,7 @@ import uuid
 
 import openai
 import pytest
-from fault_helpers import serving_table
+from fault_helpers import apply_tiny_pool_and_fleet, serving_table
 from k8s_helpers import (
     Operator,
     apply_crds,
@@ -30,6 +30,7 @@ from k8s_helpers import (
     routing_table,
     server_pods,
     wait_for,
+    wait_namespaces_deleted,
 )
 
 from eaas.runtime.cli import client_id_of
@@ -94,6 +95,7 @@ def operator(cluster, tmp_path_factory):
     )
     op.start()
     yield op, port
+    wait_namespaces_deleted()  # while the operator runs: it removes the pools' finalizers
     op.stop()
 
 
@@ -263,33 +265,15 @@ def fault_fleet(operator):
     from eaas.runtime.models.tiny import default_model_dir
 
     model_dir = default_model_dir()
-    model = {"hostPath": str(model_dir.parent), "uri": model_dir.name}
     ns = f"f-{uuid.uuid4().hex[:6]}"
     kubectl("create", "namespace", ns)
-    pool = {
-        "apiVersion": "eaas.io/v1alpha1",
-        "kind": "ExpertPool",
-        "metadata": {"name": "tiny"},
-        "spec": {
-            "model": {**model, "firstMoeLayer": 1, "numMoeLayers": 3, "numExperts": 32},
-            "replicas": 4,
-            "redundancy": 2,
-        },
-    }
-    fleet = {
-        "apiVersion": "eaas.io/v1alpha1",
-        "kind": "AttentionFleet",
-        "metadata": {"name": "clients"},
-        "spec": {
-            "expertPoolRef": {"name": "tiny"},
-            "replicas": 2,
-            "model": model,
-            # the clients stay up when a GPU node is powered off
-            "nodeSelector": {"kubernetes.io/hostname": CPU_NODE},
-        },
-    }
-    for obj in (pool, fleet):
-        kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(obj))
+    apply_tiny_pool_and_fleet(
+        ns,
+        servers=4,
+        clients=2,
+        # the clients stay up when a GPU node is powered off
+        fleet_spec={"nodeSelector": {"kubernetes.io/hostname": CPU_NODE}},
+    )
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = [tok(t)["input_ids"] for t in FAULT_TEXTS]
     references = reference_generate(str(model_dir), prompts, FAULT_MAX_TOKENS)

@@ -68,6 +68,31 @@ def apply_crds() -> None:
         kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
 
 
+def wait_namespaces_deleted(timeout: float = 180.0) -> None:
+    """Wait until the namespaces being deleted hold no pod, ExpertPool or AttentionFleet any
+    more: their processes are gone (GPUs and pod IPs free) and the pools' finalizers were
+    removed by the operator (call it while the operator still runs). The namespace objects
+    themselves finish later without the operator. The ``cluster`` tier shares one testbed
+    between modules, so a module leaves nothing running for the next."""
+
+    def emptied():
+        terminating = {
+            n["metadata"]["name"]
+            for n in get_json("namespaces")["items"]
+            if n["status"].get("phase") == "Terminating"
+        }
+        if not terminating:
+            return True
+        left = [
+            f"{o['kind']} {o['metadata']['namespace']}/{o['metadata']['name']}"
+            for o in get_json("pods,expertpools,attentionfleets", "-A")["items"]
+            if o["metadata"]["namespace"] in terminating
+        ]
+        return not left or None
+
+    wait_for("deleted namespaces emptied", emptied, timeout=timeout, interval=0.5)
+
+
 def pod_ready(pod: dict) -> bool:
     """Whether the pod's Ready condition is True."""
     return any(
