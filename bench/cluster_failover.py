@@ -46,7 +46,6 @@ import re
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -57,7 +56,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "cluster"))
 sys.path.insert(0, str(ROOT / "tests" / "k8s"))
 
-from fault_helpers import StreamLoad, client_table_version, container_pid  # noqa: E402
+from fault_helpers import (  # noqa: E402
+    StreamLoad,
+    apply_tiny_pool_and_fleet,
+    container_pid,
+    serving_table,
+)
+from k8s_helpers import (  # noqa: E402
+    Operator,
+    apply_crds,
+    client_pods,
+    kubectl,
+    routing_table,
+    server_pods,
+    wait_for,
+)
 
 TEXTS = [
     "The expert server hosts a set of experts and",
@@ -70,81 +83,27 @@ CPU_NODE = "cpu-node-0"
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
-def kubectl(*args: str, input: str | None = None, check: bool = True) -> str:
-    r = subprocess.run(["kubectl", *args], input=input, capture_output=True, text=True, timeout=120)
-    if check and r.returncode != 0:
-        raise RuntimeError(f"kubectl {' '.join(args)}: {r.stderr}")
-    return r.stdout
-
-
-def get_json(*args: str) -> dict:
-    return json.loads(kubectl("get", *args, "-o", "json"))
-
-
-def wait_for(what: str, fn, timeout: float, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = fn()
-        if v:
-            return v
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-
-
-def ready(p: dict) -> bool:
-    return any(
-        c["type"] == "Ready" and c["status"] == "True"
-        for c in (p.get("status") or {}).get("conditions", [])
-    )
-
-
 class Cluster:
-    """The namespace with the pool and the fleet."""
+    """The namespace with the pool (``tiny``, 4 servers) and the fleet (``clients``, 2)."""
 
     def __init__(self, ns: str, state_dir: Path) -> None:
         self.ns, self.state_dir = ns, state_dir
 
     def servers(self) -> dict[str, dict]:
-        items = get_json("pods", "-n", self.ns, "-l", "eaas.io/role=expert-server")["items"]
-        return {
-            p["metadata"]["name"]: p for p in items if not p["metadata"].get("deletionTimestamp")
-        }
+        return server_pods(self.ns, "tiny")
 
     def clients(self) -> list[dict]:
-        items = get_json("pods", "-n", self.ns, "-l", "eaas.io/fleet=clients")["items"]
-        return sorted(
-            (p for p in items if not p["metadata"].get("deletionTimestamp")),
-            key=lambda p: p["metadata"]["name"],
-        )
+        return client_pods(self.ns, "clients")
 
     def table(self) -> tuple[int, dict[str, str]]:
         """(version, servers) of the routing-table ConfigMap; (0, {}) before there is one."""
-        from eaas.runtime.routing import RoutingTable
-
-        raw = kubectl(
-            "get", "configmap", "tiny-routing-table", "-n", self.ns, "-o", "json", check=False
-        )
-        if not raw:
-            return 0, {}
-        t = RoutingTable.from_json(json.loads(raw)["data"]["routing-table.json"])
-        return t.version, dict(t.servers)
+        t = routing_table(self.ns, "tiny")
+        return (t.version, dict(t.servers)) if t is not None else (0, {})
 
     def steady(self) -> int | None:
         """The table version when all 4 servers are Ready in it and both clients applied it."""
-        version, servers = self.table()
-        if not version:
-            return None
-        pods = self.servers()
-        if len(pods) != 4 or not all(map(ready, pods.values())):
-            return None
-        if servers != {n: f"tcp://{p['status'].get('podIP')}:9000" for n, p in pods.items()}:
-            return None
-        cps = [p for p in self.clients() if ready(p)]
-        if len(cps) != 2:
-            return None
-        if any(client_table_version(p["status"]["podIP"]) != version for p in cps):
-            return None
-        return version
+        t = serving_table(self.ns, "tiny", "clients", 4, 2)
+        return t.version if t is not None else None
 
     def client_logs(self) -> list[Path]:
         return sorted((self.state_dir / "nodes").glob(f"{CPU_NODE}/pods/{self.ns}_clients-*/*.log"))
@@ -307,31 +266,22 @@ def main() -> int:
         os.environ.update({k: tb.env()[k] for k in ("KUBECONFIG", "PATH")})
         op = None
         try:
-            kubectl("apply", "-f", str(ROOT / "deploy/crds"))
-            for crd in ("expertpools.eaas.io", "attentionfleets.eaas.io"):
-                kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+            apply_crds()
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            op_env = {
-                **os.environ,
-                "EAAS_OPERATOR_RESYNC_S": "1",
-                "EAAS_OPERATOR_LEASE_DURATION_S": "3",
-                "EAAS_OPERATOR_REPORT_LISTEN": f"127.0.0.1:{port}",
-                "EAAS_OPERATOR_REPORT_URL": f"http://127.0.0.1:{port}",
-            }
-            op_log = open(Path(tmp) / "operator.log", "w")
-            op = subprocess.Popen(
-                [sys.executable, "-m", "eaas.cli", "operator"],
-                stdout=op_log,
-                stderr=subprocess.STDOUT,
-                env=op_env,
+            op = Operator(
+                Path(tmp) / "operator.log",
+                env={
+                    "EAAS_OPERATOR_REPORT_LISTEN": f"127.0.0.1:{port}",
+                    "EAAS_OPERATOR_REPORT_URL": f"http://127.0.0.1:{port}",
+                },
             )
+            op.start()
             return run(tb, args, prompts, references, model_dir)
         finally:
             if op is not None:
-                op.terminate()
-                op.wait(timeout=30)
+                op.stop()
             tbmod.down(state_dir=tb.state_dir)
 
 
@@ -340,30 +290,9 @@ def run(tb, args, prompts, references, model_dir) -> int:
 
     ns = "failover"
     kubectl("create", "namespace", ns)
-    model = {"hostPath": str(model_dir.parent), "uri": model_dir.name}
-    pool = {
-        "apiVersion": "eaas.io/v1alpha1",
-        "kind": "ExpertPool",
-        "metadata": {"name": "tiny"},
-        "spec": {
-            "model": {**model, "firstMoeLayer": 1, "numMoeLayers": 3, "numExperts": 32},
-            "replicas": 4,
-            "redundancy": 2,
-        },
-    }
-    fleet = {
-        "apiVersion": "eaas.io/v1alpha1",
-        "kind": "AttentionFleet",
-        "metadata": {"name": "clients"},
-        "spec": {
-            "expertPoolRef": {"name": "tiny"},
-            "replicas": 2,
-            "model": model,
-            "nodeSelector": {"kubernetes.io/hostname": CPU_NODE},
-        },
-    }
-    for obj in (pool, fleet):
-        kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(obj))
+    apply_tiny_pool_and_fleet(
+        ns, servers=4, clients=2, fleet_spec={"nodeSelector": {"kubernetes.io/hostname": CPU_NODE}}
+    )
     c = Cluster(ns, tb.state_dir)
     t_setup = time.monotonic()
     wait_for("pool and fleet serving", c.steady, timeout=300, interval=1)

@@ -620,8 +620,9 @@ class ExpertPoolStatus(_Model):
         description="assignment routing-table: servers of the newest version (staged, else "
         "published) that confirmed holding its experts' weights.",
     )
-    last_rebalance_time: str = Field(
-        default="", description="When the last load rebalance was staged (RFC 3339)."
+    last_rebalance_time: str | None = Field(
+        default=None,
+        description="When the last load rebalance was staged (RFC 3339); absent until one was.",
     )
     load: LoadSummary | None = Field(
         default=None, description="Measured expert load (absent until two scrapes)."

@@ -226,6 +226,20 @@ def hpa_manifest(owner: Owner, spec: ExpertPoolSpec) -> dict[str, Any] | None:
     }
 
 
+def hpa_metrics_warning(pool: str, metrics_served: bool) -> str | None:
+    """Why the operator-owned HPA of ``pool`` cannot get its metric, or None when this operator
+    serves the external metrics API (``metrics_served``: ``EAAS_OPERATOR_METRICS_LISTEN`` is set
+    and the listener started). Without it the HPA's every metric fetch fails and it holds the
+    pool's replica count (ScalingActive False), so the operator says so in a Warning event."""
+    if metrics_served:
+        return None
+    return (
+        f"HPA {hpa_name(pool)} cannot get metric {METRIC_NAME}: this operator does not serve the "
+        "external metrics API (EAAS_OPERATOR_METRICS_LISTEN unset; Helm: "
+        "externalMetrics.enabled=true), so the HPA holds the replica count"
+    )
+
+
 def hpa_differs(live: Mapping[str, Any], want: Mapping[str, Any]) -> bool:
     """Whether the live HPA's spec fields the operator sets differ from ``want``'s."""
     ls, ws = live.get("spec") or {}, want["spec"]

@@ -28,6 +28,10 @@ from eaas.operator.pods import nvshmem_uid_file, world_layout
 from eaas.operator.status import set_condition
 from eaas.runtime.transport.nvshmem_world import client_env
 
+#: Env var of each attention-client container holding its pod name (downward API); the client's
+#: ``--client-id $(EAAS_POD_NAME)`` makes every replica's id distinct.
+POD_NAME_ENV = "EAAS_POD_NAME"
+
 
 # ---------------------------------------------------------------------------------------------
 # attention fleet
@@ -53,6 +57,10 @@ def client_command(
         "attention-client",
         "--model",
         spec.model.model_path(),
+        # every replica its own id (frames, metrics, failure reports): the pod name, from the
+        # downward API (fleet_deployment sets the variable; the kubelet expands $(VAR))
+        "--client-id",
+        f"$({POD_NAME_ENV})",
         "--routing-table-configmap",
         f"{namespace}/{table_configmap_name(spec.expert_pool_ref.name)}",
         "--push-token-file",
@@ -129,6 +137,7 @@ def fleet_deployment(
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": client_command(spec, pool, namespace=owner.namespace, failure_report_url=url),
+        "env": [{"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
         "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
         "volumeMounts": [
             {"name": "push-token", "mountPath": PUSH_TOKEN_MOUNT_DIR, "readOnly": True}

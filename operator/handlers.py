@@ -87,6 +87,7 @@ from eaas.operator.external_metrics import (
     LABEL_MANAGED,
     hpa_differs,
     hpa_manifest,
+    hpa_metrics_warning,
     hpa_name,
     read_front_proxy_auth,
 )
@@ -156,7 +157,8 @@ class OperatorState:
         report_base_url: the operator's failure-report address as clients reach it (env
             ``EAAS_OPERATOR_REPORT_URL``, e.g. ``http://eaas-operator.eaas-system.svc:8081``;
             empty: clients get no ``--failure-report-url``).
-        tokens: ``(namespace, fleet, fleet uid)`` -> the fleet's push token (from its Secret).
+        tokens: ``(namespace, Secret name, owner uid)`` -> push token (a fleet's or a pool's
+            server push token, from its Secret).
         acks: ``(namespace, fleet)`` -> client pod uid -> newest routing-table version it
             acknowledged (lost on restart: the next push's 409 tells it again).
         push_retries: ``(namespace, fleet)`` -> client pod uid -> push back-off state
@@ -932,24 +934,36 @@ def _server_url(pod: ObservedPod, spec: ExpertPoolSpec) -> str:
     return f"http://{pod.ip}:{spec.health_port}"
 
 
-def _ensure_server_token(state: OperatorState, core: k8s.CoreV1Api, owner: Owner) -> str:
-    """The pool's server push token from its Secret (created, random, when missing)."""
-    key = (owner.namespace, f"pool:{owner.name}", owner.uid)
+def _ensure_token_secret(
+    state: OperatorState,
+    core: k8s.CoreV1Api,
+    owner: Owner,
+    name: str,
+    manifest: Callable[[Owner, str], dict[str, Any]],
+) -> str:
+    """The bearer token stored under ``PUSH_TOKEN_KEY`` in Secret ``name`` (owned by ``owner``),
+    creating the Secret from ``manifest(owner, new_push_token())`` when it is missing (a 409 from
+    a racing create is read back). The token never changes once made, so it is cached per
+    (namespace, Secret name, owner uid): a recreated owner gets a new Secret and token.
+
+    Used for a pool's server push token (:func:`server_push_secret`) and a fleet's push token
+    (:func:`push_secret`).
+
+    Raises:
+        kopf.TemporaryError: the Secret exists but has no token (retried in 5 s).
+        ApiException: any other API error than 404 on read / 409 on create.
+    """
+    key = (owner.namespace, name, owner.uid)
     hit = state.tokens.get(key)
     if hit:
         return hit
-    name = server_push_secret_name(owner.name)
     try:
         secret = _raw(core.read_namespaced_secret, name, owner.namespace)
     except ApiException as exc:
         if exc.status != 404:
             raise
         try:
-            _raw(
-                core.create_namespaced_secret,
-                owner.namespace,
-                server_push_secret(owner, new_push_token()),
-            )
+            _raw(core.create_namespaced_secret, owner.namespace, manifest(owner, new_push_token()))
         except ApiException as exc2:
             if exc2.status != 409:
                 raise
@@ -1047,7 +1061,9 @@ def _reconcile_table_pool(
     key = (namespace, name)
     old_status = body.get("status") or {}
     revision = placement_revision(spec)
-    token = _ensure_server_token(state, core, owner)
+    token = _ensure_token_secret(
+        state, core, owner, server_push_secret_name(owner.name), server_push_secret
+    )
     cm, published, annotated = _read_table_cm(state, core, owner, logger)
     staged = state.staged.get(key)
     floor = max(
@@ -1341,7 +1357,9 @@ def _ensure_hpa(
 ) -> None:
     """Create/patch the operator-owned HPA of a pool with ``spec.autoscaling``; delete the one
     it made (label ``eaas.io/managed-hpa``) when autoscaling is unset. A user-made HPA of the
-    same name (no such label) is left alone, with a Warning event."""
+    same name (no such label) is left alone, with a Warning event. While this operator serves no
+    external metrics API, an ``AutoscalerNoMetrics`` Warning event says the HPA cannot get its
+    metric (again at most every ``RBAC_RECHECK_S``)."""
     want = hpa_manifest(owner, spec)
     name = hpa_name(owner.name)
     key = (owner.namespace, "HorizontalPodAutoscaler", name, json.dumps(want, sort_keys=True))
@@ -1382,6 +1400,11 @@ def _ensure_hpa(
         )
     elif hpa_differs(live, want):
         hpa_api.patch_namespaced_horizontal_pod_autoscaler(name, owner.namespace, want)
+    if live is None or managed:  # an HPA of ours: say when nothing serves its metric
+        problem = hpa_metrics_warning(owner.name, state.metrics_runner is not None)
+        if problem:
+            logger.warning("%s", problem)
+            _event(body, "AutoscalerNoMetrics", problem, warning=True)
     state.applied[key] = time.monotonic()
 
 
@@ -1592,7 +1615,7 @@ def reconcile_fleet(state: OperatorState, namespace: str, name: str, logger: kop
     except ValidationError:
         pool = None
 
-    token = _ensure_push_token(state, core, owner)
+    token = _ensure_token_secret(state, core, owner, push_secret_name(owner.name), push_secret)
     for manifest in client_rbac(owner, pool_name):
         kind, n = manifest["kind"], manifest["metadata"]["name"]
         key = (namespace, kind, n, manifest["metadata"]["annotations"][ANNOTATION_SPEC_HASH])
@@ -1694,35 +1717,6 @@ def reconcile_fleet(state: OperatorState, namespace: str, name: str, logger: kop
         acknowledged=acked,
     )
     _write_status(custom, namespace, name, old_status, status, plural=FLEETS)
-
-
-def _ensure_push_token(state: OperatorState, core: k8s.CoreV1Api, owner: Owner) -> str:
-    """The fleet's push token from its Secret, creating the Secret (random token) when missing.
-    Cached per Secret resourceVersion is not needed: the token never changes once made, so it
-    is cached per fleet uid."""
-    key = (owner.namespace, owner.name, owner.uid)
-    hit = state.tokens.get(key)
-    if hit:
-        return hit
-    name = push_secret_name(owner.name)
-    try:
-        secret = _raw(core.read_namespaced_secret, name, owner.namespace)
-    except ApiException as exc:
-        if exc.status != 404:
-            raise
-        try:
-            _raw(
-                core.create_namespaced_secret, owner.namespace, push_secret(owner, new_push_token())
-            )
-        except ApiException as exc2:
-            if exc2.status != 409:
-                raise
-        secret = _raw(core.read_namespaced_secret, name, owner.namespace)
-    token = base64.b64decode((secret.get("data") or {}).get(PUSH_TOKEN_KEY, "")).decode().strip()
-    if not token:
-        raise kopf.TemporaryError(f"Secret {name} has no {PUSH_TOKEN_KEY!r}", delay=5)
-    state.tokens[key] = token
-    return token
 
 
 def _apply(manifest: dict[str, Any], *, read: Any, create: Any, patch: Any) -> Any:

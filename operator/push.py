@@ -24,13 +24,12 @@ does the I/O on a thread pool.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import logging
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from eaas.operator.server_push import json_call
 
 log = logging.getLogger("eaas.operator.push")
 
@@ -105,31 +104,15 @@ def put_table(base_url: str, table_json: str, token: str, timeout_s: float) -> P
     Raises:
         OSError: the client is unreachable (refused, timed out).
     """
-    req = urllib.request.Request(
-        base_url.rstrip("/") + "/routing-table",
-        data=table_json.encode(),
-        method="PUT",
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    status, body, message = json_call(
+        "PUT", base_url.rstrip("/") + "/routing-table", table_json.encode(), token, timeout_s
     )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        status, raw = exc.code, exc.read()
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        body = {}
-    if not isinstance(body, dict):
-        body = {}
-    err = body.get("error")
-    if not isinstance(err, dict):
-        err = {}
     return PushResult(
         status,
         body.get("acknowledged_version"),
         body.get("applied_version"),
-        str(err.get("message", "")),
+        # an error that is not an object gives no message here (as before)
+        message if isinstance(body.get("error"), dict) else "",
     )
 
 

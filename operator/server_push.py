@@ -13,6 +13,7 @@ import json
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from typing import Any
 
 #: Connect + read timeout of one call to a server (s); the server answers at once (it loads
 #: in the background).
@@ -40,9 +41,19 @@ class ServerTableState:
     message: str = ""
 
 
-def _call(
+def json_call(
     method: str, url: str, body: bytes | None, token: str | None, timeout_s: float
-) -> ServerTableState:
+) -> tuple[int, dict[str, Any], str]:
+    """One JSON request with an optional bearer token, standard library only (the operator's
+    pushes to attention clients and to expert servers).
+
+    Returns:
+        ``(HTTP status, JSON object of the answer ({} when it is none), the message of its
+        error object ("" without one))`` for any HTTP answer, error statuses included.
+
+    Raises:
+        OSError: unreachable (refused, timed out).
+    """
     headers = {"Content-Type": "application/json"}
     if token is not None:
         headers["Authorization"] = f"Bearer {token}"
@@ -59,13 +70,21 @@ def _call(
     if not isinstance(doc, dict):
         doc = {}
     err = doc.get("error")
+    message = str(err.get("message", "")) if isinstance(err, dict) else str(err or "")
+    return status, doc, message
+
+
+def _call(
+    method: str, url: str, body: bytes | None, token: str | None, timeout_s: float
+) -> ServerTableState:
+    status, doc, message = json_call(method, url, body, token, timeout_s)
     return ServerTableState(
         status=status,
         assigned_version=int(doc.get("assigned_version") or 0),
         weights_version=int(doc.get("weights_version") or 0),
         released_version=int(doc.get("released_version") or 0),
         load_error=str(doc.get("load_error") or ""),
-        message=str(err.get("message", "")) if isinstance(err, dict) else str(err or ""),
+        message=message,
     )
 
 

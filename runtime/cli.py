@@ -44,6 +44,29 @@ def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
 
 
+def client_id_of(value: str) -> int:
+    """The attention client's integer id (int64 ``client_id`` of the transports' frames) from
+    ``--client-id``: a decimal integer as is, any other non-empty string (a pod name) as the
+    top 63 bits of its BLAKE2b-64 digest, so it is stable for the name and non-negative.
+    Distinct names collide with probability about n^2 / 2^64 (n names).
+
+    Raises:
+        typer.BadParameter: ``value`` is empty or a negative integer.
+    """
+    import hashlib
+
+    v = value.strip()
+    if not v:
+        raise typer.BadParameter("--client-id is empty")
+    try:
+        cid = int(v)
+    except ValueError:
+        return int.from_bytes(hashlib.blake2b(v.encode(), digest_size=8).digest(), "big") >> 1
+    if cid < 0 or cid >= 2**63:
+        raise typer.BadParameter(f"--client-id {v}: must be in [0, 2**63)")
+    return cid
+
+
 def tiny_model(
     out_dir: str = typer.Argument(..., help="Directory to write the checkpoint into."),
 ) -> None:
@@ -337,8 +360,12 @@ def attention_client(
         "--routing-table",
         help="Routing table JSON file; re-read when it changes (ConfigMap mount).",
     ),
-    client_id: int = typer.Option(
-        0, "--client-id", help="Id of this attention client (frames, metrics)."
+    client_id: str = typer.Option(
+        "0",
+        "--client-id",
+        help="Id of this attention client (frames, metrics, failure reports): an integer, or a "
+        "name such as the pod name (the operator passes $(EAAS_POD_NAME)), mapped to a stable "
+        "63-bit integer, so every replica of a fleet has its own id.",
     ),
     host: str = typer.Option("127.0.0.1", "--host", help="API listen address."),
     port: int = typer.Option(8000, "--port", min=1, max=65535, help="API port."),
@@ -478,10 +505,13 @@ def attention_client(
             check_cuda_graphs(dev.type, local_experts)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    cid = client_id_of(client_id)
+    if str(cid) != client_id.strip():
+        typer.echo(f"attention-client: --client-id {client_id!r} is client id {cid}", err=True)
     run_attention_client(
         model_dir=model,
         routing_table=routing_table,
-        client_id=client_id,
+        client_id=cid,
         host=host,
         port=port,
         dispatch_timeout=dispatch_timeout,
@@ -502,7 +532,7 @@ def attention_client(
         cuda_graphs=cuda_graphs,
         nvshmem_world=world_cfg,
     )
-    _exit_now(f"attention-client {client_id}")
+    _exit_now(f"attention-client {cid}")
 
 
 def serve(

@@ -1,68 +1,68 @@
 """Fixtures for the ``cluster`` tier: the testbed with *process nodes*, whose node agents run
 pods as local processes (``eaas.testbed.agent``).
 
-``cluster`` (module scope, so it is gone before the kwok-only ``testbed`` of ``tests/k8s``
-starts) brings up etcd, kube-apiserver, kube-controller-manager (node monitor grace 20 s),
-kube-scheduler and kwok in a private temp state dir, with 2 GPU/RDMA nodes (or the module's
-``CLUSTER_GPU_NODES``) and 1 CPU node, all process nodes; crash-loop back-off base 1 s (upstream: 10 s) so restarts show within seconds.
-``KUBECONFIG`` and ``PATH`` point at it for the module. Everything it started, containers
-included, dies with the test process (PR_SET_PDEATHSIG) and is stopped at teardown.
+``cluster`` brings up etcd, kube-apiserver, kube-controller-manager (node monitor grace 20 s),
+kube-scheduler and kwok in a private temp state dir, with 4 GPU/RDMA nodes (one per expert
+server of the fault scenario, so powering off one node leaves every expert a replica) and 1 CPU
+node, all process nodes; crash-loop back-off base 1 s (upstream: 10 s) so restarts show within
+seconds. ``KUBECONFIG`` and ``PATH`` point at it while the tier runs.
+
+One testbed serves the whole tier (starting one takes 10-20 s on a 2-core machine): the
+fixture is session-scoped, and :func:`pytest_runtest_teardown` stops it right after the tier's
+last test, so it is gone before the kwok-only ``testbed`` of ``tests/k8s`` starts. Each module
+works in its own namespaces and starts (and stops) its own operator. Everything it started,
+containers included, dies with the test process (PR_SET_PDEATHSIG); a process left after
+teardown fails the test (:func:`k8s_helpers.running_testbed`, shared with ``tests/k8s``).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
+import contextlib
 import sys
 from pathlib import Path
 
 import pytest
 
-# the shared kubectl / get_json / wait_for helpers live with the k8s tier
+# the shared kubectl / get_json / wait_for / Operator / testbed helpers live with the k8s tier
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "k8s"))
 
+from k8s_helpers import running_testbed  # noqa: E402
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, request):
-    from eaas import testbed as tbmod
+TIER = Path(__file__).resolve().parent
+# the running testbed's context while the tier runs (closed after its last test)
+_running: list[contextlib.ExitStack] = []
 
-    if tbmod.find_bin_dir() is None:
-        try:
-            tbmod.binaries.go_binary()
-        except tbmod.BuildError as e:
-            pytest.fail(f"testbed binaries unavailable (run `eaas testbed build`): {e}")
-    state_dir = tmp_path_factory.mktemp("cluster") / "state"
-    tb = tbmod.up(
-        state_dir=state_dir,
-        gpu_nodes=getattr(request.module, "CLUSTER_GPU_NODES", 2),
-        cpu_nodes=1,
-        timeout=300,
-        attached=True,
-        process_nodes="all",
-        restart_backoff_s=1.0,
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    stack = contextlib.ExitStack()
+    tb = stack.enter_context(
+        running_testbed(
+            tmp_path_factory,
+            "cluster",
+            gpu_nodes=4,
+            cpu_nodes=1,
+            process_nodes="all",
+            restart_backoff_s=1.0,
+        )
     )
-    saved = {k: os.environ.get(k) for k in ("KUBECONFIG", "PATH")}
-    os.environ.update({k: tb.env()[k] for k in ("KUBECONFIG", "PATH")})
+    _running.append(stack)
     try:
         yield tb
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        agents = dict(tbmod.load(state_dir).agents)
-        tbmod.down(state_dir=state_dir, remove=False)
-        # nothing outlives `down`: no agent, no container process, no escaped descendant
-        from eaas.testbed.cluster import STATE_MARKER, agent_alive, find_marked
+        _stop()  # not stopped yet: the session ended inside the tier (-x, -k, interrupt)
 
-        leaked = [p for p in agents.values() if agent_alive(p)]
-        leaked += find_marked(STATE_MARKER, str(tb.state_dir))
-        keep = tmp_path_factory.getbasetemp() / "cluster-logs"  # for post-mortems
-        shutil.copytree(state_dir / "logs", keep, dirs_exist_ok=True)
-        for log in (state_dir / "nodes").glob("*/pods/*/*.log"):
-            dest = keep / "pods" / log.parent.name
-            dest.mkdir(parents=True, exist_ok=True)
-            shutil.copy(log, dest)
-        shutil.rmtree(state_dir, ignore_errors=True)
-        assert not leaked, f"processes left after `eaas testbed down`: {leaked}"
+
+def _stop() -> None:
+    while _running:
+        _running.pop().close()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test of this tier (hooks of this conftest run only for its items): once the
+    module-scoped fixtures are torn down, stop the testbed when no test of the tier follows."""
+    result = yield
+    if nextitem is None or TIER not in Path(nextitem.path).resolve().parents:
+        _stop()
+    return result

@@ -1,7 +1,8 @@
 """Helpers of the fault-under-load scenarios (tests/cluster/test_operator_cluster.py) and of
 ``bench/cluster_failover.py``: streaming load through an attention client with the official
-``openai`` client, a recorder of routing-table versions, and the kernel's view of TCP
-connections (``/proc/net/tcp``)."""
+``openai`` client, a recorder of routing-table versions, the steady state of a pool and fleet
+(:func:`serving_table`), and the kernel's view of TCP connections (``/proc/net/tcp``). The
+kubectl-level reads are :mod:`k8s_helpers`' (``tests/k8s``, on ``sys.path`` for both)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import openai
+from k8s_helpers import client_pods, get, kubectl, pod_ready, routing_table, server_pods
 
 #: TCP states in /proc/net/tcp (include/net/tcp_states.h).
 TCP_ESTABLISHED, TCP_CLOSE_WAIT = "01", "08"
@@ -245,3 +248,68 @@ def client_table_version(ip: str, port: int = 8000, timeout_s: float = 5.0) -> i
             return int(json.loads(r.read())["version"])
     except (OSError, ValueError, KeyError):
         return None
+
+
+def serving_table(ns: str, pool: str, fleet: str, servers: int, clients: int) -> Any:
+    """The pool's routing table when it is the steady state: it holds exactly the ``servers``
+    Ready server pods at their current IPs (``tcp://IP:9000``), and ``clients`` Ready clients
+    acknowledged it (fleet status) and applied it (their ``GET /routing-table``); else None."""
+    t = routing_table(ns, pool)
+    pods = server_pods(ns, pool)
+    if t is None or len(pods) != servers or not all(map(pod_ready, pods.values())):
+        return None
+    if t.servers != {n: f"tcp://{p['status'].get('podIP')}:9000" for n, p in pods.items()}:
+        return None
+    st = (get("attentionfleet", fleet, ns) or {}).get("status") or {}
+    if st.get("clientsAcknowledged") != clients or st.get("acknowledgedVersion") != t.version:
+        return None
+    cps = [p for p in client_pods(ns, fleet) if pod_ready(p)]
+    if len(cps) != clients:
+        return None
+    if any(client_table_version(p["status"]["podIP"]) != t.version for p in cps):
+        return None
+    return t
+
+
+def apply_tiny_pool_and_fleet(
+    ns: str,
+    pool: str = "tiny",
+    servers: int = 4,
+    clients: int = 1,
+    pool_spec: dict | None = None,
+    fleet_spec: dict | None = None,
+) -> None:
+    """``kubectl apply`` into ``ns`` an ExpertPool ``pool`` of the built-in tiny model (its
+    weights from a hostPath of the local cache; 3 MoE layers x 32 experts, redundancy 2,
+    ``servers`` servers) and an AttentionFleet ``clients`` of ``clients`` attention clients
+    using it; ``pool_spec`` / ``fleet_spec`` add to (override) the specs."""
+    from eaas.runtime.models.tiny import default_model_dir
+
+    model_dir = default_model_dir()
+    model = {"hostPath": str(model_dir.parent), "uri": model_dir.name}
+    objs = [
+        {
+            "apiVersion": "eaas.io/v1alpha1",
+            "kind": "ExpertPool",
+            "metadata": {"name": pool},
+            "spec": {
+                "model": {**model, "firstMoeLayer": 1, "numMoeLayers": 3, "numExperts": 32},
+                "replicas": servers,
+                "redundancy": 2,
+                **(pool_spec or {}),
+            },
+        },
+        {
+            "apiVersion": "eaas.io/v1alpha1",
+            "kind": "AttentionFleet",
+            "metadata": {"name": "clients"},
+            "spec": {
+                "expertPoolRef": {"name": pool},
+                "replicas": clients,
+                "model": model,
+                **(fleet_spec or {}),
+            },
+        },
+    ]
+    for obj in objs:
+        kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(obj))

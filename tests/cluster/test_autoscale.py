@@ -10,9 +10,9 @@ that serves ``external.metrics.k8s.io`` through the testbed's aggregation layer
 2. completions: ``status.load`` shows tokens/s, per-server max/mean and the hottest experts;
    the real HPA controller scales the pool up to 3 and the third server turns Ready;
 3. a missing metric holds the count: with the operator stopped (API unavailable) and then
-   restarted with a long scrape interval (the API answers an empty list), the HPA fails to get
-   the metric on several syncs (kube-controller-manager's own counter of failed metric
-   computations) and ``spec.replicas`` stays 3; once the (idle) load is measured
+   restarted with a long scrape interval (15 s: the API answers an empty list for about 30 s),
+   the HPA fails to get the metric on several syncs (kube-controller-manager's own counter of
+   failed metric computations) and ``spec.replicas`` stays 3; once the (idle) load is measured
    again, the HPA scales down to 2 — the hold came from the missing metric, not from idleness;
 4. ``spec.autoscaling`` removed: the operator deletes its HPA; ``kubectl autoscale
    expertpool/tiny`` makes one that reads the pool's scale subresource (AbleToScale).
@@ -31,21 +31,27 @@ import uuid
 
 import openai
 import pytest
-from k8s_helpers import get_json, kubectl, wait_for
-from test_operator import Operator
+from fault_helpers import apply_tiny_pool_and_fleet
+from k8s_helpers import (
+    Operator,
+    apply_crds,
+    get,
+    get_json,
+    kubectl,
+    wait_for,
+    wait_namespaces_deleted,
+)
 
-from eaas.testbed.metrics_api import register_external_metrics
+from eaas.testbed.metrics_api import APISERVICE, register_external_metrics
 
 pytestmark = [pytest.mark.cluster, pytest.mark.elastic]
 
 FAST = {"EAAS_OPERATOR_LOAD_SCRAPE_S": "2", "EAAS_OPERATOR_LOAD_WINDOW_S": "10"}
-# first rate only after two scrapes, 45 s apart: the metric is missing (empty) meanwhile
-SLOW = {"EAAS_OPERATOR_LOAD_SCRAPE_S": "45", "EAAS_OPERATOR_LOAD_WINDOW_S": "90"}
-
-
-def get(kind: str, name: str, ns: str) -> dict | None:
-    r = kubectl("get", kind, name, "-n", ns, "-o", "json", check=False)
-    return json.loads(r.stdout) if r.returncode == 0 else None
+# first rate only after two scrape rounds that have the pool's servers as targets, 15 s apart
+# (the round at start has none yet): about 30 s after the restart. The metric is missing (an
+# empty list) meanwhile; the checks below need about 15 s of it (the HPA, syncing every 3 s on
+# the testbed, sees the empty list, then fails to get the metric on 3 more syncs).
+SLOW = {"EAAS_OPERATOR_LOAD_SCRAPE_S": "15", "EAAS_OPERATOR_LOAD_WINDOW_S": "30"}
 
 
 def hpa_conditions(ns: str) -> dict[str, dict]:
@@ -77,12 +83,7 @@ def failed_metric_fetches(tb) -> float:
 
 @pytest.fixture(scope="module")
 def setup(cluster, tmp_path_factory):
-    import os
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    kubectl("apply", "-f", os.path.join(root, "deploy/crds"))
-    for crd in ("expertpools.eaas.io", "attentionfleets.eaas.io"):
-        kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    apply_crds()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -92,40 +93,28 @@ def setup(cluster, tmp_path_factory):
     op.start()
     state = {"op": op, "env": env, "log": log, "tb": cluster}
     yield state
+    wait_namespaces_deleted()  # while the operator runs: it removes the pools' finalizers
     state["op"].stop()  # the test replaces the operator (step 3): stop the one running now
+    # the tier's next modules share the testbed: an APIService whose backend is gone makes API
+    # discovery (kubectl, helm) report errors
+    kubectl("delete", "apiservice", APISERVICE, "--ignore-not-found")
 
 
 def test_load_status_and_hpa_scale_up_then_missing_metric_holds(setup):
-    from eaas.runtime.models.tiny import default_model_dir
-
-    model_dir = default_model_dir()
-    model = {"hostPath": str(model_dir.parent), "uri": model_dir.name}
     ns = f"t-{uuid.uuid4().hex[:6]}"
     kubectl("create", "namespace", ns)
-    pool = {
-        "apiVersion": "eaas.io/v1alpha1",
-        "kind": "ExpertPool",
-        "metadata": {"name": "tiny"},
-        "spec": {
-            "model": {**model, "firstMoeLayer": 1, "numMoeLayers": 3, "numExperts": 32},
-            "replicas": 2,
-            "redundancy": 2,
+    apply_tiny_pool_and_fleet(
+        ns,
+        servers=2,
+        pool_spec={
             "autoscaling": {
                 "minReplicas": 2,
                 "maxReplicas": 3,
                 "targetLoadPerServer": 1,
                 "scaleDownStabilizationSeconds": 0,
-            },
+            }
         },
-    }
-    fleet = {
-        "apiVersion": "eaas.io/v1alpha1",
-        "kind": "AttentionFleet",
-        "metadata": {"name": "clients"},
-        "spec": {"expertPoolRef": {"name": "tiny"}, "replicas": 1, "model": model},
-    }
-    for obj in (pool, fleet):
-        kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(obj))
+    )
     stop = threading.Event()
     failures: list[str] = []
     try:
@@ -144,6 +133,25 @@ def test_load_status_and_hpa_scale_up_then_missing_metric_holds(setup):
         hpa = get("hpa", "tiny", ns)
         assert hpa is not None, "operator-owned HPA missing"
         assert hpa["metadata"]["ownerReferences"][0]["kind"] == "ExpertPool"
+        # this operator serves the metric: the event of the HPA's creation, and no warning
+        # (AutoscalerNoMetrics would be posted by the same step that made the HPA)
+        reasons = wait_for(
+            "AutoscalerCreated event",
+            lambda: (
+                (
+                    r := {
+                        e["reason"]
+                        for e in get_json(
+                            "events", "-n", ns, "--field-selector", "involvedObject.kind=ExpertPool"
+                        )["items"]
+                    }
+                )
+                and "AutoscalerCreated" in r
+                and r
+            ),
+            timeout=60,
+        )
+        assert "AutoscalerNoMetrics" not in reasons, reasons
         raw = wait_for(
             "external metric served",
             lambda: (
@@ -260,7 +268,7 @@ def test_load_status_and_hpa_scale_up_then_missing_metric_holds(setup):
 
         op = Operator(setup["log"], env={**setup["env"], **SLOW})
         setup["op"] = op
-        op.start()  # serves, but has no rate for ~45 s: an empty list
+        op.start()  # serves, but has no rate for ~30 s: an empty list
         wait_for(
             "HPA sees an empty metric list",
             lambda: (

@@ -19,7 +19,7 @@ import urllib.request
 import openai
 import pytest
 import yaml
-from k8s_helpers import get_json, kubectl, wait_for
+from k8s_helpers import get_json, kubectl, pod_ready, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -42,11 +42,6 @@ def helm(*args: str, check: bool = True, timeout: float = 240) -> subprocess.Com
 def operator_pods() -> list[dict]:
     items = get_json("pods", "-n", NS, "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
     return [p for p in items if not p["metadata"].get("deletionTimestamp")]
-
-
-def ready(p: dict) -> bool:
-    conds = p.get("status", {}).get("conditions", [])
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
 
 def can_i(verb: str, resource: str, ns: str | None = None) -> bool:
@@ -79,6 +74,10 @@ def release(cluster):
         "3m",
     )
     yield cluster, r.stdout
+    # the tier's next modules share the testbed: an operator release left by a failed test
+    # would act on their pools next to their own operator
+    if RELEASE in helm("list", "-n", NS, "-q").stdout.split():
+        helm("uninstall", RELEASE, "-n", NS, "--wait", "--timeout", "2m", check=False)
 
 
 def test_schema_rejects_a_bad_value(cluster):
@@ -97,7 +96,7 @@ def test_install_two_replicas_on_the_cpu_node_one_leader(release):
 
     pods = wait_for(
         "2 Ready operator pods",
-        lambda: (ps := operator_pods()) and len(ps) == 2 and all(map(ready, ps)) and ps,
+        lambda: (ps := operator_pods()) and len(ps) == 2 and all(map(pod_ready, ps)) and ps,
         timeout=120,
         interval=1,
     )
@@ -221,9 +220,15 @@ def test_tiny_pool_example_turns_ready(release):
     # is the local install, so the same model comes from a hostPath of the tiny model dir
     model_dir = default_model_dir()
     pool["spec"]["model"].update(hostPath=str(model_dir.parent), uri=model_dir.name)
+    # the example fleet (one client here, weights from the same hostPath), applied with the
+    # pool so that the client starts while the servers do
+    fleet = yaml.safe_load(open(os.path.join(ROOT, "deploy", "examples", "tiny-fleet.yaml")))
+    fleet["spec"]["replicas"] = 1
+    fleet["spec"]["model"] = {"hostPath": str(model_dir.parent), "uri": model_dir.name}
     ns = "helm-pool"
     kubectl("create", "namespace", ns)
     kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(pool))
+    kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(fleet))
 
     def pool_ready():
         st = get_json("expertpool", "tiny", "-n", ns).get("status") or {}
@@ -231,7 +236,7 @@ def test_tiny_pool_example_turns_ready(release):
         ok = conds.get("Ready", {}).get("status") == "True"
         return st if ok else None
 
-    st = wait_for("ExpertPool tiny Ready", pool_ready, timeout=240, interval=2)
+    st = wait_for("ExpertPool tiny Ready", pool_ready, timeout=240, interval=0.5)
     assert st["readyReplicas"] == pool["spec"]["replicas"]
     # the leader's /metrics shows the pool's routing-table version
     holder = get_json("lease", "eaas-operator", "-n", NS)["spec"]["holderIdentity"]
@@ -248,21 +253,16 @@ def test_tiny_pool_example_turns_ready(release):
 
     wait_for("the leader's /metrics shows the table version", version_shown, timeout=60)
 
-    # the example fleet (one client here, weights from the same hostPath): a completion through
-    # its pod IP gives transformers' greedy tokens
-    fleet = yaml.safe_load(open(os.path.join(ROOT, "deploy", "examples", "tiny-fleet.yaml")))
-    fleet["spec"]["replicas"] = 1
-    fleet["spec"]["model"] = {"hostPath": str(model_dir.parent), "uri": model_dir.name}
-    kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(fleet))
+    # the fleet: a completion through its client's pod IP gives transformers' greedy tokens
 
     def client_acked():
         st = get_json("attentionfleet", "tiny-clients", "-n", ns).get("status") or {}
         if st.get("clientsAcknowledged") != 1:
             return None
         pods = get_json("pods", "-n", ns, "-l", "eaas.io/fleet=tiny-clients")["items"]
-        return next((p for p in pods if ready(p)), None)
+        return next((p for p in pods if pod_ready(p)), None)
 
-    cpod = wait_for("fleet client Ready and acknowledged", client_acked, timeout=240, interval=2)
+    cpod = wait_for("fleet client Ready and acknowledged", client_acked, timeout=240, interval=0.5)
     from transformers import AutoTokenizer
 
     from eaas.runtime.models.reference import reference_generate
@@ -302,7 +302,7 @@ def test_upgrade_then_uninstall_leaves_nothing(release):
     assert "--verbose" in dep["spec"]["template"]["spec"]["containers"][0]["command"]
     wait_for(
         "1 operator pod after upgrade",
-        lambda: len(operator_pods()) == 1 and ready(operator_pods()[0]),
+        lambda: len(operator_pods()) == 1 and pod_ready(operator_pods()[0]),
         timeout=120,
         interval=1,
     )

@@ -22,38 +22,40 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import threading
 import time
 import uuid
 
 import openai
 import pytest
-from k8s_helpers import get_json, kubectl, wait_for
-from test_operator import Operator
+from fault_helpers import apply_tiny_pool_and_fleet
+from k8s_helpers import (
+    Operator,
+    apply_crds,
+    get,
+    get_json,
+    kubectl,
+    routing_table,
+    wait_for,
+    wait_namespaces_deleted,
+)
+from k8s_helpers import server_pods as _server_pods
 
 from eaas.runtime.routing import RoutingTable
 
 pytestmark = [pytest.mark.cluster, pytest.mark.elastic]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = [f"Request {i}: tell me about the number {i * 7}" for i in range(16)]
 MAX_TOKENS = 12
 
 
-def get(kind: str, name: str, ns: str) -> dict | None:
-    r = kubectl("get", kind, name, "-n", ns, "-o", "json", check=False)
-    return json.loads(r.stdout) if r.returncode == 0 else None
-
-
-def table(ns: str) -> RoutingTable | None:
-    cm = get("configmap", "live-routing-table", ns)
-    return RoutingTable.from_json(cm["data"]["routing-table.json"]) if cm else None
+def table(ns: str):
+    return routing_table(ns, "live")
 
 
 def server_pods(ns: str) -> dict[str, dict]:
-    items = get_json("pods", "-n", ns, "-l", "eaas.io/role=expert-server")["items"]
-    return {p["metadata"]["name"]: p for p in items}
+    """The pool's server pods, those being deleted included (the watcher sees the deletion)."""
+    return _server_pods(ns, "live", terminating=True)
 
 
 def restarts(pod: dict) -> int:
@@ -128,41 +130,20 @@ def write_load(ns: str, hot: int) -> None:
 
 @pytest.fixture(scope="module")
 def operator(cluster, tmp_path_factory):
-    kubectl("apply", "-f", os.path.join(ROOT, "deploy/crds"))
-    for crd in ("expertpools.eaas.io", "attentionfleets.eaas.io"):
-        kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    apply_crds()
     op = Operator(tmp_path_factory.mktemp("operator") / "operator.log")
     op.start()
     yield op
+    wait_namespaces_deleted()  # while the operator runs: it removes the pools' finalizers
     op.stop()
 
 
 def test_rebalancing_and_scale_down_restart_nothing_and_keep_tokens(operator):
-    from eaas.runtime.models.tiny import default_model_dir
-
-    model_dir = default_model_dir()
-    model = {"hostPath": str(model_dir.parent), "uri": model_dir.name}
     ns = f"t-{uuid.uuid4().hex[:6]}"
     kubectl("create", "namespace", ns)
-    pool = {
-        "apiVersion": "eaas.io/v1alpha1",
-        "kind": "ExpertPool",
-        "metadata": {"name": "live"},
-        "spec": {
-            "model": {**model, "firstMoeLayer": 1, "numMoeLayers": 3, "numExperts": 32},
-            "replicas": 5,
-            "redundancy": 2,
-            "placement": {"assignment": "routing-table"},
-        },
-    }
-    fleet = {
-        "apiVersion": "eaas.io/v1alpha1",
-        "kind": "AttentionFleet",
-        "metadata": {"name": "clients"},
-        "spec": {"expertPoolRef": {"name": "live"}, "replicas": 1, "model": model},
-    }
-    for obj in (pool, fleet):
-        kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(obj))
+    apply_tiny_pool_and_fleet(
+        ns, pool="live", servers=5, pool_spec={"placement": {"assignment": "routing-table"}}
+    )
     try:
 
         def serving():

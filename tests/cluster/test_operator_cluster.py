@@ -1,5 +1,5 @@
 """The operator on process nodes (issue 6, items 2-4): ``kubectl apply`` of an ExpertPool and an
-AttentionFleet gives real expert servers and a real attention client that serve a completion;
+AttentionFleet gives real expert servers and real attention clients that serve a completion;
 the operator pushes each table version and the client acknowledges it; a failure report
 evicts a server only when the operator's own probe agrees; a frozen (SIGSTOPped) server is
 restarted by its liveness probe and comes back into the table; a deleted server pod's
@@ -18,49 +18,35 @@ import uuid
 
 import openai
 import pytest
-from k8s_helpers import get_json, kubectl, wait_for
-from test_operator import Operator
+from fault_helpers import apply_tiny_pool_and_fleet, serving_table
+from k8s_helpers import (
+    Operator,
+    apply_crds,
+    client_pods,
+    get,
+    get_json,
+    kubectl,
+    pod_ready,
+    routing_table,
+    server_pods,
+    wait_for,
+    wait_namespaces_deleted,
+)
 
+from eaas.runtime.cli import client_id_of
 from eaas.runtime.client.table_push import push_routing_table
 from eaas.runtime.routing import RoutingTable
 
 pytestmark = pytest.mark.cluster
 
-# one GPU node per expert server of the fault scenario (the scheduler spreads the 4 pods one
-# per node): powering off any node leaves every expert a live replica. With 2 nodes the two
-# replicas of an expert can share one (the operator reports that as ReplicasSpread=False but
-# does not re-place), and a node stop would fail requests by design.
-CLUSTER_GPU_NODES = 4
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def get(kind: str, name: str, ns: str) -> dict | None:
-    r = kubectl("get", kind, name, "-n", ns, "-o", "json", check=False)
-    return json.loads(r.stdout) if r.returncode == 0 else None
+# The tier's testbed (conftest) has one GPU node per expert server of the fault scenario (the
+# scheduler spreads the 4 pods one per node): powering off any node leaves every expert a live
+# replica. With 2 nodes the two replicas of an expert can share one (the operator reports that
+# as ReplicasSpread=False but does not re-place), and a node stop would fail requests by design.
 
 
 def table(ns: str) -> RoutingTable | None:
-    cm = get("configmap", "tiny-routing-table", ns)
-    return RoutingTable.from_json(cm["data"]["routing-table.json"]) if cm else None
-
-
-def server_pods(ns: str) -> dict[str, dict]:
-    items = get_json("pods", "-n", ns, "-l", "eaas.io/role=expert-server")["items"]
-    return {p["metadata"]["name"]: p for p in items if not p["metadata"].get("deletionTimestamp")}
-
-
-def client_pod(ns: str) -> dict | None:
-    items = get_json("pods", "-n", ns, "-l", "eaas.io/fleet=clients")["items"]
-    ready = [
-        p
-        for p in items
-        if any(
-            c["type"] == "Ready" and c["status"] == "True"
-            for c in p["status"].get("conditions", [])
-        )
-    ]
-    return ready[0] if ready else None
+    return routing_table(ns, "tiny")
 
 
 def server_pid(pod_name: str, ns: str) -> int | None:
@@ -96,9 +82,7 @@ def post_report(port: int, ns: str, token: str, server: str, endpoint: str) -> t
 
 @pytest.fixture(scope="module")
 def operator(cluster, tmp_path_factory):
-    kubectl("apply", "-f", os.path.join(ROOT, "deploy/crds"))
-    for crd in ("expertpools.eaas.io", "attentionfleets.eaas.io"):
-        kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    apply_crds()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -111,164 +95,145 @@ def operator(cluster, tmp_path_factory):
     )
     op.start()
     yield op, port
+    wait_namespaces_deleted()  # while the operator runs: it removes the pools' finalizers
     op.stop()
 
 
-def test_pool_and_fleet_serve_push_ack_and_monitor(operator):
+def test_pool_and_fleet_serve_push_ack_and_monitor(fault_fleet, operator):
+    """The fault scenario's pool and fleet (they serve the tests below too): pushed and
+    acknowledged tables, wrong-token and old-version pushes refused, a failure report that the
+    operator's probe does not confirm keeps the server, a frozen server's is confirmed (out of
+    the table, liveness restarts it, back in the table), a deleted pod's replacement is in the
+    next table."""
     from eaas.runtime.models.tiny import default_model_dir
 
     _, report_port = operator
     model_dir = default_model_dir()
-    model = {"hostPath": str(model_dir.parent), "uri": model_dir.name}
-    ns = f"t-{uuid.uuid4().hex[:6]}"
-    kubectl("create", "namespace", ns)
-    pool = {
-        "apiVersion": "eaas.io/v1alpha1",
-        "kind": "ExpertPool",
-        "metadata": {"name": "tiny"},
-        "spec": {
-            "model": {**model, "firstMoeLayer": 1, "numMoeLayers": 3, "numExperts": 32},
-            "replicas": 3,
-            "redundancy": 2,
-        },
-    }
-    fleet = {
-        "apiVersion": "eaas.io/v1alpha1",
-        "kind": "AttentionFleet",
-        "metadata": {"name": "clients"},
-        "spec": {"expertPoolRef": {"name": "tiny"}, "replicas": 1, "model": model},
-    }
-    for obj in (pool, fleet):
-        kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(obj))
-    try:
-        # ---- serving, pushed and acknowledged -------------------------------------------------
-        def acked():
-            f, p, t = get("attentionfleet", "clients", ns), get("expertpool", "tiny", ns), table(ns)
-            fs, ps = (f or {}).get("status") or {}, (p or {}).get("status") or {}
-            ok = (
-                t is not None
-                and len(t.servers) == 3
-                and fs.get("readyReplicas") == 1
-                and fs.get("routingTableVersion") == t.version
-                and fs.get("clientsAcknowledged") == 1
-                and fs.get("acknowledgedVersion") == t.version
-                and ps.get("clients") == 1
-                and ps.get("clientsAcknowledged") == 1
-            )
-            return (f, p, t) if ok else None
+    ns = fault_fleet[0]
 
-        _, _, t = wait_for("fleet serving and acknowledged", acked, timeout=300, interval=1)
-        cpod = client_pod(ns)
-        assert cpod is not None
-        ip = cpod["status"]["podIP"]
-        c = cpod["spec"]["containers"][0]
-        assert c["command"][c["command"].index("--model") + 1] == f"/models/{model_dir.name}"
-        api = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused", timeout=120)
-        model_id = api.models.list().data[0].id
-        out = api.completions.create(model=model_id, prompt="Hello", max_tokens=4, temperature=0)
-        assert out.usage.completion_tokens == 4
-        # the client's view: the acknowledged version is the one in use
-        with urllib.request.urlopen(f"http://{ip}:8000/routing-table", timeout=30) as r:
-            assert json.loads(r.read())["version"] == t.version
-
-        token = json.loads(
-            kubectl(
-                "get", "secret", "clients-push-token", "-n", ns, "-o", "jsonpath={.data}"
-            ).stdout
-        )["token"]
-        import base64
-
-        token = base64.b64decode(token).decode()
-        # a push with a wrong token, or of an older version, is refused
-        assert push_routing_table(f"http://{ip}:8000", t.to_json(), "wrong").status == 401
-        old = RoutingTable.from_json(t.to_json())
-        assert push_routing_table(f"http://{ip}:8000", old.to_json(), token).status == 409
-
-        # ---- monitor: one client's report does not evict a healthy server ---------------------
-        victim = "tiny-1"
-        endpoint = t.servers[victim]
-        assert post_report(report_port, ns, "wrong", victim, endpoint)[0] == 401
-        status, body = post_report(report_port, ns, token, victim, endpoint)
-        assert (status, body) == (200, {"action": "kept"})
-        assert victim in table(ns).servers
-
-        # ---- a frozen server: the probe confirms the report; liveness restarts it ------------
-        pid = wait_for("victim pid", lambda: server_pid(victim, ns), timeout=30)
-        before = server_pods(ns)[victim]["status"]["containerStatuses"][0]["restartCount"]
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            t0 = time.monotonic()
-            status, body = post_report(report_port, ns, token, victim, endpoint)
-            assert (status, body) == (200, {"action": "removed"})
-            wait_for(
-                "frozen server out of the table",
-                lambda: victim not in table(ns).servers,
-                timeout=60,
-                interval=0.05,
-            )
-            print(f"\n[measure] report -> table without the server {time.monotonic() - t0:.2f}s")
-            wait_for(
-                "ServerUnreachable event",
-                lambda: any(
-                    e["reason"] == "ServerUnreachable" and victim in e["message"]
-                    for e in get_json(
-                        "events", "-n", ns, "--field-selector", "involvedObject.name=tiny"
-                    )["items"]
-                ),
-                timeout=60,
-            )
-            wait_for(
-                "kubelet restarts the hung server (liveness)",
-                lambda: (
-                    server_pods(ns)[victim]["status"]["containerStatuses"][0]["restartCount"]
-                    > before
-                ),
-                timeout=120,
-                interval=1,
-            )
-        finally:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        wait_for(
-            "restarted server back in the table",
-            lambda: victim in table(ns).servers,
-            timeout=180,
-            interval=1,
+    # ---- serving, pushed and acknowledged -------------------------------------------------
+    def acked():
+        f, p, t = get("attentionfleet", "clients", ns), get("expertpool", "tiny", ns), table(ns)
+        fs, ps = (f or {}).get("status") or {}, (p or {}).get("status") or {}
+        ok = (
+            t is not None
+            and len(t.servers) == 4
+            and fs.get("readyReplicas") == 2
+            and fs.get("routingTableVersion") == t.version
+            and fs.get("clientsAcknowledged") == 2
+            and fs.get("acknowledgedVersion") == t.version
+            and ps.get("clients") == 2
+            and ps.get("clientsAcknowledged") == 2
         )
+        return (f, p, t) if ok else None
 
-        # ---- a deleted pod: its replacement's IP is in the next table -------------------------
-        old_uid = server_pods(ns)["tiny-2"]["metadata"]["uid"]
+    _, _, t = wait_for("fleet serving and acknowledged", acked, timeout=300, interval=1)
+    cpod = next(filter(pod_ready, client_pods(ns, "clients")), None)
+    assert cpod is not None
+    ip = cpod["status"]["podIP"]
+    c = cpod["spec"]["containers"][0]
+    assert c["command"][c["command"].index("--model") + 1] == f"/models/{model_dir.name}"
+    api = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused", timeout=120)
+    model_id = api.models.list().data[0].id
+    out = api.completions.create(model=model_id, prompt="Hello", max_tokens=4, temperature=0)
+    assert out.usage.completion_tokens == 4
+    # the client's view: the acknowledged version is the one in use
+    with urllib.request.urlopen(f"http://{ip}:8000/routing-table", timeout=30) as r:
+        assert json.loads(r.read())["version"] == t.version
+
+    token = json.loads(
+        kubectl("get", "secret", "clients-push-token", "-n", ns, "-o", "jsonpath={.data}").stdout
+    )["token"]
+    import base64
+
+    token = base64.b64decode(token).decode()
+    # a push with a wrong token, or of an older version, is refused
+    assert push_routing_table(f"http://{ip}:8000", t.to_json(), "wrong").status == 401
+    old = RoutingTable.from_json(t.to_json())
+    assert push_routing_table(f"http://{ip}:8000", old.to_json(), token).status == 409
+
+    # ---- monitor: one client's report does not evict a healthy server ---------------------
+    victim = "tiny-1"
+    endpoint = t.servers[victim]
+    assert post_report(report_port, ns, "wrong", victim, endpoint)[0] == 401
+    status, body = post_report(report_port, ns, token, victim, endpoint)
+    assert (status, body) == (200, {"action": "kept"})
+    assert victim in table(ns).servers
+
+    # ---- a frozen server: the probe confirms the report; liveness restarts it ------------
+    pid = wait_for("victim pid", lambda: server_pid(victim, ns), timeout=30)
+    before = server_pods(ns)[victim]["status"]["containerStatuses"][0]["restartCount"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
         t0 = time.monotonic()
-        kubectl("delete", "pod", "tiny-2", "-n", ns, "--wait=false")
-
-        def replaced():
-            p = server_pods(ns).get("tiny-2")
-            t2 = table(ns)
-            if not p or p["metadata"]["uid"] == old_uid or not p["status"].get("podIP"):
-                return None
-            return t2 if t2.servers.get("tiny-2") == f"tcp://{p['status']['podIP']}:9000" else None
-
-        t2 = wait_for("replacement in the table", replaced, timeout=180, interval=0.2)
-        t_table = time.monotonic() - t0
+        status, body = post_report(report_port, ns, token, victim, endpoint)
+        assert (status, body) == (200, {"action": "removed"})
         wait_for(
-            "client acknowledged the replacement's table",
-            lambda: (
-                (get("attentionfleet", "clients", ns)["status"].get("acknowledgedVersion") or 0)
-                >= t2.version
+            "frozen server out of the table",
+            lambda: victim not in table(ns).servers,
+            timeout=60,
+            interval=0.05,
+        )
+        print(f"\n[measure] report -> table without the server {time.monotonic() - t0:.2f}s")
+        wait_for(
+            "ServerUnreachable event",
+            lambda: any(
+                e["reason"] == "ServerUnreachable" and victim in e["message"]
+                for e in get_json(
+                    "events", "-n", ns, "--field-selector", "involvedObject.name=tiny"
+                )["items"]
             ),
             timeout=60,
-            interval=0.2,
         )
-        print(
-            f"[measure] pod deleted -> replacement's IP in the table {t_table:.2f}s, "
-            f"-> acknowledged (fleet status) {time.monotonic() - t0:.2f}s"
+        wait_for(
+            "kubelet restarts the hung server (liveness)",
+            lambda: (
+                server_pods(ns)[victim]["status"]["containerStatuses"][0]["restartCount"] > before
+            ),
+            timeout=120,
+            interval=1,
         )
-        out = api.completions.create(model=model_id, prompt="Hello", max_tokens=4, temperature=0)
-        assert out.usage.completion_tokens == 4
     finally:
-        kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    wait_for(
+        "restarted server back in the table",
+        lambda: victim in table(ns).servers,
+        timeout=180,
+        interval=1,
+    )
+
+    # ---- a deleted pod: its replacement's IP is in the next table -------------------------
+    old_uid = server_pods(ns)["tiny-2"]["metadata"]["uid"]
+    t0 = time.monotonic()
+    kubectl("delete", "pod", "tiny-2", "-n", ns, "--wait=false")
+
+    def replaced():
+        p = server_pods(ns).get("tiny-2")
+        t2 = table(ns)
+        if not p or p["metadata"]["uid"] == old_uid or not p["status"].get("podIP"):
+            return None
+        return t2 if t2.servers.get("tiny-2") == f"tcp://{p['status']['podIP']}:9000" else None
+
+    t2 = wait_for("replacement in the table", replaced, timeout=180, interval=0.2)
+    t_table = time.monotonic() - t0
+    wait_for(
+        "client acknowledged the replacement's table",
+        lambda: (
+            (get("attentionfleet", "clients", ns)["status"].get("acknowledgedVersion") or 0)
+            >= t2.version
+        ),
+        timeout=60,
+        interval=0.2,
+    )
+    print(
+        f"[measure] pod deleted -> replacement's IP in the table {t_table:.2f}s, "
+        f"-> acknowledged (fleet status) {time.monotonic() - t0:.2f}s"
+    )
+    out = api.completions.create(model=model_id, prompt="Hello", max_tokens=4, temperature=0)
+    assert out.usage.completion_tokens == 4
 
 
 # =============================================================================================
@@ -286,21 +251,6 @@ FAULT_MAX_TOKENS = 24
 CPU_NODE = "cpu-node-0"
 
 
-def _ready(pod: dict) -> bool:
-    return any(
-        c["type"] == "Ready" and c["status"] == "True"
-        for c in (pod.get("status") or {}).get("conditions", [])
-    )
-
-
-def client_pods(ns: str) -> list[dict]:
-    items = get_json("pods", "-n", ns, "-l", "eaas.io/fleet=clients")["items"]
-    return sorted(
-        (p for p in items if not p["metadata"].get("deletionTimestamp")),
-        key=lambda p: p["metadata"]["name"],
-    )
-
-
 def _endpoint(pod: dict) -> str:
     return f"tcp://{pod['status'].get('podIP')}:9000"
 
@@ -315,65 +265,29 @@ def fault_fleet(operator):
     from eaas.runtime.models.tiny import default_model_dir
 
     model_dir = default_model_dir()
-    model = {"hostPath": str(model_dir.parent), "uri": model_dir.name}
     ns = f"f-{uuid.uuid4().hex[:6]}"
     kubectl("create", "namespace", ns)
-    pool = {
-        "apiVersion": "eaas.io/v1alpha1",
-        "kind": "ExpertPool",
-        "metadata": {"name": "tiny"},
-        "spec": {
-            "model": {**model, "firstMoeLayer": 1, "numMoeLayers": 3, "numExperts": 32},
-            "replicas": 4,
-            "redundancy": 2,
-        },
-    }
-    fleet = {
-        "apiVersion": "eaas.io/v1alpha1",
-        "kind": "AttentionFleet",
-        "metadata": {"name": "clients"},
-        "spec": {
-            "expertPoolRef": {"name": "tiny"},
-            "replicas": 2,
-            "model": model,
-            # the clients stay up when a GPU node is powered off
-            "nodeSelector": {"kubernetes.io/hostname": CPU_NODE},
-        },
-    }
-    for obj in (pool, fleet):
-        kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(obj))
+    apply_tiny_pool_and_fleet(
+        ns,
+        servers=4,
+        clients=2,
+        # the clients stay up when a GPU node is powered off
+        fleet_spec={"nodeSelector": {"kubernetes.io/hostname": CPU_NODE}},
+    )
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = [tok(t)["input_ids"] for t in FAULT_TEXTS]
     references = reference_generate(str(model_dir), prompts, FAULT_MAX_TOKENS)
     try:
-        wait_for("4 servers, 2 clients acknowledged", lambda: _all_acked(ns, 4, 2), timeout=300)
-        ip = client_pods(ns)[0]["status"]["podIP"]
+        wait_for(
+            "4 servers, 2 clients acknowledged",
+            lambda: serving_table(ns, "tiny", "clients", 4, 2),
+            timeout=300,
+        )
+        ip = client_pods(ns, "clients")[0]["status"]["podIP"]
         api = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused", timeout=120)
         yield ns, api.models.list().data[0].id, prompts, references
     finally:
         kubectl("delete", "namespace", ns, "--wait=false", check=False)
-
-
-def _all_acked(ns: str, servers: int, clients: int):
-    """The table holds ``servers`` Ready pods at their current IPs and ``clients`` Ready
-    clients acknowledged it (fleet status) and applied it (their GET /routing-table)."""
-    from fault_helpers import client_table_version
-
-    t = table(ns)
-    pods = server_pods(ns)
-    if t is None or len(pods) != servers or not all(map(_ready, pods.values())):
-        return None
-    if t.servers != {n: _endpoint(p) for n, p in pods.items()}:
-        return None
-    st = (get("attentionfleet", "clients", ns) or {}).get("status") or {}
-    if st.get("clientsAcknowledged") != clients or st.get("acknowledgedVersion") != t.version:
-        return None
-    cps = [p for p in client_pods(ns) if _ready(p)]
-    if len(cps) != clients:
-        return None
-    if any(client_table_version(p["status"]["podIP"]) != t.version for p in cps):
-        return None
-    return t
 
 
 def test_faults_under_load(fault_fleet, operator, cluster):
@@ -388,7 +302,13 @@ def test_faults_under_load(fault_fleet, operator, cluster):
 
     ns, model_id, prompts, references = fault_fleet
     op, _ = operator
-    a_ip = client_pods(ns)[0]["status"]["podIP"]
+    wait_for(  # the scenario above (same pool) ends once its replacement is acknowledged
+        "steady state",
+        lambda: serving_table(ns, "tiny", "clients", 4, 2),
+        timeout=240,
+        interval=0.5,
+    )
+    a_ip = client_pods(ns, "clients")[0]["status"]["podIP"]
     rec = TableRecorder(ns, "tiny", "clients").start()
     load = StreamLoad(f"http://{a_ip}:8000/v1", model_id, prompts, FAULT_MAX_TOKENS).start()
     try:
@@ -410,7 +330,7 @@ def test_faults_under_load(fault_fleet, operator, cluster):
             "killed server restarted and back in the acknowledged table",
             lambda: (
                 server_pods(ns)[victim]["status"]["containerStatuses"][0]["restartCount"] > before
-                and _all_acked(ns, 4, 2)
+                and serving_table(ns, "tiny", "clients", 4, 2)
             ),
             timeout=180,
             interval=0.5,
@@ -434,9 +354,9 @@ def test_faults_under_load(fault_fleet, operator, cluster):
 
         def replaced():
             p = server_pods(ns).get(victim)
-            if not p or p["metadata"]["uid"] == old_uid or not _ready(p):
+            if not p or p["metadata"]["uid"] == old_uid or not pod_ready(p):
                 return None
-            return _all_acked(ns, 4, 2)
+            return serving_table(ns, "tiny", "clients", 4, 2)
 
         wait_for("replacement in the acknowledged table", replaced, timeout=180, interval=0.5)
         new_ep = server_pods(ns)[victim]["status"]["podIP"]
@@ -480,7 +400,7 @@ def test_faults_under_load(fault_fleet, operator, cluster):
             tbmod.node_start(node, cluster.state_dir)
         wait_for(
             "node back, all servers in the acknowledged table",
-            lambda: _all_acked(ns, 4, 2),
+            lambda: serving_table(ns, "tiny", "clients", 4, 2),
             timeout=240,
             interval=0.5,
         )
@@ -505,7 +425,7 @@ def test_faults_under_load(fault_fleet, operator, cluster):
     pods = server_pods(ns)
     indices = [p["metadata"]["labels"]["eaas.io/server-index"] for p in pods.values()]
     assert len(pods) == 4 and len(set(indices)) == 4, sorted(pods)
-    assert len(client_pods(ns)) == 2
+    assert len(client_pods(ns, "clients")) == 2
     print(
         f"[measure] {len(requests)} requests, all with the reference tokens; "
         f"table versions {versions[0]}..{versions[-1]} ({len(versions)} seen)"
@@ -526,9 +446,20 @@ def test_client_faults(fault_fleet):
 
     CATCH_UP_BOUND_S = 30.0
     ns, model_id, prompts, references = fault_fleet
-    wait_for("steady state", lambda: _all_acked(ns, 4, 2), timeout=240, interval=0.5)
-    a, b = client_pods(ns)
+    wait_for(
+        "steady state",
+        lambda: serving_table(ns, "tiny", "clients", 4, 2),
+        timeout=240,
+        interval=0.5,
+    )
+    a, b = client_pods(ns, "clients")
     a_ip, b_ip = a["status"]["podIP"], b["status"]["podIP"]
+    # each replica runs with its own client id (frames, metrics, failure reports): its pod name's
+    ids = {}
+    for p in (a, b):
+        with urllib.request.urlopen(f"http://{p['status']['podIP']}:8000/health", timeout=30) as r:
+            ids[p["metadata"]["name"]] = json.loads(r.read())["client_id"]
+    assert ids == {n: str(client_id_of(n)) for n in ids} and len(set(ids.values())) == 2, ids
     load = StreamLoad(f"http://{a_ip}:8000/v1", model_id, prompts, FAULT_MAX_TOKENS).start()
     try:
         # B talks to every server once it served a request
@@ -556,9 +487,13 @@ def test_client_faults(fault_fleet):
         assert a_conns <= tcp_connections(9000), "client A lost connections"
 
         def b_back():
-            p = next(p for p in client_pods(ns) if p["metadata"]["name"] == b["metadata"]["name"])
+            p = next(
+                p
+                for p in client_pods(ns, "clients")
+                if p["metadata"]["name"] == b["metadata"]["name"]
+            )
             restarted = p["status"]["containerStatuses"][0]["restartCount"] > before
-            return p if restarted and _all_acked(ns, 4, 2) else None
+            return p if restarted and serving_table(ns, "tiny", "clients", 4, 2) else None
 
         b = wait_for("client B restarted and acknowledged", b_back, timeout=240, interval=0.5)
 
@@ -589,7 +524,12 @@ def test_client_faults(fault_fleet):
             interval=0.1,
         )
         print(f"\n[measure] SIGCONT -> client B on the newest table {time.monotonic() - t0:.2f}s")
-        wait_for("all acknowledged again", lambda: _all_acked(ns, 4, 2), timeout=180, interval=0.5)
+        wait_for(
+            "all acknowledged again",
+            lambda: serving_table(ns, "tiny", "clients", 4, 2),
+            timeout=180,
+            interval=0.5,
+        )
     finally:
         requests = load.stop()
     bad = load.wrong(references)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_models import small_qwen3
 
 from eaas.runtime.client.dispatch import Dispatcher, experts_factory
 from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams
@@ -195,31 +196,7 @@ def _wait_done(req, timeout: float = WAIT) -> None:
 
 
 def test_overlap_gqa_local_experts(tmp_path):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(1)
-    cfg = Qwen3MoeConfig(
-        vocab_size=1024,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-        mlp_only_layers=[0],
-        norm_topk_prob=True,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-    )
-    Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path)
-    src = Path(default_model_dir())
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (src / f).is_file():
-            shutil.copy(src / f, tmp_path / f)
+    small_qwen3(tmp_path, Path(default_model_dir()))
     model, tok, _ = load_attention_model(str(tmp_path), torch.float32)
     prompts = [tok(t)["input_ids"] for t in TEXTS]
     want = _generate(Engine(model, tok, client_id="gqa-off"), prompts, 8)

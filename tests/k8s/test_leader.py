@@ -14,8 +14,8 @@ import uuid
 from collections import Counter
 
 import pytest
-from k8s_helpers import kubectl, wait_for
-from test_operator import Operator, apply, converged, crds, get, pool_manifest  # noqa: F401
+from k8s_helpers import Operator, get, kubectl, wait_for
+from test_operator import apply, converged, crds, pool_manifest  # noqa: F401
 
 pytestmark = pytest.mark.k8s
 

@@ -6,20 +6,15 @@ it with ``kubectl`` like a user would and check what lands in the API server.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
 import subprocess
-import sys
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
 import yaml
-from k8s_helpers import kubectl, wait_for
+from k8s_helpers import Operator, apply_crds, get, get_json, kubectl, wait_for
 
 from eaas.runtime.placement import parse_expert_spec
 from eaas.runtime.routing import RoutingTable
@@ -35,11 +30,6 @@ TINY_LAYERS = [1, 2, 3]
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
-def get(kind: str, name: str, ns: str) -> dict | None:
-    r = kubectl("get", kind, name, "-n", ns, "-o", "json", check=False)
-    return json.loads(r.stdout) if r.returncode == 0 else None
-
-
 def pods(ns: str, pool: str) -> list[dict]:
     out = kubectl(
         "get",
@@ -128,78 +118,9 @@ def converged(ns: str, name: str) -> dict | None:
 # ---------------------------------------------------------------------------------------------
 # fixtures
 # ---------------------------------------------------------------------------------------------
-class Operator:
-    """``eaas operator`` as a child process; logs go to ``log_path``."""
-
-    def __init__(self, log_path: Path, env: dict[str, str] | None = None):
-        self.log_path = log_path
-        self.extra_env = env or {}
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        """Start it and wait until it serves its liveness probe and watches pools and pods."""
-        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        log = open(self.log_path, "a")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = {
-            **os.environ,
-            "EAAS_OPERATOR_RESYNC_S": "1",
-            "EAAS_OPERATOR_WATCH_TIMEOUT_S": "30",
-            # a SIGKILLed operator's successor waits out the Lease: keep that short in tests
-            "EAAS_OPERATOR_LEASE_DURATION_S": "3",
-            **self.extra_env,
-        }
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "eaas.cli",
-                "operator",
-                "--verbose",
-                f"--liveness=http://127.0.0.1:{port}/healthz",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-
-        def ready():
-            assert self.proc.poll() is None, f"operator exited: {self.log_path.read_text()[-3000:]}"
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1).read()
-            except OSError:
-                return False
-            text = self.log_path.read_text()[offset:]
-            return all(
-                f"Starting the watch-stream for {r}" in text for r in ("expertpools", "pods.v1")
-            )
-
-        wait_for("operator ready", ready, timeout=60)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def alive(self) -> bool:
-        return bool(self.proc) and self.proc.poll() is None
-
-
 @pytest.fixture(scope="module")
 def crds(testbed):
-    kubectl("apply", "-f", str(ROOT / "deploy/crds"))
-    for crd in ("expertpools.eaas.io", "attentionfleets.eaas.io"):
-        kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    apply_crds()
 
 
 @pytest.fixture(scope="module")
@@ -236,6 +157,8 @@ def test_tiny_pool_from_examples(ns, operator):
         for n in json.loads(kubectl("get", "nodes", "-o", "json").stdout)["items"]
     }
     pool = got["pool"]
+    # no load rebalance yet: the field is absent (no "" from the operator or a schema default)
+    assert "lastRebalanceTime" not in pool["status"], pool["status"]
     for p in got["pods"]:
         node = nodes[p["spec"]["nodeName"]]
         assert node["metadata"]["labels"].get("eaas.io/rdma") == "true", (
@@ -309,6 +232,28 @@ def test_no_pod_on_cpu_node(ns, operator):
     used = {p["spec"]["nodeName"] for p in got["pods"]}
     assert all(n.startswith("gpu-node-") for n in used), used
     assert len(used) > 1, "topology spread should use several GPU nodes"
+
+
+def test_hpa_without_a_metrics_listener_gets_a_warning_event(ns, operator):
+    """This operator serves no external metrics API (no ``EAAS_OPERATOR_METRICS_LISTEN``): it
+    still makes the pool's HPA, and a Warning event on the pool says the HPA cannot get its
+    metric."""
+    auto = {"minReplicas": 2, "maxReplicas": 4, "targetLoadPerServer": 10}
+    apply(pool_manifest("auto", autoscaling=auto), ns)
+    hpa = wait_for("the pool's HPA", lambda: get("hpa", "auto", ns), timeout=90)
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "ExpertPool"
+
+    def warning():
+        for e in get_json("events", "-n", ns, "--field-selector", "involvedObject.kind=ExpertPool")[
+            "items"
+        ]:
+            if e["reason"] == "AutoscalerNoMetrics":
+                return e
+        return None
+
+    e = wait_for("AutoscalerNoMetrics event", warning, timeout=60)
+    assert e["type"] == "Warning" and e["involvedObject"]["name"] == "auto"
+    assert "EAAS_OPERATOR_METRICS_LISTEN" in e["message"] and "eaas_expert_load" in e["message"]
 
 
 def test_scale_up_and_down(ns, operator):
@@ -687,16 +632,20 @@ def test_attention_fleet(ns, operator):
     dep = wait_for("deployment", lambda: get("deployment", "tiny-clients", ns), timeout=30)
     pod_spec = dep["spec"]["template"]["spec"]
     c = pod_spec["containers"][0]
-    assert c["command"][:8] == [
+    assert c["command"][:10] == [
         "eaas",
         "attention-client",
         "--model",
         "/models/tiny",
+        "--client-id",
+        "$(EAAS_POD_NAME)",  # one id per replica: the kubelet expands the pod name
         "--routing-table-configmap",
         f"{ns}/tiny-routing-table",
         "--push-token-file",
         "/etc/eaas/push-token/token",
     ]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["EAAS_POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert pod_spec["serviceAccountName"] == "tiny-clients-client"
     vol = next(v for v in pod_spec["volumes"] if v["name"] == "push-token")
     assert vol["secret"]["secretName"] == "tiny-clients-push-token"

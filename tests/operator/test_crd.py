@@ -167,6 +167,10 @@ def test_status_schema_holds_everything_the_operator_writes():
                 check(v, node["items"], f"{path}[]")
 
     check(st, schema, "status")
+    # unknown until a load rebalance was staged: absent, not "" (which no RFC 3339 reader parses)
+    assert "lastRebalanceTime" not in st
+    # and no schema default, which the API server would fill in on every status write
+    assert "default" not in schema["properties"]["lastRebalanceTime"]
 
 
 def test_examples_parse():

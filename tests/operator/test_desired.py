@@ -470,6 +470,42 @@ def test_generated_command_lines_parse_with_the_real_cli():
             sub.make_context(cmd[1], typo)
 
 
+def test_fleet_replicas_get_distinct_client_ids():
+    """Every pod of the fleet's Deployment runs with its own ``--client-id`` (frames, metrics,
+    failure reports): the pod template's command, expanded as a kubelet does (downward API env,
+    ``$(VAR)``), and parsed by the real CLI, gives a distinct, stable integer per pod name."""
+    import typer
+
+    from eaas.cli import app
+    from eaas.runtime.cli import client_id_of
+    from eaas.testbed.pod import command_line, container_env
+
+    owner = Owner("AttentionFleet", "clients", "ns", "fu", 1)
+    spec = AttentionFleetSpec.model_validate(
+        {"expertPoolRef": {"name": "tiny"}, "replicas": 2, "model": {"uri": "/models/tiny"}}
+    )
+    template = fleet_deployment(owner, spec, make_spec())["spec"]["template"]
+    root = typer.main.get_command(app)
+    ids = {}
+    for pod_name in ("clients-7d9f8c6b5-abcde", "clients-7d9f8c6b5-fghij"):
+        pod = {"metadata": {"name": pod_name, "namespace": "ns"}, "spec": template["spec"]}
+        (c,) = template["spec"]["containers"]
+        env = container_env(pod, c, "127.1.0.2", "127.0.0.1", {}, lambda kind, name: None)
+        cmd = command_line(c, env)
+        assert pod_name in cmd
+        sub = root.get_command(root.make_context("eaas", cmd[1:]), cmd[1])
+        assert sub is not None
+        value = sub.make_context(cmd[1], cmd[2:]).params["client_id"]
+        ids[pod_name] = client_id_of(value)
+    assert len(set(ids.values())) == 2, ids
+    assert all(0 <= i < 2**63 for i in ids.values())
+    assert client_id_of("clients-7d9f8c6b5-abcde") == ids["clients-7d9f8c6b5-abcde"]  # stable
+    assert client_id_of("3") == 3  # an integer stays itself (eaas serve, tests)
+    for bad in ("", "-1", str(2**63)):
+        with pytest.raises(typer.BadParameter):
+            client_id_of(bad)
+
+
 # ---- routing table -------------------------------------------------------------------------------
 def test_routing_table_versions_strictly_increase():
     spec = make_spec()
@@ -576,6 +612,8 @@ def test_fleet_deployment_and_service():
         "attention-client",
         "--model",
         "/models/tiny",
+        "--client-id",
+        "$(EAAS_POD_NAME)",
         "--routing-table-configmap",
         "ns/tiny-routing-table",
         "--push-token-file",
@@ -587,7 +625,9 @@ def test_fleet_deployment_and_service():
         "--dispatch-timeout",
         "0.5",
     ]
-    assert "env" not in c
+    assert c["env"] == [
+        {"name": "EAAS_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+    ]
     assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
     pod_spec = dep["spec"]["template"]["spec"]
     assert pod_spec["serviceAccountName"] == "clients-client"

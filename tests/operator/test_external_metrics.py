@@ -13,6 +13,7 @@ from eaas.operator.external_metrics import (
     front_proxy_allowed,
     hpa_differs,
     hpa_manifest,
+    hpa_metrics_warning,
     metric_answer,
     parse_selector,
     quantity,
@@ -117,6 +118,14 @@ def test_hpa_targets_the_scale_subresource_with_the_external_metric():
     }
     assert m["external"]["target"] == {"type": "AverageValue", "averageValue": "400"}
     assert s["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 15
+
+
+def test_hpa_without_a_metrics_listener_gets_a_warning():
+    assert hpa_metrics_warning("tiny", metrics_served=True) is None
+    msg = hpa_metrics_warning("tiny", metrics_served=False)
+    assert msg is not None
+    for part in ("HPA tiny", METRIC_NAME, "EAAS_OPERATOR_METRICS_LISTEN", "externalMetrics"):
+        assert part in msg, (part, msg)
 
 
 def test_hpa_differs_only_on_fields_the_operator_sets():

@@ -169,7 +169,10 @@ def test_overlay_merges_lists_by_name_into_client_pods():
     assert [v["name"] for v in ps["volumes"]] == ["push-token", "model"]
     assert ps["volumes"][1] == {"name": "model", "persistentVolumeClaim": {"claimName": "other"}}
     (c,) = ps["containers"]
-    assert c["env"] == [{"name": "OMP_NUM_THREADS", "value": "4"}]
+    assert c["env"] == [  # merged by name: the operator's pod-name variable stays
+        {"name": "EAAS_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "OMP_NUM_THREADS", "value": "4"},
+    ]
     assert {"name": "model", "mountPath": "/models", "subPath": "v2"} in c["volumeMounts"]
     assert len([m for m in c["volumeMounts"] if m["mountPath"] == "/models"]) == 1
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_models import small_mixtral, small_qwen3
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -31,65 +32,14 @@ def tiny(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
-def _small_qwen3(d: Path) -> Path:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(1)
-    cfg = Qwen3MoeConfig(
-        vocab_size=922,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-        mlp_only_layers=[0],
-        norm_topk_prob=True,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-    )
-    Qwen3MoeForCausalLM(cfg).save_pretrained(d)
-    return d
-
-
-def _small_mixtral(d: Path) -> Path:
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(2)
-    cfg = MixtralConfig(
-        vocab_size=922,
-        hidden_size=64,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-    )
-    MixtralForCausalLM(cfg).save_pretrained(d)
-    return d
-
-
-def _with_tokenizer(d: Path, tiny: Path) -> Path:
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (d / f).write_bytes((tiny / f).read_bytes())
-    return d
-
-
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory, tiny) -> Path:
-    return _with_tokenizer(_small_qwen3(tmp_path_factory.mktemp("qwen3")), tiny)
+    return small_qwen3(tmp_path_factory.mktemp("qwen3"), tiny, vocab_size=922)
 
 
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory, tiny) -> Path:
-    return _with_tokenizer(_small_mixtral(tmp_path_factory.mktemp("mixtral")), tiny)
+    return small_mixtral(tmp_path_factory.mktemp("mixtral"), tiny, vocab_size=922)
 
 
 # ---- tiny checkpoint ---------------------------------------------------------------------------

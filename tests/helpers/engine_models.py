@@ -1,7 +1,10 @@
-"""Tiny Qwen3-MoE and Mixtral checkpoints for engine tests (random weights, saved by transformers).
+"""Tiny Qwen3-MoE and Mixtral checkpoints for the model, engine and GPU-overlap tests (random
+weights, saved by transformers; fixed seeds, so the same call writes the same weights).
 
-Same recipe as ``tests/runtime/test_models.py`` (GQA with 2 KV heads for 4 query heads, an MLP-only
-first layer for Qwen3-MoE), with the tiny DeepSeek-V3 model's tokenizer files copied in.
+GQA with 2 KV heads for 4 query heads, an MLP-only first layer for Qwen3-MoE; the tiny
+DeepSeek-V3 model's tokenizer files are copied in from ``tokenizer_from``. Shared by
+``tests/client``, ``tests/runtime`` and ``tests/gpu`` (``tests/helpers`` is on pytest's
+``pythonpath``, pyproject.toml).
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ from pathlib import Path
 import torch
 
 
-def small_qwen3(d: Path, tokenizer_from: Path) -> Path:
+def small_qwen3(d: Path, tokenizer_from: Path, vocab_size: int = 1024) -> Path:
+    """Write a Qwen3-MoE checkpoint (hidden 64, 3 layers of which 2 MoE, 8 experts top-2) into
+    ``d`` with the tokenizer of ``tokenizer_from``; returns ``d``."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(1)
     cfg = Qwen3MoeConfig(
-        vocab_size=1024,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=96,
         moe_intermediate_size=32,
@@ -36,12 +41,14 @@ def small_qwen3(d: Path, tokenizer_from: Path) -> Path:
     return _with_tokenizer(d, tokenizer_from)
 
 
-def small_mixtral(d: Path, tokenizer_from: Path) -> Path:
+def small_mixtral(d: Path, tokenizer_from: Path, vocab_size: int = 1024) -> Path:
+    """Write a Mixtral checkpoint (hidden 64, 2 MoE layers, 4 experts top-2) into ``d`` with the
+    tokenizer of ``tokenizer_from``; returns ``d``."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(2)
     cfg = MixtralConfig(
-        vocab_size=1024,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=32,
         num_hidden_layers=2,
