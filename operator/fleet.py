@@ -92,7 +92,11 @@ def _join_world(
     assert layout is not None and nv is not None
     uid_file = nvshmem_uid_file(spec.expert_pool_ref.name, pool)
     env = client_env(layout, uid_file, ibgda=nv.ibgda)
-    container["env"] = [{"name": k, "value": v} for k, v in sorted(env.items())]
+    # appended: the pod-name entry the client id expands from stays first
+    container["env"] = [
+        *container.get("env", []),
+        *({"name": k, "value": v} for k, v in sorted(env.items())),
+    ]
     res = dict(container.get("resources") or {})
     for key in ("requests", "limits"):
         res[key] = {**(res.get(key) or {}), GPU_RESOURCE: "1"}

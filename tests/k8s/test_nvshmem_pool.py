@@ -75,7 +75,9 @@ def test_invalid_transport_rejected(ns, operator, transport, extra, message):  #
 
 
 def _env(pod: dict) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in pod["spec"]["containers"][0].get("env", [])}
+    return {
+        e["name"]: e["value"] for e in pod["spec"]["containers"][0].get("env", []) if "value" in e
+    }
 
 
 def _flag(cmd: list[str], name: str) -> str:
@@ -163,7 +165,7 @@ def test_fleet_of_an_nvshmem_pool_joins_its_world(ns, operator):  # noqa: F811
     assert dep["spec"]["strategy"]["type"] == "Recreate"
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert _flag(c["command"], "--device") == "cuda"
-    env = {e["name"]: e["value"] for e in c["env"]}
+    env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
     assert env["EAAS_NVSHMEM_WORLD_SIZE"] == "6" and env["EAAS_NVSHMEM_CLIENT_PES"] == "2"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
     server = wait_for("a server pod", lambda: (pods(ns, "tiny") or [None])[0], timeout=60)

@@ -56,7 +56,7 @@ def nv_spec(clients=2, spares=0, ibgda=True, volume=PVC, **over):
 
 
 def _env(container) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container.get("env", [])}
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
 
 
 def _flag(cmd: list[str], name: str) -> str:
@@ -184,11 +184,15 @@ def test_fleet_clients_join_the_pools_world():
     }
     assert {"name": "nvshmem-uid", "mountPath": NVSHMEM_UID_MOUNT_DIR} in c["volumeMounts"]
     assert any(v["name"] == "nvshmem-uid" for v in pod["volumes"])
+    # the world's env is added to, not put in place of, the pod name the client id expands from
+    pod_name = {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert {"name": "EAAS_POD_NAME", "valueFrom": pod_name} in c["env"]
+    assert _flag(c["command"], "--client-id") == "$(EAAS_POD_NAME)"
     # a tcp pool's clients are unchanged
     plain = fleet_deployment(owner, fleet, make_spec())
     assert "strategy" not in plain["spec"]
     (pc,) = plain["spec"]["template"]["spec"]["containers"]
-    assert "--device" not in pc["command"] and "env" not in pc
+    assert "--device" not in pc["command"] and _env(pc) == {}
     assert pc["resources"] == {"requests": {"cpu": "2"}}
 
 
