@@ -310,6 +310,8 @@ def eaas_command(kind: str, args, dtype: str, port: int, model_dir: str | None) 
                 dtype,
                 "--max-num-batched-tokens",
                 str(args.max_num_batched_tokens),
+                "--prefill-tokens-while-decoding",
+                args.prefill_tokens_while_decoding,
             ]
             + model
         )
@@ -326,6 +328,8 @@ def eaas_command(kind: str, args, dtype: str, port: int, model_dir: str | None) 
             str(args.single_threads),
             "--max-num-batched-tokens",
             str(args.max_num_batched_tokens),
+            "--prefill-tokens-while-decoding",
+            args.prefill_tokens_while_decoding,
         ]
         + model
     )
@@ -572,6 +576,11 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=2048,
         help="tokens per forward, the same for every system (vLLM CPU's API-server default)",
+    )
+    ap.add_argument(
+        "--prefill-tokens-while-decoding",
+        default="auto",
+        help="eaas and single: prefill cap in steps that also decode (auto, off, N)",
     )
     ap.add_argument("--warmup", type=int, default=4, help="W1 requests sent before measuring")
     ap.add_argument("--pss-interval", type=float, default=1.0)

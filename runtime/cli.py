@@ -309,6 +309,12 @@ def attention_client(
         "--max-request-body",
         help="Largest API request body; larger ones get 413 request_too_large.",
     ),
+    prefill_tokens_while_decoding: str = typer.Option(
+        "auto",
+        "--prefill-tokens-while-decoding",
+        help="Prefill tokens at most in a step that also decodes: auto (a mixed step costs at "
+        "most ~2 decode steps, from measured step times), off, or a token count.",
+    ),
     double_batch_overlap: bool = typer.Option(
         False,
         "--double-batch-overlap",
@@ -376,6 +382,9 @@ def attention_client(
             parse_memory_size(max_request_body)
         except ValueError as e:
             raise ValueError(f"--max-request-body: {e}") from None
+        from eaas.runtime.client.engine import parse_prefill_cap
+
+        parse_prefill_cap(prefill_tokens_while_decoding)
         dev = resolve_device(device)
         if cuda_graphs:
             from eaas.runtime.gpu.graphs import check_cuda_graphs
@@ -404,6 +413,7 @@ def attention_client(
         max_num_batched_tokens=max_num_batched_tokens,
         max_request_body=max_request_body,
         double_batch_overlap=double_batch_overlap,
+        prefill_tokens_while_decoding=prefill_tokens_while_decoding,
         cuda_graphs=cuda_graphs,
         nvshmem_world=world_cfg,
     )
@@ -454,6 +464,11 @@ def serve(
         "--double-batch-overlap",
         help="Attention clients' --double-batch-overlap (decode as two overlapped micro-batches).",
     ),
+    prefill_tokens_while_decoding: str = typer.Option(
+        "auto",
+        "--prefill-tokens-while-decoding",
+        help="Attention clients' --prefill-tokens-while-decoding (auto, off or a token count).",
+    ),
 ) -> None:
     """Start a whole deployment on this machine: expert servers + attention clients."""
     _check_dispatch_timeout(dispatch_timeout)
@@ -477,6 +492,7 @@ def serve(
             max_num_batched_tokens=max_num_batched_tokens,
             client_device=client_device,
             double_batch_overlap=double_batch_overlap,
+            prefill_tokens_while_decoding=prefill_tokens_while_decoding,
         )
     except (PlacementError, ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -463,3 +463,108 @@ def test_long_prompt_is_chunked_while_others_decode_and_cancels_mid_prefill(mode
     finally:
         r1.cancel()
         eng.stop()
+
+
+# ---- decode-aware prefill cap (the ITL tail) -----------------------------------------------
+def test_scheduler_caps_prefill_only_in_steps_that_decode():
+    s = Scheduler(BlockAllocator(200), 4, max_num_seqs=8, max_num_batched_tokens=20, prefill_cap=5)
+    a, b, c = _Req(6), _Req(30), _Req(9)
+    s.add(_seq(a, 0))
+    plan = s.schedule()
+    # nothing decodes yet: the whole budget goes to prefill
+    assert [(ch.seq.request, ch.start, ch.n) for ch in plan.chunks] == [(a, 0, 6)]
+    _finish_step(s, plan)
+    s.add(_seq(b, 1))
+    s.add(_seq(c, 2))
+    plan = s.schedule()
+    # a decodes: b's admission takes at most 5 prefill tokens, c waits for a later step
+    assert [(ch.seq.request, ch.start, ch.n) for ch in plan.chunks] == [(a, 6, 1), (b, 0, 5)]
+    _finish_step(s, plan)
+    plan = s.schedule()
+    assert [(ch.seq.request, ch.start, ch.n) for ch in plan.chunks] == [(a, 7, 1), (b, 5, 5)]
+    _finish_step(s, plan)
+    s.remove(s.running[0])  # a finishes: nothing decodes, b's chunk uses the budget again
+    plan = s.schedule()
+    assert [(ch.seq.request, ch.start, ch.n) for ch in plan.chunks] == [(b, 10, 20)]
+    # the cap can change between steps (the engine's "auto" mode); None = budget only
+    _finish_step(s, plan)
+    s.prefill_cap = None
+    plan = s.schedule()
+    assert [(ch.seq.request, ch.start, ch.n) for ch in plan.chunks] == [(b, 30, 1), (c, 0, 9)]
+    with pytest.raises(ValueError, match="prefill_cap must be >= 1"):
+        Scheduler(BlockAllocator(4), 4, prefill_cap=0)
+
+
+def test_step_cost_model_fits_the_linear_cost_and_caps():
+    from eaas.runtime.client.scheduler import StepCostModel, prefill_cap_for
+
+    m = StepCostModel(ratio=2.0, floor=16)
+    assert m.fit() is None and m.cap(32) is None  # nothing seen
+    for _ in range(5):
+        m.observe(32, 0.010 + 32 * 1e-4)  # decode steps only: one size, undetermined
+    assert m.fit() is None and m.cap(32) is None
+    m.observe(2048, 0.010 + 2048 * 1e-4)  # a prefill step
+    c0, c1 = m.fit()
+    assert c0 == pytest.approx(0.010, rel=1e-6) and c1 == pytest.approx(1e-4, rel=1e-6)
+    # a mixed step of 32 decodes + P prefill tokens costs at most 2 decode steps: P <= c0/c1 + 32
+    assert m.cap(32) in (131, 132)  # floor of 100 + 32 after float rounding
+    t_dec = c0 + c1 * 32
+    assert c0 + c1 * (32 + m.cap(32)) <= 2.0 * t_dec * (1 + 1e-9)
+    # recent steps weigh more: after a slowdown the cap follows the new costs
+    for _ in range(40):
+        m.observe(32, 0.040 + 32 * 1e-4)
+        m.observe(512, 0.040 + 512 * 1e-4)
+    assert m.fit()[0] == pytest.approx(0.040, rel=1e-3)
+    assert m.cap(32) == pytest.approx(432, abs=1)
+    assert prefill_cap_for(0.0, 1e-3, 0, 2.0, 16) == 16  # the floor
+    assert prefill_cap_for(0.01, 1e-4, 10, 3.0, 16) == 220
+    with pytest.raises(ValueError, match="ratio must be > 1"):
+        StepCostModel(ratio=1.0)
+    with pytest.raises(ValueError, match="c1 must be > 0"):
+        prefill_cap_for(0.01, 0.0, 4, 2.0, 16)
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [("auto", "auto"), ("off", None), (None, None), ("64", 64), (64, 64)],
+)
+def test_parse_prefill_cap(value, expected):
+    from eaas.runtime.client.engine import parse_prefill_cap
+
+    assert parse_prefill_cap(value) == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "lots", "1.5", 0])
+def test_parse_prefill_cap_rejects_bad_values(value):
+    from eaas.runtime.client.engine import parse_prefill_cap
+
+    with pytest.raises(ValueError, match="--prefill-tokens-while-decoding must be auto, off"):
+        parse_prefill_cap(value)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "mixtral"])
+@pytest.mark.parametrize("cap", [3, "auto"])
+def test_greedy_equals_generate_with_prefill_cap_while_decoding(arch, cap, models, loaded):
+    """Capped prefill in decode steps changes the steps, never the tokens."""
+    model, tok, _ = loaded[arch]
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    max_new = [12, 7, 12, 3, 10]
+    refs = [
+        reference_generate(models[arch], [p], n)[0] for p, n in zip(prompts, max_new, strict=True)
+    ]
+    eng = Engine(
+        model,
+        tok,
+        client_id=f"cap-{arch}-{cap}",
+        max_num_batched_tokens=16,
+        block_size=4,
+        prefill_tokens_while_decoding=cap,
+    )
+    reqs = _run_all(eng, prompts, [SamplingParams(max_tokens=n) for n in max_new])
+    for req, ref in zip(reqs, refs, strict=True):
+        assert req.output_ids == ref
+    st = eng.stats
+    assert st["max_step_tokens"] <= 16
+    if cap == 3:
+        assert 0 < st["max_prefill_tokens_while_decoding"] <= 3, st
+    assert eng.kv_cache_usage()["blocks_used"] == 0
