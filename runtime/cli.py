@@ -313,7 +313,7 @@ def attention_client(
         "auto",
         "--prefill-tokens-while-decoding",
         help="Prefill tokens at most in a step that also decodes: auto (a mixed step costs at "
-        "most ~2 decode steps, from measured step times), off, or a token count.",
+        "most ~3 decode steps, from measured step times), off, or a token count.",
     ),
     double_batch_overlap: bool = typer.Option(
         False,

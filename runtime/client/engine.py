@@ -366,8 +366,8 @@ class EngineBase:
 
 
 #: ``--prefill-tokens-while-decoding auto``: a step that decodes and prefills costs at most this
-#: many plain decode steps (the ITL tail stays near 2x the median gap)
-AUTO_PREFILL_RATIO = 2.0
+#: many plain decode steps of the whole batch (issue 8's target: ITL p99 <= 3x ITL p50)
+AUTO_PREFILL_RATIO = 3.0
 
 
 def parse_prefill_cap(value: int | str | None) -> int | str | None:
@@ -492,8 +492,16 @@ class Engine(EngineBase):
             prefill_cap=cap if isinstance(cap, int) else None,
         )
         # "auto": the cap follows the measured step cost (set before every step)
+        # (until a decode step and a prefill step were seen: an eighth of the budget)
         self.step_costs = (
-            StepCostModel(AUTO_PREFILL_RATIO, floor=block_size) if cap == "auto" else None
+            StepCostModel(
+                AUTO_PREFILL_RATIO,
+                floor=block_size,
+                large_tokens=max(1, max_num_batched_tokens // 4),
+                probe=max(block_size, max_num_batched_tokens // 8),
+            )
+            if cap == "auto"
+            else None
         )
         self._arrivals = itertools.count()
         self._preempt_counter = metrics.PREEMPTIONS.labels(client_id=self.client_id)
@@ -550,8 +558,10 @@ class Engine(EngineBase):
             seq.request.finish_reason = "cancelled"
             self.stats["cancelled"] += 1
         if self.step_costs is not None:
-            decodes = sum(1 for q in sched.running if q.num_tokens() - q.num_computed == 1)
-            sched.prefill_cap = self.step_costs.cap(decodes) if decodes else None
+            # reference: a decode step of every running and waiting sequence (at most
+            # max_num_seqs), the step the median gap between tokens is made of
+            batch = min(self.max_num_seqs, len(sched.running) + len(sched.waiting))
+            sched.prefill_cap = self.step_costs.cap(batch)
         plan = sched.schedule()
         if plan.preempted:
             self.stats["preemptions"] += len(plan.preempted)
@@ -605,7 +615,7 @@ class Engine(EngineBase):
             ):
                 sched.remove(c.seq)
         if self.step_costs is not None:  # the whole step: what a streaming client waits for
-            self.step_costs.observe(plan.num_tokens, time.perf_counter() - t0)
+            self.step_costs.observe(decodes, plan.num_tokens - decodes, time.perf_counter() - t0)
         self.steps += 1
         self._publish()
 

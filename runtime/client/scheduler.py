@@ -26,10 +26,10 @@ of running sequences and new admissions together) are capped at :attr:`Scheduler
 (``None``: only the token budget), so a decode step that shares its forward with prefill costs a
 bounded multiple of a plain decode step instead of a whole ``max_num_batched_tokens`` forward.
 The cap is either fixed (``--prefill-tokens-while-decoding N``) or set every step by the engine
-from measured step times (:class:`StepCostModel`, ``auto``): with a step costing
-``t(n) = c0 + c1 * n`` for ``n`` tokens, a step of ``B`` decodes plus ``P`` prefill tokens stays
-within ``ratio`` times the decode step when ``P <= (ratio - 1) * (c0 / c1 + B)``. Steps without
-decodes use the whole budget (a burst of new prompts is prefilled at full speed). This is vLLM's
+from measured step times (:class:`StepCostModel`, ``auto``): with a plain decode step taking
+``t_d`` and a prefill token ``c_p`` more, a step that adds ``P`` prefill tokens to its decodes
+stays within ``ratio`` decode steps when ``P <= (ratio - 1) * t_d / c_p``. Steps without
+decodes use the whole budget (the first prompts of a burst are prefilled at full speed). This is vLLM's
 ``--long-prefill-token-threshold`` idea (a long prompt's chunk is capped so it does not stall
 decoding) applied to the step's prefill tokens as a whole. The KV cache must hold at least one sequence of the longest
 allowed length (checked by the engine at start-up), so a lone sequence always fits and nothing
@@ -254,74 +254,113 @@ class Scheduler:
             c.seq.num_computed = c.start + c.n
 
 
-def prefill_cap_for(c0: float, c1: float, decodes: int, ratio: float, floor: int) -> int:
-    """Prefill tokens a step with ``decodes`` decode tokens may add so that it costs at most
-    ``ratio`` times the plain decode step, under the linear step cost ``t(n) = c0 + c1 * n``:
-    ``(ratio - 1) * (c0 / c1 + decodes)``, at least ``floor``.
+def prefill_cap_for(decode_step_s: float, prefill_token_s: float, ratio: float, floor: int) -> int:
+    """Prefill tokens a step may add to its decodes so that it costs at most ``ratio`` decode
+    steps: ``(ratio - 1) * decode_step_s / prefill_token_s``, at least ``floor``.
 
     Args:
-        c0: fixed cost of a step (seconds; Python work, layer round trips), >= 0.
-        c1: cost per token (seconds), > 0.
-        decodes: decode tokens in the step.
+        decode_step_s: wall time of a plain decode step (seconds), >= 0.
+        prefill_token_s: marginal wall time of one prefill token (seconds), > 0.
         ratio: allowed cost of a mixed step over a decode step (> 1).
-        floor: least cap (progress for prompts even where the model says 0).
+        floor: least cap (progress for prompts even where the estimate says 0).
 
     Raises:
-        ValueError: ``c1 <= 0`` or ``ratio <= 1``.
+        ValueError: ``prefill_token_s <= 0`` or ``ratio <= 1``.
     """
-    if c1 <= 0:
-        raise ValueError(f"c1 must be > 0, got {c1}")
+    if prefill_token_s <= 0:
+        raise ValueError(f"prefill_token_s must be > 0, got {prefill_token_s}")
     if ratio <= 1:
         raise ValueError(f"ratio must be > 1, got {ratio}")
-    return max(int(floor), int((ratio - 1) * (max(c0, 0.0) / c1 + decodes)))
+    return max(int(floor), int((ratio - 1) * max(decode_step_s, 0.0) / prefill_token_s))
 
 
 class StepCostModel:
-    """Online fit of a forward's wall time as ``t(n) = c0 + c1 * n`` (``n`` tokens in the step),
-    for the decode-aware prefill cap (``--prefill-tokens-while-decoding auto``).
+    """Online estimate of what a decode step and a prefill token cost, for the decode-aware
+    prefill cap (``--prefill-tokens-while-decoding auto``).
 
-    Exponentially weighted least squares over recent steps (weight ``decay`` per step, so the
-    fit follows a changing machine load); a fit needs steps of different sizes (a decode step
-    and a prefill step, say): until then :meth:`cap` is ``None`` (no cap).
+    Two classes of steps, each with an exponentially weighted mean of its token count and wall
+    time (weight ``decay`` kept per observation, so the estimate follows a changing machine
+    load): *decode steps* (decode tokens only) and *prefill steps* (at least ``large_tokens``
+    prefill tokens). The decode step's mean time is the reference; the slope between the two
+    means is the marginal cost of a token. Mixed steps under the cap are not observed (they sit
+    between the two and would only blur the slope). Two well separated points make the estimate
+    robust to the noise of a shared machine. Until both classes have a step (or when the slope is
+    not positive) :meth:`cap` answers ``probe``. The engine's steps persist over requests, so a
+    burst of new prompts is capped from what earlier traffic (a warm-up) measured.
 
     Args:
         ratio: a mixed step may cost this many decode steps (default 2).
         floor: least cap in tokens (default 16).
-        decay: weight kept per step (default 0.9).
+        large_tokens: a step with at least this many prefill tokens is a prefill step
+            (default 256).
+        decay: weight kept per observation of a class (default 0.8).
+        probe: the cap while the estimate is undetermined (``None``: no cap).
     """
 
-    def __init__(self, ratio: float = 2.0, floor: int = 16, decay: float = 0.9):
+    def __init__(
+        self,
+        ratio: float = 2.0,
+        floor: int = 16,
+        large_tokens: int = 256,
+        decay: float = 0.8,
+        probe: int | None = None,
+    ):
         if ratio <= 1:
             raise ValueError(f"ratio must be > 1, got {ratio}")
+        if large_tokens < 1:
+            raise ValueError(f"large_tokens must be >= 1, got {large_tokens}")
         self.ratio, self.floor, self.decay = float(ratio), int(floor), float(decay)
-        self._s = [0.0] * 5  # weighted sums: 1, n, t, n*n, n*t
+        self.large_tokens = int(large_tokens)
+        self.probe = probe
+        # per class: [weight, weighted tokens, weighted seconds]
+        self._decode = [0.0, 0.0, 0.0]
+        self._prefill = [0.0, 0.0, 0.0]
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """Record one forward of ``tokens`` tokens that took ``seconds`` (wall time)."""
-        d, n, t = self.decay, float(tokens), float(seconds)
-        s = self._s
-        for i, v in enumerate((1.0, n, t, n * n, n * t)):
-            s[i] = d * s[i] + v
+    def observe(self, decodes: int, prefill: int, seconds: float) -> None:
+        """Record one forward with ``decodes`` decode and ``prefill`` prefill tokens that took
+        ``seconds`` (wall time). Mixed steps below ``large_tokens`` prefill tokens are ignored."""
+        if prefill == 0 and decodes > 0:
+            acc = self._decode
+        elif prefill >= self.large_tokens:
+            acc = self._prefill
+        else:
+            return
+        d = self.decay
+        acc[0] = d * acc[0] + 1.0
+        acc[1] = d * acc[1] + float(decodes + prefill)
+        acc[2] = d * acc[2] + float(seconds)
 
-    def fit(self) -> tuple[float, float] | None:
-        """``(c0, c1)`` seconds, or ``None`` while the steps seen do not determine them (one
-        size only) or give a non-positive per-token cost."""
-        w, sn, st, snn, snt = self._s
-        den = w * snn - sn * sn
-        if w <= 0 or den <= 1e-9 * max(1.0, w * snn):  # all steps (nearly) the same size
+    def estimate(self) -> tuple[float, float] | None:
+        """``(decode step seconds, seconds per prefill token)``, or ``None`` while a class has
+        no step yet or the slope is not positive."""
+        (wd, nd, td), (wp, np_, tp) = self._decode, self._prefill
+        if wd <= 0 or wp <= 0:
             return None
-        c1 = (w * snt - sn * st) / den
-        if c1 <= 0:
+        nd, td, np_, tp = nd / wd, td / wd, np_ / wp, tp / wp
+        if np_ <= nd:
             return None
-        return (st - c1 * sn) / w, c1
+        per_token = (tp - td) / (np_ - nd)
+        if per_token <= 0:
+            return None
+        return td, per_token
 
-    def cap(self, decodes: int) -> int | None:
-        """Prefill cap for a step with ``decodes`` decode tokens (:func:`prefill_cap_for`), or
-        ``None`` (no cap) while the fit is undetermined."""
-        f = self.fit()
-        if f is None:
-            return None
-        return prefill_cap_for(f[0], f[1], decodes, self.ratio, self.floor)
+    def cap(self, batch: int | None = None) -> int | None:
+        """Prefill cap for a step that decodes (:func:`prefill_cap_for`), or ``probe`` while
+        the estimate is undetermined.
+
+        Args:
+            batch: sequences the reference decode step has (default: as many as the decode
+                steps seen had on average); a larger batch than measured adds the marginal
+                token cost per extra sequence (a lower bound of a decode token's cost).
+        """
+        e = self.estimate()
+        if e is None:
+            return self.probe
+        t_dec, per_token = e
+        if batch is not None:
+            seen = self._decode[1] / self._decode[0]
+            t_dec += max(0.0, batch - seen) * per_token
+        return prefill_cap_for(t_dec, per_token, self.ratio, self.floor)
 
 
 __all__ = [

@@ -495,33 +495,44 @@ def test_scheduler_caps_prefill_only_in_steps_that_decode():
         Scheduler(BlockAllocator(4), 4, prefill_cap=0)
 
 
-def test_step_cost_model_fits_the_linear_cost_and_caps():
+def test_step_cost_model_estimates_decode_step_and_prefill_token_costs():
     from eaas.runtime.client.scheduler import StepCostModel, prefill_cap_for
 
-    m = StepCostModel(ratio=2.0, floor=16)
-    assert m.fit() is None and m.cap(32) is None  # nothing seen
+    def t(decodes, prefill):  # the machine: 10 ms per step, 0.5 ms per decode, 0.1 per prefill
+        return 0.010 + 5e-4 * decodes + 1e-4 * prefill
+
+    m = StepCostModel(ratio=3.0, floor=16, large_tokens=512, probe=256)
+    assert m.estimate() is None and m.cap() == 256  # nothing seen: the probe
     for _ in range(5):
-        m.observe(32, 0.010 + 32 * 1e-4)  # decode steps only: one size, undetermined
-    assert m.fit() is None and m.cap(32) is None
-    m.observe(2048, 0.010 + 2048 * 1e-4)  # a prefill step
-    c0, c1 = m.fit()
-    assert c0 == pytest.approx(0.010, rel=1e-6) and c1 == pytest.approx(1e-4, rel=1e-6)
-    # a mixed step of 32 decodes + P prefill tokens costs at most 2 decode steps: P <= c0/c1 + 32
-    assert m.cap(32) in (131, 132)  # floor of 100 + 32 after float rounding
-    t_dec = c0 + c1 * 32
-    assert c0 + c1 * (32 + m.cap(32)) <= 2.0 * t_dec * (1 + 1e-9)
-    # recent steps weigh more: after a slowdown the cap follows the new costs
-    for _ in range(40):
-        m.observe(32, 0.040 + 32 * 1e-4)
-        m.observe(512, 0.040 + 512 * 1e-4)
-    assert m.fit()[0] == pytest.approx(0.040, rel=1e-3)
-    assert m.cap(32) == pytest.approx(432, abs=1)
-    assert prefill_cap_for(0.0, 1e-3, 0, 2.0, 16) == 16  # the floor
-    assert prefill_cap_for(0.01, 1e-4, 10, 3.0, 16) == 220
+        m.observe(8, 0, t(8, 0))  # decode steps only: no per-token cost yet
+    assert m.estimate() is None and m.cap() == 256
+    m.observe(4, 100, t(4, 100))  # a mixed step under the cap: not observed
+    assert m.estimate() is None
+    m.observe(0, 2048, t(0, 2048))  # a prefill step
+    t_dec, per_token = m.estimate()
+    assert t_dec == pytest.approx(t(8, 0))
+    assert per_token == pytest.approx((t(0, 2048) - t(8, 0)) / (2048 - 8))
+    # a mixed step of the measured batch plus the cap costs about 3 decode steps at most (the
+    # slope between the classes blends decode and prefill tokens: within a few percent here)
+    cap = m.cap()
+    assert cap == int(2 * t_dec / per_token)
+    assert 2.9 * t(8, 0) <= t(8, cap) <= 3.05 * t(8, 0)
+    # a larger reference batch: the decode step is at least per_token more per sequence
+    assert m.cap(32) == int(2 * (t_dec + 24 * per_token) / per_token)
+    assert m.cap(4) == cap  # never below what was measured
+    # recent steps weigh more: after a slowdown the estimate follows the new costs
+    for _ in range(30):
+        m.observe(8, 0, 4 * t(8, 0))
+        m.observe(0, 2048, 4 * t(0, 2048))
+    assert m.estimate()[0] == pytest.approx(4 * t(8, 0), rel=1e-2)
+    assert m.cap() == pytest.approx(cap, abs=2)  # both 4x slower: the same cap
+    assert StepCostModel().cap() is None  # no probe: no cap
+    assert prefill_cap_for(0.0, 1e-3, 2.0, 16) == 16  # the floor
+    assert prefill_cap_for(0.02, 1e-4, 3.0, 16) == 400
     with pytest.raises(ValueError, match="ratio must be > 1"):
         StepCostModel(ratio=1.0)
-    with pytest.raises(ValueError, match="c1 must be > 0"):
-        prefill_cap_for(0.01, 0.0, 4, 2.0, 16)
+    with pytest.raises(ValueError, match="prefill_token_s must be > 0"):
+        prefill_cap_for(0.01, 0.0, 2.0, 16)
 
 
 @pytest.mark.parametrize(
