@@ -156,10 +156,10 @@ def _profiled_server(argv: list[str]) -> None:
     kw = {} if spin == "-" else {"spin_us": float(spin)}
     server = ExpertServer(ep, hosted, info.hidden_size, dt, sid, num_threads=int(threads), **kw)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
-    print(server.ready_line(), flush=True)
     prof = cProfile.Profile()
-    if out != "-":
-        prof.enable()
+    # SIGUSR1 starts the profile (the harness sends it once the prompts are prefilled)
+    signal.signal(signal.SIGUSR1, lambda *_: prof.enable() if out != "-" else None)
+    print(server.ready_line(), flush=True)
     server.serve_forever()
     if out != "-":
         prof.disable()
@@ -325,16 +325,31 @@ def experts_compare(args) -> int:
             kw["connect"] = connect
         disp = Dispatcher(0, info.hidden_size, dt, table, **kw)
         remote, tok, _ = load_attention_model(model_dir, dt, experts_factory=experts_factory(disp))
+        if args.split_pairs is not None:  # a second client: the same servers, another policy
+            disp2 = Dispatcher(1, info.hidden_size, dt, table, split_pairs=args.split_pairs, **kw)
+            remote2, _, _ = load_attention_model(
+                model_dir, dt, experts_factory=experts_factory(disp2)
+            )
         local, _, _ = load_attention_model(model_dir, dt)
         engines = {
             "local": (_decode_engine(local, tok, args, "local"), None),
             "remote": (_decode_engine(remote, tok, args, "remote"), disp),
         }
+        if args.split_pairs is not None:
+            engines[f"split={args.split_pairs}"] = (
+                _decode_engine(remote2, tok, args, "remote-split"),
+                disp2,
+            )
         if args.double_batch_overlap:
             engines["remote+dbo"] = (
                 _decode_engine(remote, tok, args, "remote-dbo", overlap=True),
                 disp,
             )
+        if args.server_profile:  # profile the servers' decode steps only
+            import signal
+
+            for p in procs:
+                p.send_signal(signal.SIGUSR1)
         sums = {k: [0.0, 0.0, 0.0] for k in engines}
         for _ in range(args.rounds):  # alternate blocks: load hits both alike
             for k, (eng, _d) in engines.items():
@@ -371,6 +386,8 @@ def experts_compare(args) -> int:
             for s in list(eng.scheduler.running):
                 s.request.cancel()
         disp.close()
+        if args.split_pairs is not None:
+            disp2.close()
     finally:
         for p in procs:
             p.terminate()
@@ -378,7 +395,7 @@ def experts_compare(args) -> int:
             p.wait(10)
         if args.server_profile:
             st = pstats.Stats(str(run_dir / "expert-0.prof"))
-            print("\nexpert-0 under cProfile (all its work, whole run), top 25 by own time:")
+            print("\nexpert-0 under cProfile (its decode steps), top 25 by own time:")
             st.sort_stats("tottime").print_stats(25)
         import shutil
 
@@ -410,6 +427,14 @@ def main(argv=None) -> int:
         "--double-batch-overlap",
         action="store_true",
         help="--experts-compare: also the remote engine with double-batch overlap",
+    )
+    ap.add_argument(
+        "--split-pairs",
+        type=int,
+        default=None,
+        help="--experts-compare: also a client whose dispatcher uses this split_pairs "
+        "(1: every expert's pairs split over all its replicas, the policy before issue 8's "
+        "column dispatch)",
     )
     ap.add_argument("--client-spin-us", type=float, default=None, help="shm client spin_us")
     ap.add_argument("--server-spin-us", type=float, default=None, help="shm server spin_us")
