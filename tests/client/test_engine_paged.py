@@ -392,6 +392,7 @@ def test_engine_on_cuda_equals_generate(arch, models):
         (["--kv-cache-memory", "1KiB"], "is below one sequence of"),
         (["--kv-cache-memory", "lots"], "bad memory size 'lots'"),
         (["--device", "tpu"], "--device must be auto, cpu, cuda"),
+        (["--prefill-tokens-while-decoding", "lots"], "--prefill-tokens-while-decoding must be"),
     ],
 )
 def test_attention_client_rejects_bad_engine_options(args, message):
@@ -579,3 +580,24 @@ def test_greedy_equals_generate_with_prefill_cap_while_decoding(arch, cap, model
     if cap == 3:
         assert 0 < st["max_prefill_tokens_while_decoding"] <= 3, st
     assert eng.kv_cache_usage()["blocks_used"] == 0
+
+
+def test_serve_rejects_a_bad_prefill_cap_before_starting_anything():
+    import subprocess
+    import sys
+
+    from eaas.runtime.serve import free_tcp_port
+
+    r = subprocess.run(
+        [sys.executable, "-m", "eaas", "serve", "--port", str(free_tcp_port())]
+        + ["--prefill-tokens-while-decoding", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out
+    assert "--prefill-tokens-while-decoding must be auto, off or a token count" in " ".join(
+        out.split()
+    ), out
+    assert "expert-server" not in out and "Traceback" not in out, out
