@@ -23,7 +23,8 @@ Workloads (streamed ``/v1/completions``, ``temperature 0``, ``ignore_eos``):
   ``--w2-concurrency`` 16, ``--w2-length-scale``).
 
 Every system runs with the same ``--max-num-batched-tokens`` (tokens per forward; default 2048,
-vLLM CPU's API-server default) and ``--max-num-seqs`` 64, after ``--warmup`` requests whose
+vLLM CPU's API-server default) and ``--max-num-seqs`` 64 (eaas and single also with
+``--prefill-tokens-while-decoding``, default ``auto``: their decode-aware prefill cap), after ``--warmup`` requests whose
 prompts differ from the measured ones (so vLLM's prefix cache gains nothing from them).
 
 Per system, dtype and workload: output tokens/s (completion tokens / wall time), TTFT p50/p99,
