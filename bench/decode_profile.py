@@ -12,9 +12,19 @@ milliseconds per step by part (cumulative time of the functions named below), si
 * sampling, events (detokenization, stops), and the rest (Python glue, cache bookkeeping, masks,
   embeddings, norms, lm_head).
 
+``--experts-compare``: the paged engine with local experts (single-process mode) vs the same
+engine with its routed experts on ``--servers`` real expert-server processes (``eaas
+expert-server``, every expert on ``--replicas`` of them, shm transport; what ``eaas serve`` runs),
+side by side in one run: ``--rounds`` alternating blocks of ``--steps`` decode steps each (so the
+shared machine's load hits both alike). Per decode step: wall time, the client process's CPU
+time, the expert servers' CPU time (``/proc/PID/stat``), and the ratio remote / local; then one
+cProfile pass of each (where the client's time goes: attention, MoE block, of which the
+dispatcher's plan / send / wait / combine, sampling, events, rest).
+
 Usage::
 
     python bench/decode_profile.py --batch 16 --prompt-tokens 220 --steps 20
+    python bench/decode_profile.py --experts-compare --batch 32 --steps 20 --rounds 3
 """
 
 from __future__ import annotations
@@ -22,9 +32,12 @@ from __future__ import annotations
 import argparse
 import cProfile
 import inspect
+import os
 import pstats
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -115,15 +128,327 @@ def profile_engine(kind: str, model, tok, args) -> dict:
     return out
 
 
+# ---- --experts-compare: local experts vs expert-server processes ----------------------------
+
+
+def _cpu_s(pid: int) -> float:
+    """utime + stime of ``pid`` in seconds (``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _profiled_server(argv: list[str]) -> None:
+    """``--_profiled-server OUT MODEL ID SPEC ENDPOINT DTYPE THREADS SPIN_US``: an expert server
+    (as ``eaas expert-server``) under cProfile (OUT ``-``: without); SIGTERM stops it and writes
+    the stats to OUT. SPIN_US ``-``: the listener's default spin."""
+    import signal
+
+    from eaas.runtime.expert_server import ExpertServer
+    from eaas.runtime.models.arch import read_model_info
+    from eaas.runtime.models.weights import load_expert_weights
+    from eaas.runtime.placement import parse_expert_spec
+
+    out, model_dir, sid, spec, ep, dtype, threads, spin = argv
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    info = read_model_info(model_dir)
+    hosted = load_expert_weights(model_dir, parse_expert_spec(spec), dt, progress=False)
+    kw = {} if spin == "-" else {"spin_us": float(spin)}
+    server = ExpertServer(ep, hosted, info.hidden_size, dt, sid, num_threads=int(threads), **kw)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    prof = cProfile.Profile()
+    # SIGUSR1 starts the profile (the harness sends it once the prompts are prefilled)
+    signal.signal(signal.SIGUSR1, lambda *_: prof.enable() if out != "-" else None)
+    print(server.ready_line(), flush=True)
+    server.serve_forever()
+    if out != "-":
+        prof.disable()
+        prof.dump_stats(out)
+
+
+def start_servers(
+    model_dir: str,
+    n: int,
+    r: int,
+    dtype: str,
+    threads: int,
+    run_dir: Path,
+    profile: bool = False,
+    spin_us: float | None = None,
+):
+    """Start ``n`` ``eaas expert-server`` processes (placement as ``eaas serve``: every expert on
+    ``r`` of them, shm endpoints in ``run_dir``); wait for their ready lines.
+
+    Returns:
+        ``(procs, table)``: the processes and routing table version 1.
+    """
+    from eaas.runtime.models.arch import read_model_info
+    from eaas.runtime.placement import format_expert_spec, place_experts
+    from eaas.runtime.routing import RoutingTable
+
+    info = read_model_info(model_dir)
+    placement = place_experts(info.moe_layers, info.num_experts, n, r)
+    ids = [f"expert-{i}" for i in range(n)]
+    endpoints = [f"unix:{run_dir / f'{sid}.sock'}" for sid in ids]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    procs = []
+    for s, (sid, ep) in enumerate(zip(ids, endpoints, strict=True)):
+        spec = format_expert_spec(placement.servers[s])
+        if profile or spin_us is not None:
+            out = str(run_dir / f"{sid}.prof") if profile else "-"
+            argv = [sys.executable, __file__, "--_profiled-server", out]
+            argv += [model_dir, sid, spec, ep, dtype, str(threads)]
+            argv += ["-" if spin_us is None else str(spin_us)]
+        else:
+            argv = [sys.executable, "-m", "eaas", "expert-server", "--model", model_dir]
+            argv += ["--server-id", sid, "--experts", spec]
+            argv += ["--listen", ep, "--dtype", dtype, "--threads", str(threads)]
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, env=env, text=True))
+    for p in procs:
+        assert p.stdout is not None
+        for line in p.stdout:
+            if " ready on " in line:
+                break
+        else:
+            raise RuntimeError(f"expert server exited with code {p.wait()}")
+    return procs, RoutingTable.from_placement(placement, ids, endpoints, version=1)
+
+
+def _decode_engine(model, tok, args, label: str, overlap: bool = False):
+    """An engine with ``--batch`` sequences prefilled and two warm-up decode steps done."""
+    from eaas.runtime.client.engine import Engine, SamplingParams
+
+    eng = Engine(
+        model,
+        tok,
+        client_id=label,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        double_batch_overlap=overlap,
+    )
+    base = tok(" ".join(["expert server routing table"] * args.prompt_tokens))["input_ids"]
+    reqs = [
+        eng.submit(
+            base[i : i + args.prompt_tokens],
+            SamplingParams(max_tokens=10_000, ignore_eos=True),
+            lambda ev: None,
+        )
+        for i in range(args.batch)
+    ]
+    with torch.inference_mode():
+        while not all(r.output_ids for r in reqs):
+            eng._step()
+        for _ in range(2):
+            eng._step()
+    return eng
+
+
+def _timed_steps(eng, steps: int, server_pids: list[int]) -> tuple[float, float, float]:
+    """``(wall, client CPU, servers CPU)`` seconds of ``steps`` decode steps."""
+    s0 = sum(_cpu_s(p) for p in server_pids)
+    c0, t0 = time.process_time(), time.perf_counter()
+    with torch.inference_mode():
+        for _ in range(steps):
+            eng._step()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return wall, cpu, sum(_cpu_s(p) for p in server_pids) - s0
+
+
+def _profile_parts(eng, steps: int, dispatcher) -> dict:
+    """cProfile of ``steps`` decode steps: ms per step by part."""
+    prof = cProfile.Profile()
+    with torch.inference_mode():
+        prof.enable()
+        for _ in range(steps):
+            eng._step()
+        prof.disable()
+    st = pstats.Stats(prof)
+    model = eng.model
+    runner = getattr(eng.runner, "runner", eng.runner)  # PagedOverlapRunner wraps one
+    mlp_types = {type(lyr.mlp) for lyr in model.model.layers}
+    parts = {
+        "step": _ct(st, [type(eng)._step]),
+        "attention": _ct(st, [type(runner)._mla, type(runner)._gqa]),
+        "moe_mlp": _ct(st, [t.forward for t in mlp_types]),
+        "sampling": _ct(st, [type(eng)._sample]),
+        "events": _ct(st, [type(eng)._emit]),
+        "schedule": _ct(st, [type(eng.scheduler).schedule]),
+    }
+    if dispatcher is not None:
+        from eaas.runtime.client.dispatch import Dispatcher
+
+        conn = next(s.conn for s in dispatcher._servers.values() if s.conn is not None)
+        parts["dispatch"] = _ct(st, [Dispatcher.dispatch])
+        parts["  plan (replica choice)"] = _ct(st, [Dispatcher._plan])
+        parts["  send (frames into slots)"] = _ct(st, [type(conn).send])
+        parts["  recv (wait + read)"] = _ct(st, [type(conn).recv])
+    out = {k: 1000 * v / steps for k, v in parts.items()}
+    out["rest"] = out["step"] - sum(
+        out[k] for k in ("attention", "moe_mlp", "sampling", "events", "schedule")
+    )
+    return out
+
+
+def experts_compare(args) -> int:
+    """Local experts vs expert servers, side by side (see the module docstring)."""
+    import tempfile
+
+    from eaas.runtime.client.dispatch import Dispatcher, experts_factory
+    from eaas.runtime.models.attention import load_attention_model
+    from eaas.runtime.models.tiny import default_model_dir
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    dt = dtypes[args.dtype]
+    model_dir = str(args.model or default_model_dir())
+    run_dir = Path(tempfile.mkdtemp(prefix="eaas-decode-profile-"))
+    procs, table = start_servers(
+        model_dir,
+        args.servers,
+        args.replicas,
+        args.dtype,
+        args.server_threads,
+        run_dir,
+        profile=args.server_profile,
+        spin_us=args.server_spin_us,
+    )
+    pids = [p.pid for p in procs]
+    try:
+        from eaas.runtime.models.arch import read_model_info
+
+        info = read_model_info(model_dir)
+        kw = {}
+        if args.client_spin_us is not None:
+            from eaas.runtime.client.dispatch import _default_connect
+
+            def connect(endpoint, server_id, **ckw):
+                return _default_connect(endpoint, server_id, spin_us=args.client_spin_us, **ckw)
+
+            kw["connect"] = connect
+        disp = Dispatcher(0, info.hidden_size, dt, table, **kw)
+        remote, tok, _ = load_attention_model(model_dir, dt, experts_factory=experts_factory(disp))
+        if args.split_pairs is not None:  # a second client: the same servers, another policy
+            disp2 = Dispatcher(1, info.hidden_size, dt, table, split_pairs=args.split_pairs, **kw)
+            remote2, _, _ = load_attention_model(
+                model_dir, dt, experts_factory=experts_factory(disp2)
+            )
+        local, _, _ = load_attention_model(model_dir, dt)
+        engines = {
+            "local": (_decode_engine(local, tok, args, "local"), None),
+            "remote": (_decode_engine(remote, tok, args, "remote"), disp),
+        }
+        if args.split_pairs is not None:
+            engines[f"split={args.split_pairs}"] = (
+                _decode_engine(remote2, tok, args, "remote-split"),
+                disp2,
+            )
+        if args.double_batch_overlap:
+            engines["remote+dbo"] = (
+                _decode_engine(remote, tok, args, "remote-dbo", overlap=True),
+                disp,
+            )
+        if args.server_profile:  # profile the servers' decode steps only
+            import signal
+
+            for p in procs:
+                p.send_signal(signal.SIGUSR1)
+        sums = {k: [0.0, 0.0, 0.0] for k in engines}
+        for _ in range(args.rounds):  # alternate blocks: load hits both alike
+            for k, (eng, _d) in engines.items():
+                w, c, s = _timed_steps(eng, args.steps, pids if k != "local" else [])
+                for i, v in enumerate((w, c, s)):
+                    sums[k][i] += v
+        n = args.rounds * args.steps
+        print(
+            f"{args.dtype}, batch {args.batch}, context ~{args.prompt_tokens} tokens, "
+            f"{args.servers} servers (R={args.replicas}), {n} decode steps each, "
+            f"{args.rounds} alternating rounds, load average {os.getloadavg()[0]:.2f}"
+        )
+        others = [k for k in engines if k != "local"]
+        print(
+            f"{'ms per decode step':34s} {'local':>9s} "
+            + " ".join(f"{k:>10s} {'ratio':>6s}" for k in others)
+        )
+        for i, label in enumerate(("wall", "client CPU", "expert servers' CPU (sum)")):
+            a = 1000 * sums["local"][i] / n
+            cells = []
+            for k in others:
+                b = 1000 * sums[k][i] / n
+                cells.append(f"{b:10.2f} " + (f"{b / a:5.2f}x" if a > 1e-9 else f"{'-':>6s}"))
+            print(f"{label:34s} {a:9.2f} " + " ".join(cells))
+        prof = {k: _profile_parts(eng, args.steps, d) for k, (eng, d) in engines.items()}
+        print("\ncProfile, ms per decode step (incl. profiling overhead)")
+        print(f"{'part':34s} " + " ".join(f"{k:>10s}" for k in engines))
+        for key in prof["remote"]:
+            cells = [prof[k].get(key) for k in engines]
+            print(
+                f"{key:34s} " + " ".join(f"{'':>10s}" if c is None else f"{c:10.2f}" for c in cells)
+            )
+        for eng, _d in engines.values():
+            for s in list(eng.scheduler.running):
+                s.request.cancel()
+        disp.close()
+        if args.split_pairs is not None:
+            disp2.close()
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(10)
+        if args.server_profile:
+            st = pstats.Stats(str(run_dir / "expert-0.prof"))
+            print("\nexpert-0 under cProfile (its decode steps), top 25 by own time:")
+            st.sort_stats("tottime").print_stats(25)
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--_profiled-server"]:
+        _profiled_server(argv[1:])
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: built-in tiny model)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=220)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--experts-compare",
+        action="store_true",
+        help="paged engine: local experts vs --servers expert-server processes",
+    )
+    ap.add_argument("--servers", type=int, default=4)
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--server-threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--double-batch-overlap",
+        action="store_true",
+        help="--experts-compare: also the remote engine with double-batch overlap",
+    )
+    ap.add_argument(
+        "--split-pairs",
+        type=int,
+        default=None,
+        help="--experts-compare: also a client whose dispatcher uses this split_pairs "
+        "(1: every expert's pairs split over all its replicas, the policy before issue 8's "
+        "column dispatch)",
+    )
+    ap.add_argument("--client-spin-us", type=float, default=None, help="shm client spin_us")
+    ap.add_argument("--server-spin-us", type=float, default=None, help="shm server spin_us")
+    ap.add_argument(
+        "--server-profile",
+        action="store_true",
+        help="run the expert servers under cProfile; print expert-0's top functions",
+    )
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.experts_compare:
+        return experts_compare(args)
     from eaas.runtime.models.attention import load_attention_model
     from eaas.runtime.models.tiny import default_model_dir
 

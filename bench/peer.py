@@ -23,7 +23,8 @@ Workloads (streamed ``/v1/completions``, ``temperature 0``, ``ignore_eos``):
   ``--w2-concurrency`` 16, ``--w2-length-scale``).
 
 Every system runs with the same ``--max-num-batched-tokens`` (tokens per forward; default 2048,
-vLLM CPU's API-server default) and ``--max-num-seqs`` 64, after ``--warmup`` requests whose
+vLLM CPU's API-server default) and ``--max-num-seqs`` 64 (eaas and single also with
+``--prefill-tokens-while-decoding``, default ``auto``: their decode-aware prefill cap), after ``--warmup`` requests whose
 prompts differ from the measured ones (so vLLM's prefix cache gains nothing from them).
 
 Per system, dtype and workload: output tokens/s (completion tokens / wall time), TTFT p50/p99,
@@ -310,6 +311,8 @@ def eaas_command(kind: str, args, dtype: str, port: int, model_dir: str | None) 
                 dtype,
                 "--max-num-batched-tokens",
                 str(args.max_num_batched_tokens),
+                "--prefill-tokens-while-decoding",
+                args.prefill_tokens_while_decoding,
             ]
             + model
         )
@@ -326,6 +329,8 @@ def eaas_command(kind: str, args, dtype: str, port: int, model_dir: str | None) 
             str(args.single_threads),
             "--max-num-batched-tokens",
             str(args.max_num_batched_tokens),
+            "--prefill-tokens-while-decoding",
+            args.prefill_tokens_while_decoding,
         ]
         + model
     )
@@ -572,6 +577,11 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=2048,
         help="tokens per forward, the same for every system (vLLM CPU's API-server default)",
+    )
+    ap.add_argument(
+        "--prefill-tokens-while-decoding",
+        default="auto",
+        help="eaas and single: prefill cap in steps that also decode (auto, off, N)",
     )
     ap.add_argument("--warmup", type=int, default=4, help="W1 requests sent before measuring")
     ap.add_argument("--pss-interval", type=float, default=1.0)

@@ -429,6 +429,12 @@ def attention_client(
         "--max-request-body",
         help="Largest API request body; larger ones get 413 request_too_large.",
     ),
+    prefill_tokens_while_decoding: str = typer.Option(
+        "auto",
+        "--prefill-tokens-while-decoding",
+        help="Prefill tokens at most in a step that also decodes: auto (a mixed step costs at "
+        "most ~3 decode steps, from measured step times), off, or a token count.",
+    ),
     double_batch_overlap: bool = typer.Option(
         False,
         "--double-batch-overlap",
@@ -494,6 +500,9 @@ def attention_client(
             parse_memory_size(max_request_body)
         except ValueError as e:
             raise ValueError(f"--max-request-body: {e}") from None
+        from eaas.runtime.client.engine import parse_prefill_cap
+
+        parse_prefill_cap(prefill_tokens_while_decoding)
         dev = resolve_device(device)
         if world_cfg is not None:
             from eaas.runtime.gpu.device import check_world_device
@@ -529,6 +538,7 @@ def attention_client(
         max_num_batched_tokens=max_num_batched_tokens,
         max_request_body=max_request_body,
         double_batch_overlap=double_batch_overlap,
+        prefill_tokens_while_decoding=prefill_tokens_while_decoding,
         cuda_graphs=cuda_graphs,
         nvshmem_world=world_cfg,
     )
@@ -585,6 +595,11 @@ def serve(
         help="Expert servers' --device: cpu (default), auto, cuda or cuda:N (cuda: the native "
         "grouped kernels; frames still travel through host shared memory or TCP).",
     ),
+    prefill_tokens_while_decoding: str = typer.Option(
+        "auto",
+        "--prefill-tokens-while-decoding",
+        help="Attention clients' --prefill-tokens-while-decoding (auto, off or a token count).",
+    ),
 ) -> None:
     """Start a whole deployment on this machine: expert servers + attention clients."""
     _check_dispatch_timeout(dispatch_timeout)
@@ -609,6 +624,7 @@ def serve(
             client_device=client_device,
             server_device=server_device,
             double_batch_overlap=double_batch_overlap,
+            prefill_tokens_while_decoding=prefill_tokens_while_decoding,
         )
     except (PlacementError, ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -138,6 +138,8 @@ class Deployment:
         kv_cache_memory: attention clients' ``--kv-cache-memory`` (e.g. ``"1GiB"``; None: default).
         max_num_batched_tokens: attention clients' ``--max-num-batched-tokens``.
         double_batch_overlap: attention clients' ``--double-batch-overlap``.
+        prefill_tokens_while_decoding: attention clients' ``--prefill-tokens-while-decoding``
+            (``"auto"``, ``"off"`` or a token count).
     """
 
     def __init__(
@@ -159,6 +161,7 @@ class Deployment:
         kv_cache_memory: str | None = None,
         max_num_batched_tokens: int = 512,
         double_batch_overlap: bool = False,
+        prefill_tokens_while_decoding: str = "auto",
         ready_timeout: float = 300.0,
     ) -> None:
         if transport not in ("shm", "tcp"):
@@ -190,6 +193,9 @@ class Deployment:
             raise ValueError(str(exc).replace("--device", "--server-device", 1)) from None
         if max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {max_num_batched_tokens}")
+        from eaas.runtime.client.engine import parse_prefill_cap
+
+        parse_prefill_cap(prefill_tokens_while_decoding)  # ValueError before any process starts
         _check_port_free(host, port)
         if model_dir is None:
             from eaas.runtime.models.tiny import default_model_dir
@@ -220,6 +226,7 @@ class Deployment:
         self.kv_cache_memory = kv_cache_memory
         self.max_num_batched_tokens = max_num_batched_tokens
         self.double_batch_overlap = bool(double_batch_overlap)
+        self.prefill_tokens_while_decoding = str(prefill_tokens_while_decoding)
         self.ready_timeout = ready_timeout
         self.children: list[Child] = []
         self.run_dir: Path | None = None
@@ -329,6 +336,7 @@ class Deployment:
                 ]
                 argv += ["--device", self.client_device]
                 argv += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+                argv += ["--prefill-tokens-while-decoding", self.prefill_tokens_while_decoding]
                 if self.kv_cache_memory:
                     argv += ["--kv-cache-memory", self.kv_cache_memory]
                 if self.double_batch_overlap:

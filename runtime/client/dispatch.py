@@ -9,9 +9,12 @@ connection per expert server. Per MoE layer call (:meth:`Dispatcher.dispatch`):
 
 1. **Pick replicas** (:func:`choose_replicas`, tensor operations, no Python work per token).
    For every ``(token, selected expert, weight)`` pair ONE connected replica of
-   ``(layer, expert)``: the pairs of an expert are dealt round-robin over its usable replicas,
-   continuing across calls (a rotation offset per ``(layer, expert)`` advanced by the expert's
-   pair count), so an expert's load splits evenly. A pair is never sent to two servers.
+   ``(layer, expert)``: an expert's pairs stay on one replica (the expert runs once per call)
+   until it has more than ``split_pairs`` of them, then they are dealt round-robin over more of
+   its usable replicas; the replica rotates by one per call for every expert of the layer (in
+   phase, so a decode call reaches one "column" of the placement, e.g. 2 of 4 servers at R=2,
+   and the next call the other), so an expert's load splits evenly over calls. A pair is never
+   sent to two servers.
 2. **Dispatch.** One :class:`RequestFrame` per target server (a loop over servers, not tokens):
    each token's hidden row once -- gathered by the transport straight from the ``[T, H]`` batch
    into its send buffer (``RequestFrame.rows``), the only copy -- plus its ``[k]`` expert ids /
@@ -118,6 +121,10 @@ def _default_connect(endpoint: str, server_id: str, **kw) -> ClientConnection:
     return connect(endpoint, server_id, **kw)
 
 
+#: an expert's pairs in one layer call stay on one replica up to this many (then they are split
+#: over more replicas): see :func:`choose_replicas`
+DEFAULT_SPLIT_PAIRS = 256
+
 NO_SERVER = -1  # pair not selected (``top_k_index`` -1)
 NO_REPLICA = -2  # pair whose expert has no usable replica
 
@@ -157,27 +164,31 @@ def choose_replicas(
     start: torch.Tensor,
     *,
     live: tuple[torch.Tensor, torch.Tensor] | None = None,
+    split_pairs: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one usable replica per ``(token, selected expert)`` pair, as tensor operations.
 
-    Policy: the pairs of each expert are dealt round-robin over its usable replicas (in routing
-    table order), beginning at ``start[e]``; so an expert's tokens split evenly (counts differ by
-    at most one), and a rotation that the caller advances by the expert's token count spreads
-    single tokens (decode) over the replicas across calls. No Python work per token.
+    Policy: an expert with ``c`` pairs in this call uses ``u = min(live replicas,
+    ceil(c / split_pairs))`` of its usable replicas (in routing table order, beginning at
+    ``start[e]``), and its pairs are dealt round-robin over those ``u`` (counts differ by at most
+    one). ``split_pairs=1`` splits every expert's pairs over all its replicas; a larger value
+    keeps an expert's pairs on ONE replica until it has more than ``split_pairs`` of them, so
+    each expert runs once per call (one expert GEMM, not one per replica) and a small batch
+    reaches fewer servers. No Python work per token.
 
     Args:
         experts: ``[T, k]`` int64 logical expert ids; ``-1`` = no expert.
         replicas: ``[E, R]`` int64 server index per replica, ``-1`` padding
             (:attr:`ReplicaMap.replicas` of one layer).
         usable: ``[S]`` bool, whether each server may receive pairs now.
-        start: ``[E]`` int64 rotation offset per expert.
+        start: ``[E]`` int64 rotation offset per expert (the caller advances it between calls).
         live: ``live_replicas(replicas, usable)`` when the caller has it cached.
+        split_pairs: pairs per replica before an expert's pairs are split (>= 1).
 
     Returns:
         ``(assign [T, k] int64, counts [E] int64)``: ``assign`` holds the chosen server index per
         pair, :data:`NO_SERVER` where ``experts`` is -1, :data:`NO_REPLICA` where the expert has
-        no usable replica (or is not in ``replicas``); ``counts`` = pairs per expert (for
-        advancing ``start``).
+        no usable replica (or is not in ``replicas``); ``counts`` = pairs per expert.
     """
     T, k = experts.shape
     E, R = int(replicas.shape[0]), int(replicas.shape[1])
@@ -200,16 +211,20 @@ def choose_replicas(
         assert assign is not None
         return assign.view(T, k), counts
     live_reps, nlive = live if live is not None else live_replicas(replicas, usable)
-    if int(counts.max()) > 1:
+    m = nlive.index_select(0, ev)  # (P,) usable replicas of each pair's expert
+    slot = start.index_select(0, ev)  # (P,)
+    cmax = int(counts.max())
+    if cmax > 1 and (split_pairs <= 1 or cmax > split_pairs):
         # rank of each pair among the pairs of its expert (stable: token order)
         srt = torch.argsort(ev, stable=True)  # (P,)
         group_start = torch.cumsum(counts, 0) - counts  # (E,)
         rank = torch.empty_like(ev)
         rank[srt] = torch.arange(ev.numel()) - group_start.index_select(0, ev.index_select(0, srt))
-        slot = start.index_select(0, ev) + rank  # (P,)
-    else:  # every expert at most once (decode): every rank is 0
-        slot = start.index_select(0, ev)
-    m = nlive.index_select(0, ev)  # (P,)
+        if split_pairs > 1:  # replicas used per expert: ceil(c / split_pairs), at most nlive
+            used = torch.minimum(nlive, (counts + split_pairs - 1) // split_pairs)  # (E,)
+            rank = rank % used.index_select(0, ev).clamp(min=1)
+        slot = slot + rank
+    # else: every expert at most once, or none above split_pairs: every rank is 0
     slot = slot % m.clamp(min=1)
     chosen = live_reps.view(-1).index_select(0, ev * R + slot)  # (P,)
     chosen = torch.where(m > 0, chosen, NO_REPLICA)
@@ -262,6 +277,9 @@ class Dispatcher:
         graphs: ``--cuda-graphs``: a :class:`~eaas.runtime.gpu.graphs.GraphRoundTrips`; decode
             calls on ``cudaipc`` connections with a CUDA payload replay a captured round trip
             instead of ``send``/``recv`` (same failover on a timed-out wait).
+        split_pairs: an expert's pairs in one call stay on one replica up to this many
+            (:func:`choose_replicas`); the rotation advances by one replica per call for every
+            expert of the layer, so successive calls alternate over an expert's replicas.
     """
 
     def __init__(
@@ -276,7 +294,11 @@ class Dispatcher:
         connect: Connector = _default_connect,
         connect_in_background: bool = True,
         graphs=None,
+        split_pairs: int = DEFAULT_SPLIT_PAIRS,
     ) -> None:
+        if split_pairs < 1:
+            raise ValueError(f"split_pairs must be >= 1, got {split_pairs}")
+        self.split_pairs = int(split_pairs)
         self.client_id = int(client_id)
         self.hidden_size = int(hidden_size)
         self.dtype = dtype
@@ -603,7 +625,9 @@ class Dispatcher:
                     if len(self._live) > 256:
                         self._live.clear()
                     live = self._live[(layer, ukey)] = live_replicas(replicas, usable)
-                assign, counts = choose_replicas(idx64, replicas, usable, rr, live=live)
+                assign, counts = choose_replicas(
+                    idx64, replicas, usable, rr, live=live, split_pairs=self.split_pairs
+                )
                 missing = assign == NO_REPLICA
                 if not bool(missing.any()):
                     break
@@ -630,7 +654,10 @@ class Dispatcher:
                 raise NoLiveReplicaError(
                     layer, e, f"all replicas of layer {layer} expert {e} are down: {list(reps)}"
                 )
-            rr += counts  # round-robin continues where this call left off
+            # one rotation step per call for every expert of the layer: the experts' replica
+            # choices stay in phase, so a call whose experts all stay on one replica reaches the
+            # servers of one "column" of the placement, and the next call the next column
+            rr += 1
             used = torch.unique(assign[assign >= 0]).tolist()
             for si in used:  # loop over servers
                 servers[si].busy = True

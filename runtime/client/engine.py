@@ -365,6 +365,34 @@ class EngineBase:
         return finish is not None
 
 
+#: ``--prefill-tokens-while-decoding auto``: a step that decodes and prefills costs at most this
+#: many plain decode steps of the whole batch (issue 8's target: ITL p99 <= 3x ITL p50)
+AUTO_PREFILL_RATIO = 3.0
+
+
+def parse_prefill_cap(value: int | str | None) -> int | str | None:
+    """``--prefill-tokens-while-decoding`` value: ``"auto"``, ``None`` (from ``"off"`` /
+    ``None``) or a token count >= 1.
+
+    Raises:
+        ValueError: anything else (the message names the option).
+    """
+    if value is None or value == "off":
+        return None
+    if value == "auto":
+        return "auto"
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1 or (isinstance(value, str) and not value.strip().isdigit()):
+        raise ValueError(
+            f"--prefill-tokens-while-decoding must be auto, off or a token count >= 1, "
+            f"got {value!r}"
+        )
+    return n
+
+
 DEFAULT_KV_CACHE_CAP = 4 * 2**30  # bytes: default cache budget at most (vLLM CPU's default space)
 
 
@@ -395,6 +423,11 @@ class Engine(EngineBase):
         double_batch_overlap: run decode steps as two micro-batches, one's attention while the
             other's MoE round trip is in flight
             (:class:`~eaas.runtime.gpu.overlap.PagedOverlapRunner`); same greedy tokens.
+        prefill_tokens_while_decoding: prefill tokens at most in a step that also decodes
+            (``--prefill-tokens-while-decoding``): an int (fixed cap), ``"auto"`` (a mixed step
+            costs at most :data:`AUTO_PREFILL_RATIO` decode steps, from measured step times:
+            :class:`~eaas.runtime.client.scheduler.StepCostModel`) or ``None`` / ``"off"``
+            (only ``max_num_batched_tokens``).
 
     Raises:
         ValueError: a cache budget below one ``max_model_len`` sequence (the message names the
@@ -414,9 +447,12 @@ class Engine(EngineBase):
         block_size: int = 16,
         max_model_len: int | None = None,
         double_batch_overlap: bool = False,
+        prefill_tokens_while_decoding: int | str | None = "auto",
     ) -> None:
         from eaas.runtime.client.kv_cache import PagedKVCache, kv_cache_spec, min_kv_cache_memory
-        from eaas.runtime.client.scheduler import Scheduler
+        from eaas.runtime.client.scheduler import Scheduler, StepCostModel
+
+        cap = parse_prefill_cap(prefill_tokens_while_decoding)
         from eaas.runtime.models.paged import PagedModelRunner
 
         super().__init__(
@@ -453,10 +489,31 @@ class Engine(EngineBase):
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             watermark_blocks=max(1, self.kv_cache.num_blocks // 100),
+            prefill_cap=cap if isinstance(cap, int) else None,
+        )
+        # "auto": the cap follows the measured step cost (set before every step)
+        # (until a decode step and a prefill step were seen: an eighth of the budget)
+        self.step_costs = (
+            StepCostModel(
+                AUTO_PREFILL_RATIO,
+                floor=block_size,
+                large_tokens=max(1, max_num_batched_tokens // 4),
+                probe=max(block_size, max_num_batched_tokens // 8),
+            )
+            if cap == "auto"
+            else None
         )
         self._arrivals = itertools.count()
         self._preempt_counter = metrics.PREEMPTIONS.labels(client_id=self.client_id)
-        self.stats.update({"preemptions": 0, "prefill_chunks": 0, "max_step_tokens": 0})
+        self.stats.update(
+            {
+                "preemptions": 0,
+                "prefill_chunks": 0,
+                "max_step_tokens": 0,
+                # most prefill tokens in a step that also decoded (the prefill cap's effect)
+                "max_prefill_tokens_while_decoding": 0,
+            }
+        )
 
     def _check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         super()._check(prompt_ids, params)
@@ -500,6 +557,11 @@ class Engine(EngineBase):
             sched.remove(seq)
             seq.request.finish_reason = "cancelled"
             self.stats["cancelled"] += 1
+        if self.step_costs is not None:
+            # reference: a decode step of every running and waiting sequence (at most
+            # max_num_seqs), the step the median gap between tokens is made of
+            batch = min(self.max_num_seqs, len(sched.running) + len(sched.waiting))
+            sched.prefill_cap = self.step_costs.cap(batch)
         plan = sched.schedule()
         if plan.preempted:
             self.stats["preemptions"] += len(plan.preempted)
@@ -521,6 +583,7 @@ class Engine(EngineBase):
         ]
         sampling = [c for c in plan.chunks if c.samples]
         reqs = [c.seq.request for c in sampling]
+        t0 = time.perf_counter()
         try:
             logits, full = self.runner.forward_full(chunks)  # (len(sampling), V) float32
             for i, pos_logits in full.items():
@@ -539,6 +602,11 @@ class Engine(EngineBase):
         st["prefill_chunks"] += sum(1 for c in plan.chunks if c.n > 1 or c.start == 0)
         st["max_batch"] = max(st["max_batch"], len(plan.chunks))
         st["max_step_tokens"] = max(st["max_step_tokens"], plan.num_tokens)
+        decodes = sum(1 for c in plan.chunks if c.n == 1 and c.start > 0)
+        if decodes:
+            st["max_prefill_tokens_while_decoding"] = max(
+                st["max_prefill_tokens_while_decoding"], plan.num_tokens - decodes
+            )
         for i, c in enumerate(sampling):
             at_limit = c.seq.num_tokens() + 1 >= self.max_model_len
             tok = out.token_ids[i]
@@ -546,6 +614,8 @@ class Engine(EngineBase):
                 c.seq.request, tok, out.logprobs[i], out.top_logprobs[i], at_limit=at_limit
             ):
                 sched.remove(c.seq)
+        if self.step_costs is not None:  # the whole step: what a streaming client waits for
+            self.step_costs.observe(decodes, plan.num_tokens - decodes, time.perf_counter() - t0)
         self.steps += 1
         self._publish()
 

@@ -103,6 +103,7 @@ def run_attention_client(
     max_num_batched_tokens: int = 512,
     max_request_body: str | None = None,
     double_batch_overlap: bool = False,
+    prefill_tokens_while_decoding: int | str | None = "auto",
     cuda_graphs: bool = False,
     nvshmem_world=None,
 ) -> None:
@@ -121,6 +122,8 @@ def run_attention_client(
         max_num_batched_tokens: tokens per forward (decode tokens + prefill chunks).
         max_request_body: largest API request body, e.g. ``"32MiB"`` (``None``: 32 MiB); larger
             bodies get 413 ``request_too_large``.
+        prefill_tokens_while_decoding: the engine's prefill cap in steps that also decode
+            (``"auto"``, ``"off"`` or a token count; :class:`~eaas.runtime.client.engine.Engine`).
         double_batch_overlap: the engine's decode steps run as two overlapped micro-batches
             (:class:`~eaas.runtime.gpu.overlap.PagedOverlapRunner`).
         cuda_graphs: decode MoE round trips to ``cudaipc`` servers replay captured CUDA graphs
@@ -244,6 +247,7 @@ def run_attention_client(
             kv_cache_memory=kv_bytes,
             max_num_batched_tokens=max_num_batched_tokens,
             double_batch_overlap=double_batch_overlap,
+            prefill_tokens_while_decoding=prefill_tokens_while_decoding,
         )
     except ValueError as e:  # e.g. a KV cache smaller than one longest sequence: usage error
         import typer

@@ -19,7 +19,19 @@ The policy follows vLLM's V1 scheduler (chunked prefill, recompute preemption):
 
 The token budget (``max_num_batched_tokens``) bounds a step's tokens, so a long prompt is
 prefilled in chunks over several steps while the running sequences keep decoding, and a cancelled
-request stops within one chunk. The KV cache must hold at least one sequence of the longest
+request stops within one chunk.
+
+**Decode-aware prefill cap** (the ITL tail): in a step that also decodes, prefill tokens (chunks
+of running sequences and new admissions together) are capped at :attr:`Scheduler.prefill_cap`
+(``None``: only the token budget), so a decode step that shares its forward with prefill costs a
+bounded multiple of a plain decode step instead of a whole ``max_num_batched_tokens`` forward.
+The cap is either fixed (``--prefill-tokens-while-decoding N``) or set every step by the engine
+from measured step times (:class:`StepCostModel`, ``auto``): with a plain decode step taking
+``t_d`` and a prefill token ``c_p`` more, a step that adds ``P`` prefill tokens to its decodes
+stays within ``ratio`` decode steps when ``P <= (ratio - 1) * t_d / c_p``. Steps without
+decodes use the whole budget (the first prompts of a burst are prefilled at full speed). This is vLLM's
+``--long-prefill-token-threshold`` idea (a long prompt's chunk is capped so it does not stall
+decoding) applied to the step's prefill tokens as a whole. The KV cache must hold at least one sequence of the longest
 allowed length (checked by the engine at start-up), so a lone sequence always fits and nothing
 ever runs out of memory.
 """
@@ -105,7 +117,10 @@ class Scheduler:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         watermark_blocks: int = 0,
+        prefill_cap: int | None = None,
     ):
+        if prefill_cap is not None and prefill_cap < 1:
+            raise ValueError(f"prefill_cap must be >= 1 or None, got {prefill_cap}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -115,6 +130,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark_blocks = watermark_blocks
+        #: prefill tokens at most in a step that also decodes (None: only the token budget);
+        #: the engine may change it between steps (StepCostModel)
+        self.prefill_cap = prefill_cap
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -170,12 +188,16 @@ class Scheduler:
         # prefilled never takes the budget of the sequences that are decoding
         decoding = [q for q in self.running if q.num_tokens() - q.num_computed == 1]
         prefilling = [q for q in self.running if q.num_tokens() - q.num_computed > 1]
+        prefill_budget: int | None = None  # set once the decodes are planned
         for seq in decoding + prefilling:
-            if budget <= 0:
+            if prefill_budget is None and seq.num_tokens() - seq.num_computed > 1:
+                prefill_budget = self._prefill_budget(budget, decodes=bool(chunks))
+            left = budget if prefill_budget is None else prefill_budget
+            if left <= 0:
                 break
             if seq not in self.running:  # preempted earlier in this step
                 continue
-            n = min(seq.num_tokens() - seq.num_computed, budget)
+            n = min(seq.num_tokens() - seq.num_computed, left)
             ok = self._grow(seq, seq.num_computed + n)
             while not ok:
                 victim = self.running[-1]
@@ -191,8 +213,17 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             scheduled.add(id(seq))
             budget -= n
+            if prefill_budget is not None:
+                prefill_budget -= n
+        if prefill_budget is None:
+            prefill_budget = self._prefill_budget(budget, decodes=bool(chunks))
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            while (
+                self.waiting
+                and budget > 0
+                and prefill_budget > 0
+                and len(self.running) < self.max_num_seqs
+            ):
                 seq = self.waiting[0]
                 total = seq.num_tokens()
                 need = self._blocks_for(total)
@@ -204,10 +235,18 @@ class Scheduler:
                 seq.block_table = self.allocator.allocate(need)
                 seq.num_computed = 0
                 self.running.append(seq)
-                n = min(total, budget)
+                n = min(total, budget, prefill_budget)
                 chunks.append(ScheduledChunk(seq, 0, n))
                 budget -= n
+                prefill_budget -= n
         return StepPlan(chunks, preempted)
+
+    def _prefill_budget(self, budget: int, decodes: bool) -> int:
+        """Prefill tokens this step may still take: the token budget left, capped at
+        :attr:`prefill_cap` when the step decodes."""
+        if decodes and self.prefill_cap is not None:
+            return min(budget, self.prefill_cap)
+        return budget
 
     def advance(self, plan: StepPlan) -> None:
         """Record that ``plan``'s forward succeeded: its chunks' tokens are now cached."""
@@ -215,4 +254,120 @@ class Scheduler:
             c.seq.num_computed = c.start + c.n
 
 
-__all__ = ["Scheduler", "ScheduledChunk", "Sequence", "StepPlan"]
+def prefill_cap_for(decode_step_s: float, prefill_token_s: float, ratio: float, floor: int) -> int:
+    """Prefill tokens a step may add to its decodes so that it costs at most ``ratio`` decode
+    steps: ``(ratio - 1) * decode_step_s / prefill_token_s``, at least ``floor``.
+
+    Args:
+        decode_step_s: wall time of a plain decode step (seconds), >= 0.
+        prefill_token_s: marginal wall time of one prefill token (seconds), > 0.
+        ratio: allowed cost of a mixed step over a decode step (> 1).
+        floor: least cap (progress for prompts even where the estimate says 0).
+
+    Raises:
+        ValueError: ``prefill_token_s <= 0`` or ``ratio <= 1``.
+    """
+    if prefill_token_s <= 0:
+        raise ValueError(f"prefill_token_s must be > 0, got {prefill_token_s}")
+    if ratio <= 1:
+        raise ValueError(f"ratio must be > 1, got {ratio}")
+    return max(int(floor), int((ratio - 1) * max(decode_step_s, 0.0) / prefill_token_s))
+
+
+class StepCostModel:
+    """Online estimate of what a decode step and a prefill token cost, for the decode-aware
+    prefill cap (``--prefill-tokens-while-decoding auto``).
+
+    Two classes of steps, each with an exponentially weighted mean of its token count and wall
+    time (weight ``decay`` kept per observation, so the estimate follows a changing machine
+    load): *decode steps* (decode tokens only) and *prefill steps* (at least ``large_tokens``
+    prefill tokens). The decode step's mean time is the reference; the slope between the two
+    means is the marginal cost of a token. Mixed steps under the cap are not observed (they sit
+    between the two and would only blur the slope). Two well separated points make the estimate
+    robust to the noise of a shared machine. Until both classes have a step (or when the slope is
+    not positive) :meth:`cap` answers ``probe``. The engine's steps persist over requests, so a
+    burst of new prompts is capped from what earlier traffic (a warm-up) measured.
+
+    Args:
+        ratio: a mixed step may cost this many decode steps (default 2).
+        floor: least cap in tokens (default 16).
+        large_tokens: a step with at least this many prefill tokens is a prefill step
+            (default 256).
+        decay: weight kept per observation of a class (default 0.8).
+        probe: the cap while the estimate is undetermined (``None``: no cap).
+    """
+
+    def __init__(
+        self,
+        ratio: float = 2.0,
+        floor: int = 16,
+        large_tokens: int = 256,
+        decay: float = 0.8,
+        probe: int | None = None,
+    ):
+        if ratio <= 1:
+            raise ValueError(f"ratio must be > 1, got {ratio}")
+        if large_tokens < 1:
+            raise ValueError(f"large_tokens must be >= 1, got {large_tokens}")
+        self.ratio, self.floor, self.decay = float(ratio), int(floor), float(decay)
+        self.large_tokens = int(large_tokens)
+        self.probe = probe
+        # per class: [weight, weighted tokens, weighted seconds]
+        self._decode = [0.0, 0.0, 0.0]
+        self._prefill = [0.0, 0.0, 0.0]
+
+    def observe(self, decodes: int, prefill: int, seconds: float) -> None:
+        """Record one forward with ``decodes`` decode and ``prefill`` prefill tokens that took
+        ``seconds`` (wall time). Mixed steps below ``large_tokens`` prefill tokens are ignored."""
+        if prefill == 0 and decodes > 0:
+            acc = self._decode
+        elif prefill >= self.large_tokens:
+            acc = self._prefill
+        else:
+            return
+        d = self.decay
+        acc[0] = d * acc[0] + 1.0
+        acc[1] = d * acc[1] + float(decodes + prefill)
+        acc[2] = d * acc[2] + float(seconds)
+
+    def estimate(self) -> tuple[float, float] | None:
+        """``(decode step seconds, seconds per prefill token)``, or ``None`` while a class has
+        no step yet or the slope is not positive."""
+        (wd, nd, td), (wp, np_, tp) = self._decode, self._prefill
+        if wd <= 0 or wp <= 0:
+            return None
+        nd, td, np_, tp = nd / wd, td / wd, np_ / wp, tp / wp
+        if np_ <= nd:
+            return None
+        per_token = (tp - td) / (np_ - nd)
+        if per_token <= 0:
+            return None
+        return td, per_token
+
+    def cap(self, batch: int | None = None) -> int | None:
+        """Prefill cap for a step that decodes (:func:`prefill_cap_for`), or ``probe`` while
+        the estimate is undetermined.
+
+        Args:
+            batch: sequences the reference decode step has (default: as many as the decode
+                steps seen had on average); a larger batch than measured adds the marginal
+                token cost per extra sequence (a lower bound of a decode token's cost).
+        """
+        e = self.estimate()
+        if e is None:
+            return self.probe
+        t_dec, per_token = e
+        if batch is not None:
+            seen = self._decode[1] / self._decode[0]
+            t_dec += max(0.0, batch - seen) * per_token
+        return prefill_cap_for(t_dec, per_token, self.ratio, self.floor)
+
+
+__all__ = [
+    "Scheduler",
+    "ScheduledChunk",
+    "Sequence",
+    "StepCostModel",
+    "StepPlan",
+    "prefill_cap_for",
+]

@@ -31,11 +31,16 @@ def table(version=1, servers=3, redundancy=2, experts=4):
     )
 
 
-def reference_choice(experts, replicas, usable, start):
-    """The policy written as the obvious per-pair Python loop (the oracle)."""
+def reference_choice(experts, replicas, usable, start, split_pairs=1):
+    """The policy written as the obvious per-pair Python loop (the oracle): an expert with ``c``
+    pairs uses ``min(live, ceil(c / split_pairs))`` replicas from ``start[e]`` on and deals its
+    pairs round-robin over them."""
     T, k = experts.shape
     out = [[NO_SERVER] * k for _ in range(T)]
     seen: dict[int, int] = {}
+    total: dict[int, int] = {}
+    for e in experts.reshape(-1).tolist():
+        total[e] = total.get(e, 0) + 1
     for t in range(T):
         for j in range(k):
             e = int(experts[t, j])
@@ -47,7 +52,10 @@ def reference_choice(experts, replicas, usable, start):
             live = [int(r) for r in replicas[e] if r >= 0 and usable[r]]
             rank = seen.get(e, 0)
             seen[e] = rank + 1
-            out[t][j] = live[(int(start[e]) + rank) % len(live)] if live else NO_REPLICA
+            used = min(len(live), -(-total[e] // split_pairs))
+            out[t][j] = (
+                live[(int(start[e]) + rank % max(used, 1)) % len(live)] if live else NO_REPLICA
+            )
     return torch.tensor(out, dtype=torch.int64)
 
 
@@ -87,6 +95,31 @@ def test_choose_replicas_matches_the_per_pair_policy(seed):
     for t, j in (assign >= 0).nonzero().tolist():
         s, e = int(assign[t, j]), int(experts[t, j])
         assert usable[s] and s in replicas[e].tolist()
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("split_pairs", [2, 5, 1000])
+def test_choose_replicas_keeps_an_expert_on_one_replica_up_to_split_pairs(seed, split_pairs):
+    g = torch.Generator().manual_seed(seed)
+    E, R, S, T, k = 6, 3, 5, 37, 3
+    replicas = torch.randint(0, S, (E, R), generator=g)
+    replicas[torch.rand(E, R, generator=g) < 0.3] = -1
+    usable = torch.rand(S, generator=g) < 0.8
+    start = torch.randint(0, 50, (E,), generator=g)
+    for experts in (
+        torch.randint(-1, E + 1, (T, k), generator=g),  # pads and unknown experts
+        torch.randint(0, E, (T, k), generator=g),  # the fast path: all known
+        torch.randperm(E, generator=g)[:k].view(1, k),  # one decode token
+    ):
+        assign, _ = choose_replicas(experts, replicas, usable, start, split_pairs=split_pairs)
+        ref = reference_choice(experts, replicas, usable, start, split_pairs)
+        assert torch.equal(assign, ref)
+        # what matters: an expert reaches at most ceil(c / split_pairs) servers
+        for e in range(E):
+            sel = assign[experts == e]
+            c = int(sel.numel())
+            if c and int(sel[0]) >= 0:
+                assert len(set(sel.tolist())) <= -(-c // split_pairs)
 
 
 def test_choose_replicas_splits_evenly_and_rotates():

@@ -392,6 +392,7 @@ def test_engine_on_cuda_equals_generate(arch, models):
         (["--kv-cache-memory", "1KiB"], "is below one sequence of"),
         (["--kv-cache-memory", "lots"], "bad memory size 'lots'"),
         (["--device", "tpu"], "--device must be auto, cpu, cuda"),
+        (["--prefill-tokens-while-decoding", "lots"], "--prefill-tokens-while-decoding must be"),
     ],
 )
 def test_attention_client_rejects_bad_engine_options(args, message):
@@ -463,3 +464,140 @@ def test_long_prompt_is_chunked_while_others_decode_and_cancels_mid_prefill(mode
     finally:
         r1.cancel()
         eng.stop()
+
+
+# ---- decode-aware prefill cap (the ITL tail) -----------------------------------------------
+def test_scheduler_caps_prefill_only_in_steps_that_decode():
+    s = Scheduler(BlockAllocator(200), 4, max_num_seqs=8, max_num_batched_tokens=20, prefill_cap=5)
+    a, b, c = _Req(6), _Req(30), _Req(9)
+    s.add(_seq(a, 0))
+    plan = s.schedule()
+    # nothing decodes yet: the whole budget goes to prefill
+    assert [(ch.seq.request, ch.start, ch.n) for ch in plan.chunks] == [(a, 0, 6)]
+    _finish_step(s, plan)
+    s.add(_seq(b, 1))
+    s.add(_seq(c, 2))
+    plan = s.schedule()
+    # a decodes: b's admission takes at most 5 prefill tokens, c waits for a later step
+    assert [(ch.seq.request, ch.start, ch.n) for ch in plan.chunks] == [(a, 6, 1), (b, 0, 5)]
+    _finish_step(s, plan)
+    plan = s.schedule()
+    assert [(ch.seq.request, ch.start, ch.n) for ch in plan.chunks] == [(a, 7, 1), (b, 5, 5)]
+    _finish_step(s, plan)
+    s.remove(s.running[0])  # a finishes: nothing decodes, b's chunk uses the budget again
+    plan = s.schedule()
+    assert [(ch.seq.request, ch.start, ch.n) for ch in plan.chunks] == [(b, 10, 20)]
+    # the cap can change between steps (the engine's "auto" mode); None = budget only
+    _finish_step(s, plan)
+    s.prefill_cap = None
+    plan = s.schedule()
+    assert [(ch.seq.request, ch.start, ch.n) for ch in plan.chunks] == [(b, 30, 1), (c, 0, 9)]
+    with pytest.raises(ValueError, match="prefill_cap must be >= 1"):
+        Scheduler(BlockAllocator(4), 4, prefill_cap=0)
+
+
+def test_step_cost_model_estimates_decode_step_and_prefill_token_costs():
+    from eaas.runtime.client.scheduler import StepCostModel, prefill_cap_for
+
+    def t(decodes, prefill):  # the machine: 10 ms per step, 0.5 ms per decode, 0.1 per prefill
+        return 0.010 + 5e-4 * decodes + 1e-4 * prefill
+
+    m = StepCostModel(ratio=3.0, floor=16, large_tokens=512, probe=256)
+    assert m.estimate() is None and m.cap() == 256  # nothing seen: the probe
+    for _ in range(5):
+        m.observe(8, 0, t(8, 0))  # decode steps only: no per-token cost yet
+    assert m.estimate() is None and m.cap() == 256
+    m.observe(4, 100, t(4, 100))  # a mixed step under the cap: not observed
+    assert m.estimate() is None
+    m.observe(0, 2048, t(0, 2048))  # a prefill step
+    t_dec, per_token = m.estimate()
+    assert t_dec == pytest.approx(t(8, 0))
+    assert per_token == pytest.approx((t(0, 2048) - t(8, 0)) / (2048 - 8))
+    # a mixed step of the measured batch plus the cap costs about 3 decode steps at most (the
+    # slope between the classes blends decode and prefill tokens: within a few percent here)
+    cap = m.cap()
+    assert cap == int(2 * t_dec / per_token)
+    assert 2.9 * t(8, 0) <= t(8, cap) <= 3.05 * t(8, 0)
+    # a larger reference batch: the decode step is at least per_token more per sequence
+    assert m.cap(32) == int(2 * (t_dec + 24 * per_token) / per_token)
+    assert m.cap(4) == cap  # never below what was measured
+    # recent steps weigh more: after a slowdown the estimate follows the new costs
+    for _ in range(30):
+        m.observe(8, 0, 4 * t(8, 0))
+        m.observe(0, 2048, 4 * t(0, 2048))
+    assert m.estimate()[0] == pytest.approx(4 * t(8, 0), rel=1e-2)
+    assert m.cap() == pytest.approx(cap, abs=2)  # both 4x slower: the same cap
+    assert StepCostModel().cap() is None  # no probe: no cap
+    assert prefill_cap_for(0.0, 1e-3, 2.0, 16) == 16  # the floor
+    assert prefill_cap_for(0.02, 1e-4, 3.0, 16) == 400
+    with pytest.raises(ValueError, match="ratio must be > 1"):
+        StepCostModel(ratio=1.0)
+    with pytest.raises(ValueError, match="prefill_token_s must be > 0"):
+        prefill_cap_for(0.01, 0.0, 2.0, 16)
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [("auto", "auto"), ("off", None), (None, None), ("64", 64), (64, 64)],
+)
+def test_parse_prefill_cap(value, expected):
+    from eaas.runtime.client.engine import parse_prefill_cap
+
+    assert parse_prefill_cap(value) == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "lots", "1.5", 0])
+def test_parse_prefill_cap_rejects_bad_values(value):
+    from eaas.runtime.client.engine import parse_prefill_cap
+
+    with pytest.raises(ValueError, match="--prefill-tokens-while-decoding must be auto, off"):
+        parse_prefill_cap(value)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "mixtral"])
+@pytest.mark.parametrize("cap", [3, "auto"])
+def test_greedy_equals_generate_with_prefill_cap_while_decoding(arch, cap, models, loaded):
+    """Capped prefill in decode steps changes the steps, never the tokens."""
+    model, tok, _ = loaded[arch]
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    max_new = [12, 7, 12, 3, 10]
+    refs = [
+        reference_generate(models[arch], [p], n)[0] for p, n in zip(prompts, max_new, strict=True)
+    ]
+    eng = Engine(
+        model,
+        tok,
+        client_id=f"cap-{arch}-{cap}",
+        max_num_batched_tokens=16,
+        block_size=4,
+        prefill_tokens_while_decoding=cap,
+    )
+    reqs = _run_all(eng, prompts, [SamplingParams(max_tokens=n) for n in max_new])
+    for req, ref in zip(reqs, refs, strict=True):
+        assert req.output_ids == ref
+    st = eng.stats
+    assert st["max_step_tokens"] <= 16
+    if cap == 3:
+        assert 0 < st["max_prefill_tokens_while_decoding"] <= 3, st
+    assert eng.kv_cache_usage()["blocks_used"] == 0
+
+
+def test_serve_rejects_a_bad_prefill_cap_before_starting_anything():
+    import subprocess
+    import sys
+
+    from eaas.runtime.serve import free_tcp_port
+
+    r = subprocess.run(
+        [sys.executable, "-m", "eaas", "serve", "--port", str(free_tcp_port())]
+        + ["--prefill-tokens-while-decoding", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out
+    assert "--prefill-tokens-while-decoding must be auto, off or a token count" in " ".join(
+        out.split()
+    ), out
+    assert "expert-server" not in out and "Traceback" not in out, out

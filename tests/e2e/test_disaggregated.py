@@ -163,11 +163,14 @@ def test_logits_match_transformers_shm(servers, model_dir, prompt_ids, ref_logit
     d = Dispatcher(0, servers.info.hidden_size, torch.float32, servers.table())
     model = remote_model(model_dir, d)
     before = servers.expert_tokens()
-    out = logits(model, prompt_ids)
-    assert_close(out, ref_logits)
+    # two forwards: an expert's pairs stay on one replica per call and the replica rotates
+    # from call to call (dispatch.choose_replicas), so two calls per layer reach every replica
+    for _ in range(2):
+        out = logits(model, prompt_ids)
+        assert_close(out, ref_logits)
     # every (token, selected expert) pair was computed exactly once, on exactly one replica
     pairs = len(prompt_ids) * servers.info.top_k * len(servers.info.moe_layers)
-    assert servers.expert_tokens() - before == pairs
+    assert servers.expert_tokens() - before == 2 * pairs
     h = d.health()
     assert h["routing_table_version"] == 1
     assert all(s["tokens_sent"] > 0 for s in h["servers"].values())  # replicas share the load
@@ -230,8 +233,16 @@ def failovers() -> float:
 
 
 def test_hung_server_hits_deadline_and_fails_over(servers, model_dir, prompt_ids, ref_logits):
+    # split_pairs=1: every call deals each expert's pairs over all its replicas, so the next
+    # forward reaches the hung server whatever the replica rotation
     d = Dispatcher(
-        3, servers.info.hidden_size, torch.float32, servers.table(), timeout=1.0, retry_down_s=0.5
+        3,
+        servers.info.hidden_size,
+        torch.float32,
+        servers.table(),
+        timeout=1.0,
+        retry_down_s=0.5,
+        split_pairs=1,
     )
     model = remote_model(model_dir, d)
     assert_close(logits(model, prompt_ids), ref_logits)  # warm: all connected

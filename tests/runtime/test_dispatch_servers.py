@@ -77,7 +77,17 @@ def test_dispatch_matches_reference_and_spreads_over_replicas(two_servers):
 
 
 def test_health_answers_while_a_server_is_hung_and_pairs_fail_over(two_servers):
-    d = Dispatcher(1, HIDDEN, torch.float32, make_table(two_servers), timeout=3.0, retry_down_s=0.2)
+    # split_pairs=1: every call deals each expert's pairs over both replicas, so a call always
+    # reaches the server that is made to fail
+    d = Dispatcher(
+        1,
+        HIDDEN,
+        torch.float32,
+        make_table(two_servers),
+        timeout=3.0,
+        retry_down_s=0.2,
+        split_pairs=1,
+    )
     hidden, idx, w = batch(T=16)
     ref = reference(LAYER, hidden, idx, w)
     try:
@@ -132,7 +142,8 @@ def test_health_answers_while_a_server_is_hung_and_pairs_fail_over(two_servers):
 
 
 def test_killed_server_fails_over_then_recovers_by_table(two_servers, tmp_path):
-    d = Dispatcher(2, HIDDEN, torch.float32, make_table(two_servers), timeout=30.0)
+    # split_pairs=1: every call reaches both replicas (see above)
+    d = Dispatcher(2, HIDDEN, torch.float32, make_table(two_servers), timeout=30.0, split_pairs=1)
     hidden, idx, w = batch(T=12, seed=3)
     ref = reference(LAYER, hidden, idx, w)
     try:
@@ -149,5 +160,38 @@ def test_killed_server_fails_over_then_recovers_by_table(two_servers, tmp_path):
         before = d.health()["servers"]["s1"]["tokens_sent"]
         torch.testing.assert_close(d.dispatch(LAYER, hidden, idx, w), ref)
         assert d.health()["servers"]["s1"]["tokens_sent"] > before
+    finally:
+        d.close()
+
+
+def test_small_calls_keep_each_expert_on_one_replica_and_alternate(two_servers):
+    """Below ``split_pairs`` pairs per expert a call reaches ONE replica of each expert (both
+    servers host every expert here, so one server per call), the next call the other; an expert
+    with more pairs than ``split_pairs`` is split over both. Results match the reference."""
+    d = Dispatcher(2, HIDDEN, torch.float32, make_table(two_servers), timeout=30.0, split_pairs=4)
+    try:
+
+        def sent() -> dict[str, int]:
+            return {sid: s["tokens_sent"] for sid, s in d.health()["servers"].items()}
+
+        hidden, idx, w = batch(T=2, k=2, seed=5)  # 3 pairs: no expert above 4
+        reached = []
+        for _ in range(4):
+            before = sent()
+            out = d.dispatch(LAYER, hidden, idx, w)
+            torch.testing.assert_close(out, reference(LAYER, hidden, idx, w))
+            after = sent()
+            reached.append(sorted(sid for sid in after if after[sid] > before[sid]))
+        assert all(len(r) == 1 for r in reached), reached
+        assert reached[0] != reached[1] and reached[0] == reached[2] and reached[1] == reached[3]
+        # ten tokens of one expert (> split_pairs): both replicas get a share
+        big = torch.zeros(10, 1, dtype=torch.int64)
+        hb = torch.randn(10, HIDDEN)
+        wb = torch.rand(10, 1)
+        before = sent()
+        out = d.dispatch(LAYER, hb, big, wb)
+        torch.testing.assert_close(out, reference(LAYER, hb, big, wb))
+        after = sent()
+        assert all(after[sid] - before[sid] == 5 for sid in after), (before, after)
     finally:
         d.close()
