@@ -60,6 +60,9 @@ class _Model(BaseModel):
 # ---------------------------------------------------------------------------------------------
 # ExpertPool
 # ---------------------------------------------------------------------------------------------
+#: A Kubernetes object name (DNS-1123 subdomain), e.g. a PersistentVolumeClaim's.
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
 #: Where a model volume (``hostPath`` or ``persistentVolumeClaim``) is mounted in pods (read-only).
 MODEL_MOUNT_DIR = "/models"
 MODEL_VOLUME = "model"
@@ -103,6 +106,7 @@ class ModelSource(_Model):
         default=None,
         min_length=1,
         max_length=253,
+        pattern=DNS1123_SUBDOMAIN,
         description="Name of a PersistentVolumeClaim in the pool's namespace holding the weights "
         "(mounted read-only; use a ReadOnlyMany claim for pods on several nodes).",
     )
@@ -255,6 +259,7 @@ class NvshmemUidVolume(_Model):
         default=None,
         min_length=1,
         max_length=253,
+        pattern=DNS1123_SUBDOMAIN,
         description="Name of a ReadWriteMany PersistentVolumeClaim in the pool's namespace "
         "(members on several nodes).",
     )

@@ -216,7 +216,11 @@ def expert_server(
         pairs = [(l, e) for l in info.moe_layers for e in range(info.num_experts)]
     if push_token_file and http_port is None:
         raise typer.BadParameter("--push-token-file needs --http-port (PUT /routing-table)")
-    health = start_http(server_id, http_port, health_stale_s, http_host)  # 503 while loading
+    _check_listen_endpoint(listen)
+    try:
+        health = start_http(server_id, http_port, health_stale_s, http_host)  # 503 while loading
+    except (OSError, OverflowError) as e:
+        raise typer.BadParameter(f"--http-port {http_port}: {e}") from None
     hosted = _to_device(load_expert_weights(model, pairs, dtypes[dtype], progress=False), dev)
     listener_kw: dict[str, Any] = {}
     if listen.startswith("cudaipc:"):
@@ -229,17 +233,20 @@ def expert_server(
         )
         if listen.startswith("nvshmem:"):
             listener_kw["world"] = world
-    server = ExpertServer(
-        listen,
-        hosted,
-        info.hidden_size,
-        dtypes[dtype],
-        server_id,
-        num_threads=threads,
-        batch_window_us=batch_window_us,
-        device=dev,
-        **listener_kw,
-    )
+    try:
+        server = ExpertServer(
+            listen,
+            hosted,
+            info.hidden_size,
+            dtypes[dtype],
+            server_id,
+            num_threads=threads,
+            batch_window_us=batch_window_us,
+            device=dev,
+            **listener_kw,
+        )
+    except (OSError, OverflowError) as e:  # bind: address in use, no such host, bad port
+        raise typer.BadParameter(f"--listen {listen}: {e}") from None
     try:
         learn_from_table(
             server,
@@ -254,6 +261,46 @@ def expert_server(
         raise typer.BadParameter(str(exc)) from None
     run(server, metrics_port, health)
     _exit_now(f"expert-server {server_id}")
+
+
+def _check_listen_endpoint(listen: str) -> None:
+    """Refuse a malformed ``--listen`` before any weight loads: an unknown scheme, an empty
+    unix path, a tcp endpoint without ``host:port`` or with a port outside 0-65535.
+
+    Raises:
+        typer.BadParameter: naming ``--listen`` (exit 2).
+    """
+    from eaas.runtime.transport.factory import TRANSPORTS
+
+    if not listen.startswith(tuple(TRANSPORTS)):
+        known = ", ".join(f"{p}..." for p in TRANSPORTS)
+        raise typer.BadParameter(f"--listen {listen!r}: unknown scheme (expected one of: {known})")
+    if listen.startswith("tcp://"):
+        from eaas.runtime.transport.tcp import parse_tcp
+
+        try:
+            _, port = parse_tcp(listen)
+        except ValueError as e:
+            raise typer.BadParameter(f"--listen: {e}") from None
+        if not 0 <= port <= 65535:
+            raise typer.BadParameter(f"--listen {listen!r}: port must be 0-65535")
+    elif listen.startswith(("unix:", "cudaipc:")) and not listen.split(":", 1)[1].strip():
+        raise typer.BadParameter(f"--listen {listen!r}: empty socket path")
+
+
+def _check_routing_table_file(path: str) -> None:
+    """Read and parse ``--routing-table`` once at start-up.
+
+    Raises:
+        typer.BadParameter: the file cannot be read or is not a valid routing table (exit 2).
+    """
+    from eaas.runtime.routing import RoutingTable
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            RoutingTable.from_json(f.read())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise typer.BadParameter(f"--routing-table {path}: {e}") from None
 
 
 def _to_device(hosted: dict, dev) -> dict:
@@ -490,6 +537,8 @@ def attention_client(
         raise typer.BadParameter(
             f"--failure-report-url must be http:// or https://, got {failure_report_url!r}"
         )
+    if routing_table:
+        _check_routing_table_file(routing_table)
     from eaas.runtime.client.kv_cache import parse_memory_size
     from eaas.runtime.client.main import resolve_device
 

@@ -134,7 +134,7 @@ def parse_pushed_table(
     if num_experts is not None and table.num_experts != num_experts:
         raise PushError(
             400,
-            f"num_experts is {table.num_experts} but this client's model has {num_experts} "
+            f"num_experts is {table.num_experts} but this process's model has {num_experts} "
             "routed experts per MoE layer",
             "invalid_routing_table",
         )
@@ -143,7 +143,7 @@ def parse_pushed_table(
         if extra:
             raise PushError(
                 400,
-                f"layers {extra[:8]} are not MoE layers of this client's model "
+                f"layers {extra[:8]} are not MoE layers of this process's model "
                 f"(MoE layers {sorted(moe_layers)})",
                 "invalid_routing_table",
             )

@@ -88,3 +88,60 @@ def test_missing_extra_names_the_extra(tmp_path):
 def test_printable_escapes_control_characters(raw, shown):
     assert printable(raw) == shown
     assert printable("a\nb\tc", keep_newlines=False) == "a\\nb\\tc"
+
+
+def test_bad_endpoints_and_tables_exit_2_naming_the_flag(tmp_path):
+    """A malformed or unusable --listen / --http-port of the expert server and an unreadable or
+    invalid --routing-table of the attention client: exit 2, one line naming the flag, no
+    traceback. The cases run side by side (each is its own interpreter)."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{bad")
+    server = ["expert-server", "--device", "cpu", "--experts", "1:0"]
+    cases = [
+        ([*server, "--listen", "tcp://127.0.0.1:99999"], "--listen", "port must be 0-65535"),
+        ([*server, "--listen", "tcp://no-such-host.invalid:5000"], "--listen", ""),
+        ([*server, "--listen", "foo:bar"], "--listen", "unknown scheme"),
+        ([*server, "--listen", "unix:"], "--listen", "empty socket path"),
+        ([*server, "--listen", f"tcp://127.0.0.1:{port}"], "--listen", "in use"),
+        (
+            [*server, "--listen", "tcp://127.0.0.1:0", "--http-port", str(port)],
+            "--http-port",
+            "in use",
+        ),
+        (
+            ["attention-client", "--routing-table", str(tmp_path / "none.json"), "--port", "1"],
+            "--routing-table",
+            "No such file",
+        ),
+        (
+            ["attention-client", "--routing-table", str(bad_json), "--port", "1"],
+            "--routing-table",
+            "not valid JSON",
+        ),
+    ]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "eaas", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for argv, _, _ in cases
+    ]
+    try:
+        for (argv, flag, needle), p in zip(cases, procs, strict=True):
+            out, _ = p.communicate(timeout=240)
+            assert p.returncode == 2, (argv, out)
+            assert flag in out and needle in out, (argv, out)
+            assert "Traceback" not in out, (argv, out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        taken.close()

@@ -45,6 +45,11 @@ def _nv(**nvshmem) -> dict:
             "give exactly one of hostPath and persistentVolumeClaim",
         ),
         (_nv(uidVolume={"hostPath": "relative"}), {}, "spec.transport.nvshmem.uidVolume.hostPath"),
+        (
+            _nv(uidVolume={"persistentVolumeClaim": "Bad_Name!"}),
+            {},
+            "spec.transport.nvshmem.uidVolume.persistentVolumeClaim",
+        ),
         (_nv(spares=1), {}, "spec.transport.nvshmem.spares needs spec.placement.assignment"),
         (
             _nv(),
@@ -61,6 +66,7 @@ def _nv(**nvshmem) -> dict:
         "emptyUidVolume",
         "twoUidVolumes",
         "relativeHostPath",
+        "claimName",
         "sparesCommandLine",
         "autoscaling",
     ],

@@ -521,6 +521,10 @@ def test_dead_node_leaves_the_routing_table(ns, operator):
             lambda s: s["model"].update(hostPath="/srv"),
             "uri must be relative to the volume's root",
         ),
+        (
+            lambda s: s["model"].update(persistentVolumeClaim="Weights_Claim", uri="tiny"),
+            "spec.model.persistentVolumeClaim",
+        ),
         (lambda s: s.update(redundancy=0), "spec.redundancy"),
         (lambda s: s.update(port=70000), "spec.port"),
         (
@@ -549,6 +553,7 @@ def test_dead_node_leaves_the_routing_table(ns, operator):
         "noUri",
         "twoSources",
         "absoluteUriInVolume",
+        "claimName",
         "redundancy0",
         "port",
         "autoscalingMin>Max",
