@@ -3,12 +3,11 @@ clear errors of the parts that need a GPU / nvshmem4py."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 
 import pytest
 import torch
+from cli_runs import run_eaas_all
 
 from eaas.runtime.transport.factory import connect, listen
 from eaas.runtime.transport.nvshmem import (
@@ -143,13 +142,6 @@ def test_open_world_without_nvshmem4py_is_a_clear_error(tmp_path):
     assert not (tmp_path / "uid").exists()  # nothing written before the check
 
 
-def _eaas(*args: str) -> tuple[int, str]:
-    r = subprocess.run(
-        [sys.executable, "-m", "eaas", *args], capture_output=True, text=True, timeout=120
-    )
-    return r.returncode, " ".join((r.stdout + r.stderr).split())
-
-
 @pytest.mark.skipif(
     nvshmem_unavailable_reason() is None, reason="checks the error where nvshmem4py/GPU is missing"
 )
@@ -164,8 +156,8 @@ def test_cli_nvshmem_world_errors(tmp_path):
         (["expert-server", "--listen", "tcp://127.0.0.1:0", "--nvshmem-world", "4"], "go together"),
         (["attention-client", "--routing-table", uid, "--port", "1", *world], "nvshmem4py"),
     ]
-    for args, message in cases:
-        rc, out = _eaas(*args)
+    results = run_eaas_all([args for args, _ in cases])
+    for (args, message), (rc, out) in zip(cases, results, strict=True):
         assert rc == 2, (args, out)
         assert message in out, (args, out)
         assert "Traceback" not in out, (args, out)
@@ -212,8 +204,8 @@ def test_cli_client_pe_claim_errors(tmp_path):
         (["--nvshmem-client-pes", "2", "--nvshmem-world", "4", "--nvshmem-uid-file", uid],
          "nvshmem4py"),
     ]  # fmt: skip
-    for args, message in cases:
-        rc, out = _eaas(*base, *args)
+    results = run_eaas_all([[*base, *args] for args, _ in cases])
+    for (args, message), (rc, out) in zip(cases, results, strict=True):
         assert rc == 2, (args, out)
         assert message in out, (args, out)
     assert list(tmp_path.iterdir()) == []  # nothing claimed where the world cannot be joined

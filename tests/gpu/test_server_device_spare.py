@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runs import run_eaas_all
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 from srv_helpers import free_port, wait_until  # noqa: E402
@@ -72,8 +73,8 @@ def test_expert_server_device_and_spare_errors(tmp_path):
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "--device cuda: no CUDA device is available"))
         cases.append((["--device", "cuda:0", "--spare"], "--device cuda:0: no CUDA device"))
-    for extra, message in cases:
-        rc, out = _eaas("expert-server", "--listen", sock, *extra)
+    results = run_eaas_all([["expert-server", "--listen", sock, *extra] for extra, _ in cases])
+    for (extra, message), (rc, out) in zip(cases, results, strict=True):
         assert rc == 2, (extra, out)
         assert message in out, (extra, out)
         assert "Traceback" not in out, (extra, out)
