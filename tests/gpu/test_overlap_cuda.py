@@ -6,12 +6,11 @@ CPU side of the same runner is ``test_overlap_engine.py``.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
+from engine_runs import generate_greedy
 
-from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams
+from eaas.runtime.client.engine import Engine
 from eaas.runtime.models.attention import load_attention_model
 from eaas.runtime.models.tiny import default_model_dir
 
@@ -21,29 +20,7 @@ TEXTS = ["Hello world", "The expert server hosts", "Kubernetes", "def main(): pr
 
 
 def _generate(eng: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    done = [threading.Event() for _ in prompts]
-    errors: list[BaseException] = []
-
-    def cb(i):
-        def f(ev):
-            if isinstance(ev, ErrorEvent):
-                errors.append(ev.error)
-                done[i].set()
-            elif ev.finish_reason is not None:
-                done[i].set()
-
-        return f
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    reqs = [eng.submit(p, params, cb(i)) for i, p in enumerate(prompts)]
-    eng.start()
-    try:
-        for d in done:
-            assert d.wait(120)
-    finally:
-        eng.stop()
-    assert not errors, errors
-    return [r.output_ids for r in reqs]
+    return generate_greedy(eng, prompts, max_tokens, 120)
 
 
 def test_overlap_on_cuda_streams_equals_overlap_off():

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_models import small_qwen3
+from engine_runs import generate_greedy
 
 from eaas.runtime.client.dispatch import Dispatcher, experts_factory
 from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams
@@ -41,29 +42,7 @@ WAIT = 300  # s: generous, the machine is shared
 
 
 def _generate(eng: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    done = [threading.Event() for _ in prompts]
-    errors: list[BaseException] = []
-
-    def cb(i):
-        def f(ev):
-            if isinstance(ev, ErrorEvent):
-                errors.append(ev.error)
-                done[i].set()
-            elif ev.finish_reason is not None:
-                done[i].set()
-
-        return f
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    reqs = [eng.submit(p, params, cb(i)) for i, p in enumerate(prompts)]
-    eng.start()
-    try:
-        for d in done:
-            assert d.wait(WAIT)
-    finally:
-        eng.stop()
-    assert not errors, errors
-    return [r.output_ids for r in reqs]
+    return generate_greedy(eng, prompts, max_tokens, WAIT)
 
 
 @pytest.fixture(scope="module")
