@@ -34,6 +34,7 @@ import cProfile
 import inspect
 import os
 import pstats
+import struct
 import subprocess
 import sys
 import time
@@ -131,6 +132,39 @@ def profile_engine(kind: str, model, tok, args) -> dict:
 # ---- --experts-compare: local experts vs expert-server processes ----------------------------
 
 
+_NR_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}
+_SCHED_ATTR = struct.Struct("IIQiIQQQII")  # struct sched_attr, SCHED_ATTR_SIZE_VER1 (56 bytes)
+
+
+def set_sched_slice(pid: int, slice_us: float) -> None:
+    """Set the scheduler time slice of every thread of process ``pid`` (0: this process).
+
+    Linux >= 6.12 (EEVDF): a SCHED_OTHER task's ``sched_attr.sched_runtime`` is its slice
+    (clamped by the kernel to 0.1-100 ms); a shorter slice gives a woken task an earlier
+    virtual deadline, so it preempts a task with a longer slice sooner (``sched_setattr(2)``,
+    kernel ``Documentation/scheduler/sched-eevdf.rst``). ``slice_us`` 0: the default slice.
+
+    Raises:
+        OSError: the kernel refused, or an architecture without a known syscall number.
+    """
+    import ctypes
+    import errno
+    import platform
+
+    nr = _NR_SCHED_SETATTR.get(platform.machine())
+    if nr is None:
+        raise OSError(errno.ENOSYS, f"sched_setattr: no syscall number for {platform.machine()}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    pid = pid or os.getpid()
+    for tid in (int(t) for t in os.listdir(f"/proc/{pid}/task")):
+        nice = os.getpriority(os.PRIO_PROCESS, tid)
+        attr = _SCHED_ATTR.pack(_SCHED_ATTR.size, 0, 0, nice, 0, int(slice_us * 1000), 0, 0, 0, 0)
+        if libc.syscall(nr, tid, ctypes.create_string_buffer(attr), 0) != 0:
+            err = ctypes.get_errno()
+            if err != errno.ESRCH:  # (a thread that ended meanwhile)
+                raise OSError(err, f"sched_setattr(thread {tid}): {os.strerror(err)}")
+
+
 def _cpu_s(pid: int) -> float:
     """utime + stime of ``pid`` in seconds (``/proc/PID/stat``)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -156,7 +190,7 @@ def _profiled_server(argv: list[str]) -> None:
     kw = {} if spin == "-" else {"spin_us": float(spin)}
     server = ExpertServer(ep, hosted, info.hidden_size, dt, sid, num_threads=int(threads), **kw)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
-    prof = cProfile.Profile()
+    prof = cProfile.Profile(time.process_time)  # CPU time: where the server's CPU goes
     # SIGUSR1 starts the profile (the harness sends it once the prompts are prefilled)
     signal.signal(signal.SIGUSR1, lambda *_: prof.enable() if out != "-" else None)
     print(server.ready_line(), flush=True)
@@ -264,11 +298,12 @@ def _profile_parts(eng, steps: int, dispatcher) -> dict:
     st = pstats.Stats(prof)
     model = eng.model
     runner = getattr(eng.runner, "runner", eng.runner)  # PagedOverlapRunner wraps one
-    mlp_types = {type(lyr.mlp) for lyr in model.model.layers}
+    mlp_fns = {type(lyr.mlp).forward for lyr in model.model.layers}
+    mlp_fns |= {f for f in runner.mlp_forwards if inspect.isfunction(f)}  # overlapped forwards
     parts = {
         "step": _ct(st, [type(eng)._step]),
         "attention": _ct(st, [type(runner)._mla, type(runner)._gqa]),
-        "moe_mlp": _ct(st, [t.forward for t in mlp_types]),
+        "moe_mlp": _ct(st, list(mlp_fns)),
         "sampling": _ct(st, [type(eng)._sample]),
         "events": _ct(st, [type(eng)._emit]),
         "schedule": _ct(st, [type(eng.scheduler).schedule]),
@@ -277,10 +312,13 @@ def _profile_parts(eng, steps: int, dispatcher) -> dict:
         from eaas.runtime.client.dispatch import Dispatcher
 
         conn = next(s.conn for s in dispatcher._servers.values() if s.conn is not None)
-        parts["dispatch"] = _ct(st, [Dispatcher.dispatch])
+        from eaas.runtime.client.dispatch import PendingDispatch
+
+        c = type(conn)
+        parts["dispatch"] = _ct(st, [Dispatcher.dispatch_begin, PendingDispatch.wait])
         parts["  plan (replica choice)"] = _ct(st, [Dispatcher._plan])
-        parts["  send (frames into slots)"] = _ct(st, [type(conn).send])
-        parts["  recv (wait + read)"] = _ct(st, [type(conn).recv])
+        parts["  send (frames into slots)"] = _ct(st, [c.send, c.send_deferred, c.ring])
+        parts["  recv (wait + read)"] = _ct(st, [c.recv])
     out = {k: 1000 * v / steps for k, v in parts.items()}
     out["rest"] = out["step"] - sum(
         out[k] for k in ("attention", "moe_mlp", "sampling", "events", "schedule")
@@ -315,9 +353,10 @@ def experts_compare(args) -> int:
         from eaas.runtime.models.arch import read_model_info
 
         info = read_model_info(model_dir)
+        from eaas.runtime.client.dispatch import _default_connect
+
         kw = {}
         if args.client_spin_us is not None:
-            from eaas.runtime.client.dispatch import _default_connect
 
             def connect(endpoint, server_id, **ckw):
                 return _default_connect(endpoint, server_id, spin_us=args.client_spin_us, **ckw)
@@ -325,6 +364,21 @@ def experts_compare(args) -> int:
             kw["connect"] = connect
         disp = Dispatcher(0, info.hidden_size, dt, table, **kw)
         remote, tok, _ = load_attention_model(model_dir, dt, experts_factory=experts_factory(disp))
+        variants = {}  # label -> (model, dispatcher, shared expert overlapped)
+        for j, v in enumerate(args.variants or []):
+            # another client of the same servers: doorbells rung after all frames (r1) or per
+            # frame as written (r0), shared expert during the round trip (o1) or after it (o0)
+            ring, ovl = v[0] == "1", v[1] == "1"
+            vkw = dict(kw)
+            if len(v) > 2:  # b: the client blocks at once (spin 0), no busy-poll
+
+                def connect(endpoint, server_id, **ckw):
+                    return _default_connect(endpoint, server_id, spin_us=0, max_spin_us=0, **ckw)
+
+                vkw["connect"] = connect
+            dv = Dispatcher(10 + j, info.hidden_size, dt, table, ring_after_all=ring, **vkw)
+            mv, _, _ = load_attention_model(model_dir, dt, experts_factory=experts_factory(dv))
+            variants[f"r{v[0]}o{v[1]}{v[2:]}"] = (mv, dv, ovl)
         if args.split_pairs is not None:  # a second client: the same servers, another policy
             disp2 = Dispatcher(1, info.hidden_size, dt, table, split_pairs=args.split_pairs, **kw)
             remote2, _, _ = load_attention_model(
@@ -335,6 +389,13 @@ def experts_compare(args) -> int:
             "local": (_decode_engine(local, tok, args, "local"), None),
             "remote": (_decode_engine(remote, tok, args, "remote"), disp),
         }
+        for label, (mv, dv, ovl) in variants.items():
+            ev = _decode_engine(mv, tok, args, f"remote-{label}")
+            if not ovl:
+                getattr(ev.runner, "runner", ev.runner).mlp_forwards = [
+                    lyr.mlp for lyr in mv.model.layers
+                ]
+            engines[label] = (ev, dv)
         if args.split_pairs is not None:
             engines[f"split={args.split_pairs}"] = (
                 _decode_engine(remote2, tok, args, "remote-split"),
@@ -350,9 +411,15 @@ def experts_compare(args) -> int:
 
             for p in procs:
                 p.send_signal(signal.SIGUSR1)
+        if args.slice_us is not None:  # the remote engine again, with short slices
+            engines[f"slice{args.slice_us:g}"] = engines["remote"]
         sums = {k: [0.0, 0.0, 0.0] for k in engines}
         for _ in range(args.rounds):  # alternate blocks: load hits both alike
             for k, (eng, _d) in engines.items():
+                if args.slice_us is not None:
+                    us = args.slice_us if k.startswith("slice") else 0
+                    for pid in [0, *pids]:  # this client and every expert server
+                        set_sched_slice(pid, us)
                 w, c, s = _timed_steps(eng, args.steps, pids if k != "local" else [])
                 for i, v in enumerate((w, c, s)):
                     sums[k][i] += v
@@ -374,6 +441,9 @@ def experts_compare(args) -> int:
                 b = 1000 * sums[k][i] / n
                 cells.append(f"{b:10.2f} " + (f"{b / a:5.2f}x" if a > 1e-9 else f"{'-':>6s}"))
             print(f"{label:34s} {a:9.2f} " + " ".join(cells))
+        if args.slice_us is not None:
+            for pid in [0, *pids]:
+                set_sched_slice(pid, 0)
         prof = {k: _profile_parts(eng, args.steps, d) for k, (eng, d) in engines.items()}
         print("\ncProfile, ms per decode step (incl. profiling overhead)")
         print(f"{'part':34s} " + " ".join(f"{k:>10s}" for k in engines))
@@ -386,6 +456,8 @@ def experts_compare(args) -> int:
             for s in list(eng.scheduler.running):
                 s.request.cancel()
         disp.close()
+        for _mv, dv, _o in variants.values():
+            dv.close()
         if args.split_pairs is not None:
             disp2.close()
     finally:
@@ -436,7 +508,25 @@ def main(argv=None) -> int:
         "(1: every expert's pairs split over all its replicas, the policy before issue 8's "
         "column dispatch)",
     )
+    ap.add_argument(
+        "--variants",
+        nargs="*",
+        choices=("00", "01", "10", "11", "00b", "01b", "10b", "11b"),
+        help="--experts-compare: also clients of the same servers with these data paths, "
+        "RO: R=1 all frames of a layer call written before any doorbell (R=0: each frame's "
+        "doorbell as it is written, the path before), O=1 the shared expert computed during the "
+        "round trip (O=0: after it); a trailing b: the client blocks at once while waiting "
+        "(shm spin 0, no adaptive spin); 00 = before issue 8's price work",
+    )
+    ap.add_argument(
+        "--slice-us",
+        type=float,
+        default=None,
+        help="--experts-compare: also the remote engine with this scheduler slice "
+        "(set_sched_slice) on the client and the expert servers",
+    )
     ap.add_argument("--client-spin-us", type=float, default=None, help="shm client spin_us")
+
     ap.add_argument("--server-spin-us", type=float, default=None, help="shm server spin_us")
     ap.add_argument(
         "--server-profile",

@@ -280,6 +280,10 @@ class Dispatcher:
         split_pairs: an expert's pairs in one call stay on one replica up to this many
             (:func:`choose_replicas`); the rotation advances by one replica per call for every
             expert of the layer, so successive calls alternate over an expert's replicas.
+        ring_after_all: write every frame of a layer call before waking any server (one
+            :meth:`~eaas.runtime.transport.base.ClientConnection.ring` per server afterwards;
+            default). False: each frame's ``send`` wakes its server at once (the behaviour
+            before; kept for side-by-side measurements, bench/decode_profile.py).
     """
 
     def __init__(
@@ -295,10 +299,12 @@ class Dispatcher:
         connect_in_background: bool = True,
         graphs=None,
         split_pairs: int = DEFAULT_SPLIT_PAIRS,
+        ring_after_all: bool = True,
     ) -> None:
         if split_pairs < 1:
             raise ValueError(f"split_pairs must be >= 1, got {split_pairs}")
         self.split_pairs = int(split_pairs)
+        self.ring_after_all = bool(ring_after_all)
         self.client_id = int(client_id)
         self.hidden_size = int(hidden_size)
         self.dtype = dtype
@@ -681,6 +687,8 @@ class Dispatcher:
     ) -> torch.Tensor:
         """Run the routed experts of one MoE layer on the expert servers.
 
+        Same as ``dispatch_begin(...).wait()``.
+
         Args:
             layer: model layer index (a MoE layer of the routing table).
             hidden: ``[T, H]`` MoE-block input (after the post-attention norm), model dtype.
@@ -695,6 +703,29 @@ class Dispatcher:
             NoLiveReplicaError: a selected expert has no live replica (after failover).
             RuntimeError: no routing table yet.
         """
+        return self.dispatch_begin(layer, hidden, top_k_index, top_k_weights).wait()
+
+    def dispatch_begin(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> PendingDispatch:
+        """Send one MoE layer call's frames and return at once; :meth:`PendingDispatch.wait`
+        waits for the answers (with failover) and combines them.
+
+        The caller computes what does not depend on the routed experts in between (the shared
+        expert, see :func:`overlapped_moe_forward`) while the expert servers compute. Every
+        frame is written before any server is woken (:meth:`ClientConnection.send_deferred`,
+        then :meth:`ClientConnection.ring` per server), so a woken server cannot preempt this
+        thread between two frames on an oversubscribed host. Until ``wait`` returns, other
+        dispatch calls wait (they share connections): ``wait`` must be called, also when the
+        work in between raised.
+
+        Args / Raises: as :meth:`dispatch` (``NoLiveReplicaError`` already here when the
+        first replica choice finds none; later failover errors from ``wait``).
+        """
         t0 = time.perf_counter()
         in_dtype, device = hidden.dtype, hidden.device
         T, H = hidden.shape
@@ -705,43 +736,17 @@ class Dispatcher:
         idx64 = top_k_index.to(device="cpu", dtype=torch.int64)
         w32 = top_k_weights.to(device="cpu", dtype=torch.float32)
         out = torch.zeros(T, H, dtype=self.dtype, device=stage)
-        with self._call_lock:
-            pending = idx64 >= 0  # (T, k) pairs still to compute
-            exclude: set[str] = set()  # servers that failed during this call
-            sel = idx64
-            while bool(pending.any()):
-                assign, used, servers, table = self._plan(layer, sel, exclude)
-                try:
-                    failed, refused = self._round(
-                        layer, hidden, idx64, w32, assign, used, servers, table, out
-                    )
-                finally:
-                    self._release(servers, used)
-                if not failed and not refused:
-                    break
-                redo = torch.zeros_like(pending)
-                for si in failed:
-                    redo |= assign == si
-                    exclude.add(servers[si].server_id)
-                    metrics.FAILOVERS.inc()
-                for si in refused:  # healthy, but no longer hosts an expert: others compute it
-                    redo |= assign == si
-                    exclude.add(servers[si].server_id)
-                    self.not_hosted_resends += 1
-                failed = failed + refused
-                pending = redo
-                sel = torch.where(redo, idx64, -1)
-                log.info(
-                    "client %d: layer %d: re-sent %d token-expert pairs of server(s) %s",
-                    self.client_id,
-                    layer,
-                    int(redo.sum()),
-                    ", ".join(servers[si].server_id for si in failed),
-                )
-        metrics.DISPATCH_SECONDS.observe(time.perf_counter() - t0)
-        return out.to(device=device, dtype=in_dtype)
+        p = PendingDispatch(self, layer, hidden, idx64, w32, out, in_dtype, device, t0)
+        self._call_lock.acquire()
+        try:
+            if bool((idx64 >= 0).any()):  # else nothing to send: wait returns zeros
+                p._start(idx64)
+        except BaseException:
+            self._call_lock.release()
+            raise
+        return p
 
-    def _round(
+    def _send_round(
         self,
         layer: int,
         hidden: torch.Tensor,
@@ -751,20 +756,18 @@ class Dispatcher:
         used: list[int],
         servers: list[_Server],
         table: RoutingTable,
-        out: torch.Tensor,
-    ) -> tuple[list[int], list[int]]:
-        """Send one frame per server in ``used``, wait for all, add into ``out``. No lock held.
+    ) -> tuple[list[tuple[_Server, int, torch.Tensor | None, int]], dict[int, tuple], list[int]]:
+        """Write one frame per server in ``used``, then wake every one. No lock held.
 
         A frame carries each of its tokens' hidden row once (gathered by the transport straight
         into its buffer) and the token's ``[k]`` expert ids / weights with pairs of other servers
-        masked to ``-1`` / ``0``. Returns ``(failed, refused)``: indices (into ``servers``) of
-        servers that failed (marked down) and of servers that answered ``STATUS_NOT_HOSTED``
-        (kept up; their pairs go to other replicas).
+        masked to ``-1`` / ``0``. Returns ``(sent, graph_out, failed)``: ``(server, index, rows,
+        seq)`` per frame sent, the captured round trips replayed (``--cuda-graphs``), and the
+        indices (into ``servers``) of servers whose send failed (marked down).
         """
         T = int(hidden.shape[0])
         staging = FrameStaging(hidden)  # a host copy only for host connections, once
         failed: list[int] = []
-        refused: list[int] = []
         sent: list[tuple[_Server, int, torch.Tensor | None, int]] = []
         graph_out: dict[int, tuple] = {}  # server index -> (graph, output view) (--cuda-graphs)
         for si in used:  # loop over servers, tensor ops inside
@@ -802,6 +805,8 @@ class Dispatcher:
                     hs = h if rows is None else h.index_select(0, staging.rows_on(rows, h))
                     graph_out[si] = (g, g.run(hs, frame.experts, w, layer=layer,
                                               table_version=table.version))  # fmt: skip
+                elif self.ring_after_all:
+                    conn.send_deferred(frame)  # woken below, once every frame is written
                 else:
                     conn.send(frame)
             except Exception as exc:  # noqa: BLE001  (PeerDeadError, FrameError, OSError, ...)
@@ -809,6 +814,34 @@ class Dispatcher:
                 failed.append(si)
                 continue
             sent.append((s, si, rows, s.seq))
+        for s, si, _rows, _seq in list(sent):  # one doorbell per server, after all frames
+            if si in graph_out:
+                continue
+            try:
+                assert s.conn is not None
+                s.conn.ring()
+            except Exception as exc:  # noqa: BLE001
+                self._failed(s, f"send: {type(exc).__name__}: {exc}")
+                failed.append(si)
+                sent.remove((s, si, _rows, _seq))
+        return sent, graph_out, failed
+
+    def _recv_round(
+        self,
+        layer: int,
+        sent: list[tuple[_Server, int, torch.Tensor | None, int]],
+        graph_out: dict[int, tuple],
+        table: RoutingTable,
+        out: torch.Tensor,
+        failed: list[int],
+    ) -> tuple[list[int], list[int]]:
+        """Wait for every server of :meth:`_send_round` (one deadline), add into ``out``.
+
+        Returns ``(failed, refused)``: indices (into ``servers``) of servers that failed
+        (marked down; ``failed`` of the send extended) and of servers that answered
+        ``STATUS_NOT_HOSTED`` (kept up; their pairs go to other replicas).
+        """
+        refused: list[int] = []
         deadline = time.monotonic() + self.timeout
         for s, si, rows, seq in sent:
             try:
@@ -838,8 +871,8 @@ class Dispatcher:
                 if rows is None:
                     out.add_(output)
                 else:
-                    out.index_add_(0, staging.rows_on(rows, out), output)
-                s.tokens_sent += T if rows is None else int(rows.shape[0])
+                    out.index_add_(0, rows.to(out.device), output)
+                s.tokens_sent += int(output.shape[0])
                 s.consecutive = 0
             except Exception as exc:  # noqa: BLE001
                 self._failed(s, f"recv: {type(exc).__name__}: {exc}")
@@ -851,6 +884,96 @@ class Dispatcher:
             s.busy = False  # _mark_down closes the connection now
             s.retired = False
             self._mark_down(s, why)
+
+
+class PendingDispatch:
+    """One MoE layer call in flight (:meth:`Dispatcher.dispatch_begin`); :meth:`wait` ends it.
+
+    Holds the dispatcher's call lock from ``dispatch_begin`` until :meth:`wait` returns.
+    """
+
+    def __init__(
+        self,
+        d: Dispatcher,
+        layer: int,
+        hidden: torch.Tensor,
+        idx64: torch.Tensor,
+        w32: torch.Tensor,
+        out: torch.Tensor,
+        in_dtype: torch.dtype,
+        device: torch.device,
+        t0: float,
+    ) -> None:
+        self._d, self.layer = d, layer
+        self._hidden, self._idx64, self._w32, self._out = hidden, idx64, w32, out
+        self._in_dtype, self._device, self._t0 = in_dtype, device, t0
+        self._exclude: set[str] = set()  # servers that failed during this call
+        self._round: tuple | None = None  # (assign, used, servers, table, sent, graph_out, failed)
+        self._done = False
+
+    def _start(self, sel: torch.Tensor) -> None:
+        """Plan and send one round for the pairs of ``sel`` (``[T, k]``, -1 = not this round)."""
+        d = self._d
+        assign, used, servers, table = d._plan(self.layer, sel, self._exclude)
+        try:
+            sent, graph_out, failed = d._send_round(
+                self.layer, self._hidden, self._idx64, self._w32, assign, used, servers, table
+            )
+        except BaseException:
+            d._release(servers, used)
+            raise
+        self._round = (assign, used, servers, table, sent, graph_out, failed)
+
+    def wait(self) -> torch.Tensor:
+        """Wait for the servers (re-sending a failed or refusing server's pairs to other
+        replicas) and combine.
+
+        Returns:
+            ``[T, H]`` in the input's dtype on its device (see :meth:`Dispatcher.dispatch`).
+
+        Raises:
+            NoLiveReplicaError: a selected expert has no live replica left (after failover).
+            RuntimeError: called twice.
+        """
+        if self._done:
+            raise RuntimeError("PendingDispatch.wait called twice")
+        d = self._d
+        try:
+            while self._round is not None:
+                assign, used, servers, table, sent, graph_out, failed = self._round
+                self._round = None
+                try:
+                    failed, refused = d._recv_round(
+                        self.layer, sent, graph_out, table, self._out, failed
+                    )
+                finally:
+                    d._release(servers, used)
+                if not failed and not refused:
+                    break
+                redo = torch.zeros_like(self._idx64, dtype=torch.bool)
+                for si in failed:
+                    redo |= assign == si
+                    self._exclude.add(servers[si].server_id)
+                    metrics.FAILOVERS.inc()
+                for si in refused:  # healthy, but no longer hosts an expert: others compute it
+                    redo |= assign == si
+                    self._exclude.add(servers[si].server_id)
+                    d.not_hosted_resends += 1
+                log.info(
+                    "client %d: layer %d: re-sent %d token-expert pairs of server(s) %s",
+                    d.client_id,
+                    self.layer,
+                    int(redo.sum()),
+                    ", ".join(servers[si].server_id for si in failed + refused),
+                )
+                if not bool(redo.any()):
+                    break
+                self._start(torch.where(redo, self._idx64, -1))
+        finally:
+            self._done = True
+            d._call_lock.release()
+        metrics.DISPATCH_SECONDS.observe(time.perf_counter() - self._t0)
+        return self._out.to(device=self._device, dtype=self._in_dtype)
 
 
 class RemoteExperts(nn.Module):
@@ -872,6 +995,49 @@ class RemoteExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, client_id={self.dispatcher.client_id}"
+
+
+def overlapped_moe_forward(block: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A forward for ``block`` that computes its shared expert while the routed experts run on
+    the expert servers, or None when ``block`` is not a DeepSeek-V3 MoE block with
+    :class:`RemoteExperts`.
+
+    transformers' ``DeepseekV3MoE.forward`` computes ``gate -> experts -> + shared_experts``;
+    this one does ``gate -> send frames (dispatch_begin) -> shared_experts -> wait -> routed +
+    shared``: the same operations on the same tensors in the same order of addition, so the
+    result is bit-identical, but the attention client's shared-expert work no longer waits for
+    the round trip (DESIGN.md "MoE layer math": y = shared(x) + sum g_i E_i(x)). Qwen3-MoE and
+    Mixtral blocks have no shared expert and keep their own forward.
+
+    Returns:
+        ``fn(hidden [B, S, H]) -> [B, S, H]`` (the block's output, as its ``forward``), or None.
+    """
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    experts = getattr(block, "experts", None)
+    if type(block) is not DeepseekV3MoE or not isinstance(experts, RemoteExperts):
+        return None
+    if type(block).forward is not DeepseekV3MoE.forward:  # pragma: no cover (patched class)
+        return None
+    gate, shared, dispatcher, layer = (
+        block.gate,
+        block.shared_experts,
+        experts.dispatcher,
+        experts.layer_idx,
+    )
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        orig_shape = hidden_states.shape  # (B, S, H)
+        _, topk_weights, topk_indices = gate(hidden_states)  # (T, k), (T, k)
+        flat = hidden_states.view(-1, hidden_states.shape[-1])  # (T, H)
+        pending = dispatcher.dispatch_begin(layer, flat, topk_indices, topk_weights)
+        try:
+            shared_out = shared(hidden_states)  # (B, S, H), while the servers compute
+        finally:
+            routed = pending.wait()  # (T, H); always waited: the dispatcher's lock
+        return routed.view(*orig_shape) + shared_out
+
+    return forward
 
 
 def experts_factory(dispatcher: Dispatcher) -> Callable[[int, object], RemoteExperts]:

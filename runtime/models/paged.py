@@ -89,6 +89,13 @@ class PagedModelRunner:
         self.mla = cache.spec.kind == "mla"
         self.sliding_window = getattr(self.cfg, "sliding_window", None)
         mt = self.cfg.model_type
+        from eaas.runtime.client.dispatch import overlapped_moe_forward
+
+        # per layer: the MLP / MoE block's forward; a DeepSeek-V3 block with remote routed
+        # experts computes its shared expert while they run on the expert servers (bit-exact)
+        self.mlp_forwards = [
+            overlapped_moe_forward(lyr.mlp) or lyr.mlp for lyr in model.model.layers
+        ]
         if self.mla:
             from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
 
@@ -214,7 +221,7 @@ class PagedModelRunner:
                 a = self._gqa(li, layer.self_attn, h, meta)
             x = x + a
             h = layer.post_attention_layernorm(x)
-            m = layer.mlp(h[None])  # the model's MLP / MoE block over (1, T, H)
+            m = self.mlp_forwards[li](h[None])  # the model's MLP / MoE block over (1, T, H)
             x = x + (m[0] if isinstance(m, tuple) else m)[0]
         ends, row = [], 0
         full: dict[int, torch.Tensor] = {}

@@ -187,6 +187,24 @@ class ClientConnection(abc.ABC):
         already in flight) or :class:`DeadlineExceeded` (peer not reading).
         """
 
+    def send_deferred(self, frame: RequestFrame) -> None:
+        """Write ``frame`` like :meth:`send` but do not wake the server yet: :meth:`ring` does.
+
+        A caller with frames for several servers writes all of them first and then rings every
+        server, so a woken server cannot take the caller's CPU before the last frame is written
+        (on an oversubscribed host the wake-up preempts the writer). :meth:`recv` rings a
+        frame that was never rung, so a forgotten :meth:`ring` costs latency, never a hang.
+        Default: plain :meth:`send` (transports whose send is the wake-up, e.g. TCP).
+
+        Raises: as :meth:`send`.
+        """
+        self.send(frame)
+
+    def ring(self) -> None:
+        """Wake the server for the frame written by :meth:`send_deferred` (no-op when there is
+        none, or when the transport's send already woke it). Raises :class:`PeerDeadError`."""
+        return None
+
     @abc.abstractmethod
     def recv(self, deadline: float) -> ResponseFrame:
         """Wait for the next response until ``deadline`` (``time.monotonic()`` seconds).

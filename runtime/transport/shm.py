@@ -280,8 +280,10 @@ class ShmClientConnection(SocketClientConnection):
         max_tokens: initial slot capacity in tokens (grown on demand, see module doc).
         max_k: initial expert entries per token capacity (grown on demand).
         spin_us: least busy-poll time before blocking in ``recv``, microseconds (longer, up to
-            ``MAX_ADAPTIVE_SPIN_S``, when recent round trips took longer).
+            ``max_spin_us``, when recent round trips took longer).
         connect_timeout: seconds to connect and get the server's ack.
+        max_spin_us: longest adaptive spin, microseconds (default ``MAX_ADAPTIVE_SPIN_S``);
+            ``spin_us=0, max_spin_us=0`` blocks at once (no busy-poll at all).
 
     Raises:
         PeerDeadError: nothing listens at the path, or the server closed during the hello.
@@ -307,12 +309,17 @@ class ShmClientConnection(SocketClientConnection):
         max_k: int = 8,
         spin_us: float = DEFAULT_SPIN_US,
         connect_timeout: float = 5.0,
+        max_spin_us: float | None = None,
     ):
         self._init_common(endpoint, server_id, hidden_size, dtype, client_id)
         self.spin_s = spin_us * 1e-6
+        # longest adaptive spin per response; 0 with spin_us 0: block at once (oversubscribed
+        # cores, where a spinning client takes CPU from the servers it waits for)
+        self.max_spin_s = MAX_ADAPTIVE_SPIN_S if max_spin_us is None else max_spin_us * 1e-6
         self._rtt = 0.0  # moving average of recent round trips, seconds (adaptive spin)
         self._sent_at = 0.0
         self._counter = 0
+        self._ring_due = False  # a send_deferred frame whose doorbell is not rung yet
         self._slots: _Slots | None = None
         # validated frame shapes -> slot views, for the mapping ``_plan_slots`` (see _plan)
         self._plans: dict[tuple, tuple] = {}
@@ -409,7 +416,8 @@ class ShmClientConnection(SocketClientConnection):
     # -- data path ----------------------------------------------------------------------
     def send(self, frame: RequestFrame, deadline: float | None = None) -> None:
         """Write ``frame`` into the request slot and ring the doorbell (never blocks;
-        ``deadline`` is accepted for interface compatibility).
+        ``deadline`` is accepted for interface compatibility). :meth:`send_deferred` writes
+        without the doorbell, :meth:`ring` then rings it.
 
         Args:
             frame: ``hidden`` ``[n, H]`` (or ``[T, H]`` with ``rows`` ``[n]`` int64, gathered
@@ -427,6 +435,26 @@ class ShmClientConnection(SocketClientConnection):
         the current slot, together with its slot views), one copy per tensor into the slot,
         one store of the header fields, the counter store and a fence.
         """
+        self._write(frame)
+        self._ring_due = False
+        self._doorbell()
+
+    def send_deferred(self, frame: RequestFrame) -> None:
+        """:meth:`send` without the doorbell: the server sees the frame when it polls (it may
+        be spinning or busy), else when :meth:`ring` (or :meth:`recv`) wakes it. Raises as
+        :meth:`send`."""
+        self._write(frame)
+        self._ring_due = True
+
+    def ring(self) -> None:
+        """Ring the doorbell of a frame written by :meth:`send_deferred` if the server sleeps
+        (one fence and a flag read when it does not). Raises PeerDeadError."""
+        if self._ring_due:
+            self._ring_due = False
+            self._doorbell()
+
+    def _write(self, frame: RequestFrame) -> None:
+        """Copy ``frame`` into the request slot, then store the ready counter (see :meth:`send`)."""
         if self._outstanding or self._sock is None:
             self._sock_for_send()  # raises FrameError (in flight) / PeerDeadError (closed)
         h, ex, w, rows = frame.hidden, frame.experts, frame.weights, frame.rows
@@ -459,9 +487,15 @@ class ShmClientConnection(SocketClientConnection):
         self._resp_n, self._resp_v = n, vo
         self._outstanding = True
         self._sent_at = _monotonic()
+
+    def _doorbell(self) -> None:
+        """After the counter store: wake the server if it sleeps in ``select``."""
+        s = self._slots
+        if s is None:
+            raise PeerDeadError(f"connection to {self.server_id} is closed")
         _fence_acquire()  # store-load fence between the counter store and the waiting-flag load
         _fence_release()
-        if not hdr[7]:
+        if not s.req_q[7]:
             return  # the server is spinning or busy: it will see the counter without a doorbell
         try:
             self._open_sock().send(_DOORBELL)
@@ -536,6 +570,8 @@ class ShmClientConnection(SocketClientConnection):
         """
         if not self._outstanding or self._sock is None:
             self._sock_for_recv()  # raises FrameError (nothing in flight) / PeerDeadError
+        if self._ring_due:  # a send_deferred frame nobody rang: ring now, never hang
+            self.ring()
         s = self._slots
         assert s is not None  # open (checked above): mapped
         hdr = s.resp_q
@@ -564,7 +600,7 @@ class ShmClientConnection(SocketClientConnection):
         hdr = self._slots_now().resp_q
         want = self._counter
         now = _monotonic()
-        spin_end = min(now + max(self.spin_s, min(MAX_ADAPTIVE_SPIN_S, 1.5 * self._rtt)), deadline)
+        spin_end = min(now + max(self.spin_s, min(self.max_spin_s, 1.5 * self._rtt)), deadline)
         while now < spin_end:
             if hdr[0] == want:
                 # the round trip, for the next spin window (only waits measure it)

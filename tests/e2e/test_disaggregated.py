@@ -183,6 +183,44 @@ def test_logits_match_transformers_tcp(servers, model_dir, prompt_ids, ref_logit
     d.close()
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_shared_expert_during_the_round_trip_is_bit_exact(servers, model_dir, transport):
+    """The MoE block that sends the routed experts' frames, computes the shared expert while
+    the servers work, then waits (``overlapped_moe_forward``, what the paged engine runs)
+    gives bit-identical outputs to transformers' ``DeepseekV3MoE.forward`` over the same
+    servers. Every expert on one server (first replica) so both calls sum the same partials."""
+    from eaas.runtime.client.dispatch import overlapped_moe_forward
+
+    if transport == "tcp":
+        table = servers.tcp_table()
+    else:
+        full = servers.table()
+        table = RoutingTable(
+            version=1,
+            num_experts=full.num_experts,
+            servers=full.servers,
+            layers={l: tuple(reps[:1] for reps in ex) for l, ex in full.layers.items()},
+        )
+    d = Dispatcher(20, servers.info.hidden_size, torch.float32, table, timeout=30.0)
+    try:
+        model = remote_model(model_dir, d)
+        g = torch.Generator().manual_seed(7)
+        assert overlapped_moe_forward(model.model.layers[0].mlp) is None  # a dense layer
+        for layer in servers.info.moe_layers:
+            block = model.model.layers[layer].mlp
+            fwd = overlapped_moe_forward(block)
+            assert fwd is not None
+            for T in (1, 5, 32):
+                x = torch.randn(1, T, servers.info.hidden_size, generator=g)
+                with torch.no_grad():
+                    got, want = fwd(x), block(x)
+                assert got.shape == want.shape == x.shape
+                assert torch.equal(got, want), (layer, T, (got - want).abs().max().item())
+        assert all(s["failures"] == 0 for s in d.health()["servers"].values())
+    finally:
+        d.close()
+
+
 def test_routing_table_watcher_hot_reload(servers, model_dir, prompt_ids, ref_logits):
     path = servers.dir / "routing-table.json"
     write_table(path, servers.table(version=5))

@@ -177,3 +177,51 @@ def test_server_output_that_does_not_fit_is_an_error_response(kind, tmp_path):
     finally:
         c.close()
         lst.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_frames_written_before_any_doorbell_are_answered_and_recv_rings_a_forgotten_one(
+    kind, tmp_path
+):
+    """A layer call's frames to several servers are written first (``send_deferred``) and the
+    servers woken afterwards (``ring``): every answer is exact. The servers never busy-poll
+    (spin 0), so each frame needs its doorbell; a frame whose ``ring`` was never called is
+    rung by ``recv`` and still answered (a forgotten ring costs latency, never a hang). tcp:
+    ``send_deferred`` is ``send`` and ``ring`` does nothing (the interface's default)."""
+    srvs = []
+    for i in range(2):
+        d = tmp_path / f"s{i}"
+        d.mkdir()
+        srvs.append(start_server(_endpoint(kind, d), spin_us=0))
+    try:
+        conns = [
+            connect(s.endpoint, f"s{i}", hidden_size=HIDDEN, dtype=torch.float32)
+            for i, s in enumerate(srvs)
+        ]
+        frames = [_frame(5, 2, seq=10 + i) for i in range(2)]
+        for rnd in range(3):
+            for c, f in zip(conns, frames, strict=True):
+                c.send_deferred(f)
+                assert c.in_flight
+            for c in conns:
+                if rnd < 2:  # the third round: no ring at all
+                    c.ring()
+                    c.ring()  # a second ring of the same frame does nothing
+            for c, f in zip(conns, frames, strict=True):
+                r = c.recv(time.monotonic() + 30)
+                assert r.status == STATUS_OK, r.message
+                assert r.seq == f.seq
+                ref = reference(1, f.hidden, f.experts, f.weights)
+                torch.testing.assert_close(r.output, ref, rtol=1e-5, atol=1e-6)
+                assert not c.in_flight
+        # a plain send after deferred ones: unchanged
+        out = _round_trip(conns[0], frames[0], frames[0].seq)
+        torch.testing.assert_close(
+            out, reference(1, frames[0].hidden, frames[0].experts, frames[0].weights)
+        )
+        for c in conns:
+            c.ring()  # nothing deferred: a no-op
+            c.close()
+    finally:
+        for s in srvs:
+            s.stop()
