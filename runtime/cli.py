@@ -494,6 +494,15 @@ def attention_client(
         help="Decode MoE round trips to cudaipc expert servers replay captured CUDA graphs "
         "(needs --device cuda and expert servers; docs/gpu.md).",
     ),
+    spin_us: float = typer.Option(
+        None,
+        "--spin-us",
+        min=0,
+        help="shm / cudaipc: busy-poll for an expert server's answer at least this many "
+        "microseconds before blocking (default 80; longer, up to 2 ms, when recent round trips "
+        "took longer). 0: block at once, never busy-poll (hosts with more processes than cores; "
+        "eaas serve passes 0 there). docs/serving.md.",
+    ),
     nvshmem_world: NvshmemWorldOption = None,
     nvshmem_pe: NvshmemPeOption = None,
     nvshmem_uid_file: NvshmemUidFileOption = None,
@@ -590,6 +599,7 @@ def attention_client(
         prefill_tokens_while_decoding=prefill_tokens_while_decoding,
         cuda_graphs=cuda_graphs,
         nvshmem_world=world_cfg,
+        spin_us=spin_us,
     )
     _exit_now(f"attention-client {cid}")
 
@@ -649,6 +659,13 @@ def serve(
         "--prefill-tokens-while-decoding",
         help="Attention clients' --prefill-tokens-while-decoding (auto, off or a token count).",
     ),
+    client_spin_us: str = typer.Option(
+        "auto",
+        "--client-spin-us",
+        help="Attention clients' --spin-us (shm): auto (0, i.e. block at once, when the "
+        "expert servers and attention clients outnumber this machine's CPUs; else the "
+        "transport's default) or microseconds.",
+    ),
 ) -> None:
     """Start a whole deployment on this machine: expert servers + attention clients."""
     _check_dispatch_timeout(dispatch_timeout)
@@ -674,6 +691,7 @@ def serve(
             server_device=server_device,
             double_batch_overlap=double_batch_overlap,
             prefill_tokens_while_decoding=prefill_tokens_while_decoding,
+            client_spin_us=client_spin_us,
         )
     except (PlacementError, ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -106,6 +106,7 @@ def run_attention_client(
     prefill_tokens_while_decoding: int | str | None = "auto",
     cuda_graphs: bool = False,
     nvshmem_world=None,
+    spin_us: float | None = None,
 ) -> None:
     """Run one attention client until SIGINT/SIGTERM.
 
@@ -194,6 +195,17 @@ def run_attention_client(
 
             graphs = GraphRoundTrips(max_num_seqs, timeout_s=dispatch_timeout)
         connect_kw: dict[str, Any] = {}
+        if spin_us is not None:  # --spin-us: the shm / cudaipc wait for an answer
+            from eaas.runtime.client.dispatch import _default_connect
+
+            def connect_spin(endpoint: str, server_id: str, **kw):
+                if endpoint.startswith(("unix:", "cudaipc:")):
+                    kw["spin_us"] = spin_us
+                    if spin_us == 0:  # block at once: no adaptive spin either
+                        kw["max_spin_us"] = 0.0
+                return _default_connect(endpoint, server_id, **kw)
+
+            connect_kw["connect"] = connect_spin
         if nvshmem_world is not None:
             from eaas.runtime.client.dispatch import _default_connect
             from eaas.runtime.transport.nvshmem import WorldSpec, open_world

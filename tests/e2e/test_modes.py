@@ -134,6 +134,9 @@ def _taken_port():
         (["--dispatch-timeout", "-1"], "--dispatch-timeout must be > 0 seconds"),
         (["--client-threads", "-3"], "'--client-threads'"),
         (["--server-threads", "-1"], "'--server-threads'"),
+        (["--client-spin-us", "fast"], "--client-spin-us must be auto or microseconds >= 0"),
+        (["--client-spin-us", "-5"], "--client-spin-us must be auto or microseconds >= 0"),
+        (["--transport", "tcp", "--client-spin-us", "10"], "acts on --transport shm only"),
         # checked against the model's config before any child loads weights
         (["--kv-cache-memory", "1KiB"], "--kv-cache-memory 1024 B is below one sequence"),
     ]
@@ -180,3 +183,21 @@ def test_attention_client_rejects_a_dispatch_timeout_not_above_zero(value):
     assert r.returncode == 2, out
     assert "--dispatch-timeout must be > 0 seconds" in " ".join(out.split()), out
     assert "ready on" not in out, out
+
+
+def test_client_spin_default_blocks_only_on_oversubscribed_cpus():
+    """serve's --client-spin-us auto: the attention clients block at once (0) when the expert
+    servers and clients outnumber the CPUs, else the transport's busy-poll (None); a number is
+    taken as given."""
+    from eaas.runtime.serve import client_spin_default, parse_client_spin, usable_cpus
+
+    assert client_spin_default(5, 2) == 0.0  # 4 servers + 1 client on 2 cores
+    assert client_spin_default(5, 16) is None
+    assert client_spin_default(2, 2) is None
+    assert parse_client_spin("auto", 3) == client_spin_default(3, usable_cpus())
+    assert parse_client_spin(" AUTO ", 10_000) == 0.0
+    assert parse_client_spin("0", 1) == 0.0
+    assert parse_client_spin(150, 1) == 150.0
+    for bad in ("x", "-1", "nan", "inf", None):
+        with pytest.raises(ValueError, match="--client-spin-us"):
+            parse_client_spin(bad, 1)  # type: ignore[arg-type]
