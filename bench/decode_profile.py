@@ -21,10 +21,18 @@ time, the expert servers' CPU time (``/proc/PID/stat``), and the ratio remote / 
 cProfile pass of each (where the client's time goes: attention, MoE block, of which the
 dispatcher's plan / send / wait / combine, sampling, events, rest).
 
+``--variants 00 11b ...``: more clients of the same servers with other data paths, measured in
+the same alternating blocks (``R O [b]``: R=1 every frame of a layer call written before any
+doorbell, O=1 the shared expert computed during the round trip, ``b`` the client blocks at once
+instead of busy-polling; the main ``remote`` client is ``11`` with the transport's default
+spin; ``00`` is the data path before). ``--slice-us US``: the remote engine once more, with a
+short scheduler slice (``set_sched_slice``) on the client and the servers during its blocks.
+
 Usage::
 
     python bench/decode_profile.py --batch 16 --prompt-tokens 220 --steps 20
     python bench/decode_profile.py --experts-compare --batch 32 --steps 20 --rounds 3
+    python bench/decode_profile.py --experts-compare --batch 32 --rounds 6 --variants 00 11b
 """
 
 from __future__ import annotations

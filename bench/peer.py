@@ -313,6 +313,8 @@ def eaas_command(kind: str, args, dtype: str, port: int, model_dir: str | None) 
                 str(args.max_num_batched_tokens),
                 "--prefill-tokens-while-decoding",
                 args.prefill_tokens_while_decoding,
+                "--client-spin-us",
+                args.client_spin_us,
             ]
             + model
         )
@@ -582,6 +584,12 @@ def main(argv: list[str] | None = None) -> int:
         "--prefill-tokens-while-decoding",
         default="auto",
         help="eaas and single: prefill cap in steps that also decode (auto, off, N)",
+    )
+    ap.add_argument(
+        "--client-spin-us",
+        default="auto",
+        help="eaas serve --client-spin-us (auto: block at once when the processes outnumber the "
+        "CPUs; or microseconds)",
     )
     ap.add_argument("--warmup", type=int, default=4, help="W1 requests sent before measuring")
     ap.add_argument("--pss-interval", type=float, default=1.0)
