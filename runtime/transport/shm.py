@@ -34,7 +34,9 @@ Data path
 ---------
 Client ``send``: copy tensors into the request slot (the hidden rows once: a frame with ``rows``
 is gathered straight from the caller's batch into the slot), write header fields, write the ready counter
-(a fresh per-connection counter, not the caller's seq), then send one doorbell packet ``b"D"``.
+(a fresh per-connection counter, not the caller's seq), then send one doorbell packet ``b"D"``
+(``send_deferred`` leaves the doorbell to ``ring``, so a caller writes the frames of all its
+servers before waking any).
 Server ``poll``: spin up to ``spin_us`` reading every connection's ready counter; then block in
 ``select`` on all sockets (idle server: ~0 CPU). Server ``respond``: copy the output into the
 response slot, write the done counter last, send a doorbell. Client ``recv``: spin (at least
@@ -152,6 +154,14 @@ class _Slots:
         cap_tokens: maximum tokens per frame.
         cap_k: maximum expert entries per token.
     """
+
+    # True where :meth:`sync` is this class's no-op (host memory): the data path skips the call;
+    # a subclass that overrides ``sync`` (a device payload, :mod:`.cuda_ipc`) gets False
+    sync_free = True
+
+    def __init_subclass__(cls, **kw: object) -> None:
+        super().__init_subclass__(**kw)
+        cls.sync_free = cls.sync is _Slots.sync
 
     @staticmethod
     def layout(
@@ -324,7 +334,7 @@ class ShmClientConnection(SocketClientConnection):
         # validated frame shapes -> slot views, for the mapping ``_plan_slots`` (see _plan)
         self._plans: dict[tuple, tuple] = {}
         self._plan_slots: _Slots | None = None
-        self._resp_n, self._resp_v = -1, None  # the last request's n and its [n, H] output view
+        self._sent: tuple = ()  # the plan (see _plan) of the frame in flight
         self._resp_frame = ResponseFrame(0, 0, STATUS_OK, None)  # what recv returns, refilled
         path = self._socket_path(endpoint)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -359,7 +369,7 @@ class ShmClientConnection(SocketClientConnection):
         return self._slots
 
     def _release_client(self) -> None:
-        self._plans, self._plan_slots, self._resp_v = {}, None, None  # drop views: unmap now
+        self._plans, self._plan_slots, self._sent = {}, None, ()  # drop views: unmap now
         self._resp_frame.output = None
         if self._slots is not None:
             self._slots.release()
@@ -430,72 +440,73 @@ class ShmClientConnection(SocketClientConnection):
                 in flight on this connection.
             PeerDeadError: the server is gone.
 
-        Per frame this is a dictionary look-up of the frame's shapes (validated by
+        Per frame this is one dictionary look-up of the frame's shapes (validated by
         :func:`~eaas.runtime.transport.base.check_request` the first time a shape is seen on
-        the current slot, together with its slot views), one copy per tensor into the slot,
-        one store of the header fields, the counter store and a fence.
+        the current slot, together with its slot views: the frame's *plan*), one copy per
+        tensor into the slot, one store of the header fields and the counter store; after the
+        counter store (off the round trip's critical path) the bookkeeping and a fence.
         """
-        self._write(frame)
-        self._ring_due = False
-        self._doorbell()
+        self._send(frame, True)
 
     def send_deferred(self, frame: RequestFrame) -> None:
         """:meth:`send` without the doorbell: the server sees the frame when it polls (it may
         be spinning or busy), else when :meth:`ring` (or :meth:`recv`) wakes it. Raises as
         :meth:`send`."""
-        self._write(frame)
-        self._ring_due = True
+        self._send(frame, False)
 
     def ring(self) -> None:
         """Ring the doorbell of a frame written by :meth:`send_deferred` if the server sleeps
-        (one fence and a flag read when it does not). Raises PeerDeadError."""
+        (a fence and a flag read when it does not). Raises PeerDeadError."""
         if self._ring_due:
             self._ring_due = False
-            self._doorbell()
+            if self._sock is None or not self._sent:
+                raise PeerDeadError(f"connection to {self.server_id} is closed")
+            self._doorbell(self._sent[1])
 
-    def _write(self, frame: RequestFrame) -> None:
-        """Copy ``frame`` into the request slot, then store the ready counter (see :meth:`send`)."""
+    def _send(self, frame: RequestFrame, ring: bool) -> None:
+        """:meth:`send` (``ring``) / :meth:`send_deferred`."""
         if self._outstanding or self._sock is None:
             self._sock_for_send()  # raises FrameError (in flight) / PeerDeadError (closed)
-        h, ex, w, rows = frame.hidden, frame.experts, frame.weights, frame.rows
+        h = frame.hidden
+        ex = frame.experts
+        w = frame.weights
+        rows = frame.rows
         key = (
-            (h.shape, h.dtype, ex.shape, w.shape)
+            (h.shape, ex.shape, w.shape, h.dtype)
             if rows is None
-            else (h.shape, h.dtype, ex.shape, w.shape, rows.shape, rows.dtype)
+            else (h.shape, ex.shape, w.shape, h.dtype, rows.shape, rows.dtype)
         )
-        s = self._slots
-        plan = self._plans.get(key) if s is self._plan_slots else None
-        if plan is None:
+        plan = self._plans.get(key)
+        if plan is None or plan[0] is not self._slots:
             plan = self._plan(frame, key)
-            s = self._slots
-        n, k, vh, ve, vw, vo = plan
-        assert s is not None  # _plan raised PeerDeadError otherwise
+        _, hdr, _, n, k, vh, copy_ex, copy_w, sync, _, cid = plan
         if n:
             # the one copy of the hidden states: straight from the caller's tensor into the slot
             if rows is None:
                 vh.copy_(h)
             else:
                 torch.index_select(h, 0, rows, out=vh)
-            ve.copy_(ex)
-            vw.copy_(w)
-            s.sync()  # payload before flag
-        hdr = s.req_q
+            copy_ex(ex)
+            copy_w(w)
+            if sync is not None:
+                sync()  # payload before flag (a device payload; host memory needs nothing)
         # header fields [1..6] in one store (one cache-line transfer to the polling server)
-        _pack_req(hdr, 8, frame.layer, frame.table_version, n, k, self.client_id, frame.seq)
+        _pack_req(hdr, 8, frame.layer, frame.table_version, n, k, cid, frame.seq)
         self._counter = c = self._counter + 1
         hdr[0] = c  # written last: the ready flag
-        self._resp_n, self._resp_v = n, vo
+        # -- the server may run from here on: bookkeeping below is off the critical path --
+        self._sent = plan
         self._outstanding = True
         self._sent_at = _monotonic()
+        self._ring_due = not ring
+        if ring:
+            self._doorbell(hdr)
 
-    def _doorbell(self) -> None:
-        """After the counter store: wake the server if it sleeps in ``select``."""
-        s = self._slots
-        if s is None:
-            raise PeerDeadError(f"connection to {self.server_id} is closed")
+    def _doorbell(self, hdr: memoryview) -> None:
+        """After the counter store in request header ``hdr``: wake the server if it sleeps."""
         _fence_acquire()  # store-load fence between the counter store and the waiting-flag load
         _fence_release()
-        if not s.req_q[7]:
+        if not hdr[7]:
             return  # the server is spinning or busy: it will see the counter without a doorbell
         try:
             self._open_sock().send(_DOORBELL)
@@ -507,13 +518,13 @@ class ShmClientConnection(SocketClientConnection):
                 f"expert server {self.server_id} at {self.endpoint} is gone: {e}"
             ) from None
 
-    def _plan(
-        self, frame: RequestFrame, key: tuple
-    ) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _plan(self, frame: RequestFrame, key: tuple) -> tuple:
         """Validate a frame shape not seen on the current slot, grow the slot if needed, and
-        remember ``(n, k, hidden view [n, H], experts view, weights view, output view [n, H])``
-        under ``key`` (the experts / weights views have the caller's shapes, ``[n, k]`` or
-        ``[n]``). Raises FrameError (shapes / dtype / limits) or PeerDeadError."""
+        remember its plan under ``key``: ``(slots, request header, response header, n, k,
+        hidden view [n, H], experts view .copy_, weights view .copy_, slots.sync or None,
+        output view [n, H], client id)`` (the experts / weights views have the caller's
+        shapes, ``[n, k]`` or ``[n]``). Raises FrameError (shapes / dtype / limits) or
+        PeerDeadError."""
         _, rows, ex, _ = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
         n = int(frame.hidden.shape[0]) if rows is None else int(rows.shape[0])
         k = int(ex.shape[1])
@@ -527,13 +538,19 @@ class ShmClientConnection(SocketClientConnection):
         if s is not self._plan_slots or len(self._plans) >= _MAX_PLANS:
             self._plans, self._plan_slots = {}, s  # a new mapping: the old views are stale
         vh, ve, vw = s.req_views(n, k)
+        sync = None if s.sync_free else s.sync  # host memory: no call at all
         plan = (
+            s,
+            s.req_q,
+            s.resp_q,
             n,
             k,
             vh,
-            ve.view(frame.experts.shape),
-            vw.view(frame.weights.shape),
+            ve.view(frame.experts.shape).copy_,
+            vw.view(frame.weights.shape).copy_,
+            sync,
             s.resp_view(n),
+            self.client_id,
         )
         self._plans[key] = plan
         return plan
@@ -572,21 +589,20 @@ class ShmClientConnection(SocketClientConnection):
             self._sock_for_recv()  # raises FrameError (nothing in flight) / PeerDeadError
         if self._ring_due:  # a send_deferred frame nobody rang: ring now, never hang
             self.ring()
-        s = self._slots
-        assert s is not None  # open (checked above): mapped
-        hdr = s.resp_q
+        plan = self._sent  # the in-flight frame's plan (its slots are the current ones)
+        hdr = plan[2]
         if hdr[0] != self._counter:
             self._wait(deadline)  # PeerDeadError / DeadlineExceeded
         self._outstanding = False
         r = self._resp_frame  # refilled for every response: no allocation per frame
-        r.seq, r.layer, r.status = hdr[5], hdr[1], hdr[2]
-        if r.status == STATUS_OK:
-            n = hdr[3]
-            r.output = self._resp_v if n == self._resp_n else s.resp_view(n)
+        _, r.layer, status, n, ln, r.seq, _, _ = hdr.tolist()  # one read of the header
+        r.status = status
+        if status == STATUS_OK:
+            r.output = plan[9] if n == plan[3] else plan[0].resp_view(n)
             r.message = ""
         else:
             r.output = None
-            r.message = bytes(s.resp_msg[: min(hdr[4], _MSG_BYTES)]).decode("utf-8", "replace")
+            r.message = bytes(plan[0].resp_msg[: min(ln, _MSG_BYTES)]).decode("utf-8", "replace")
         return r
 
     def _wait(self, deadline: float) -> None:
@@ -904,16 +920,15 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
         ``frame.output``: ``[n, H]`` in the connection dtype (ignored unless status is OK).
         A dead or vanished client is dropped silently.
         """
-        if not isinstance(conn, _ServerConn):
-            conn = self._own(conn)  # TypeError for a handle that is no connection at all
-        if self._conns.get(conn.fileno) is not conn:
+        # TypeError (from _own) for a handle that is no connection at all
+        c = conn if isinstance(conn, _ServerConn) else self._own(conn)
+        s = c.slots
+        if s is None or self._conns.get(c.fileno) is not c:
             return  # dropped (dead client) or not ours
-        s = conn.slots
-        if s is None:
-            return
         hdr = s.resp_q
-        status, out = frame.status, frame.output
-        text: str | None = None  # error message
+        status = frame.status
+        out = frame.output
+        n = ln = 0
         if status == STATUS_OK and out is not None:
             n = out.shape[0]
             if n:
@@ -924,30 +939,39 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
                     v.copy_(out)
                 except RuntimeError as e:  # wrong shape or more rows than the slot holds
                     status = STATUS_BAD_FRAME
-                    text = f"server output {tuple(out.shape)} does not fit the response: {e}"
+                    n, ln = (
+                        0,
+                        self._message(
+                            s, f"server output {tuple(out.shape)} does not fit the response: {e}"
+                        ),
+                    )
                 else:
-                    s.sync()  # payload before flag
-            ln = 0
-        else:
-            text = frame.message
-        if text is not None:
-            raw = text.encode("utf-8")[:_MSG_BYTES]
-            s.resp_msg[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-            n, ln = 0, len(raw)
+                    if not s.sync_free:
+                        s.sync()  # payload before flag (a device payload)
+        elif frame.message:
+            ln = self._message(s, frame.message)
         # header fields [1..5] in one store (one cache-line transfer to the spinning client)
         _pack_resp(hdr, 8, frame.layer, status, n, ln, frame.seq)
-        hdr[0] = conn.last_seen  # written last: done flag, echoes the request counter
-        conn.in_flight = False
+        hdr[0] = c.last_seen  # written last: done flag, echoes the request counter
+        c.in_flight = False
         _fence_acquire()  # store-load fence between the counter store and the waiting-flag load
         _fence_release()
         if not hdr[7]:
             return  # the client is spinning: no doorbell needed
         try:
-            conn.sock.send(_DOORBELL)
+            c.sock.send(_DOORBELL)
         except (BlockingIOError, InterruptedError):
             pass  # client has unread doorbells; it will wake
         except OSError:
-            self._drop(conn)
+            self._drop(c)
+
+    @staticmethod
+    def _message(s: _Slots, text: str) -> int:
+        """Write an error message (utf-8, cut at ``_MSG_BYTES``) into the response slot;
+        returns its length in bytes."""
+        raw = text.encode("utf-8")[:_MSG_BYTES]
+        s.resp_msg[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        return len(raw)
 
     def _after_close(self) -> None:
         if os.getpid() == self._owner_pid:  # a forked child must not unlink its parent's path
