@@ -587,9 +587,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--client-spin-us",
-        default="auto",
-        help="eaas serve --client-spin-us (auto: block at once when the processes outnumber the "
-        "CPUs; or microseconds)",
+        default="default",
+        help="eaas serve --client-spin-us (default: the transport's busy-poll; or microseconds, "
+        "0: block at once)",
     )
     ap.add_argument("--warmup", type=int, default=4, help="W1 requests sent before measuring")
     ap.add_argument("--pss-interval", type=float, default=1.0)

@@ -500,8 +500,8 @@ def attention_client(
         min=0,
         help="shm / cudaipc: busy-poll for an expert server's answer at least this many "
         "microseconds before blocking (default 80; longer, up to 2 ms, when recent round trips "
-        "took longer). 0: block at once, never busy-poll (hosts with more processes than cores; "
-        "eaas serve passes 0 there). docs/serving.md.",
+        "took longer). 0: block at once, never busy-poll (pays on cores oversubscribed by "
+        "other work; docs/serving.md).",
     ),
     nvshmem_world: NvshmemWorldOption = None,
     nvshmem_pe: NvshmemPeOption = None,
@@ -660,11 +660,10 @@ def serve(
         help="Attention clients' --prefill-tokens-while-decoding (auto, off or a token count).",
     ),
     client_spin_us: str = typer.Option(
-        "auto",
+        "default",
         "--client-spin-us",
-        help="Attention clients' --spin-us (shm): auto (0, i.e. block at once, when the "
-        "expert servers and attention clients outnumber this machine's CPUs; else the "
-        "transport's default) or microseconds.",
+        help="Attention clients' --spin-us (shm): default (the transport's busy-poll) or "
+        "microseconds; 0 blocks at once (docs/serving.md: better only under heavy load).",
     ),
 ) -> None:
     """Start a whole deployment on this machine: expert servers + attention clients."""

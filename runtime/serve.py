@@ -86,41 +86,19 @@ def _pdeathsig_preexec(parent: int):
     return fn
 
 
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask; ``os.cpu_count()`` where unknown)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def client_spin_default(processes: int, cpus: int) -> float | None:
-    """``--spin-us`` for the attention clients of a deployment of ``processes`` expert servers
-    and attention clients on ``cpus`` CPUs: 0 (block at once) when the processes outnumber the
-    CPUs, else None (the transport's default busy-poll).
-
-    Why: a client that busy-polls for an answer takes a CPU from the expert servers it waits
-    for whenever they cannot all run at once; measured on a 2-core host with 4 servers and 1
-    client (docs/serving.md "Where a disaggregated decode step goes"), blocking at once cut the
-    client's CPU per decode step by ~4 ms (of ~17) and the step by 0.2-0.4x of the local step in
-    2 of 3 side-by-side runs at load ~9.
-    """
-    return 0.0 if processes > cpus else None
-
-
-def parse_client_spin(value: str | float, processes: int) -> float | None:
-    """``--client-spin-us``: ``"auto"`` -> :func:`client_spin_default` on this machine, else a
-    number of microseconds >= 0. Raises ValueError naming the option."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return client_spin_default(processes, usable_cpus())
+def parse_client_spin(value: str | float | None) -> float | None:
+    """``--client-spin-us``: None / ``"default"`` (the transport's own busy-poll) or a number of
+    microseconds >= 0 (0: block at once). Raises ValueError naming the option."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "default"):
+        return None
     try:
         us = float(value)
     except (TypeError, ValueError):
         raise ValueError(
-            f"--client-spin-us must be auto or microseconds >= 0, got {value!r}"
+            f"--client-spin-us must be default or microseconds >= 0, got {value!r}"
         ) from None
     if not us >= 0 or us == float("inf"):
-        raise ValueError(f"--client-spin-us must be auto or microseconds >= 0, got {value!r}")
+        raise ValueError(f"--client-spin-us must be default or microseconds >= 0, got {value!r}")
     return us
 
 
@@ -178,9 +156,8 @@ class Deployment:
         double_batch_overlap: attention clients' ``--double-batch-overlap``.
         prefill_tokens_while_decoding: attention clients' ``--prefill-tokens-while-decoding``
             (``"auto"``, ``"off"`` or a token count).
-        client_spin_us: attention clients' ``--spin-us``: ``"auto"`` (:func:`client_spin_default`:
-            0 = block at once when the processes outnumber the usable CPUs, else the transport's
-            default) or microseconds >= 0 (a string or number).
+        client_spin_us: attention clients' ``--spin-us`` (shm only): None / ``"default"``
+            (the transport's busy-poll) or microseconds >= 0 (0: block at once).
     """
 
     def __init__(
@@ -203,7 +180,7 @@ class Deployment:
         max_num_batched_tokens: int = 512,
         double_batch_overlap: bool = False,
         prefill_tokens_while_decoding: str = "auto",
-        client_spin_us: str | float = "auto",
+        client_spin_us: str | float | None = None,
         ready_timeout: float = 300.0,
     ) -> None:
         if transport not in ("shm", "tcp"):
@@ -270,8 +247,8 @@ class Deployment:
         self.double_batch_overlap = bool(double_batch_overlap)
         self.prefill_tokens_while_decoding = str(prefill_tokens_while_decoding)
         # ValueError before any process starts
-        self.client_spin_us = parse_client_spin(client_spin_us, expert_servers + attention_clients)
-        if transport != "shm" and str(client_spin_us).strip().lower() != "auto":
+        self.client_spin_us = parse_client_spin(client_spin_us)
+        if transport != "shm" and self.client_spin_us is not None:
             raise ValueError("--client-spin-us acts on --transport shm only")
         self.ready_timeout = ready_timeout
         self.children: list[Child] = []

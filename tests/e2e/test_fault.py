@@ -87,21 +87,6 @@ def _stream(base_url, model_name, prompt_ids, out: dict, started: threading.Even
     out["ids"], out["times"] = ids, times
 
 
-def test_attention_client_blocks_at_once_when_processes_outnumber_cpus(deployment):
-    """serve's ``--client-spin-us auto``: 4 expert servers + 1 attention client on fewer than 5
-    usable CPUs -> the client runs with ``--spin-us 0`` (it blocks at once while it waits for the
-    servers instead of taking a CPU from them); on a larger machine it gets no ``--spin-us``."""
-    from eaas.runtime.serve import usable_cpus
-
-    clients = [c for c in deployment.children.values() if " attention-client " in f" {c} "]
-    assert len(clients) == 1, deployment.children
-    argv = clients[0].split()
-    if usable_cpus() < 5:
-        assert argv[argv.index("--spin-us") + 1] == "0", argv
-    else:
-        assert "--spin-us" not in argv, argv
-
-
 def test_kill_expert_server_while_streaming(deployment, model_name, tokenizer, model_dir):
     prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
     refs = reference_generate(model_dir, prompts, MAX_TOKENS)

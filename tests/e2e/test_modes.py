@@ -109,6 +109,25 @@ def test_serve_over_tcp(tokenizer, model_dir, tmp_path):
             shutil.rmtree(sp.run_dir, ignore_errors=True)  # serve had no chance to remove it
 
 
+def test_serve_client_that_blocks_at_once_is_exact(tokenizer, model_dir, tmp_path):
+    """serve --client-spin-us 0: the attention client runs with --spin-us 0 (it never
+    busy-polls for the expert servers' answers) and its greedy tokens are the reference's."""
+    sp = ServeProcess(
+        ["--expert-servers", "2", "--replicas", "1", "--client-spin-us", "0"],
+        tmp_path / "serve.log",
+        free_port(),
+    )
+    sp.start()
+    try:
+        clients = [c for c in descendants(sp.proc.pid).values() if " attention-client " in c]
+        assert len(clients) == 1, clients
+        argv = clients[0].split()
+        assert argv[argv.index("--spin-us") + 1] == "0", argv
+        _check_exact(sp.base_url, tokenizer, model_dir)
+    finally:
+        sp.stop(check=True)
+
+
 def _taken_port():
     """A port held the way an attention client of another ``eaas serve`` holds it (SO_REUSEPORT)."""
     import socket
@@ -134,8 +153,8 @@ def _taken_port():
         (["--dispatch-timeout", "-1"], "--dispatch-timeout must be > 0 seconds"),
         (["--client-threads", "-3"], "'--client-threads'"),
         (["--server-threads", "-1"], "'--server-threads'"),
-        (["--client-spin-us", "fast"], "--client-spin-us must be auto or microseconds >= 0"),
-        (["--client-spin-us", "-5"], "--client-spin-us must be auto or microseconds >= 0"),
+        (["--client-spin-us", "fast"], "--client-spin-us must be default or microseconds >= 0"),
+        (["--client-spin-us", "-5"], "--client-spin-us must be default or microseconds >= 0"),
         (["--transport", "tcp", "--client-spin-us", "10"], "acts on --transport shm only"),
         # checked against the model's config before any child loads weights
         (["--kv-cache-memory", "1KiB"], "--kv-cache-memory 1024 B is below one sequence"),
@@ -185,19 +204,16 @@ def test_attention_client_rejects_a_dispatch_timeout_not_above_zero(value):
     assert "ready on" not in out, out
 
 
-def test_client_spin_default_blocks_only_on_oversubscribed_cpus():
-    """serve's --client-spin-us auto: the attention clients block at once (0) when the expert
-    servers and clients outnumber the CPUs, else the transport's busy-poll (None); a number is
-    taken as given."""
-    from eaas.runtime.serve import client_spin_default, parse_client_spin, usable_cpus
+def test_parse_client_spin():
+    """serve's --client-spin-us: "default" (or None) leaves the transport's busy-poll, a number
+    of microseconds >= 0 is passed on (0: block at once), anything else is an error naming it."""
+    from eaas.runtime.serve import parse_client_spin
 
-    assert client_spin_default(5, 2) == 0.0  # 4 servers + 1 client on 2 cores
-    assert client_spin_default(5, 16) is None
-    assert client_spin_default(2, 2) is None
-    assert parse_client_spin("auto", 3) == client_spin_default(3, usable_cpus())
-    assert parse_client_spin(" AUTO ", 10_000) == 0.0
-    assert parse_client_spin("0", 1) == 0.0
-    assert parse_client_spin(150, 1) == 150.0
-    for bad in ("x", "-1", "nan", "inf", None):
+    assert parse_client_spin("default") is None
+    assert parse_client_spin(" DEFAULT ") is None
+    assert parse_client_spin(None) is None
+    assert parse_client_spin("0") == 0.0
+    assert parse_client_spin(150) == 150.0
+    for bad in ("x", "-1", "nan", "inf", "auto"):
         with pytest.raises(ValueError, match="--client-spin-us"):
-            parse_client_spin(bad, 1)  # type: ignore[arg-type]
+            parse_client_spin(bad)
