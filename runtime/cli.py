@@ -500,8 +500,8 @@ def attention_client(
         min=0,
         help="shm / cudaipc: busy-poll for an expert server's answer at least this many "
         "microseconds before blocking (default 80; longer, up to 2 ms, when recent round trips "
-        "took longer). 0: block at once, never busy-poll (pays on cores oversubscribed by "
-        "other work; docs/serving.md).",
+        "took longer). 0: block at once, never busy-poll (shm; cudaipc keeps its adaptive spin) "
+        "(pays on cores oversubscribed by other work; docs/serving.md).",
     ),
     nvshmem_world: NvshmemWorldOption = None,
     nvshmem_pe: NvshmemPeOption = None,

@@ -201,8 +201,8 @@ def run_attention_client(
             def connect_spin(endpoint: str, server_id: str, **kw):
                 if endpoint.startswith(("unix:", "cudaipc:")):
                     kw["spin_us"] = spin_us
-                    if spin_us == 0:  # block at once: no adaptive spin either
-                        kw["max_spin_us"] = 0.0
+                    if spin_us == 0 and endpoint.startswith("unix:"):
+                        kw["max_spin_us"] = 0.0  # block at once: no adaptive spin either
                 return _default_connect(endpoint, server_id, **kw)
 
             connect_kw["connect"] = connect_spin
