@@ -317,7 +317,7 @@ class ShmClientConnection(SocketClientConnection):
         # validated frame shapes -> slot views, for the mapping ``_plan_slots`` (see _plan)
         self._plans: dict[tuple, tuple] = {}
         self._plan_slots: _Slots | None = None
-        self._resp_n, self._resp_v = -1, None  # the last request's n and its [n, H] output view
+        self._sent: tuple = ()  # the plan (see _plan) of the frame in flight
         self._resp_frame = ResponseFrame(0, 0, STATUS_OK, None)  # what recv returns, refilled
         path = self._socket_path(endpoint)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -352,7 +352,7 @@ class ShmClientConnection(SocketClientConnection):
         return self._slots
 
     def _release_client(self) -> None:
-        self._plans, self._plan_slots, self._resp_v = {}, None, None  # drop views: unmap now
+        self._plans, self._plan_slots, self._sent = {}, None, ()  # drop views: unmap now
         self._resp_frame.output = None
         if self._slots is not None:
             self._slots.release()
@@ -422,41 +422,43 @@ class ShmClientConnection(SocketClientConnection):
                 in flight on this connection.
             PeerDeadError: the server is gone.
 
-        Per frame this is a dictionary look-up of the frame's shapes (validated by
+        Per frame this is one dictionary look-up of the frame's shapes (validated by
         :func:`~eaas.runtime.transport.base.check_request` the first time a shape is seen on
-        the current slot, together with its slot views), one copy per tensor into the slot,
-        one store of the header fields, the counter store and a fence.
+        the current slot, together with its slot views: the frame's *plan*), one copy per
+        tensor into the slot, one store of the header fields and the counter store; after the
+        counter store (off the round trip's critical path) the bookkeeping and a fence.
         """
         if self._outstanding or self._sock is None:
             self._sock_for_send()  # raises FrameError (in flight) / PeerDeadError (closed)
-        h, ex, w, rows = frame.hidden, frame.experts, frame.weights, frame.rows
+        h = frame.hidden
+        ex = frame.experts
+        w = frame.weights
+        rows = frame.rows
         key = (
-            (h.shape, h.dtype, ex.shape, w.shape)
+            (h.shape, ex.shape, w.shape, h.dtype)
             if rows is None
-            else (h.shape, h.dtype, ex.shape, w.shape, rows.shape, rows.dtype)
+            else (h.shape, ex.shape, w.shape, h.dtype, rows.shape, rows.dtype)
         )
-        s = self._slots
-        plan = self._plans.get(key) if s is self._plan_slots else None
-        if plan is None:
+        plan = self._plans.get(key)
+        if plan is None or plan[0] is not self._slots:
             plan = self._plan(frame, key)
-            s = self._slots
-        n, k, vh, ve, vw, vo = plan
-        assert s is not None  # _plan raised PeerDeadError otherwise
+        _, hdr, _, n, k, vh, copy_ex, copy_w, sync, _ = plan
         if n:
             # the one copy of the hidden states: straight from the caller's tensor into the slot
             if rows is None:
                 vh.copy_(h)
             else:
                 torch.index_select(h, 0, rows, out=vh)
-            ve.copy_(ex)
-            vw.copy_(w)
-            s.sync()  # payload before flag
-        hdr = s.req_q
+            copy_ex(ex)
+            copy_w(w)
+            if sync is not None:
+                sync()  # payload before flag (a device payload; host memory needs nothing)
         # header fields [1..6] in one store (one cache-line transfer to the polling server)
         _pack_req(hdr, 8, frame.layer, frame.table_version, n, k, self.client_id, frame.seq)
         self._counter = c = self._counter + 1
         hdr[0] = c  # written last: the ready flag
-        self._resp_n, self._resp_v = n, vo
+        # -- the server may run from here on: bookkeeping below is off the critical path --
+        self._sent = plan
         self._outstanding = True
         self._sent_at = _monotonic()
         _fence_acquire()  # store-load fence between the counter store and the waiting-flag load
@@ -473,13 +475,12 @@ class ShmClientConnection(SocketClientConnection):
                 f"expert server {self.server_id} at {self.endpoint} is gone: {e}"
             ) from None
 
-    def _plan(
-        self, frame: RequestFrame, key: tuple
-    ) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _plan(self, frame: RequestFrame, key: tuple) -> tuple:
         """Validate a frame shape not seen on the current slot, grow the slot if needed, and
-        remember ``(n, k, hidden view [n, H], experts view, weights view, output view [n, H])``
-        under ``key`` (the experts / weights views have the caller's shapes, ``[n, k]`` or
-        ``[n]``). Raises FrameError (shapes / dtype / limits) or PeerDeadError."""
+        remember its plan under ``key``: ``(slots, request header, response header, n, k,
+        hidden view [n, H], experts view .copy_, weights view .copy_, slots.sync or None,
+        output view [n, H])`` (the experts / weights views have the caller's shapes, ``[n, k]``
+        or ``[n]``). Raises FrameError (shapes / dtype / limits) or PeerDeadError."""
         _, rows, ex, _ = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
         n = int(frame.hidden.shape[0]) if rows is None else int(rows.shape[0])
         k = int(ex.shape[1])
@@ -493,12 +494,18 @@ class ShmClientConnection(SocketClientConnection):
         if s is not self._plan_slots or len(self._plans) >= _MAX_PLANS:
             self._plans, self._plan_slots = {}, s  # a new mapping: the old views are stale
         vh, ve, vw = s.req_views(n, k)
+        # the host slot's sync is a no-op: the plan skips the call (a device payload's is not)
+        sync = None if type(s).sync is _Slots.sync else s.sync
         plan = (
+            s,
+            s.req_q,
+            s.resp_q,
             n,
             k,
             vh,
-            ve.view(frame.experts.shape),
-            vw.view(frame.weights.shape),
+            ve.view(frame.experts.shape).copy_,
+            vw.view(frame.weights.shape).copy_,
+            sync,
             s.resp_view(n),
         )
         self._plans[key] = plan
@@ -536,21 +543,20 @@ class ShmClientConnection(SocketClientConnection):
         """
         if not self._outstanding or self._sock is None:
             self._sock_for_recv()  # raises FrameError (nothing in flight) / PeerDeadError
-        s = self._slots
-        assert s is not None  # open (checked above): mapped
-        hdr = s.resp_q
+        plan = self._sent  # the in-flight frame's plan (its slots are the current ones)
+        hdr = plan[2]
         if hdr[0] != self._counter:
             self._wait(deadline)  # PeerDeadError / DeadlineExceeded
         self._outstanding = False
         r = self._resp_frame  # refilled for every response: no allocation per frame
-        r.seq, r.layer, r.status = hdr[5], hdr[1], hdr[2]
-        if r.status == STATUS_OK:
-            n = hdr[3]
-            r.output = self._resp_v if n == self._resp_n else s.resp_view(n)
+        _, r.layer, status, n, ln, r.seq, _, _ = hdr.tolist()  # one read of the header
+        r.status = status
+        if status == STATUS_OK:
+            r.output = plan[9] if n == plan[3] else plan[0].resp_view(n)
             r.message = ""
         else:
             r.output = None
-            r.message = bytes(s.resp_msg[: min(hdr[4], _MSG_BYTES)]).decode("utf-8", "replace")
+            r.message = bytes(plan[0].resp_msg[: min(ln, _MSG_BYTES)]).decode("utf-8", "replace")
         return r
 
     def _wait(self, deadline: float) -> None:
