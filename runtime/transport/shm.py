@@ -153,6 +153,14 @@ class _Slots:
         cap_k: maximum expert entries per token.
     """
 
+    # True where :meth:`sync` is this class's no-op (host memory): the data path skips the call;
+    # a subclass that overrides ``sync`` (a device payload, :mod:`.cuda_ipc`) gets False
+    sync_free = True
+
+    def __init_subclass__(cls, **kw: object) -> None:
+        super().__init_subclass__(**kw)
+        cls.sync_free = cls.sync is _Slots.sync
+
     @staticmethod
     def layout(
         hidden: int, dtype: torch.dtype, cap_tokens: int, cap_k: int
@@ -494,8 +502,7 @@ class ShmClientConnection(SocketClientConnection):
         if s is not self._plan_slots or len(self._plans) >= _MAX_PLANS:
             self._plans, self._plan_slots = {}, s  # a new mapping: the old views are stale
         vh, ve, vw = s.req_views(n, k)
-        # the host slot's sync is a no-op: the plan skips the call (a device payload's is not)
-        sync = None if type(s).sync is _Slots.sync else s.sync
+        sync = None if s.sync_free else s.sync  # host memory: no call at all
         plan = (
             s,
             s.req_q,
@@ -896,7 +903,8 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
                     status = STATUS_BAD_FRAME
                     text = f"server output {tuple(out.shape)} does not fit the response: {e}"
                 else:
-                    s.sync()  # payload before flag
+                    if not s.sync_free:
+                        s.sync()  # payload before flag (a device payload)
             ln = 0
         else:
             text = frame.message
