@@ -450,7 +450,7 @@ class ShmClientConnection(SocketClientConnection):
         plan = self._plans.get(key)
         if plan is None or plan[0] is not self._slots:
             plan = self._plan(frame, key)
-        _, hdr, _, n, k, vh, copy_ex, copy_w, sync, _ = plan
+        _, hdr, _, n, k, vh, copy_ex, copy_w, sync, _, cid = plan
         if n:
             # the one copy of the hidden states: straight from the caller's tensor into the slot
             if rows is None:
@@ -462,7 +462,7 @@ class ShmClientConnection(SocketClientConnection):
             if sync is not None:
                 sync()  # payload before flag (a device payload; host memory needs nothing)
         # header fields [1..6] in one store (one cache-line transfer to the polling server)
-        _pack_req(hdr, 8, frame.layer, frame.table_version, n, k, self.client_id, frame.seq)
+        _pack_req(hdr, 8, frame.layer, frame.table_version, n, k, cid, frame.seq)
         self._counter = c = self._counter + 1
         hdr[0] = c  # written last: the ready flag
         # -- the server may run from here on: bookkeeping below is off the critical path --
@@ -487,8 +487,9 @@ class ShmClientConnection(SocketClientConnection):
         """Validate a frame shape not seen on the current slot, grow the slot if needed, and
         remember its plan under ``key``: ``(slots, request header, response header, n, k,
         hidden view [n, H], experts view .copy_, weights view .copy_, slots.sync or None,
-        output view [n, H])`` (the experts / weights views have the caller's shapes, ``[n, k]``
-        or ``[n]``). Raises FrameError (shapes / dtype / limits) or PeerDeadError."""
+        output view [n, H], client id)`` (the experts / weights views have the caller's
+        shapes, ``[n, k]`` or ``[n]``). Raises FrameError (shapes / dtype / limits) or
+        PeerDeadError."""
         _, rows, ex, _ = check_request(frame, hidden_size=self.hidden_size, dtype=self.dtype)
         n = int(frame.hidden.shape[0]) if rows is None else int(rows.shape[0])
         k = int(ex.shape[1])
@@ -514,6 +515,7 @@ class ShmClientConnection(SocketClientConnection):
             vw.view(frame.weights.shape).copy_,
             sync,
             s.resp_view(n),
+            self.client_id,
         )
         self._plans[key] = plan
         return plan
@@ -883,14 +885,13 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
         """
         if not isinstance(conn, _ServerConn):
             conn = self._own(conn)  # TypeError for a handle that is no connection at all
-        if self._conns.get(conn.fileno) is not conn:
-            return  # dropped (dead client) or not ours
         s = conn.slots
-        if s is None:
-            return
+        if s is None or self._conns.get(conn.fileno) is not conn:
+            return  # dropped (dead client) or not ours
         hdr = s.resp_q
-        status, out = frame.status, frame.output
-        text: str | None = None  # error message
+        status = frame.status
+        out = frame.output
+        n = ln = 0
         if status == STATUS_OK and out is not None:
             n = out.shape[0]
             if n:
@@ -901,17 +902,17 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
                     v.copy_(out)
                 except RuntimeError as e:  # wrong shape or more rows than the slot holds
                     status = STATUS_BAD_FRAME
-                    text = f"server output {tuple(out.shape)} does not fit the response: {e}"
+                    n, ln = (
+                        0,
+                        self._message(
+                            s, f"server output {tuple(out.shape)} does not fit the response: {e}"
+                        ),
+                    )
                 else:
                     if not s.sync_free:
                         s.sync()  # payload before flag (a device payload)
-            ln = 0
-        else:
-            text = frame.message
-        if text is not None:
-            raw = text.encode("utf-8")[:_MSG_BYTES]
-            s.resp_msg[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-            n, ln = 0, len(raw)
+        elif frame.message:
+            ln = self._message(s, frame.message)
         # header fields [1..5] in one store (one cache-line transfer to the spinning client)
         _pack_resp(hdr, 8, frame.layer, status, n, ln, frame.seq)
         hdr[0] = conn.last_seen  # written last: done flag, echoes the request counter
@@ -926,6 +927,14 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
             pass  # client has unread doorbells; it will wake
         except OSError:
             self._drop(conn)
+
+    @staticmethod
+    def _message(s: _Slots, text: str) -> int:
+        """Write an error message (utf-8, cut at ``_MSG_BYTES``) into the response slot;
+        returns its length in bytes."""
+        raw = text.encode("utf-8")[:_MSG_BYTES]
+        s.resp_msg[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        return len(raw)
 
     def _after_close(self) -> None:
         if os.getpid() == self._owner_pid:  # a forked child must not unlink its parent's path
