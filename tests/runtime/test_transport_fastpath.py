@@ -18,6 +18,7 @@ from test_transport import KINDS, _endpoint, _frame, connect
 
 from eaas.runtime.transport.base import (
     STATUS_BAD_FRAME,
+    STATUS_NOT_HOSTED,
     STATUS_OK,
     FrameError,
     RequestFrame,
@@ -174,6 +175,45 @@ def test_server_output_that_does_not_fit_is_an_error_response(kind, tmp_path):
         r = c.recv(time.monotonic() + 10)
         assert r.status == STATUS_OK and r.seq == 7
         torch.testing.assert_close(r.output, f0.hidden * 2)
+    finally:
+        c.close()
+        lst.close()
+
+
+@pytest.mark.parametrize("kind", SHM_KINDS)
+def test_error_status_carries_its_message_and_the_next_frame_is_ok(kind, tmp_path):
+    """An error response (STATUS_NOT_HOSTED) reaches the client with its status, seq and utf-8
+    message (a message longer than the slot's 1024 bytes is cut there) and no output; the frames
+    after it on the same connection are answered normally."""
+    ep = _endpoint(kind, tmp_path)
+    lst = listen(ep, hidden_size=HIDDEN, dtype=torch.float32)
+    client: dict = {}
+
+    def open_client():
+        client["c"] = connect(lst.endpoint, "s", hidden_size=HIDDEN, dtype=torch.float32)
+
+    t = threading.Thread(target=open_client)
+    t.start()
+    deadline = time.monotonic() + 20
+    while t.is_alive() and time.monotonic() < deadline:
+        lst.poll(0.05)  # answers the hello
+    t.join()
+    c = client["c"]
+    try:
+        for seq, msg in enumerate(["expert 7 is not hosted here (ü)", "x" * 3000]):
+            c.send(_frame(2, 2, seq=seq))
+            (conn, f), *_ = lst.poll(10)
+            lst.respond(conn, ResponseFrame(f.seq, f.layer, STATUS_NOT_HOSTED, None, msg))
+            r = c.recv(time.monotonic() + 10)
+            assert (r.status, r.seq, r.output) == (STATUS_NOT_HOSTED, seq, None)
+            assert r.message == msg[:1024]
+        f0 = _frame(2, 2, seq=5)
+        c.send(f0)
+        (conn, f), *_ = lst.poll(10)
+        lst.respond(conn, ResponseFrame(f.seq, f.layer, STATUS_OK, f.hidden + 1))
+        r = c.recv(time.monotonic() + 10)
+        assert (r.status, r.seq, r.message) == (STATUS_OK, 5, "")
+        torch.testing.assert_close(r.output, f0.hidden + 1)
     finally:
         c.close()
         lst.close()
