@@ -338,6 +338,136 @@ def _run(proto, conns, h, ex, w, bar, kind: str, iters: int) -> list[float]:
     return measure_transport(conns[kind], h, ex, w, iters, bar)
 
 
+SEGMENTS = ("frame", "send", "poll", "resp frame", "respond", "recv", "copy out")
+
+
+def profile_segments(
+    n: int, hidden: int, k: int, dtype: torch.dtype, rounds: int, ref_module=None
+) -> dict[str, dict[str, list[int]]]:
+    """Where a round trip's time goes, in one process (no waiting, no cross-CPU traffic): each
+    step of a round trip timed with ``perf_counter_ns`` around it, for the prototype's steps
+    (its three copies and counter store as "send", the server's copy and stores as "respond",
+    the copy out) and shm's (the caller's ``RequestFrame``, ``send``, ``poll(0)``, the echo's
+    ``ResponseFrame``, ``respond``, ``recv``, the copy out); ``rounds`` rounds of 100 round
+    trips, the kinds interleaved round by round.
+
+    Returns:
+        kind -> segment name (:data:`SEGMENTS`) -> per-call nanoseconds (``rounds * 100``).
+    """
+    import threading
+
+    from eaas.runtime.transport import shm
+    from eaas.runtime.transport.base import STATUS_OK, RequestFrame, ResponseFrame
+
+    mods = {"shm": shm} | ({"ref": ref_module} if ref_module is not None else {})
+    h = torch.randn(n, hidden).to(dtype)
+    ex = torch.randint(0, 256, (n, k), dtype=torch.int32)
+    w = torch.rand(n, k)
+    out = torch.empty_like(h)
+    pc = time.perf_counter_ns
+    pairs, tmp = {}, tempfile.mkdtemp(prefix="eaas-prof-")
+    for name, mod in mods.items():
+        lst = mod.ShmServerListener(
+            f"unix:{tmp}/{name}.sock", hidden_size=hidden, dtype=dtype, spin_us=0
+        )
+        box: list = []
+        t = threading.Thread(
+            target=lambda m=mod, e=lst.endpoint, b=box: b.append(
+                m.ShmClientConnection(
+                    e, "p", hidden_size=hidden, dtype=dtype, max_tokens=n, max_k=k, spin_us=0
+                )
+            )
+        )
+        t.start()
+        while t.is_alive():
+            lst.poll(0.01)  # answers the hello
+        pairs[name] = (box[0], lst)
+    proto = _Proto(n, hidden, k, dtype)
+    flags = proto.flags
+
+    def run_proto(acc: dict[str, list[int]], iters: int) -> None:
+        for i in range(iters):
+            t0 = pc()
+            proto.req.copy_(h)
+            proto.experts.copy_(ex)
+            proto.weights.copy_(w)
+            _pack_req(flags, 8, 0, 1, n, k, 1, i)
+            flags[0] = i
+            t1 = pc()
+            c, layer, _v, n_, _k, _cid, seq, _ = proto.req_hdr.tolist()
+            t2 = pc()
+            proto.resp.copy_(proto.req)
+            _pack_resp(flags, 72, layer, 0, n_, 0, seq)
+            flags[8] = c
+            t3 = pc()
+            _, _layer, status, _n, _ln, _seq, _, _ = proto.resp_hdr.tolist()
+            t4 = pc()
+            out.copy_(proto.resp)
+            t5 = pc()
+            for name, a, b in (
+                ("send", t0, t1),
+                ("poll", t1, t2),
+                ("respond", t2, t3),
+                ("recv", t3, t4),
+                ("copy out", t4, t5),
+            ):
+                acc[name].append(b - a)
+
+    def run_shm(c, lst, acc: dict[str, list[int]], iters: int) -> None:
+        mono = time.monotonic
+        for i in range(iters):
+            t0 = pc()
+            f = RequestFrame(1, 0, 1, i, h, ex, w)
+            t1 = pc()
+            c.send(f)
+            t2 = pc()
+            ((conn, g),) = lst.poll(0)
+            t3 = pc()
+            rf = ResponseFrame(g.seq, g.layer, STATUS_OK, g.hidden)
+            t4 = pc()
+            lst.respond(conn, rf)
+            t5 = pc()
+            r = c.recv(mono() + 10)
+            t6 = pc()
+            out.copy_(r.output)
+            t7 = pc()
+            for name, a, b in zip(
+                SEGMENTS, (t0, t1, t2, t3, t4, t5, t6), (t1, t2, t3, t4, t5, t6, t7), strict=True
+            ):
+                acc[name].append(b - a)
+
+    res = {kind: {s: [] for s in SEGMENTS} for kind in ["proto", *pairs]}
+    try:
+        for _ in range(rounds):
+            run_proto(res["proto"], 100)
+            for name, (c, lst) in pairs.items():
+                run_shm(c, lst, res[name], 100)
+    finally:
+        for c, lst in pairs.values():
+            c.close()
+            lst.close()
+        proto.client_sock.close()
+        proto.server_sock.close()
+        if not os.listdir(tmp):
+            os.rmdir(tmp)
+    return res
+
+
+def _print_profile(res: dict[str, dict[str, list[int]]], label: str) -> None:
+    """Per-call p10 / p50 of every segment in microseconds (p10: the cost without preemptions
+    by other work), and their sum."""
+    print(f"\nin-process steps of one round trip, {label} (us; proto: copies and stores only)")
+    print(f"{'kind':<12}" + "".join(f"{s:>11}" for s in SEGMENTS) + f"{'sum':>9}")
+    for q in (0.1, 0.5):
+        for kind, segs in res.items():
+            v = [(_pct(segs[s], q) if segs[s] else 0) / 1000 for s in SEGMENTS]
+            print(
+                f"{kind + f' p{int(q * 100)}':<12}"
+                + "".join(f"{x:>11.2f}" for x in v)
+                + f"{sum(v):>9.2f}"
+            )
+
+
 def _cpus(spec: str) -> tuple[int | None, int | None]:
     """``--cpus`` -> ``(client CPU, server CPU)``; ``(None, None)`` for no pinning.
 
@@ -420,6 +550,14 @@ def main() -> None:
     ap.add_argument(
         "--target", type=float, default=1.2, help="the verdict's limit on shm's p50 ratio"
     )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        metavar="ROUNDS",
+        default=0,
+        help="instead of the round trips: time each step of a round trip in one process "
+        "(ROUNDS rounds of 100, the kinds interleaved) and print per-step p10 / p50",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads in the client (copies)")
     ap.add_argument(
         "--cpus",
@@ -458,6 +596,12 @@ def main() -> None:
         if (dt or "bfloat16") not in DTYPES:
             raise SystemExit(f"--payload {spec!r}: dtype must be one of {sorted(DTYPES)}")
         payloads.append((n, hdim, dt or "bfloat16"))
+    if a.profile > 0:
+        for n, hdim, dt in payloads:
+            res = profile_segments(n, hdim, a.k, DTYPES[dt], a.profile, ref)
+            _print_profile(res, f"{n}x{hdim} {dt}, k={a.k}, {a.profile * 100} round trips")
+        print(f"load average {os.getloadavg()[0]:.1f}")
+        return
     kinds = ["proto", "shm"] + (["ref"] if ref else []) + (["tcp"] if a.tcp else [])
     per_block = max(1, a.iters // a.blocks)
     # (payload, kind) -> one list of latencies (seconds) per block

@@ -73,3 +73,16 @@ def test_bad_options_exit_naming_the_option(args, names):
     )
     assert p.returncode != 0
     assert names in p.stderr, p.stderr
+
+
+def test_profile_times_every_step_of_every_kind(tmp_path):
+    ref_path = tmp_path / "shm_ref.py"
+    ref_path.write_text((ROOT / "runtime" / "transport" / "shm.py").read_text())
+    ref = transport_bench._load_module(str(ref_path))
+    res = transport_bench.profile_segments(2, 64, 4, transport_bench.torch.float32, 2, ref)
+    assert set(res) == {"proto", "shm", "ref"}
+    for kind in ("shm", "ref"):
+        for seg in transport_bench.SEGMENTS:
+            assert len(res[kind][seg]) == 200 and min(res[kind][seg]) > 0, (kind, seg)
+    # the prototype has no frame objects: only its copies and stores are timed
+    assert res["proto"]["frame"] == [] and len(res["proto"]["send"]) == 200
