@@ -10,51 +10,41 @@ and a round trip then costs context switches, which swamps what is measured here
 
 * ``proto``: the floor -- two processes (the server a fork of the client), one shared buffer
   holding what a frame holds (``[n, H]`` rows, ``[n, k]`` int32 experts and float32 weights,
-  the ``[n, H]`` response) and a counter flag each way. The same wait policy as shm: the client
-  spins at least ``--spin-us`` and up to 1.5x its recent round trip (at most 2 ms) with
-  ``sched_yield``, the server spins ``--spin-us``; then a side sets its waiting flag, fences and
-  blocks on a doorbell socket, and the other rings it only when that flag is set. Per round
-  trip the client copies its three tensors in, the server copies the rows to the response, the
-  client copies them out, each a ``Tensor.copy_`` as in shm. Nothing else: no validation, no
-  header fields, no frame objects, no liveness checks.
+  the ``[n, H]`` response) and two header lines laid out as shm's (a counter, the header fields
+  and a waiting flag each way). The same wait policy as shm: the client spins at least
+  ``--spin-us`` and up to 1.5x its recent round trip (at most 2 ms) with ``sched_yield``, the
+  server spins ``--spin-us``; then a side sets its waiting flag, fences and blocks on a
+  doorbell socket, and the other rings it only when that flag is set. Per round trip the client
+  copies its three tensors in and stores the request header (one ``pack_into``) and counter,
+  the server reads the header (one ``tolist``), copies the rows to the response and stores the
+  response header and counter, the client reads that header and copies the rows out; each copy
+  a ``Tensor.copy_`` as in shm. Nothing else: no validation, no frame objects, no liveness
+  checks.
 * ``shm``: :mod:`eaas.runtime.transport.shm` through its public interface (a new
   :class:`RequestFrame` per ``send``, ``recv``, the echo server's ``poll`` / ``respond`` with a
   new :class:`ResponseFrame`; output copied out).
+* ``ref`` (``--ref-shm FILE``): the same for another copy of ``shm.py`` (an older version), in
+  the same run.
 * ``tcp``: :mod:`eaas.runtime.transport.tcp` over loopback (``--tcp``).
 
-Reports p50 / p99 / mean in microseconds, each transport's ratio to ``proto`` and the spread
-(quartiles) of the per-block p50 ratio, which says how stable the median is (target for shm:
-within 1.2x at 1 and 64 tokens).
+Reports p50 / p99 / mean in microseconds, each transport's ratio to ``proto``, the spread
+(quartiles) of the per-block p50 and p99 ratios, and a verdict: the median of the per-block p50
+ratios against ``--target`` (1.2, issue 8 item 4, at 1 and 64 tokens). ``--profile ROUNDS``
+instead times each step of a round trip in one process (where the time goes).
 
     python bench/transport_bench.py                         # 1x7168 and 64x7168 bf16
+    git show main:runtime/transport/shm.py > /tmp/shm_main.py
+    python bench/transport_bench.py --ref-shm /tmp/shm_main.py   # old and new side by side
+    python bench/transport_bench.py --profile 60 --payload 1x7168:bfloat16
     python bench/transport_bench.py --iters 3000 --tcp --payload 128x7168:bfloat16
 
-Measured 2026-11-30 on the shared 2-core dev machine (KVM, AVX2 + AVX-512, load average 4-6.5
-from other work: the p99 are that load, ms-long preemptions of a pinned process, in both kinds
-alike); p50 of 4000 round trips per kind in 20 interleaved blocks, six runs. "main" is the shm
-code before issue 8 item 4 (edd84d5), measured with this same bench in alternating runs, and
-twice in the same run as a third kind:
-
-=================  ==================================  ==================================
-payload            shm main / proto                    shm now / proto
-=================  ==================================  ==================================
-1 x 7168 bf16      1.57-1.80x                          1.28-1.44x (15.4-18.3 / 11.4-13.8 us)
-                   same run: 22.3 vs 17.8 us (proto    p99 ratio 1.2-1.8x (load)
-                   12.4)
-64 x 7168 bf16     1.18-1.32x                          1.01-1.08x at load 4-5 (296-352 us);
-                                                       1.12-1.34x at load 5.5-6.5 (per-block
-                                                       0.97-1.67: both kinds block and wake)
-=================  ==================================  ==================================
-
-The issue's 2.9x at one token (and this file's earlier 2.9x / 1.30x) came from the earlier bench:
-unpinned processes and a prototype that moved only the hidden rows and never blocked.
-
-What is left at one token, on the critical path: about 3 us of per-frame Python on both sides
-(in one process, with the copies taken out: ``send`` 1.5 us of which 0.65 us is reading the
-four shapes and dtype that pick the frame's validated slot views, the server's frame 0.55 us,
-``respond`` 1 us, ``recv`` 0.2 us, the caller's two frame objects 0.4 us) over a prototype
-round trip of about 11 us, of which the five ``copy_`` calls are ~6 us. At 64 tokens the
-copies dominate.
+Measured 2026-11-30 10:42-10:48 UTC on the shared 2-core dev machine at load 7.7-13 (four runs,
+the code before this session as ``ref``; tables in docs/serving.md, "Transport round trip"):
+one token 1.21-1.39x (shm 13.8-19.6 us, prototype 11.3-15.6 us; ``ref`` within 0.04x of shm in
+every run), 64 tokens 1.01-1.35x. In one process shm adds ~3.8 us to the prototype's ~5.9 us of
+copies and stores, and even a copy of shm stripped of its guards, liveness and fences keeps
+~2.8 us (shape reads, frame objects, headers, hand-off): about 1.24x at one token, so 1.2x
+there needs fewer frames or a compiled data path, not more trimming of per-frame Python.
 """
 
 from __future__ import annotations
