@@ -62,6 +62,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -426,7 +427,9 @@ def profile_segments(
             ):
                 acc[name].append(b - a)
 
-    res = {kind: {s: [] for s in SEGMENTS} for kind in ["proto", *pairs]}
+    res: dict[str, dict[str, list[int]]] = {
+        kind: {s: [] for s in SEGMENTS} for kind in ["proto", *pairs]
+    }
     try:
         for _ in range(rounds):
             run_proto(res["proto"], 100)
@@ -478,7 +481,7 @@ def _cpus(spec: str) -> tuple[int | None, int | None]:
     return c, srv
 
 
-def _pct(xs: list[float], q: float) -> float:
+def _pct(xs: Sequence[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
 
@@ -614,6 +617,7 @@ def main() -> None:
                     procs.append(p)
                     kw = dict(hidden_size=hdim, dtype=dtype, max_tokens=n, max_k=a.k)
                     if kind == "ref":
+                        assert ref is not None
                         conns[kind] = ref.ShmClientConnection(ep, "echo", spin_us=a.spin_us, **kw)
                     else:
                         conns[kind] = connect(ep, "echo", spin_us=a.spin_us, **kw)

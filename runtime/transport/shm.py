@@ -883,10 +883,10 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
         ``frame.output``: ``[n, H]`` in the connection dtype (ignored unless status is OK).
         A dead or vanished client is dropped silently.
         """
-        if not isinstance(conn, _ServerConn):
-            conn = self._own(conn)  # TypeError for a handle that is no connection at all
-        s = conn.slots
-        if s is None or self._conns.get(conn.fileno) is not conn:
+        # TypeError (from _own) for a handle that is no connection at all
+        c = conn if isinstance(conn, _ServerConn) else self._own(conn)
+        s = c.slots
+        if s is None or self._conns.get(c.fileno) is not c:
             return  # dropped (dead client) or not ours
         hdr = s.resp_q
         status = frame.status
@@ -915,18 +915,18 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
             ln = self._message(s, frame.message)
         # header fields [1..5] in one store (one cache-line transfer to the spinning client)
         _pack_resp(hdr, 8, frame.layer, status, n, ln, frame.seq)
-        hdr[0] = conn.last_seen  # written last: done flag, echoes the request counter
-        conn.in_flight = False
+        hdr[0] = c.last_seen  # written last: done flag, echoes the request counter
+        c.in_flight = False
         _fence_acquire()  # store-load fence between the counter store and the waiting-flag load
         _fence_release()
         if not hdr[7]:
             return  # the client is spinning: no doorbell needed
         try:
-            conn.sock.send(_DOORBELL)
+            c.sock.send(_DOORBELL)
         except (BlockingIOError, InterruptedError):
             pass  # client has unread doorbells; it will wake
         except OSError:
-            self._drop(conn)
+            self._drop(c)
 
     @staticmethod
     def _message(s: _Slots, text: str) -> int:
