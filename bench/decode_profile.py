@@ -549,9 +549,14 @@ def dtypes_compare(args) -> int:
                 + (f"{1000 * sv / n:12.2f}" if engines[k][1] else f"{'-':>12s}")
             )
         singles = [k for k in engines if k.endswith("(single)")]
-        ops = {k: _op_table(engines[k][0], args.steps) for k in singles}
+        ops: dict[str, dict[str, float]] = {k: {} for k in singles}
+        for _ in range(args.rounds):  # alternating too: the load hits every variant alike
+            for k in singles:
+                for o, ms in _op_table(engines[k][0], args.steps).items():
+                    ops[k][o] = ops[k].get(o, 0.0) + ms / args.rounds
         print(
-            "\ntorch.profiler, single process, self CPU ms per decode step (with profiling overhead)"
+            "\ntorch.profiler, single process, self CPU ms per decode step (with profiling "
+            "overhead; alternating rounds)"
         )
         print(f"{'op class':40s} " + " ".join(f"{k.split(' (')[0]:>18s}" for k in singles))
         for label, names in _OP_CLASSES:
