@@ -273,7 +273,7 @@ def _with_compute_dtype(
     storage dtype (KV cache) as ``model.eaas_storage_dtype``."""
     if compute_dtype is not None and compute_dtype != dtype:
         model.to(compute_dtype)  # bf16 -> fp32 is exact: the same weight values
-    model.eaas_storage_dtype = dtype
+    model.__dict__["eaas_storage_dtype"] = dtype  # a plain attribute, not a module or tensor
     return model
 
 

@@ -59,7 +59,7 @@ class ComputeChoice:
 
     def as_dict(self) -> dict:
         """JSON-able summary (``/health``'s ``compute``)."""
-        out = {
+        out: dict[str, object] = {
             "dtype": _name(self.storage_dtype),
             "compute_dtype": _name(self.compute_dtype),
             "cpu_bf16_compute": self.policy,
