@@ -132,6 +132,8 @@ class Deployment:
         transport: ``"shm"`` (Unix socket + memfd shared memory) or ``"tcp"``.
         dispatch_timeout: clients' per-round deadline in seconds.
         dtype: activation/weight dtype of every process.
+        cpu_bf16_compute: every process's ``--cpu-bf16-compute`` (``auto``, ``native``,
+            ``fp32``; :mod:`eaas.runtime.models.compute`): each process decides for itself.
         client_threads / server_threads: torch intra-op threads per process.
         client_device: attention clients' ``--device`` (auto, cpu, cuda, cuda:N).
         server_device: expert servers' ``--device`` (default cpu: the CPU path, unchanged).
@@ -154,6 +156,7 @@ class Deployment:
         transport: str = "shm",
         dispatch_timeout: float = 5.0,
         dtype: str = "float32",
+        cpu_bf16_compute: str = "auto",
         client_threads: int = 1,
         server_threads: int = 1,
         client_device: str = "auto",
@@ -170,6 +173,9 @@ class Deployment:
             raise ValueError("--attention-clients must be >= 1")
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
+        from eaas.runtime.models.compute import check_policy
+
+        check_policy(cpu_bf16_compute)  # ValueError before any process starts
         if not 1 <= port <= 65535:
             raise ValueError(f"--port must be in 1..65535, got {port}")
         kv_bytes = None
@@ -220,6 +226,7 @@ class Deployment:
         self.transport = transport
         self.dispatch_timeout = dispatch_timeout
         self.dtype = dtype
+        self.cpu_bf16_compute = cpu_bf16_compute
         self.client_threads, self.server_threads = client_threads, server_threads
         self.client_device = client_device
         self.server_device = server_device
@@ -307,6 +314,8 @@ class Deployment:
                     ep,
                     "--dtype",
                     self.dtype,
+                    "--cpu-bf16-compute",
+                    self.cpu_bf16_compute,
                     "--threads",
                     str(self.server_threads),
                     "--device",
@@ -330,6 +339,8 @@ class Deployment:
                     str(self.dispatch_timeout),
                     "--dtype",
                     self.dtype,
+                    "--cpu-bf16-compute",
+                    self.cpu_bf16_compute,
                     "--reuse-port",
                     "--threads",
                     str(self.client_threads),
