@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -200,3 +201,100 @@ def test_expert_server_help_names_the_threads_default_once():
     i = next(i for i, x in enumerate(lines) if "--threads" in x)
     entry = " ".join(lines[i : i + 2])  # the help text, then typer's "[default: ...]" line
     assert "(default 1)" not in entry and entry.count("default: 1") == 1, entry
+
+
+def _serve_in(tmp: Path, log_path: Path) -> subprocess.Popen:
+    """``eaas serve`` (2 expert servers) whose temp dir, and so run dir, is under ``tmp``."""
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    argv = ["serve", "--port", str(free_port()), "--expert-servers", "2", "--replicas", "1"]
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "eaas", *argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+
+
+def _wait_for_run_dir(tmp: Path, proc: subprocess.Popen, log_path: Path, known=()) -> Path:
+    """The new run dir under ``tmp`` once serve wrote its owner file (start-up under way)."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        new = [d for d in tmp.glob("eaas-serve-*") if d not in known and (d / "owner").exists()]
+        if new:
+            return new[0]
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        time.sleep(0.05)
+    raise AssertionError(f"no run dir after 240 s:\n{log_path.read_text()[-3000:]}")
+
+
+def test_stale_run_dirs_are_those_whose_owner_is_gone(tmp_path):
+    """Only run dirs whose owner file names a process that is gone are stale: a dead pid or a
+    pid reused by another process (other start time); a live owner, a dir without an owner
+    file (a serve that just created it) and other names are kept."""
+    from eaas.runtime.serve import _proc_start_ticks, remove_stale_run_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    me = os.getpid()
+    ticks = _proc_start_ticks(me)
+    assert ticks is not None
+    owners = {
+        "eaas-serve-dead": f"{gone.pid} 1\n",
+        "eaas-serve-reused": f"{me} {ticks + 1}\n",
+        "eaas-serve-live": f"{me} {ticks}\n",
+        "eaas-serve-live-old-format": f"{me}\n",
+        "eaas-serve-garbage": "not a pid\n",
+        "other-dead": f"{gone.pid} 1\n",
+    }
+    for name, text in owners.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "owner").write_text(text)
+    (tmp_path / "eaas-serve-no-owner").mkdir()
+    removed = remove_stale_run_dirs(tmp_path)
+    assert sorted(d.name for d in removed) == ["eaas-serve-dead", "eaas-serve-reused"]
+    assert sorted(d.name for d in tmp_path.iterdir()) == [
+        "eaas-serve-garbage",
+        "eaas-serve-live",
+        "eaas-serve-live-old-format",
+        "eaas-serve-no-owner",
+        "other-dead",
+    ]
+
+
+def test_sigkilled_serve_leaves_a_run_dir_the_next_start_removes_and_sigterm_in_start_up(tmp_path):
+    """A SIGKILLed serve cannot remove its run dir; the next serve removes it at start (and
+    keeps a live serve's). SIGTERM during that serve's start-up is reported as an interruption
+    by SIGTERM (not as a failed start-up), stops what started, removes its run dir and exits
+    143 (128 + SIGTERM)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    live = tmp / "eaas-serve-live"  # a serve still running (this test process stands in)
+    live.mkdir()
+    (live / "owner").write_text(f"{os.getpid()}\n")
+    first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
+    first = _serve_in(tmp, first_log)
+    try:
+        stale = _wait_for_run_dir(tmp, first, first_log, known=[live])
+    finally:
+        first.kill()
+        first.wait(60)
+    assert stale.exists()  # SIGKILL: no cleanup ran
+    second = _serve_in(tmp, second_log)
+    try:
+        run_dir = _wait_for_run_dir(tmp, second, second_log, known=[live, stale])
+        second.send_signal(signal.SIGTERM)
+        rc = second.wait(120)
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait(60)
+    log = second_log.read_text()
+    assert rc == 128 + signal.SIGTERM, log[-3000:]
+    assert not re.search(r"^serving \S+ on http://", log, re.M), log[-3000:]  # start-up it was
+    assert "interrupted by SIGTERM during start-up" in log, log[-3000:]
+    assert "start-up failed" not in log and "Traceback" not in log, log[-3000:]
+    assert f"removed 1 run directory of serve processes that are gone: {stale}" in log, log
+    assert not stale.exists() and not run_dir.exists() and live.exists()
