@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_runs import run_eaas_all
 
 from eaas import __version__
 from eaas.text import printable
@@ -129,24 +130,12 @@ def test_bad_endpoints_and_tables_exit_2_naming_the_flag(tmp_path):
             "not valid JSON",
         ),
     ]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "eaas", *argv],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for argv, _, _ in cases
-    ]
     try:
-        for (argv, flag, needle), p in zip(cases, procs, strict=True):
-            out, _ = p.communicate(timeout=240)
-            assert p.returncode == 2, (argv, out)
-            assert flag in out and needle in out, (argv, out)
-            assert "Traceback" not in out, (argv, out)
-        assert not (tmp_path / "no").exists()  # a typo creates no directory tree
+        results = run_eaas_all([argv for argv, _, _ in cases])
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
         taken.close()
+    for (argv, flag, needle), (code, out) in zip(cases, results, strict=True):
+        assert code == 2, (argv, out)
+        assert flag in out and needle in out, (argv, out)
+        assert "Traceback" not in out, (argv, out)
+    assert not (tmp_path / "no").exists()  # a typo creates no directory tree
