@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2e_helpers import ServeProcess, alive, free_port
+from e2e_helpers import ServeProcess, alive, free_port, sigterm_and_wait
 
 pytestmark = pytest.mark.e2e
 
@@ -100,12 +100,7 @@ def local_client(tmp_path_factory):
         assert "ready on" in line, (line, log_path.read_text()[-2000:])
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
+        rc = sigterm_and_wait(proc, 60)
         proc.stdout.close()
         log.close()
     assert rc == 0
