@@ -71,16 +71,29 @@ def apply_crds() -> None:
 def wait_namespaces_deleted(timeout: float = 180.0) -> None:
     """Wait until the namespaces being deleted hold no pod, ExpertPool or AttentionFleet any
     more: their processes are gone (GPUs and pod IPs free) and the pools' finalizers were
-    removed by the operator (call it while the operator still runs). The namespace objects
-    themselves finish later without the operator. The ``cluster`` tier shares one testbed
+    removed by the operator (call it while the operator still runs). It deletes their pools
+    and fleets itself first (the namespace controller would, ~10 s later). The namespace
+    objects themselves finish later without the operator. The ``cluster`` tier shares one testbed
     between modules, so a module leaves nothing running for the next."""
 
-    def emptied():
-        terminating = {
+    def terminating_namespaces() -> set[str]:
+        return {
             n["metadata"]["name"]
             for n in get_json("namespaces")["items"]
             if n["status"].get("phase") == "Terminating"
         }
+
+    # Measured on the testbed: the namespace controller marks the pools and fleets deleted
+    # about 10 s after the pods (meanwhile the pool's daemon tries to re-create its pods and
+    # is refused, 403). Delete them now: the operator drops their finalizers while the pods go
+    # (namespace emptied in ~1 s instead of ~11 s).
+    for ns in sorted(terminating_namespaces()):
+        kubectl(
+            "delete", "expertpools,attentionfleets", "--all", "-n", ns, "--wait=false", check=False
+        )
+
+    def emptied():
+        terminating = terminating_namespaces()
         if not terminating:
             return True
         left = [
