@@ -162,9 +162,10 @@ def test_too_large_body_gets_413_in_openai_shape(local_client):
 
 def test_second_ctrl_c_says_it_kills_now(tmp_path):
     """Ctrl-C starts the graceful stop; a second Ctrl-C prints one line saying it kills the
-    processes now, and they are gone."""
+    processes now, and they are gone (one expert server and one client: the fewest processes
+    that show both roles)."""
     sp = ServeProcess(
-        ["--expert-servers", "2", "--replicas", "1"], tmp_path / "serve.log", free_port()
+        ["--expert-servers", "1", "--replicas", "1"], tmp_path / "serve.log", free_port()
     )
     sp.start()
     kids = dict(sp.children)
@@ -204,10 +205,10 @@ def test_expert_server_help_names_the_threads_default_once():
 
 
 def _serve_in(tmp: Path, log_path: Path) -> subprocess.Popen:
-    """``eaas serve`` (2 expert servers) whose temp dir, and so run dir, is under ``tmp``."""
+    """``eaas serve`` (1 expert server) whose temp dir, and so run dir, is under ``tmp``."""
     env = {**os.environ, "TMPDIR": str(tmp)}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    argv = ["serve", "--port", str(free_port()), "--expert-servers", "2", "--replicas", "1"]
+    argv = ["serve", "--port", str(free_port()), "--expert-servers", "1", "--replicas", "1"]
     with open(log_path, "wb") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "eaas", *argv],
