@@ -21,9 +21,10 @@ What it does:
    a grace period (a second Ctrl-C: at once), remove the run directory (Unix sockets, routing
    table, metrics files). A signal during start-up stops what started and exits with 128 + the
    signal's number. The run directory holds an owner file (pid, start time): a later serve
-   removes the directories whose owner is gone (a SIGKILLed serve cannot). Children get ``PR_SET_PDEATHSIG=SIGKILL`` (set between fork and
-   exec), so they die with serve even if serve is SIGKILLed. Shared memory of the shm
-   transport is memfd-based: nothing in ``/dev/shm``.
+   removes the directories whose owner is gone (a SIGKILLed serve cannot). Children get
+   ``PR_SET_PDEATHSIG=SIGKILL`` (set between fork and exec), so they die with serve even if
+   serve is SIGKILLed. Shared memory of the shm transport is memfd-based: nothing in
+   ``/dev/shm``.
 
 Child output: each child's stdout lines are relayed to serve's stdout prefixed with its name;
 stderr is inherited.
