@@ -152,9 +152,16 @@ class Operator:
         self.log_path = log_path
         self.extra_env = env or {}
         self.proc: subprocess.Popen | None = None
+        self._offset, self._port = 0, 0  # log offset and liveness port of the last spawn
 
     def start(self) -> None:
         """Start it and wait until it serves its liveness probe and watches pools and pods."""
+        self.spawn()
+        self.wait_ready()
+
+    def spawn(self) -> None:
+        """Start the process without waiting (:meth:`wait_ready` waits): several operators
+        start side by side."""
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "a")
         with socket.socket() as s:
@@ -181,6 +188,12 @@ class Operator:
             stderr=subprocess.STDOUT,
             env=env,
         )
+        self._offset, self._port = offset, port
+
+    def wait_ready(self) -> None:
+        """Wait until the spawned operator serves its liveness probe and watches pools and
+        pods (fails with its log if it exits)."""
+        offset, port = self._offset, self._port
 
         def ready():
             assert self.proc is not None
