@@ -282,7 +282,7 @@ def expert_server(
 
 def _check_listen_endpoint(listen: str) -> None:
     """Refuse a malformed ``--listen`` before any weight loads: an unknown scheme, an empty
-    unix path, a tcp endpoint without ``host:port`` or with a port outside 0-65535.
+    unix path or one whose directory does not exist, a tcp endpoint without ``host:port`` or with a port outside 0-65535.
 
     Raises:
         typer.BadParameter: naming ``--listen`` (exit 2).
@@ -301,8 +301,19 @@ def _check_listen_endpoint(listen: str) -> None:
             raise typer.BadParameter(f"--listen: {e}") from None
         if not 0 <= port <= 65535:
             raise typer.BadParameter(f"--listen {listen!r}: port must be 0-65535")
-    elif listen.startswith(("unix:", "cudaipc:")) and not listen.split(":", 1)[1].strip():
-        raise typer.BadParameter(f"--listen {listen!r}: empty socket path")
+    elif listen.startswith(("unix:", "cudaipc:")):
+        path = listen.split(":", 1)[1]
+        if path.startswith("//"):  # unix:///abs/path, as the transport reads it
+            path = path[2:]
+        if not path.strip():
+            raise typer.BadParameter(f"--listen {listen!r}: empty socket path")
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            # the socket's directory is the caller's (serve's run dir, a pod's volume): a typo
+            # must not silently create a directory tree nobody cleans up
+            raise typer.BadParameter(
+                f"--listen {listen!r}: directory {parent} does not exist (create it first)"
+            )
 
 
 def _check_routing_table_file(path: str) -> None:
