@@ -27,12 +27,19 @@ doorbell, O=1 the shared expert computed during the round trip, ``b`` the client
 instead of busy-polling; the main ``remote`` client is ``11`` with the transport's default
 spin; ``00`` is the data path before). ``--slice-us US``: the remote engine once more, with a
 short scheduler slice (``set_sched_slice``) on the client and the servers during its blocks.
+``--dtypes-compare``: the paged engine in float32, in bfloat16 computing natively and in
+bfloat16 computing in float32 (``--cpu-bf16-compute fp32``: float32 weight copies, bfloat16 KV
+cache and frames), each in the single-process mode and with its routed experts on ``--servers``
+expert servers of the same dtype and policy (0: single process only); alternating blocks of
+``--steps`` decode steps (wall, client CPU, servers' CPU per step), then a ``torch.profiler``
+table of the single-process steps by kind of aten op and the top ops (where bf16 loses).
 
 Usage::
 
     python bench/decode_profile.py --batch 16 --prompt-tokens 220 --steps 20
     python bench/decode_profile.py --experts-compare --batch 32 --steps 20 --rounds 3
     python bench/decode_profile.py --experts-compare --batch 32 --rounds 6 --variants 00 11b
+    python bench/decode_profile.py --dtypes-compare --batch 32 --steps 10 --rounds 3
 """
 
 from __future__ import annotations
@@ -181,22 +188,29 @@ def _cpu_s(pid: int) -> float:
 
 
 def _profiled_server(argv: list[str]) -> None:
-    """``--_profiled-server OUT MODEL ID SPEC ENDPOINT DTYPE THREADS SPIN_US``: an expert server
-    (as ``eaas expert-server``) under cProfile (OUT ``-``: without); SIGTERM stops it and writes
-    the stats to OUT. SPIN_US ``-``: the listener's default spin."""
+    """``--_profiled-server OUT MODEL ID SPEC ENDPOINT DTYPE THREADS SPIN_US [COMPUTE]``: an
+    expert server (as ``eaas expert-server``) under cProfile (OUT ``-``: without); SIGTERM stops
+    it and writes the stats to OUT. SPIN_US ``-``: the listener's default spin; COMPUTE its
+    ``--cpu-bf16-compute`` (default auto)."""
     import signal
 
     from eaas.runtime.expert_server import ExpertServer
     from eaas.runtime.models.arch import read_model_info
+    from eaas.runtime.models.compute import choose_compute
     from eaas.runtime.models.weights import load_expert_weights
     from eaas.runtime.placement import parse_expert_spec
 
-    out, model_dir, sid, spec, ep, dtype, threads, spin = argv
+    out, model_dir, sid, spec, ep, dtype, threads, spin = argv[:8]
+    policy = argv[8] if len(argv) > 8 else "auto"
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     info = read_model_info(model_dir)
     hosted = load_expert_weights(model_dir, parse_expert_spec(spec), dt, progress=False)
     kw = {} if spin == "-" else {"spin_us": float(spin)}
-    server = ExpertServer(ep, hosted, info.hidden_size, dt, sid, num_threads=int(threads), **kw)
+    torch.set_num_threads(int(threads))
+    compute = choose_compute(dt, "cpu", policy, (32, info.hidden_size, info.moe_intermediate_size))
+    server = ExpertServer(
+        ep, hosted, info.hidden_size, dt, sid, num_threads=int(threads), compute=compute, **kw
+    )
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     prof = cProfile.Profile(time.process_time)  # CPU time: where the server's CPU goes
     # SIGUSR1 starts the profile (the harness sends it once the prompts are prefilled)
@@ -217,9 +231,11 @@ def start_servers(
     run_dir: Path,
     profile: bool = False,
     spin_us: float | None = None,
+    compute: str = "auto",
 ):
     """Start ``n`` ``eaas expert-server`` processes (placement as ``eaas serve``: every expert on
-    ``r`` of them, shm endpoints in ``run_dir``); wait for their ready lines.
+    ``r`` of them, shm endpoints in ``run_dir``, ``--cpu-bf16-compute compute``); wait for their
+    ready lines.
 
     Returns:
         ``(procs, table)``: the processes and routing table version 1.
@@ -240,11 +256,12 @@ def start_servers(
             out = str(run_dir / f"{sid}.prof") if profile else "-"
             argv = [sys.executable, __file__, "--_profiled-server", out]
             argv += [model_dir, sid, spec, ep, dtype, str(threads)]
-            argv += ["-" if spin_us is None else str(spin_us)]
+            argv += ["-" if spin_us is None else str(spin_us), compute]
         else:
             argv = [sys.executable, "-m", "eaas", "expert-server", "--model", model_dir]
             argv += ["--server-id", sid, "--experts", spec]
             argv += ["--listen", ep, "--dtype", dtype, "--threads", str(threads)]
+            argv += ["--cpu-bf16-compute", compute]
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, env=env, text=True))
     for p in procs:
         assert p.stdout is not None
@@ -483,6 +500,173 @@ def experts_compare(args) -> int:
     return 0
 
 
+# ---- --dtypes-compare: fp32 vs bf16 native vs bf16 with fp32 compute -------------------------
+
+_VARIANTS = (  # label, --dtype, --cpu-bf16-compute
+    ("fp32", "float32", "native"),
+    ("bf16 native", "bfloat16", "native"),
+    ("bf16 fp32-compute", "bfloat16", "fp32"),
+)
+
+
+def _op_table(eng, steps: int) -> dict[str, float]:
+    """torch.profiler over ``steps`` decode steps: self CPU ms per step by aten op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            eng._step()
+    return {e.key: e.self_cpu_time_total / 1000 / steps for e in prof.key_averages()}
+
+
+_OP_CLASSES = (  # (label, aten ops): where a step's self CPU time goes, by kind of op
+    (
+        "matmul (mm, bmm, addmm, grouped_mm)",
+        ("aten::mm", "aten::bmm", "aten::addmm", "aten::_grouped_mm"),
+    ),
+    ("dtype conversions / copies", ("aten::copy_", "aten::_to_copy")),
+    (
+        "gathers / scatters",
+        (
+            "aten::index",
+            "aten::index_select",
+            "aten::index_copy_",
+            "aten::index_add_",
+            "aten::_index_put_impl_",
+        ),
+    ),
+    (
+        "elementwise (mul, add, silu, pow, ...)",
+        (
+            "aten::mul",
+            "aten::add",
+            "aten::silu",
+            "aten::pow",
+            "aten::div_",
+            "aten::rsqrt",
+            "aten::mean",
+            "aten::sigmoid",
+            "aten::neg",
+            "aten::sub",
+            "aten::masked_fill_",
+            "aten::where",
+        ),
+    ),
+    (
+        "softmax / top-k / sort / argmax",
+        ("aten::_softmax", "aten::topk", "aten::sort", "aten::argmax"),
+    ),
+)
+
+
+def dtypes_compare(args) -> int:
+    """fp32 vs bf16 native vs bf16 fp32-compute, side by side in one run (module docstring)."""
+    import tempfile
+
+    from eaas.runtime.client.dispatch import Dispatcher, experts_factory
+    from eaas.runtime.models.arch import read_model_info
+    from eaas.runtime.models.attention import load_attention_model
+    from eaas.runtime.models.tiny import default_model_dir
+
+    dts = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    model_dir = str(args.model or default_model_dir())
+    info = read_model_info(model_dir)
+    run_dir = Path(tempfile.mkdtemp(prefix="eaas-decode-dtypes-"))
+    engines: dict[str, tuple] = {}  # label -> (engine, server pids)
+    procs: list = []
+    disps: list = []
+    try:
+        for label, dtype, policy in _VARIANTS:
+            compute = torch.float32 if policy == "fp32" else None
+            model, tok, _ = load_attention_model(model_dir, dts[dtype], compute_dtype=compute)
+            engines[f"{label} (single)"] = (_decode_engine(model, tok, args, label), [])
+            if args.servers > 0:
+                sub = run_dir / label.replace(" ", "-")
+                sub.mkdir()
+                ps, table = start_servers(
+                    model_dir,
+                    args.servers,
+                    args.replicas,
+                    dtype,
+                    args.server_threads,
+                    sub,
+                    compute=policy,
+                )
+                procs += ps
+                disp = Dispatcher(len(disps), info.hidden_size, dts[dtype], table)
+                disps.append(disp)
+                remote, _, _ = load_attention_model(
+                    model_dir,
+                    dts[dtype],
+                    experts_factory=experts_factory(disp),
+                    compute_dtype=compute,
+                )
+                engines[f"{label} ({args.servers} servers)"] = (
+                    _decode_engine(remote, tok, args, label + " remote"),
+                    [p.pid for p in ps],
+                )
+        sums = {k: [0.0, 0.0, 0.0] for k in engines}
+        for _ in range(args.rounds):  # alternate blocks: the machine's load hits all alike
+            for k, (eng, pids) in engines.items():
+                for i, v in enumerate(_timed_steps(eng, args.steps, pids)):
+                    sums[k][i] += v
+        n = args.rounds * args.steps
+        print(
+            f"batch {args.batch}, context ~{args.prompt_tokens} tokens, {n} decode steps each in "
+            f"{args.rounds} alternating rounds, 1 torch thread per process, load average "
+            f"{os.getloadavg()[0]:.2f}"
+        )
+        base = {k.split(" (")[1]: 1000 * v[0] / n for k, v in sums.items() if k.startswith("fp32")}
+        print(
+            f"{'ms per decode step':30s} {'wall':>8s} {'vs fp32':>8s} {'client CPU':>11s} {'servers CPU':>12s}"
+        )
+        for k, (w, c, sv) in sums.items():
+            wall = 1000 * w / n
+            ref = base[k.split(" (")[1]]
+            print(
+                f"{k:30s} {wall:8.2f} {wall / ref:7.2f}x {1000 * c / n:11.2f} "
+                + (f"{1000 * sv / n:12.2f}" if engines[k][1] else f"{'-':>12s}")
+            )
+        singles = [k for k in engines if k.endswith("(single)")]
+        ops: dict[str, dict[str, float]] = {k: {} for k in singles}
+        for _ in range(args.rounds):  # alternating too: the load hits every variant alike
+            for k in singles:
+                for o, ms in _op_table(engines[k][0], args.steps).items():
+                    ops[k][o] = ops[k].get(o, 0.0) + ms / args.rounds
+        print(
+            "\ntorch.profiler, single process, self CPU ms per decode step (with profiling "
+            "overhead; alternating rounds)"
+        )
+        print(f"{'op class':40s} " + " ".join(f"{k.split(' (')[0]:>18s}" for k in singles))
+        for label, names in _OP_CLASSES:
+            print(
+                f"{label:40s} "
+                + " ".join(f"{sum(ops[k].get(o, 0.0) for o in names):18.2f}" for k in singles)
+            )
+        print(f"{'all ops':40s} " + " ".join(f"{sum(ops[k].values()):18.2f}" for k in singles))
+        top = sorted(
+            {o for k in singles for o in ops[k]},
+            key=lambda o: -max(ops[k].get(o, 0.0) for k in singles),
+        )[: args.top_ops]
+        print(f"\ntop {args.top_ops} aten ops")
+        for o in top:
+            print(f"{o:40s} " + " ".join(f"{ops[k].get(o, 0.0):18.2f}" for k in singles))
+        for eng, _p in engines.values():
+            for sq in list(eng.scheduler.running):
+                sq.request.cancel()
+        for d in disps:
+            d.close()
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(10)
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--_profiled-server"]:
@@ -542,11 +726,20 @@ def main(argv=None) -> int:
         help="run the expert servers under cProfile; print expert-0's top functions",
     )
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument(
+        "--dtypes-compare",
+        action="store_true",
+        help="fp32 vs bf16 native vs bf16 fp32-compute (--cpu-bf16-compute), single process and "
+        "with --servers expert servers (0: single process only), plus a torch.profiler op table",
+    )
+    ap.add_argument("--top-ops", type=int, default=12)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.experts_compare:
         return experts_compare(args)
+    if args.dtypes_compare:
+        return dtypes_compare(args)
     from eaas.runtime.models.attention import load_attention_model
     from eaas.runtime.models.tiny import default_model_dir
 

@@ -43,6 +43,10 @@ Usage::
     python bench/peer.py --vllm                    # fp32 and bf16, all three systems
     python bench/peer.py --vllm --short            # a quick validation run (few requests)
     python bench/peer.py --peer-url http://127.0.0.1:8001 --dtypes float32
+    python bench/peer.py --short --dtypes float32,bfloat16:native,bfloat16:fp32
+
+A ``--dtypes`` entry ``DTYPE:POLICY`` runs the eaas systems with ``--cpu-bf16-compute POLICY``
+(auto, native, fp32; docs/serving.md "bf16 on CPU"); vLLM and the peer get ``DTYPE``.
 """
 
 from __future__ import annotations
@@ -266,7 +270,7 @@ def vllm_command(args, dtype: str, port: int, model_dir: str, name: str) -> tupl
         "--served-model-name",
         name,
         "--dtype",
-        dtype,
+        dtype.partition(":")[0],
         "--host",
         "127.0.0.1",
         "--port",
@@ -293,7 +297,9 @@ def vllm_command(args, dtype: str, port: int, model_dir: str, name: str) -> tupl
 
 def eaas_command(kind: str, args, dtype: str, port: int, model_dir: str | None) -> list[str]:
     base = [sys.executable, "-m", "eaas"]
+    dtype, _, policy = dtype.partition(":")  # "bfloat16:fp32": --cpu-bf16-compute fp32
     model = ["--model", model_dir] if model_dir else []
+    model += ["--cpu-bf16-compute", policy] if policy else []
     if kind == "eaas":
         return (
             base
@@ -554,7 +560,11 @@ def plot(res: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: built-in tiny model)")
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma list: float32,bfloat16")
+    ap.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help="comma list: float32,bfloat16; DTYPE:POLICY sets eaas' --cpu-bf16-compute",
+    )
     ap.add_argument("--systems", default="eaas,single", help="comma list of eaas,single")
     ap.add_argument("--vllm", action="store_true", help="also start and measure vLLM's CPU build")
     ap.add_argument("--vllm-venv", default=str(DEFAULT_VLLM_VENV))

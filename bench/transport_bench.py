@@ -10,51 +10,41 @@ and a round trip then costs context switches, which swamps what is measured here
 
 * ``proto``: the floor -- two processes (the server a fork of the client), one shared buffer
   holding what a frame holds (``[n, H]`` rows, ``[n, k]`` int32 experts and float32 weights,
-  the ``[n, H]`` response) and a counter flag each way. The same wait policy as shm: the client
-  spins at least ``--spin-us`` and up to 1.5x its recent round trip (at most 2 ms) with
-  ``sched_yield``, the server spins ``--spin-us``; then a side sets its waiting flag, fences and
-  blocks on a doorbell socket, and the other rings it only when that flag is set. Per round
-  trip the client copies its three tensors in, the server copies the rows to the response, the
-  client copies them out, each a ``Tensor.copy_`` as in shm. Nothing else: no validation, no
-  header fields, no frame objects, no liveness checks.
+  the ``[n, H]`` response) and two header lines laid out as shm's (a counter, the header fields
+  and a waiting flag each way). The same wait policy as shm: the client spins at least
+  ``--spin-us`` and up to 1.5x its recent round trip (at most 2 ms) with ``sched_yield``, the
+  server spins ``--spin-us``; then a side sets its waiting flag, fences and blocks on a
+  doorbell socket, and the other rings it only when that flag is set. Per round trip the client
+  copies its three tensors in and stores the request header (one ``pack_into``) and counter,
+  the server reads the header (one ``tolist``), copies the rows to the response and stores the
+  response header and counter, the client reads that header and copies the rows out; each copy
+  a ``Tensor.copy_`` as in shm. Nothing else: no validation, no frame objects, no liveness
+  checks.
 * ``shm``: :mod:`eaas.runtime.transport.shm` through its public interface (a new
   :class:`RequestFrame` per ``send``, ``recv``, the echo server's ``poll`` / ``respond`` with a
   new :class:`ResponseFrame`; output copied out).
+* ``ref`` (``--ref-shm FILE``): the same for another copy of ``shm.py`` (an older version), in
+  the same run.
 * ``tcp``: :mod:`eaas.runtime.transport.tcp` over loopback (``--tcp``).
 
-Reports p50 / p99 / mean in microseconds, each transport's ratio to ``proto`` and the spread
-(quartiles) of the per-block p50 ratio, which says how stable the median is (target for shm:
-within 1.2x at 1 and 64 tokens).
+Reports p50 / p99 / mean in microseconds, each transport's ratio to ``proto``, the spread
+(quartiles) of the per-block p50 and p99 ratios, and a verdict: the median of the per-block p50
+ratios against ``--target`` (1.2, issue 8 item 4, at 1 and 64 tokens). ``--profile ROUNDS``
+instead times each step of a round trip in one process (where the time goes).
 
     python bench/transport_bench.py                         # 1x7168 and 64x7168 bf16
+    git show main:runtime/transport/shm.py > /tmp/shm_main.py
+    python bench/transport_bench.py --ref-shm /tmp/shm_main.py   # old and new side by side
+    python bench/transport_bench.py --profile 60 --payload 1x7168:bfloat16
     python bench/transport_bench.py --iters 3000 --tcp --payload 128x7168:bfloat16
 
-Measured 2026-11-30 on the shared 2-core dev machine (KVM, AVX2 + AVX-512, load average 4-6.5
-from other work: the p99 are that load, ms-long preemptions of a pinned process, in both kinds
-alike); p50 of 4000 round trips per kind in 20 interleaved blocks, six runs. "main" is the shm
-code before issue 8 item 4 (edd84d5), measured with this same bench in alternating runs, and
-twice in the same run as a third kind:
-
-=================  ==================================  ==================================
-payload            shm main / proto                    shm now / proto
-=================  ==================================  ==================================
-1 x 7168 bf16      1.57-1.80x                          1.28-1.44x (15.4-18.3 / 11.4-13.8 us)
-                   same run: 22.3 vs 17.8 us (proto    p99 ratio 1.2-1.8x (load)
-                   12.4)
-64 x 7168 bf16     1.18-1.32x                          1.01-1.08x at load 4-5 (296-352 us);
-                                                       1.12-1.34x at load 5.5-6.5 (per-block
-                                                       0.97-1.67: both kinds block and wake)
-=================  ==================================  ==================================
-
-The issue's 2.9x at one token (and this file's earlier 2.9x / 1.30x) came from the earlier bench:
-unpinned processes and a prototype that moved only the hidden rows and never blocked.
-
-What is left at one token, on the critical path: about 3 us of per-frame Python on both sides
-(in one process, with the copies taken out: ``send`` 1.5 us of which 0.65 us is reading the
-four shapes and dtype that pick the frame's validated slot views, the server's frame 0.55 us,
-``respond`` 1 us, ``recv`` 0.2 us, the caller's two frame objects 0.4 us) over a prototype
-round trip of about 11 us, of which the five ``copy_`` calls are ~6 us. At 64 tokens the
-copies dominate.
+Measured 2026-11-30 10:42-10:48 UTC on the shared 2-core dev machine at load 7.7-13 (four runs,
+the code before this session as ``ref``; tables in docs/serving.md, "Transport round trip"):
+one token 1.21-1.39x (shm 13.8-19.6 us, prototype 11.3-15.6 us; ``ref`` within 0.04x of shm in
+every run), 64 tokens 1.01-1.35x. In one process shm adds ~3.8 us to the prototype's ~5.9 us of
+copies and stores, and even a copy of shm stripped of its guards, liveness and fences keeps
+~2.8 us (shape reads, frame objects, headers, hand-off): about 1.24x at one token, so 1.2x
+there needs fewer frames or a compiled data path, not more trimming of per-frame Python.
 """
 
 from __future__ import annotations
@@ -66,11 +56,13 @@ import os
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -82,16 +74,20 @@ _MAX_SPIN_S = 2e-3  # as the shm client: never spin longer than this for one res
 
 
 class _Proto:
-    """One MAP_SHARED buffer holding what a frame holds: ``flags int64[16]`` ([0] request
-    counter, [1] server waiting; [8] response counter, [9] client waiting: two cache lines),
-    the request ``hidden [n, H]``, ``experts [n, k]`` int32 and ``weights [n, k]`` float32,
-    and the response ``[n, H]``; plus a ``SOCK_SEQPACKET`` socket pair as the doorbell."""
+    """One MAP_SHARED buffer holding what a frame holds: ``flags int64[16]``, two cache lines
+    laid out as shm's headers (request: [0] counter, [1..6] layer, table version, n, k,
+    client id, seq, [7] server waiting; response: [8] counter, [9..13] layer, status, n,
+    message length, seq, [15] client waiting), the request ``hidden [n, H]``, ``experts
+    [n, k]`` int32 and ``weights [n, k]`` float32, and the response ``[n, H]``; plus a
+    ``SOCK_SEQPACKET`` socket pair as the doorbell."""
 
     def __init__(self, n: int, hidden: int, k: int, dtype: torch.dtype):
         esz = torch.empty((), dtype=dtype).element_size()
         body = n * hidden * esz
         self.mm = mmap.mmap(-1, 128 + 2 * body + 2 * n * k * 4)  # anonymous, shared with a fork
         self.flags = memoryview(self.mm)[:128].cast("q")
+        self.req_hdr = self.flags[:8]  # the request header line (read with one tolist)
+        self.resp_hdr = self.flags[8:]
         self.req = torch.frombuffer(self.mm, dtype=dtype, count=n * hidden, offset=128).view(
             n, hidden
         )
@@ -112,6 +108,9 @@ class _Proto:
 
 _LOCK = threading.Lock()
 _acquire, _release = _LOCK.acquire, _LOCK.release  # the store-load fence (a locked op on x86)
+_pack_req = struct.Struct("<6q").pack_into  # request header fields [1..6], as shm
+_pack_resp = struct.Struct("<5q").pack_into  # response header fields [9..13], as shm
+_REQ_WAITING, _RESP_WAITING = 7, 15  # the waiting flags' slots in ``flags``
 
 
 def _proto_block(flags, idx: int, old: int, waiting_idx: int, sock: socket.socket) -> None:
@@ -132,10 +131,11 @@ def _proto_block(flags, idx: int, old: int, waiting_idx: int, sock: socket.socke
 
 def _proto_server(p: _Proto, spin_s: float) -> None:
     """Child: the shm listener's policy (spin ``spin_s`` on the request counter, then block
-    on the doorbell), echo the hidden rows, publish the response counter, ring the client's
-    doorbell only if it waits; a counter of -1 stops."""
+    on the doorbell), read the request header, echo the hidden rows, write the response header
+    and counter, ring the client's doorbell only if it waits; a counter of -1 stops."""
     torch.set_num_threads(1)
     flags, seen, sock = p.flags, 0, p.server_sock
+    req_hdr, resp, req = p.req_hdr, p.resp, p.req
     sock.setblocking(True)
     mono, yld = time.monotonic, os.sched_yield
     while True:
@@ -144,16 +144,17 @@ def _proto_server(p: _Proto, spin_s: float) -> None:
             while flags[0] == seen and mono() < end:
                 yld()
             if flags[0] == seen:
-                _proto_block(flags, 0, seen, 1, sock)
-        c = flags[0]
+                _proto_block(flags, 0, seen, _REQ_WAITING, sock)
+        c, layer, _version, n, _k, _cid, seq, _ = req_hdr.tolist()
         if c < 0:
             os._exit(0)
-        p.resp.copy_(p.req)
+        resp.copy_(req)
         seen = c
+        _pack_resp(flags, 72, layer, 0, n, 0, seq)
         flags[8] = c
         _acquire()
         _release()
-        if flags[9]:
+        if flags[_RESP_WAITING]:
             sock.send(b"D")
 
 
@@ -196,7 +197,8 @@ class ProtoClient:
     ) -> list[float]:
         """``iters`` round trips of ``h`` / ``ex`` / ``w``; latencies in seconds."""
         p, spin_s = self.p, self.spin_s
-        sock, flags = p.client_sock, p.flags
+        sock, flags, resp_hdr = p.client_sock, p.flags, p.resp_hdr
+        n, k = ex.shape
         out = torch.empty_like(h)
         lat, rtt = [], self.rtt
         mono, yld = time.monotonic, os.sched_yield
@@ -205,19 +207,23 @@ class ProtoClient:
             p.req.copy_(h)
             p.experts.copy_(ex)
             p.weights.copy_(w)
+            _pack_req(flags, 8, 0, 1, n, k, 1, i)  # layer, table version, n, k, client, seq
             flags[0] = i
             sent = mono()
             _acquire()
             _release()
-            if flags[1]:
+            if flags[_REQ_WAITING]:
                 sock.send(b"D")
             if flags[8] != i:
                 end = mono() + max(spin_s, min(_MAX_SPIN_S, 1.5 * rtt))
                 while flags[8] != i and mono() < end:
                     yld()
                 if flags[8] != i:
-                    _proto_block(flags, 8, i - 1, 9, sock)
+                    _proto_block(flags, 8, i - 1, _RESP_WAITING, sock)
             rtt = 0.75 * rtt + 0.25 * (mono() - sent)
+            _, _layer, status, _n, _ln, _seq, _, _ = resp_hdr.tolist()
+            if status:
+                raise RuntimeError(f"prototype echo failed: status {status}")
             out.copy_(p.resp)
             lat.append(time.perf_counter() - t0)
             bar.update(1)
@@ -231,22 +237,42 @@ class ProtoClient:
         flags[0] = -1
         _acquire()
         _release()
-        if flags[1]:
+        if flags[_REQ_WAITING]:
             self.p.client_sock.send(b"D")
         os.waitpid(self.pid, 0)
         self.p.client_sock.close()
 
 
 # ---- the real transports ----------------------------------------------------------------------
-def serve(endpoint: str, hidden: int, dtype: str, spin_us: float, cpu: int | None) -> None:
-    """Echo server loop (runs in the child process), pinned to ``cpu`` unless None."""
+def _load_module(path: str):
+    """Import a copy of :mod:`eaas.runtime.transport.shm` from a file (``--ref-shm``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eaas_ref_shm", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--ref-shm {path}: not a Python file")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def serve(
+    endpoint: str, hidden: int, dtype: str, spin_us: float, cpu: int | None, module: str | None
+) -> None:
+    """Echo server loop (runs in the child process), pinned to ``cpu`` unless None; the shm
+    listener of the file ``module`` instead of the installed transport when given."""
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
     from eaas.runtime.transport.base import STATUS_OK, ResponseFrame
     from eaas.runtime.transport.factory import listen
 
     torch.set_num_threads(1)
-    lst = listen(endpoint, hidden_size=hidden, dtype=DTYPES[dtype], spin_us=spin_us)
+    if module:
+        lst = _load_module(module).ShmServerListener(
+            endpoint, hidden_size=hidden, dtype=DTYPES[dtype], spin_us=spin_us
+        )
+    else:
+        lst = listen(endpoint, hidden_size=hidden, dtype=DTYPES[dtype], spin_us=spin_us)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     print(f"ready {lst.endpoint}", flush=True)
@@ -259,12 +285,13 @@ def serve(endpoint: str, hidden: int, dtype: str, spin_us: float, cpu: int | Non
 
 
 def _start(
-    endpoint: str, hidden: int, dtype: str, spin_us: float, cpu: int | None
+    endpoint: str, hidden: int, dtype: str, spin_us: float, cpu: int | None, module: str | None
 ) -> tuple[subprocess.Popen, str]:
     p = subprocess.Popen(
         [sys.executable, __file__, "--serve", endpoint, "--hidden", str(hidden)]
         + ["--dtype", dtype, "--spin-us", str(spin_us)]
-        + ([] if cpu is None else ["--server-cpu", str(cpu)]),
+        + ([] if cpu is None else ["--server-cpu", str(cpu)])
+        + ([] if module is None else ["--ref-shm", module]),
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -302,6 +329,138 @@ def _run(proto, conns, h, ex, w, bar, kind: str, iters: int) -> list[float]:
     return measure_transport(conns[kind], h, ex, w, iters, bar)
 
 
+SEGMENTS = ("frame", "send", "poll", "resp frame", "respond", "recv", "copy out")
+
+
+def profile_segments(
+    n: int, hidden: int, k: int, dtype: torch.dtype, rounds: int, ref_module=None
+) -> dict[str, dict[str, list[int]]]:
+    """Where a round trip's time goes, in one process (no waiting, no cross-CPU traffic): each
+    step of a round trip timed with ``perf_counter_ns`` around it, for the prototype's steps
+    (its three copies and counter store as "send", the server's copy and stores as "respond",
+    the copy out) and shm's (the caller's ``RequestFrame``, ``send``, ``poll(0)``, the echo's
+    ``ResponseFrame``, ``respond``, ``recv``, the copy out); ``rounds`` rounds of 100 round
+    trips, the kinds interleaved round by round.
+
+    Returns:
+        kind -> segment name (:data:`SEGMENTS`) -> per-call nanoseconds (``rounds * 100``).
+    """
+    import threading
+
+    from eaas.runtime.transport import shm
+    from eaas.runtime.transport.base import STATUS_OK, RequestFrame, ResponseFrame
+
+    mods = {"shm": shm} | ({"ref": ref_module} if ref_module is not None else {})
+    h = torch.randn(n, hidden).to(dtype)
+    ex = torch.randint(0, 256, (n, k), dtype=torch.int32)
+    w = torch.rand(n, k)
+    out = torch.empty_like(h)
+    pc = time.perf_counter_ns
+    pairs, tmp = {}, tempfile.mkdtemp(prefix="eaas-prof-")
+    for name, mod in mods.items():
+        lst = mod.ShmServerListener(
+            f"unix:{tmp}/{name}.sock", hidden_size=hidden, dtype=dtype, spin_us=0
+        )
+        box: list = []
+        t = threading.Thread(
+            target=lambda m=mod, e=lst.endpoint, b=box: b.append(
+                m.ShmClientConnection(
+                    e, "p", hidden_size=hidden, dtype=dtype, max_tokens=n, max_k=k, spin_us=0
+                )
+            )
+        )
+        t.start()
+        while t.is_alive():
+            lst.poll(0.01)  # answers the hello
+        pairs[name] = (box[0], lst)
+    proto = _Proto(n, hidden, k, dtype)
+    flags = proto.flags
+
+    def run_proto(acc: dict[str, list[int]], iters: int) -> None:
+        for i in range(iters):
+            t0 = pc()
+            proto.req.copy_(h)
+            proto.experts.copy_(ex)
+            proto.weights.copy_(w)
+            _pack_req(flags, 8, 0, 1, n, k, 1, i)
+            flags[0] = i
+            t1 = pc()
+            c, layer, _v, n_, _k, _cid, seq, _ = proto.req_hdr.tolist()
+            t2 = pc()
+            proto.resp.copy_(proto.req)
+            _pack_resp(flags, 72, layer, 0, n_, 0, seq)
+            flags[8] = c
+            t3 = pc()
+            _, _layer, status, _n, _ln, _seq, _, _ = proto.resp_hdr.tolist()
+            t4 = pc()
+            out.copy_(proto.resp)
+            t5 = pc()
+            for name, a, b in (
+                ("send", t0, t1),
+                ("poll", t1, t2),
+                ("respond", t2, t3),
+                ("recv", t3, t4),
+                ("copy out", t4, t5),
+            ):
+                acc[name].append(b - a)
+
+    def run_shm(c, lst, acc: dict[str, list[int]], iters: int) -> None:
+        mono = time.monotonic
+        for i in range(iters):
+            t0 = pc()
+            f = RequestFrame(1, 0, 1, i, h, ex, w)
+            t1 = pc()
+            c.send(f)
+            t2 = pc()
+            ((conn, g),) = lst.poll(0)
+            t3 = pc()
+            rf = ResponseFrame(g.seq, g.layer, STATUS_OK, g.hidden)
+            t4 = pc()
+            lst.respond(conn, rf)
+            t5 = pc()
+            r = c.recv(mono() + 10)
+            t6 = pc()
+            out.copy_(r.output)
+            t7 = pc()
+            for name, a, b in zip(
+                SEGMENTS, (t0, t1, t2, t3, t4, t5, t6), (t1, t2, t3, t4, t5, t6, t7), strict=True
+            ):
+                acc[name].append(b - a)
+
+    res: dict[str, dict[str, list[int]]] = {
+        kind: {s: [] for s in SEGMENTS} for kind in ["proto", *pairs]
+    }
+    try:
+        for _ in range(rounds):
+            run_proto(res["proto"], 100)
+            for name, (c, lst) in pairs.items():
+                run_shm(c, lst, res[name], 100)
+    finally:
+        for c, lst in pairs.values():
+            c.close()
+            lst.close()
+        proto.client_sock.close()
+        proto.server_sock.close()
+        if not os.listdir(tmp):
+            os.rmdir(tmp)
+    return res
+
+
+def _print_profile(res: dict[str, dict[str, list[int]]], label: str) -> None:
+    """Per-call p10 / p50 of every segment in microseconds (p10: the cost without preemptions
+    by other work), and their sum."""
+    print(f"\nin-process steps of one round trip, {label} (us; proto: copies and stores only)")
+    print(f"{'kind':<12}" + "".join(f"{s:>11}" for s in SEGMENTS) + f"{'sum':>9}")
+    for q in (0.1, 0.5):
+        for kind, segs in res.items():
+            v = [(_pct(segs[s], q) if segs[s] else 0) / 1000 for s in SEGMENTS]
+            print(
+                f"{kind + f' p{int(q * 100)}':<12}"
+                + "".join(f"{x:>11.2f}" for x in v)
+                + f"{sum(v):>9.2f}"
+            )
+
+
 def _cpus(spec: str) -> tuple[int | None, int | None]:
     """``--cpus`` -> ``(client CPU, server CPU)``; ``(None, None)`` for no pinning.
 
@@ -322,9 +481,38 @@ def _cpus(spec: str) -> tuple[int | None, int | None]:
     return c, srv
 
 
-def _pct(xs: list[float], q: float) -> float:
+def _pct(xs: Sequence[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def ratio_summary(blocks: list[list[float]], base_blocks: list[list[float]]) -> dict[str, float]:
+    """Side-by-side ratios of one kind to the prototype, from interleaved blocks.
+
+    Args:
+        blocks, base_blocks: per block the round-trip latencies (seconds) of the kind and of the
+            prototype, block ``i`` of both measured back to back.
+
+    Returns:
+        ``p50`` / ``p99`` / ``mean``: ratios of the pooled latencies; ``blk_p50_lo`` /
+        ``blk_p50_med`` / ``blk_p50_hi``: quartiles of the per-block p50 ratio (how stable the
+        median is from block to block); ``blk_p99_lo`` / ``blk_p99_hi``: the same for p99.
+    """
+    x = [v for b in blocks for v in b]
+    base = [v for b in base_blocks for v in b]
+    p50s = sorted(_pct(b, 0.5) / _pct(p, 0.5) for b, p in zip(blocks, base_blocks, strict=True))
+    p99s = sorted(_pct(b, 0.99) / _pct(p, 0.99) for b, p in zip(blocks, base_blocks, strict=True))
+    q = len(p50s)
+    return {
+        "p50": _pct(x, 0.5) / _pct(base, 0.5),
+        "p99": _pct(x, 0.99) / _pct(base, 0.99),
+        "mean": sum(x) / len(x) / (sum(base) / len(base)),
+        "blk_p50_lo": p50s[q // 4],
+        "blk_p50_med": p50s[q // 2],
+        "blk_p50_hi": p50s[(3 * q) // 4],
+        "blk_p99_lo": p99s[q // 4],
+        "blk_p99_hi": p99s[(3 * q) // 4],
+    }
 
 
 def main() -> None:
@@ -345,6 +533,24 @@ def main() -> None:
         "--spin-us", type=float, default=80.0, help="busy-poll before blocking (both kinds)"
     )
     ap.add_argument("--tcp", action="store_true", help="also measure the tcp transport")
+    ap.add_argument(
+        "--ref-shm",
+        metavar="FILE",
+        help="also measure a copy of runtime/transport/shm.py from FILE as kind 'ref' (for "
+        "example `git show main:runtime/transport/shm.py > /tmp/shm_main.py`): old and new "
+        "side by side in one run",
+    )
+    ap.add_argument(
+        "--target", type=float, default=1.2, help="the verdict's limit on shm's p50 ratio"
+    )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        metavar="ROUNDS",
+        default=0,
+        help="instead of the round trips: time each step of a round trip in one process "
+        "(ROUNDS rounds of 100, the kinds interleaved) and print per-step p10 / p50",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads in the client (copies)")
     ap.add_argument(
         "--cpus",
@@ -357,9 +563,13 @@ def main() -> None:
     ap.add_argument("--server-cpu", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    if a.ref_shm and not os.path.isfile(a.ref_shm):
+        raise SystemExit(f"--ref-shm {a.ref_shm}: no such file")
     if a.serve:
-        serve(a.serve, a.hidden, a.dtype, a.spin_us, a.server_cpu)
+        serve(a.serve, a.hidden, a.dtype, a.spin_us, a.server_cpu, a.ref_shm)
         return
+    if a.iters < a.blocks or a.blocks < 1:
+        raise SystemExit(f"--iters ({a.iters}) must be at least --blocks ({a.blocks}) >= 1")
     client_cpu, server_cpu = _cpus(a.cpus)
     if client_cpu is not None:
         os.sched_setaffinity(0, {client_cpu})
@@ -368,12 +578,24 @@ def main() -> None:
 
     from eaas.runtime.transport.factory import connect
 
+    ref = _load_module(a.ref_shm) if a.ref_shm else None
     payloads = []
     for spec in a.payload or ["1x7168:bfloat16", "64x7168:bfloat16"]:
         shape, _, dt = spec.partition(":")
-        n, hdim = (int(x) for x in shape.lower().split("x"))
+        try:
+            n, hdim = (int(x) for x in shape.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--payload must be TOKENSxHIDDEN[:DTYPE], got {spec!r}") from None
+        if (dt or "bfloat16") not in DTYPES:
+            raise SystemExit(f"--payload {spec!r}: dtype must be one of {sorted(DTYPES)}")
         payloads.append((n, hdim, dt or "bfloat16"))
-    kinds = ["proto", "shm"] + (["tcp"] if a.tcp else [])
+    if a.profile > 0:
+        for n, hdim, dt in payloads:
+            res = profile_segments(n, hdim, a.k, DTYPES[dt], a.profile, ref)
+            _print_profile(res, f"{n}x{hdim} {dt}, k={a.k}, {a.profile * 100} round trips")
+        print(f"load average {os.getloadavg()[0]:.1f}")
+        return
+    kinds = ["proto", "shm"] + (["ref"] if ref else []) + (["tcp"] if a.tcp else [])
     per_block = max(1, a.iters // a.blocks)
     # (payload, kind) -> one list of latencies (seconds) per block
     results: dict[tuple, list[list[float]]] = {}
@@ -389,13 +611,16 @@ def main() -> None:
             proto = ProtoClient(n, hdim, a.k, dtype, a.spin_us * 1e-6, server_cpu)
             try:
                 for kind in kinds[1:]:
-                    ep = f"unix:{tmp}/echo.sock" if kind == "shm" else "tcp://127.0.0.1:0"
-                    p, ep = _start(ep, hdim, dt, a.spin_us, server_cpu)
+                    ep = f"unix:{tmp}/{kind}.sock" if kind != "tcp" else "tcp://127.0.0.1:0"
+                    module = a.ref_shm if kind == "ref" else None
+                    p, ep = _start(ep, hdim, dt, a.spin_us, server_cpu, module)
                     procs.append(p)
-                    conns[kind] = connect(
-                        ep, "echo", hidden_size=hdim, dtype=dtype, max_tokens=n, max_k=a.k,
-                        spin_us=a.spin_us,
-                    )  # fmt: skip
+                    kw = dict(hidden_size=hdim, dtype=dtype, max_tokens=n, max_k=a.k)
+                    if kind == "ref":
+                        assert ref is not None
+                        conns[kind] = ref.ShmClientConnection(ep, "echo", spin_us=a.spin_us, **kw)
+                    else:
+                        conns[kind] = connect(ep, "echo", spin_us=a.spin_us, **kw)
 
                 run = functools.partial(_run, proto, conns, h, ex, w, bar)
                 for kind in kinds:  # warm-up, not recorded
@@ -419,6 +644,7 @@ def main() -> None:
         f"CPUs client/server {client_cpu}/{server_cpu}"
     )
     print(f"{'payload':<20}{'MB/way':>8}{'kind':>7}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}")
+    verdicts = []
     for n, hdim, dt in payloads:
         mb = n * hdim * torch.empty((), dtype=DTYPES[dt]).element_size() / 1e6
         for kind in kinds:
@@ -428,22 +654,24 @@ def main() -> None:
                 f"{_pct(lat, 0.99) * 1e6:>10.1f}{sum(lat) / len(lat) * 1e6:>10.1f}"
             )
         base_blocks = results[(n, hdim, dt, "proto")]
-        base = [x for blk in base_blocks for x in blk]
         for kind in kinds[1:]:
-            blocks = results[(n, hdim, dt, kind)]
-            x = [v for blk in blocks for v in blk]
-            # the spread of the ratio over blocks says how stable the median is
-            per = sorted(
-                _pct(b, 0.5) / _pct(p, 0.5) for b, p in zip(blocks, base_blocks, strict=True)
-            )
+            r = ratio_summary(results[(n, hdim, dt, kind)], base_blocks)
             print(
-                f"{'':<20}{'':>8}{kind + '/proto':>13} "
-                f"{_pct(x, 0.5) / _pct(base, 0.5):>4.2f}x p50"
-                f"{_pct(x, 0.99) / _pct(base, 0.99):>7.2f}x p99"
-                f"{sum(x) / sum(base):>7.2f}x mean"
-                f"   per-block p50 ratio {per[len(per) // 4]:.2f}-{per[(3 * len(per)) // 4]:.2f}"
-                f" (quartiles)"
+                f"{'':<20}{'':>8}{kind + '/proto':>13} {r['p50']:>4.2f}x p50"
+                f"{r['p99']:>7.2f}x p99{r['mean']:>7.2f}x mean   per-block p50 ratio "
+                f"{r['blk_p50_lo']:.2f}-{r['blk_p50_hi']:.2f}, p99 ratio "
+                f"{r['blk_p99_lo']:.2f}-{r['blk_p99_hi']:.2f} (quartiles)"
             )
+            if kind == "shm":
+                ok = r["blk_p50_med"] <= a.target
+                verdicts.append(
+                    f"{n}x{hdim} {dt}: shm/proto p50 {r['blk_p50_med']:.2f}x (median of "
+                    f"{a.blocks} blocks, quartiles {r['blk_p50_lo']:.2f}-{r['blk_p50_hi']:.2f}) "
+                    f"{'<=' if ok else '>'} {a.target:g}x: {'met' if ok else 'missed'}"
+                )
+    print("\nverdict (target: shm p50 within the limit of the prototype's)")
+    for v in verdicts:
+        print("  " + v)
 
 
 if __name__ == "__main__":

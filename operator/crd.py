@@ -18,7 +18,7 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -63,6 +63,36 @@ class _Model(BaseModel):
 #: A Kubernetes object name (DNS-1123 subdomain), e.g. a PersistentVolumeClaim's.
 DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
+#: The two volume sources a pool's spec can name (the model's weights, the NVSHMEM unique-id
+#: directory): one field model each, the description given where it is used.
+HostPathField = Annotated[
+    str | None, Field(default=None, min_length=1, max_length=4096, pattern="^/")
+]
+ClaimNameField = Annotated[
+    str | None, Field(default=None, min_length=1, max_length=253, pattern=DNS1123_SUBDOMAIN)
+]
+
+
+def volume_from_source(
+    name: str,
+    host_path: str | None,
+    claim: str | None,
+    *,
+    host_path_type: str,
+    read_only_claim: bool,
+) -> dict[str, Any] | None:
+    """A core/v1 Volume ``name`` of a ``hostPath`` (of ``host_path_type``) or a
+    ``persistentVolumeClaim`` (``readOnly`` with ``read_only_claim``), or None with neither."""
+    if host_path:
+        return {"name": name, "hostPath": {"path": host_path, "type": host_path_type}}
+    if claim:
+        pvc: dict[str, Any] = {"claimName": claim}
+        if read_only_claim:
+            pvc["readOnly"] = True
+        return {"name": name, "persistentVolumeClaim": pvc}
+    return None
+
+
 #: Where a model volume (``hostPath`` or ``persistentVolumeClaim``) is mounted in pods (read-only).
 MODEL_MOUNT_DIR = "/models"
 MODEL_VOLUME = "model"
@@ -94,19 +124,11 @@ class ModelSource(_Model):
         "/models) with hostPath or persistentVolumeClaim, else an absolute path inside the "
         "container image. The pods get `--model /models/<uri>` (or `--model <uri>`).",
     )
-    host_path: str | None = Field(
-        default=None,
-        min_length=1,
-        max_length=4096,
-        pattern="^/",
+    host_path: HostPathField = Field(
         description="Absolute directory on the node holding the weights (a hostPath volume of "
         "type Directory).",
     )
-    persistent_volume_claim: str | None = Field(
-        default=None,
-        min_length=1,
-        max_length=253,
-        pattern=DNS1123_SUBDOMAIN,
+    persistent_volume_claim: ClaimNameField = Field(
         description="Name of a PersistentVolumeClaim in the pool's namespace holding the weights "
         "(mounted read-only; use a ReadOnlyMany claim for pods on several nodes).",
     )
@@ -119,17 +141,13 @@ class ModelSource(_Model):
 
     def volume(self) -> dict[str, Any] | None:
         """The core/v1 Volume named ``model``, or None (weights in the image)."""
-        if self.host_path:
-            return {"name": MODEL_VOLUME, "hostPath": {"path": self.host_path, "type": "Directory"}}
-        if self.persistent_volume_claim:
-            return {
-                "name": MODEL_VOLUME,
-                "persistentVolumeClaim": {
-                    "claimName": self.persistent_volume_claim,
-                    "readOnly": True,
-                },
-            }
-        return None
+        return volume_from_source(
+            MODEL_VOLUME,
+            self.host_path,
+            self.persistent_volume_claim,
+            host_path_type="Directory",
+            read_only_claim=True,
+        )
 
     def volume_mount(self) -> dict[str, Any] | None:
         """The container's read-only mount of the ``model`` volume, or None."""
@@ -255,34 +273,31 @@ class NvshmemUidVolume(_Model):
         }
     )
 
-    persistent_volume_claim: str | None = Field(
-        default=None,
-        min_length=1,
-        max_length=253,
-        pattern=DNS1123_SUBDOMAIN,
+    persistent_volume_claim: ClaimNameField = Field(
         description="Name of a ReadWriteMany PersistentVolumeClaim in the pool's namespace "
         "(members on several nodes).",
     )
-    host_path: str | None = Field(
-        default=None,
-        min_length=1,
-        max_length=4096,
-        pattern="^/",
+    host_path: HostPathField = Field(
         description="Absolute directory on the node (a hostPath volume of type "
         "DirectoryOrCreate): only for a world whose members share one node.",
     )
 
     def volume(self) -> dict[str, Any]:
-        """The core/v1 Volume named ``nvshmem-uid``."""
-        if self.host_path:
-            return {
-                "name": NVSHMEM_UID_VOLUME,
-                "hostPath": {"path": self.host_path, "type": "DirectoryOrCreate"},
-            }
-        return {
-            "name": NVSHMEM_UID_VOLUME,
-            "persistentVolumeClaim": {"claimName": self.persistent_volume_claim},
-        }
+        """The core/v1 Volume named ``nvshmem-uid``.
+
+        Raises:
+            ValueError: neither source given (the CRD's rule refuses that at the API server).
+        """
+        vol = volume_from_source(
+            NVSHMEM_UID_VOLUME,
+            self.host_path,
+            self.persistent_volume_claim,
+            host_path_type="DirectoryOrCreate",
+            read_only_claim=False,
+        )
+        if vol is None:  # parsed without the API server's validation
+            raise ValueError("uidVolume: give exactly one of hostPath and persistentVolumeClaim")
+        return vol
 
     def volume_mount(self) -> dict[str, Any]:
         """The container's read-write mount of the ``nvshmem-uid`` volume."""

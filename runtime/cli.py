@@ -34,6 +34,13 @@ NvshmemUidFileOption = Annotated[
         help="PE 0 writes the world's unique id here; the other PEs read it (shared storage).",
     ),
 ]
+_CPU_BF16_HELP = (
+    "With --dtype bfloat16 on CPU: fp32 computes in float32 with float32 copies of the "
+    "bf16-rounded weights (KV cache and expert frames stay bfloat16), native in bfloat16, auto "
+    "(default) times one linear layer both ways at load and takes the faster (docs/serving.md "
+    "'bf16 on CPU'). No effect on cuda or with float32."
+)
+
 _DEVICE_HELP = "auto (cuda when available, else cpu), cpu, cuda or cuda:N."
 
 
@@ -101,6 +108,7 @@ def expert_server(
         0, "--metrics-port", help="Serve Prometheus /metrics on this port (0: none)."
     ),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    cpu_bf16_compute: str = typer.Option("auto", "--cpu-bf16-compute", help=_CPU_BF16_HELP),
     device: str = typer.Option(
         "auto",
         "--device",
@@ -166,12 +174,14 @@ def expert_server(
     from eaas.runtime.client.main import resolve_device
     from eaas.runtime.expert_server import ExpertServer, learn_from_table, run, start_http
     from eaas.runtime.gpu.device import check_listen_device, check_world_device
+    from eaas.runtime.models.compute import check_policy, choose_compute
     from eaas.runtime.placement import parse_expert_spec
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     if dtype not in dtypes:
         raise typer.BadParameter(f"--dtype must be one of {sorted(dtypes)}, got {dtype!r}")
     try:
+        check_policy(cpu_bf16_compute)
         dev = resolve_device(device)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
@@ -222,6 +232,12 @@ def expert_server(
     except (OSError, OverflowError) as e:
         raise typer.BadParameter(f"--http-port {http_port}: {e}") from None
     hosted = _to_device(load_expert_weights(model, pairs, dtypes[dtype], progress=False), dev)
+    if threads:  # the calibration times this process's threads
+        torch.set_num_threads(threads)
+    compute = choose_compute(
+        dtypes[dtype], dev, cpu_bf16_compute, (32, info.hidden_size, info.moe_intermediate_size)
+    )
+    typer.echo(f"expert-server {server_id} {compute.log_line()}", err=True)
     listener_kw: dict[str, Any] = {}
     if listen.startswith("cudaipc:"):
         listener_kw["compute_device"] = str(dev)
@@ -243,6 +259,7 @@ def expert_server(
             num_threads=threads,
             batch_window_us=batch_window_us,
             device=dev,
+            compute=compute,
             **listener_kw,
         )
     except (OSError, OverflowError) as e:  # bind: address in use, no such host, bad port
@@ -265,7 +282,7 @@ def expert_server(
 
 def _check_listen_endpoint(listen: str) -> None:
     """Refuse a malformed ``--listen`` before any weight loads: an unknown scheme, an empty
-    unix path, a tcp endpoint without ``host:port`` or with a port outside 0-65535.
+    unix path or one whose directory does not exist, a tcp endpoint without ``host:port`` or with a port outside 0-65535.
 
     Raises:
         typer.BadParameter: naming ``--listen`` (exit 2).
@@ -284,8 +301,19 @@ def _check_listen_endpoint(listen: str) -> None:
             raise typer.BadParameter(f"--listen: {e}") from None
         if not 0 <= port <= 65535:
             raise typer.BadParameter(f"--listen {listen!r}: port must be 0-65535")
-    elif listen.startswith(("unix:", "cudaipc:")) and not listen.split(":", 1)[1].strip():
-        raise typer.BadParameter(f"--listen {listen!r}: empty socket path")
+    elif listen.startswith(("unix:", "cudaipc:")):
+        path = listen.split(":", 1)[1]
+        if path.startswith("//"):  # unix:///abs/path, as the transport reads it
+            path = path[2:]
+        if not path.strip():
+            raise typer.BadParameter(f"--listen {listen!r}: empty socket path")
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            # the socket's directory is the caller's (serve's run dir, a pod's volume): a typo
+            # must not silently create a directory tree nobody cleans up
+            raise typer.BadParameter(
+                f"--listen {listen!r}: directory {parent} does not exist (create it first)"
+            )
 
 
 def _check_routing_table_file(path: str) -> None:
@@ -432,6 +460,7 @@ def attention_client(
         help="No expert servers: run the untouched model in-process (single-process baseline).",
     ),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    cpu_bf16_compute: str = typer.Option("auto", "--cpu-bf16-compute", help=_CPU_BF16_HELP),
     threads: int = typer.Option(
         1, "--threads", min=0, help="torch intra-op threads (0: torch default)."
     ),
@@ -561,6 +590,9 @@ def attention_client(
         from eaas.runtime.client.engine import parse_prefill_cap
 
         parse_prefill_cap(prefill_tokens_while_decoding)
+        from eaas.runtime.models.compute import check_policy
+
+        check_policy(cpu_bf16_compute)
         dev = resolve_device(device)
         if world_cfg is not None:
             from eaas.runtime.gpu.device import check_world_device
@@ -584,6 +616,7 @@ def attention_client(
         dispatch_timeout=dispatch_timeout,
         local_experts=local_experts,
         dtype=dtype,
+        cpu_bf16_compute=cpu_bf16_compute,
         threads=threads,
         served_model_name=served_model_name,
         max_num_seqs=max_num_seqs,
@@ -628,6 +661,11 @@ def serve(
         5.0, "--dispatch-timeout", help="Clients' deadline per MoE layer round (s, > 0)."
     ),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    cpu_bf16_compute: str = typer.Option(
+        "auto",
+        "--cpu-bf16-compute",
+        help="Every process's --cpu-bf16-compute (auto, native, fp32): " + _CPU_BF16_HELP,
+    ),
     client_threads: int = typer.Option(
         1, "--client-threads", min=0, help="torch threads per attention client (0: torch default)."
     ),
@@ -682,6 +720,7 @@ def serve(
             transport=transport,
             dispatch_timeout=dispatch_timeout,
             dtype=dtype,
+            cpu_bf16_compute=cpu_bf16_compute,
             client_threads=client_threads,
             server_threads=server_threads,
             kv_cache_memory=kv_cache_memory,

@@ -44,6 +44,7 @@ import torch
 
 from eaas.runtime.experts import ExpertWeights, expert_forward
 from eaas.runtime.metrics import EXPERT_TOKENS, SERVER_BATCH_TOKENS, SERVER_FRAMES
+from eaas.runtime.models.compute import ComputeChoice, decide_compute
 from eaas.runtime.transport.base import (
     STATUS_BAD_FRAME,
     STATUS_NOT_HOSTED,
@@ -161,6 +162,11 @@ class ExpertServer:
         poll_timeout: seconds ``poll`` blocks per loop turn (bounds ``stop`` latency).
         device: where hosted (and later added) weights live (default: the device of the
             initial weights, else CPU).
+        compute: the :class:`~eaas.runtime.models.compute.ComputeChoice` of this process
+            (``--cpu-bf16-compute``; None: compute in ``dtype``). With a wider compute dtype (a
+            bfloat16 server on CPU computing in float32) the hosted weights are kept as float32
+            copies (exact upcasts, twice the bytes), each batch's bfloat16 rows are upcast once
+            and the answer is rounded to bfloat16 once: frames stay ``dtype`` on the wire.
         listener_kw: extra options for the listener (e.g. ``spin_us``).
 
     Hosted experts change while serving (:meth:`add_experts`, :meth:`drop_experts`; driven by
@@ -179,6 +185,7 @@ class ExpertServer:
         batch_window_us: float = 0.0,
         poll_timeout: float = 0.2,
         device: str | torch.device | None = None,
+        compute: ComputeChoice | None = None,
         **listener_kw,
     ):
         if num_threads:
@@ -195,8 +202,13 @@ class ExpertServer:
             self.device = torch.device(device)
         else:
             self.device = first.gate.device if first is not None else torch.device("cpu")
+        if compute is None or self.device.type != "cpu":
+            compute = decide_compute(dtype, self.device.type, "native")
+        self.compute = compute
+        self.compute_dtype = compute.compute_dtype
         self._hosting = _Hosting.build(
-            {(int(layer), int(e)): w for (layer, e), w in hosted.items()}, self.device
+            {(int(layer), int(e)): self._to_compute(w) for (layer, e), w in hosted.items()},
+            self.device,
         )
         self._load_metrics: dict[tuple[int, int], object] = {}
         self.batch_window_s = batch_window_us * 1e-6
@@ -317,6 +329,11 @@ class ExpertServer:
             out, loads = self._gpu_layer(layer, hosting)(
                 hidden.to(self.device), experts.to(self.device), weights.to(self.device)
             )
+        elif self.compute_dtype != self.dtype:  # e.g. bf16 frames, fp32 math (compute policy)
+            out, loads = grouped_expert_sum(
+                hidden.to(self.compute_dtype), experts, weights, hosting.by_layer[layer]
+            )
+            out = out.to(self.dtype)  # (N, H) rounded once, back to the wire dtype
         else:
             out, loads = grouped_expert_sum(hidden, experts, weights, hosting.by_layer[layer])
         ntok = int(hidden.shape[0])
@@ -365,7 +382,7 @@ class ExpertServer:
         """
         dev = self.device
         moved = {
-            (int(layer), int(e)): (
+            (int(layer), int(e)): self._to_compute(
                 w
                 if w.gate.device == dev
                 else ExpertWeights(w.gate.to(dev), w.up.to(dev), w.down.to(dev))
@@ -374,6 +391,24 @@ class ExpertServer:
         }
         with self._lock:
             self._hosting = _Hosting.build({**self._hosting.pairs, **moved}, dev)
+
+    def _to_compute(self, w: ExpertWeights) -> ExpertWeights:
+        """``w`` in the compute dtype (float32 copies of bfloat16 weights under the ``fp32``
+        policy: exact upcasts; the bfloat16 tensors are not kept)."""
+        dt = self.compute_dtype
+        if w.gate.dtype == dt:
+            return w
+        return ExpertWeights(w.gate.to(dt), w.up.to(dt), w.down.to(dt))
+
+    def compute_info(self) -> dict:
+        """``/health``'s ``compute``: storage (wire) and compute dtype, policy, reason, and the
+        hosted weights' bytes in the compute dtype."""
+        nbytes = sum(
+            t.numel() * t.element_size()
+            for w in self._hosting.pairs.values()
+            for t in (w.gate, w.up, w.down)
+        )
+        return {**self.compute.as_dict(), "weight_bytes": nbytes}
 
     def drop_experts(self, pairs: Iterable[tuple[int, int]]) -> None:
         """Stop hosting ``pairs`` (thread safe): later frames naming them get

@@ -46,6 +46,20 @@ class RoutingTableError(ValueError):
     """Malformed routing table (message names the offending field)."""
 
 
+def _int_field(d: Mapping, name: str) -> int:
+    """``d[name]`` as a JSON integer (KeyError when absent). A string ("3"), a float or a bool
+    is refused: a version or count that is not an integer is a producer's bug, not a number to
+    guess at.
+
+    Raises:
+        RoutingTableError: naming the field and the value.
+    """
+    v = d[name]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise RoutingTableError(f"field {name!r} must be an integer, got {v!r}")
+    return v
+
+
 @dataclass(frozen=True)
 class RoutingTable:
     """Versioned map ``(layer, logical expert) -> replicas``.
@@ -191,8 +205,8 @@ class RoutingTable:
                 ) from None
             return cls._from_compact(inner)
         try:
-            version = int(d["version"])
-            num_experts = int(d["num_experts"])
+            version = _int_field(d, "version")
+            num_experts = _int_field(d, "num_experts")
             servers = {str(k): str(v) for k, v in d["servers"].items()}
             layers = {}
             for k, experts in d["layers"].items():

@@ -19,9 +19,12 @@ What it does:
 5. SIGINT/SIGTERM: terminate the attention clients and wait until they exit (their running
    requests end while the expert servers still answer), then the expert servers; SIGKILL after
    a grace period (a second Ctrl-C: at once), remove the run directory (Unix sockets, routing
-   table, metrics files). Children get ``PR_SET_PDEATHSIG=SIGKILL`` (set between fork and
-   exec), so they die with serve even if serve is SIGKILLed. Shared memory of the shm
-   transport is memfd-based: nothing in ``/dev/shm``.
+   table, metrics files). A signal during start-up stops what started and exits with 128 + the
+   signal's number. The run directory holds an owner file (pid, start time): a later serve
+   removes the directories whose owner is gone (a SIGKILLed serve cannot). Children get
+   ``PR_SET_PDEATHSIG=SIGKILL`` (set between fork and exec), so they die with serve even if
+   serve is SIGKILLed. Shared memory of the shm transport is memfd-based: nothing in
+   ``/dev/shm``.
 
 Child output: each child's stdout lines are relayed to serve's stdout prefixed with its name;
 stderr is inherited.
@@ -52,6 +55,75 @@ PR_SET_PDEATHSIG = 1
 
 class ServeError(RuntimeError):
     """A child failed to start (message names it and its exit code)."""
+
+
+class ServeInterrupted(ServeError):
+    """SIGINT/SIGTERM arrived during start-up; ``signum`` is the signal's number."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name} during start-up")
+
+
+RUN_DIR_PREFIX = "eaas-serve-"
+OWNER_FILE = "owner"  # in a run dir: "<pid> <start time in clock ticks since boot>" of its serve
+
+
+def _proc_start_ticks(pid: int) -> int | None:
+    """The process's start time (``/proc/PID/stat`` field 22, clock ticks since boot), or None
+    when it cannot be read (no such process, no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # the command name (field 2) is in parentheses and may itself hold spaces or ')'
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+
+
+def _owner_alive(pid: int, start_ticks: int | None) -> bool:
+    """Whether the process that wrote an owner file still runs: ``pid`` exists and, when both
+    are known, has the recorded start time (a reused pid is another process)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    now = _proc_start_ticks(pid)
+    return start_ticks is None or now is None or now == start_ticks
+
+
+def stale_run_dirs(tmp: Path) -> list[Path]:
+    """Run directories (``<tmp>/eaas-serve-*``) of ``eaas serve`` processes that are gone (a
+    SIGKILLed serve cannot remove its own): those whose owner file names a dead process.
+
+    A directory without a readable owner file is never listed (a serve between creating its
+    directory and writing the file, or one of another tool); neither is another user's.
+    """
+    stale = []
+    for d in sorted(tmp.glob(f"{RUN_DIR_PREFIX}*")):
+        try:
+            if not d.is_dir() or d.is_symlink() or d.stat().st_uid != os.getuid():
+                continue
+            fields = (d / OWNER_FILE).read_text().split()
+            pid, ticks = int(fields[0]), (int(fields[1]) if len(fields) > 1 else None)
+        except (OSError, ValueError, IndexError):
+            continue
+        if not _owner_alive(pid, ticks):
+            stale.append(d)
+    return stale
+
+
+def remove_stale_run_dirs(tmp: Path | None = None) -> list[Path]:
+    """Remove :func:`stale_run_dirs` of ``tmp`` (default: ``tempfile.gettempdir()``); returns
+    the removed directories."""
+    removed = []
+    for d in stale_run_dirs(Path(tmp or tempfile.gettempdir())):
+        shutil.rmtree(d, ignore_errors=True)
+        if not d.exists():
+            removed.append(d)
+    return removed
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -148,6 +220,8 @@ class Deployment:
         transport: ``"shm"`` (Unix socket + memfd shared memory) or ``"tcp"``.
         dispatch_timeout: clients' per-round deadline in seconds.
         dtype: activation/weight dtype of every process.
+        cpu_bf16_compute: every process's ``--cpu-bf16-compute`` (``auto``, ``native``,
+            ``fp32``; :mod:`eaas.runtime.models.compute`): each process decides for itself.
         client_threads / server_threads: torch intra-op threads per process.
         client_device: attention clients' ``--device`` (auto, cpu, cuda, cuda:N).
         server_device: expert servers' ``--device`` (default cpu: the CPU path, unchanged).
@@ -172,6 +246,7 @@ class Deployment:
         transport: str = "shm",
         dispatch_timeout: float = 5.0,
         dtype: str = "float32",
+        cpu_bf16_compute: str = "auto",
         client_threads: int = 1,
         server_threads: int = 1,
         client_device: str = "auto",
@@ -189,6 +264,9 @@ class Deployment:
             raise ValueError("--attention-clients must be >= 1")
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
+        from eaas.runtime.models.compute import check_policy
+
+        check_policy(cpu_bf16_compute)  # ValueError before any process starts
         if not 1 <= port <= 65535:
             raise ValueError(f"--port must be in 1..65535, got {port}")
         kv_bytes = None
@@ -239,6 +317,7 @@ class Deployment:
         self.transport = transport
         self.dispatch_timeout = dispatch_timeout
         self.dtype = dtype
+        self.cpu_bf16_compute = cpu_bf16_compute
         self.client_threads, self.server_threads = client_threads, server_threads
         self.client_device = client_device
         self.server_device = server_device
@@ -257,6 +336,7 @@ class Deployment:
         self.table_path: Path | None = None
         self._sel = selectors.DefaultSelector()
         self._stop = False
+        self._stop_signal: int | None = None  # the first SIGINT/SIGTERM's number
         self._stopping = False
 
     def _live_dir(self) -> Path:
@@ -300,11 +380,25 @@ class Deployment:
     def start(self) -> None:
         """Write the routing table, start all children, wait until all are ready.
 
+        Run directories that SIGKILLed serve processes left behind are removed first
+        (:func:`remove_stale_run_dirs`); this one records its owner (pid, start time).
+
         Raises:
+            ServeInterrupted: SIGINT/SIGTERM arrived during start-up.
             ServeError: a child exited during start-up or not all were ready in time (all
                 children are stopped and the run directory removed before raising).
         """
-        run_dir = self.run_dir = Path(tempfile.mkdtemp(prefix="eaas-serve-"))
+        if self._stop_signal is not None:
+            raise ServeInterrupted(self._stop_signal)
+        removed = remove_stale_run_dirs()
+        if removed:
+            _log(
+                f"removed {len(removed)} run director{'ies' if len(removed) != 1 else 'y'} of "
+                f"serve processes that are gone: {', '.join(map(str, removed))}"
+            )
+        run_dir = self.run_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX))
+        pid = os.getpid()
+        (run_dir / OWNER_FILE).write_text(f"{pid} {_proc_start_ticks(pid) or ''}".strip() + "\n")
         (run_dir / "metrics").mkdir()
         ids = [f"expert-{i}" for i in range(self.n)]
         if self.transport == "shm":
@@ -330,6 +424,8 @@ class Deployment:
                     ep,
                     "--dtype",
                     self.dtype,
+                    "--cpu-bf16-compute",
+                    self.cpu_bf16_compute,
                     "--threads",
                     str(self.server_threads),
                     "--device",
@@ -353,6 +449,8 @@ class Deployment:
                     str(self.dispatch_timeout),
                     "--dtype",
                     self.dtype,
+                    "--cpu-bf16-compute",
+                    self.cpu_bf16_compute,
                     "--reuse-port",
                     "--threads",
                     str(self.client_threads),
@@ -369,8 +467,10 @@ class Deployment:
                 self._spawn(Child(f"attention-client-{c}", "attention-client", argv), env)
             deadline = time.monotonic() + self.ready_timeout
             while not all(ch.ready for ch in self.children):
-                if self._stop:
-                    raise ServeError("interrupted during start-up")
+                if self._stop_signal is not None:
+                    raise ServeInterrupted(self._stop_signal)
+                if self._stop:  # request_stop() called without a signal
+                    raise ServeError("stopped during start-up")
                 if time.monotonic() > deadline:
                     late = [ch.name for ch in self.children if not ch.ready]
                     raise ServeError(
@@ -468,6 +568,8 @@ class Deployment:
             _log("second Ctrl-C: killing all processes now (SIGKILL)")
             self._kill_all()
         self._stop = True
+        if signum is not None and self._stop_signal is None:
+            self._stop_signal = signum
 
     def _kill_all(self) -> None:
         for ch in self.children:
@@ -538,7 +640,9 @@ class Deployment:
 
 
 def serve(**options) -> int:
-    """Run a deployment until SIGINT/SIGTERM; returns the exit code.
+    """Run a deployment until SIGINT/SIGTERM; returns the exit code: 0 after a signal once
+    serving, 1 when start-up failed or every client died, 128 + the signal's number (130
+    SIGINT, 143 SIGTERM) when a signal interrupted start-up.
 
     ``options`` are :class:`Deployment`'s keyword arguments.
 
@@ -554,6 +658,9 @@ def serve(**options) -> int:
     )
     try:
         dep.start()
+    except ServeInterrupted as exc:
+        _log(f"{exc}: stopped (nothing is serving)")
+        return 128 + exc.signum
     except ServeError as exc:
         _log(f"start-up failed: {exc}")
         return 1

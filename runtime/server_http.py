@@ -142,6 +142,8 @@ class ServerHealth:
             out["endpoint"] = s.endpoint
             out["experts"] = s.num_experts
             out["stats"] = dict(s.stats)
+            if hasattr(s, "compute_info"):
+                out["compute"] = s.compute_info()
         if self.table is not None:
             out["routing_table"] = self.table.assignment.describe()
         return out

@@ -85,12 +85,15 @@ class KVCacheSpec:
 
 
 def kv_cache_spec(model) -> KVCacheSpec:
-    """The :class:`KVCacheSpec` of a transformers DeepSeek-V3 / Qwen3-MoE / Mixtral model.
+    """The :class:`KVCacheSpec` of a transformers DeepSeek-V3 / Qwen3-MoE / Mixtral model, in
+    its storage dtype (bfloat16 for a bfloat16 model computing in float32 on CPU).
 
     Raises:
         ValueError: an architecture without a known attention layout.
     """
-    return kv_cache_spec_from_config(model.config, next(model.parameters()).dtype)
+    from eaas.runtime.models.attention import storage_dtype
+
+    return kv_cache_spec_from_config(model.config, storage_dtype(model))
 
 
 def kv_cache_spec_from_config(cfg, dtype: torch.dtype) -> KVCacheSpec:

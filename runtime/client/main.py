@@ -107,6 +107,7 @@ def run_attention_client(
     cuda_graphs: bool = False,
     nvshmem_world=None,
     spin_us: float | None = None,
+    cpu_bf16_compute: str = "auto",
 ) -> None:
     """Run one attention client until SIGINT/SIGTERM.
 
@@ -132,6 +133,9 @@ def run_attention_client(
             expert servers (ValueError otherwise).
         nvshmem_world: a :class:`~eaas.runtime.transport.nvshmem.WorldConfig`: join that
             NVSHMEM world before connecting; ``nvshmem:PE`` endpoints use it.
+        cpu_bf16_compute: ``"auto"``, ``"native"`` or ``"fp32"``: what a bfloat16 model
+            computes in on CPU (:mod:`eaas.runtime.models.compute`; the KV cache and the frames
+            to expert servers stay bfloat16). Logged at start and in ``/health``'s ``compute``.
 
     Raises:
         ValueError: no routing-table source and not ``local_experts``, a bad ``dtype``,
@@ -168,6 +172,12 @@ def run_attention_client(
         from eaas.runtime.models.tiny import default_model_dir
 
         model_dir = str(default_model_dir())
+    from eaas.runtime.models.arch import read_model_info as _read_info
+    from eaas.runtime.models.compute import choose_compute
+
+    hidden = _read_info(model_dir).hidden_size
+    compute = choose_compute(torch_dtype, dev, cpu_bf16_compute, (32, hidden, hidden))
+    log.info("%s", compute.log_line())
 
     from eaas.runtime.client.failure_report import FailureReporter
     from eaas.runtime.client.table_push import BearerToken, TablePush
@@ -178,7 +188,9 @@ def run_attention_client(
         token.get()  # a missing/empty Secret fails the start, loudly
     dispatcher = watcher = cm_watcher = reporter = None
     if local_experts:
-        model, tokenizer, info = load_attention_model(model_dir, torch_dtype, device=dev)
+        model, tokenizer, info = load_attention_model(
+            model_dir, torch_dtype, device=dev, compute_dtype=compute.compute_dtype
+        )
     else:
         if not routing_table and not routing_table_configmap:
             raise ValueError(
@@ -240,7 +252,11 @@ def run_attention_client(
             cm_watcher = ConfigMapTableWatcher(routing_table_configmap, dispatcher)
             cm_watcher.load_now()
         model, tokenizer, info = load_attention_model(
-            model_dir, torch_dtype, experts_factory=experts_factory(dispatcher), device=dev
+            model_dir,
+            torch_dtype,
+            experts_factory=experts_factory(dispatcher),
+            device=dev,
+            compute_dtype=compute.compute_dtype,
         )
         if watcher is not None:
             watcher.start()
@@ -275,8 +291,16 @@ def run_attention_client(
         kv["bytes"] / 2**20,
     )
 
+    # dense weights in the compute dtype (float32 copies under the fp32 policy; routed experts
+    # too in --local-experts mode)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for mod in model.modules():
+        for w in getattr(mod, "hosted", {}).values():
+            weight_bytes += sum(t.numel() * t.element_size() for t in (w.gate, w.up, w.down))
+
     def health_extra() -> dict:
         extra = {"device": str(dev), "kv_cache": engine.kv_cache_usage()}
+        extra["compute"] = {**compute.as_dict(), "weight_bytes": weight_bytes}
         if double_batch_overlap:  # the runner's counters: overlapped steps, overlap achieved
             extra["double_batch_overlap"] = dict(getattr(engine.runner, "stats", {}))
         if dispatcher is None:

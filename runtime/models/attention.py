@@ -74,6 +74,12 @@ class LocalExperts(nn.Module):
     ) -> torch.Tensor:
         return weighted_expert_sum(hidden_states, top_k_index, top_k_weights, self.hosted)  # (T, H)
 
+    def _apply(self, fn, recurse=True):  # model.to(dtype / device) reaches the plain attributes
+        self.hosted = {
+            e: ExpertWeights(fn(w.gate), fn(w.up), fn(w.down)) for e, w in self.hosted.items()
+        }
+        return super()._apply(fn, recurse)
+
 
 def local_experts_factory(
     model_dir: str | Path, dtype: torch.dtype = torch.float32
@@ -122,6 +128,7 @@ def load_attention_model(
     experts_factory: ExpertsFactory | None = None,
     device: str | torch.device = "cpu",
     experts_implementation: str | None = None,
+    compute_dtype: torch.dtype | None = None,
 ):
     """Load the model for an attention client (or the full local model).
 
@@ -135,6 +142,11 @@ def load_attention_model(
         device: where the model ends up (``model.to(device)``; factory modules are moved too).
         experts_implementation: transformers' routed-experts kernel when ``experts_factory`` is
             None (``"eager"``, ``"grouped_mm"``, ...; None = transformers' default).
+        compute_dtype: dtype the forward runs in (None: ``dtype``). ``torch.float32`` with
+            ``dtype=torch.bfloat16`` is the CPU ``fp32`` compute policy
+            (:mod:`eaas.runtime.models.compute`): the weights are rounded to bfloat16 on load,
+            then upcast (exactly) to float32; ``model.eaas_storage_dtype`` is set to ``dtype``
+            so the KV cache stays bfloat16 (:func:`storage_dtype`).
 
     Returns:
         ``(model, tokenizer, info)``: the ``*ForCausalLM`` in eval mode, its tokenizer
@@ -166,7 +178,7 @@ def load_attention_model(
         loaded: nn.Module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kw)
         _check_moe_layers(loaded, info)
         loaded.to(device).eval()
-        return loaded, tokenizer, info
+        return _with_compute_dtype(loaded, dtype, compute_dtype), tokenizer, info
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
@@ -251,7 +263,31 @@ def load_attention_model(
     if gen.is_file():
         model.generation_config = GenerationConfig.from_pretrained(model_dir)
     model.to(device).eval()
-    return model, tokenizer, info
+    return _with_compute_dtype(model, dtype, compute_dtype), tokenizer, info
 
 
-__all__ = ["load_attention_model", "LocalExperts", "local_experts_factory", "ExpertsFactory"]
+def _with_compute_dtype(
+    model: nn.Module, dtype: torch.dtype, compute_dtype: torch.dtype | None
+) -> nn.Module:
+    """Upcast ``model`` (weights already rounded to ``dtype``) to ``compute_dtype``; record the
+    storage dtype (KV cache) as ``model.eaas_storage_dtype``."""
+    if compute_dtype is not None and compute_dtype != dtype:
+        model.to(compute_dtype)  # bf16 -> fp32 is exact: the same weight values
+    model.__dict__["eaas_storage_dtype"] = dtype  # a plain attribute, not a module or tensor
+    return model
+
+
+def storage_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype a model's KV cache is kept in: its ``--dtype`` (``eaas_storage_dtype``, set by
+    :func:`load_attention_model`), else the dtype of its first parameter."""
+    dt = getattr(model, "eaas_storage_dtype", None)
+    return dt if isinstance(dt, torch.dtype) else next(model.parameters()).dtype
+
+
+__all__ = [
+    "load_attention_model",
+    "LocalExperts",
+    "local_experts_factory",
+    "ExpertsFactory",
+    "storage_dtype",
+]

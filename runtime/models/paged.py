@@ -20,6 +20,10 @@ through ``kv_b_proj`` (the expanded form, cheaper for many queries).
 
 Results equal transformers' forward up to float summation order (tests compare greedy tokens
 with ``generate`` and logits within fp32 tolerance).
+
+The KV cache may be kept in a narrower dtype than the model computes in (a bfloat16 model
+computing in float32 on CPU, :mod:`eaas.runtime.models.compute`): keys, values and latents are
+rounded to the cache's dtype on write and upcast to the compute dtype after each gather.
 """
 
 from __future__ import annotations
@@ -277,14 +281,15 @@ class PagedModelRunner:
         if len(meta.dec_rows):
             B, L = meta.dec_slots.shape
             flat = meta.dec_slots.view(-1)  # (B * L,)
-            kb = kc.index_select(0, flat).view(B, L, hk, d)
-            vb = vc.index_select(0, flat).view(B, L, hk, d)
+            kb = kc.index_select(0, flat).view(B, L, hk, d).to(q.dtype)  # cache -> compute dtype
+            vb = vc.index_select(0, flat).view(B, L, hk, d).to(q.dtype)
             qd = q[meta.dec_rows]  # (Bd, Hq, d)
             out[meta.dec_rows] = self._decode_attend(qd, kb, vb, meta.dec_mask, attn.scaling)
         for row0, n, blocks, mask in meta.pre:
             ctx = mask.shape[1]
             kb = kc.view(-1, bs, hk, d)[blocks].view(-1, hk, d)[:ctx].transpose(0, 1)[None]
             vb = vc.view(-1, bs, hk, d)[blocks].view(-1, hk, d)[:ctx].transpose(0, 1)[None]
+            kb, vb = kb.to(q.dtype), vb.to(q.dtype)  # cache -> compute dtype (no-op if equal)
             qp = q[row0 : row0 + n].transpose(0, 1)[None]  # (1, Hq, n, d)
             o = self._attend(qp, kb, vb, mask[None, None], attn.scaling, True)  # (1, Hq, n, d)
             out[row0 : row0 + n] = o[0].transpose(0, 1)
@@ -320,7 +325,7 @@ class PagedModelRunner:
             B, L = meta.dec_slots.shape
             q_lat = torch.bmm(q_nope[rows].transpose(0, 1), w_uk).transpose(0, 1)  # (Bd, H, r)
             qq = torch.cat([q_lat, q_rot[rows]], dim=-1)  # (Bd, H, r + dr)
-            kv = lat.index_select(0, meta.dec_slots.view(-1)).view(B, L, 1, r + dr)
+            kv = lat.index_select(0, meta.dec_slots.view(-1)).view(B, L, 1, r + dr).to(qq.dtype)
             # one latent head shared by all query heads: keys [c_kv | k_rope], values c_kv
             o_lat = self._decode_attend(qq, kv, kv[..., :r], meta.dec_mask, attn.scaling)
             # o_lat (Bd, H, r) -> (H, Bd, r) @ (H, r, dv) -> (Bd, H, dv)
@@ -328,7 +333,7 @@ class PagedModelRunner:
         for row0, n, blocks, mask in meta.pre:
             # expanded: kv_b_proj over the chunk's context, then ordinary causal attention
             ctx = mask.shape[1]
-            cl = lat.view(-1, bs, r + dr)[blocks].view(-1, r + dr)[:ctx]  # (ctx, r + dr)
+            cl = lat.view(-1, bs, r + dr)[blocks].view(-1, r + dr)[:ctx].to(q.dtype)  # (ctx, r+dr)
             kv = attn.kv_b_proj(cl[:, :r]).view(ctx, H, dn + dv)
             k = torch.cat([kv[..., :dn], cl[:, None, r:].expand(ctx, H, dr)], dim=-1)
             qp = torch.cat([q_nope[row0 : row0 + n], q_rot[row0 : row0 + n]], dim=-1)

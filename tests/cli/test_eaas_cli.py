@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_runs import run_eaas_all
 
 from eaas import __version__
 from eaas.text import printable
@@ -91,7 +92,8 @@ def test_printable_escapes_control_characters(raw, shown):
 
 
 def test_bad_endpoints_and_tables_exit_2_naming_the_flag(tmp_path):
-    """A malformed or unusable --listen / --http-port of the expert server and an unreadable or
+    """A malformed or unusable --listen (a unix socket in a directory that does not exist
+    included) / --http-port of the expert server and an unreadable or
     invalid --routing-table of the attention client: exit 2, one line naming the flag, no
     traceback. The cases run side by side (each is its own interpreter)."""
     import socket
@@ -102,12 +104,15 @@ def test_bad_endpoints_and_tables_exit_2_naming_the_flag(tmp_path):
     port = taken.getsockname()[1]
     bad_json = tmp_path / "bad.json"
     bad_json.write_text("{bad")
+    missing = tmp_path / "no" / "such" / "dir"
     server = ["expert-server", "--device", "cpu", "--experts", "1:0"]
     cases = [
         ([*server, "--listen", "tcp://127.0.0.1:99999"], "--listen", "port must be 0-65535"),
         ([*server, "--listen", "tcp://no-such-host.invalid:5000"], "--listen", ""),
         ([*server, "--listen", "foo:bar"], "--listen", "unknown scheme"),
         ([*server, "--listen", "unix:"], "--listen", "empty socket path"),
+        ([*server, "--listen", f"unix:{missing}/s.sock"], "--listen", "does not exist"),
+        ([*server, "--listen", f"cudaipc:{missing}/s.sock"], "--listen", "does not exist"),
         ([*server, "--listen", f"tcp://127.0.0.1:{port}"], "--listen", "in use"),
         (
             [*server, "--listen", "tcp://127.0.0.1:0", "--http-port", str(port)],
@@ -125,23 +130,12 @@ def test_bad_endpoints_and_tables_exit_2_naming_the_flag(tmp_path):
             "not valid JSON",
         ),
     ]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "eaas", *argv],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for argv, _, _ in cases
-    ]
     try:
-        for (argv, flag, needle), p in zip(cases, procs, strict=True):
-            out, _ = p.communicate(timeout=240)
-            assert p.returncode == 2, (argv, out)
-            assert flag in out and needle in out, (argv, out)
-            assert "Traceback" not in out, (argv, out)
+        results = run_eaas_all([argv for argv, _, _ in cases])
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
         taken.close()
+    for (argv, flag, needle), (code, out) in zip(cases, results, strict=True):
+        assert code == 2, (argv, out)
+        assert flag in out and needle in out, (argv, out)
+        assert "Traceback" not in out, (argv, out)
+    assert not (tmp_path / "no").exists()  # a typo creates no directory tree

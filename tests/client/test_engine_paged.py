@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 from engine_models import small_mixtral, small_qwen3
+from engine_runs import run_requests
 
 from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams
 from eaas.runtime.client.kv_cache import (
@@ -58,30 +59,7 @@ def loaded(models):
 
 def _run_all(eng, prompts, params_list):
     """Submit everything before the engine starts, wait for all; returns the requests."""
-    done = [threading.Event() for _ in prompts]
-    errors: list = []
-
-    def cb(i):
-        def f(ev):
-            if isinstance(ev, ErrorEvent):
-                errors.append(ev.error)
-                done[i].set()
-            elif ev.finish_reason is not None:
-                done[i].set()
-
-        return f
-
-    reqs = [
-        eng.submit(p, sp, cb(i)) for i, (p, sp) in enumerate(zip(prompts, params_list, strict=True))
-    ]
-    eng.start()
-    try:
-        for d in done:
-            assert d.wait(WAIT)
-    finally:
-        eng.stop()
-    assert not errors, errors
-    return reqs
+    return run_requests(eng, prompts, params_list, WAIT)
 
 
 ARCHS = ["deepseek_v3", "qwen3_moe", "mixtral"]

@@ -82,3 +82,19 @@ def test_report_names_each_missed_target():
     assert peer.report(res, args)[1] == []
     res["float32"]["eaas"] = {"error": "RuntimeError: boom"}
     assert peer.report(res, args)[1] == ["float32 W1: eaas failed"]
+
+
+def test_dtype_with_policy_passes_cpu_bf16_compute_to_eaas_only():
+    args = argparse.Namespace(
+        expert_servers=4,
+        replicas=2,
+        max_num_batched_tokens=2048,
+        prefill_tokens_while_decoding="auto",
+        single_threads=1,
+    )
+    for kind in ("eaas", "single"):
+        cmd = peer.eaas_command(kind, args, "bfloat16:fp32", 8000, None)
+        assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
+        assert cmd[cmd.index("--cpu-bf16-compute") + 1] == "fp32"
+        plain = peer.eaas_command(kind, args, "bfloat16", 8000, None)
+        assert "--cpu-bf16-compute" not in plain  # the processes' own default (auto)

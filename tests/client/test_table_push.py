@@ -40,6 +40,22 @@ def test_parse_pushed_table_checks_json_fields_and_model():
         (b"[", "not valid JSON"),
         (b'{"num_experts": 2}', "version"),
         (TABLE.to_json().replace('"version":4', '"version":0').encode(), ">= 1"),
+        (
+            TABLE.to_json().replace('"version":4', '"version":"4"').encode(),
+            "'version' must be an integer, got '4'",
+        ),
+        (
+            TABLE.to_json().replace('"version":4', '"version":4.0').encode(),
+            "'version' must be an integer",
+        ),
+        (
+            TABLE.to_json().replace('"version":4', '"version":true').encode(),
+            "'version' must be an integer",
+        ),
+        (
+            TABLE.to_json().replace('"num_experts":2', '"num_experts":"2"').encode(),
+            "'num_experts' must be an integer",
+        ),
     ]:
         with pytest.raises(PushError, match=needle) as e:
             parse_pushed_table(raw)

@@ -60,6 +60,17 @@ def alive(pid: int, cmd: str) -> bool:
     return state != "Z" and cmdline(pid) == cmd
 
 
+def sigterm_and_wait(proc: subprocess.Popen, timeout: float = 60.0) -> int:
+    """SIGTERM ``proc`` and wait for it; SIGKILL it after ``timeout`` s. Returns its exit code
+    (negative: the signal that ended it)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
 def shm_files() -> set[str]:
     try:
         return {f for f in os.listdir("/dev/shm") if f.startswith("eaas")}

@@ -5,7 +5,6 @@ succeeds; tokenizer loading of Qwen3-MoE checkpoints through a real ``eaas atten
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ import httpx
 import openai
 import pytest
 import torch
-from e2e_helpers import free_port, start_serve
+from e2e_helpers import free_port, sigterm_and_wait, start_serve
 
 from eaas.runtime.client.sampling import SamplingParams, apply_penalties
 from eaas.runtime.models.reference import reference_generate, reference_logits
@@ -455,12 +454,7 @@ class _Client:
         assert " ready on " in line, (line, log.read_text()[-2000:])
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        sigterm_and_wait(self.proc, 30)
         self.proc.stdout.close()
         self._log.close()
 

@@ -5,7 +5,6 @@ SIGKILLed ``eaas serve`` die with it (PR_SET_PDEATHSIG)."""
 from __future__ import annotations
 
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ import time
 import httpx
 import pytest
 import torch
-from e2e_helpers import ServeProcess, alive, descendants, free_port
+from e2e_helpers import ServeProcess, alive, descendants, free_port, sigterm_and_wait
 
 from eaas.runtime.models.reference import reference_generate
 
@@ -66,12 +65,7 @@ def test_local_experts_baseline(tokenizer, model_dir, tmp_path):
         assert h["mode"] == "local-experts" and h["client_id"] == "7"
         _check_exact(base, tokenizer, model_dir)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
+        rc = sigterm_and_wait(proc, 30)
         proc.stdout.close()
         log.close()
     assert rc == 0

@@ -1,20 +1,31 @@
-"""Drive an attention-client :class:`~eaas.runtime.client.engine.Engine` directly: greedy
-generation of several prompts at once, for tests that compare engine configurations."""
+"""Drive an attention-client :class:`~eaas.runtime.client.engine.Engine` directly: several
+requests submitted before the engine starts and run to the end, for tests that compare engine
+configurations or check an engine against a reference."""
 
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams
 
 
-def generate_greedy(
-    eng: Engine, prompts: list[list[int]], max_tokens: int, wait_s: float
-) -> list[list[int]]:
-    """Submit every prompt (greedy, ``ignore_eos``), run the engine until all finish, stop it.
+def run_requests(
+    eng: Any, prompts: list[list[int]], params_list: list[SamplingParams], wait_s: float
+) -> list[Any]:
+    """Submit every prompt with its params before the engine starts, run it until all finish,
+    stop it.
 
-    Returns each request's output token ids, in prompt order. Fails (AssertionError) if a request
-    does not finish within ``wait_s`` seconds or any request ends with an error.
+    Args:
+        eng: an :class:`Engine` (or anything with its ``submit``/``start``/``stop``, such as
+            :class:`~eaas.runtime.client.reference_engine.ReferenceEngine`).
+        prompts: token ids per request.
+        params_list: one :class:`SamplingParams` per prompt.
+        wait_s: how long each request may take (s).
+
+    Returns the engine's request objects, in prompt order (``output_ids`` etc.). Fails
+    (AssertionError) if a request does not finish within ``wait_s`` seconds or any request ends
+    with an error.
     """
     done = [threading.Event() for _ in prompts]
     errors: list[BaseException] = []
@@ -29,8 +40,9 @@ def generate_greedy(
 
         return f
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    reqs = [eng.submit(p, params, cb(i)) for i, p in enumerate(prompts)]
+    reqs = [
+        eng.submit(p, sp, cb(i)) for i, (p, sp) in enumerate(zip(prompts, params_list, strict=True))
+    ]
     eng.start()
     try:
         for d in done:
@@ -38,4 +50,14 @@ def generate_greedy(
     finally:
         eng.stop()
     assert not errors, errors
+    return reqs
+
+
+def generate_greedy(
+    eng: Engine, prompts: list[list[int]], max_tokens: int, wait_s: float
+) -> list[list[int]]:
+    """Greedy (``ignore_eos``) :func:`run_requests` of every prompt; returns each request's
+    output token ids, in prompt order."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    reqs = run_requests(eng, prompts, [params] * len(prompts), wait_s)
     return [r.output_ids for r in reqs]

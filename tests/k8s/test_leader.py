@@ -87,8 +87,10 @@ def test_two_operators_exactly_one_acts(testbed, crds, tmp_path):  # noqa: F811
         )
         for name in ("op-a", "op-b")
     }
+    for op in ops.values():  # side by side: each start is mostly imports
+        op.spawn()
     for op in ops.values():
-        op.start()
+        op.wait_ready()
     ns = f"t-{uuid.uuid4().hex[:8]}"
     kubectl("create", "namespace", ns)
     try:

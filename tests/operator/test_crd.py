@@ -190,3 +190,31 @@ def test_examples_parse():
     assert ds.replicas == 40 and 256 % ds.replicas != 0
     fleet = AttentionFleetSpec.model_validate(docs[("AttentionFleet", "tiny-clients")]["spec"])
     assert fleet.expert_pool_ref.name == "tiny" and fleet.port == 8000
+
+
+def test_model_and_nvshmem_uid_volumes_share_one_source_model():
+    """The model volume (read-only; hostPath type Directory) and the NVSHMEM uid volume
+    (read-write; DirectoryOrCreate) come from the same two fields with the same bounds."""
+    from eaas.operator.crd import ModelSource, NvshmemUidVolume
+
+    host = ModelSource(uri="m", hostPath="/w").volume()
+    assert host == {"name": "model", "hostPath": {"path": "/w", "type": "Directory"}}
+    pvc = ModelSource(uri="m", persistentVolumeClaim="weights").volume()
+    assert pvc == {
+        "name": "model",
+        "persistentVolumeClaim": {"claimName": "weights", "readOnly": True},
+    }
+    assert ModelSource(uri="/in/image").volume() is None
+    uid = NvshmemUidVolume(hostPath="/u").volume()
+    assert uid == {"name": "nvshmem-uid", "hostPath": {"path": "/u", "type": "DirectoryOrCreate"}}
+    uid = NvshmemUidVolume(persistentVolumeClaim="uid").volume()
+    assert uid == {"name": "nvshmem-uid", "persistentVolumeClaim": {"claimName": "uid"}}
+    with pytest.raises(ValueError, match="hostPath and persistentVolumeClaim"):
+        NvshmemUidVolume().volume()
+    schemas = [m.model_json_schema()["properties"] for m in (ModelSource, NvshmemUidVolume)]
+    for field in ("hostPath", "persistentVolumeClaim"):
+        bounds = [
+            {k: v for k, v in s[field].items() if k not in ("description", "title")}
+            for s in schemas
+        ]
+        assert bounds[0] == bounds[1], (field, bounds)

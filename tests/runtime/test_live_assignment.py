@@ -125,6 +125,9 @@ def test_server_loads_assigned_experts_while_serving_and_refuses_dropped_ones(se
     assert _http("PUT", port, "/routing-table", v1.to_json(), token="wrong")[0] == 401
     bad = _table(1, eps, [("s0",)] * 3)
     assert _http("PUT", port, "/routing-table", bad.to_json())[0] == 400
+    for version in ("1", 1.0, True):  # a version that is not a JSON integer: 400 naming it
+        code, body = _http("PUT", port, "/routing-table", {**v1.to_dict(), "version": version})
+        assert code == 400 and "'version' must be an integer" in body["error"]["message"], body
     code, body = _http("PUT", port, "/routing-table", v1.to_json())
     assert code == 202 and body["assigned_version"] == 1
     assert wait_until(lambda: _http("GET", port, "/routing-table")[1]["weights_version"] == 1, 30)
