@@ -59,6 +59,9 @@ class Sequence:
         block_table: KV-cache block ids, in position order.
         num_computed: leading tokens whose keys/values are in the cache.
         arrival: admission-order key (FCFS; preempted sequences keep theirs).
+        max_gaps: gaps between its tokens at most (``max_tokens - 1``; 0: unknown), the
+            denominator of the burst tail share.
+        stretched: its gaps that fell in an uncapped burst step.
     """
 
     request: GenerationRequest
@@ -67,6 +70,10 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
     preemptions: int = 0
+    #: gaps between tokens the sequence will have at most (``max_tokens - 1``; 0: unknown)
+    max_gaps: int = 0
+    #: its gaps that an uncapped burst step stretched (:attr:`Scheduler.burst_tail_share`)
+    stretched: int = 0
 
 
 @dataclass
@@ -107,6 +114,10 @@ class Scheduler:
         max_num_seqs: running sequences at most.
         max_num_batched_tokens: tokens per forward at most (decode tokens + prefill chunks).
         watermark_blocks: free blocks admission leaves for running sequences to grow into.
+        prefill_cap: prefill tokens at most in a step that also decodes (``None``: only the
+            token budget); the engine may change it between steps.
+        burst_tail_share: share (``0 <= share < 0.01``) of the live sequences' gaps that
+            uncapped burst steps may stretch (0: never; see the module docstring).
     """
 
     def __init__(
@@ -118,9 +129,12 @@ class Scheduler:
         max_num_batched_tokens: int = 512,
         watermark_blocks: int = 0,
         prefill_cap: int | None = None,
+        burst_tail_share: float = 0.0,
     ):
         if prefill_cap is not None and prefill_cap < 1:
             raise ValueError(f"prefill_cap must be >= 1 or None, got {prefill_cap}")
+        if not 0.0 <= burst_tail_share < 0.01:
+            raise ValueError(f"burst_tail_share must be in [0, 0.01), got {burst_tail_share}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -133,6 +147,9 @@ class Scheduler:
         #: prefill tokens at most in a step that also decodes (None: only the token budget);
         #: the engine may change it between steps (StepCostModel)
         self.prefill_cap = prefill_cap
+        self.burst_tail_share = float(burst_tail_share)
+        #: steps that went over the prefill cap on the burst tail share (a statistic)
+        self.num_burst_steps = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -188,10 +205,14 @@ class Scheduler:
         # prefilled never takes the budget of the sequences that are decoding
         decoding = [q for q in self.running if q.num_tokens() - q.num_computed == 1]
         prefilling = [q for q in self.running if q.num_tokens() - q.num_computed > 1]
+        cap = self.prefill_cap
+        burst = cap is not None and self._burst_allowed(len(decoding))
+        if burst:
+            cap = None  # this step may take the whole budget (see the module docstring)
         prefill_budget: int | None = None  # set once the decodes are planned
         for seq in decoding + prefilling:
             if prefill_budget is None and seq.num_tokens() - seq.num_computed > 1:
-                prefill_budget = self._prefill_budget(budget, decodes=bool(chunks))
+                prefill_budget = self._prefill_budget(budget, bool(chunks), cap)
             left = budget if prefill_budget is None else prefill_budget
             if left <= 0:
                 break
@@ -216,7 +237,7 @@ class Scheduler:
             if prefill_budget is not None:
                 prefill_budget -= n
         if prefill_budget is None:
-            prefill_budget = self._prefill_budget(budget, decodes=bool(chunks))
+            prefill_budget = self._prefill_budget(budget, bool(chunks), cap)
         if not preempted:
             while (
                 self.waiting
@@ -239,19 +260,54 @@ class Scheduler:
                 chunks.append(ScheduledChunk(seq, 0, n))
                 budget -= n
                 prefill_budget -= n
+        if burst:
+            decodes = [c.seq for c in chunks if c.n == 1 and c.start > 0]
+            assert self.prefill_cap is not None
+            if sum(c.n for c in chunks) - len(decodes) > self.prefill_cap:  # it did stretch
+                self.num_burst_steps += 1
+                for q in decodes:
+                    q.stretched += 1
         return StepPlan(chunks, preempted)
 
-    def _prefill_budget(self, budget: int, decodes: bool) -> int:
-        """Prefill tokens this step may still take: the token budget left, capped at
-        :attr:`prefill_cap` when the step decodes."""
-        if decodes and self.prefill_cap is not None:
-            return min(budget, self.prefill_cap)
+    def _burst_allowed(self, decodes: int) -> bool:
+        """Whether a step with ``decodes`` decoding sequences may go over the prefill cap: only
+        while the live sequences' stretched gaps, these included, stay within
+        :attr:`burst_tail_share` of all their gaps (:func:`burst_step_allowed`)."""
+        if self.burst_tail_share <= 0 or not decodes:
+            return False
+        live = (*self.running, *self.waiting)
+        return burst_step_allowed(
+            sum(q.stretched for q in live),
+            sum(q.max_gaps for q in live),
+            decodes,
+            self.burst_tail_share,
+        )
+
+    @staticmethod
+    def _prefill_budget(budget: int, decodes: bool, cap: int | None) -> int:
+        """Prefill tokens this step may still take: the token budget left, capped at ``cap``
+        when the step decodes."""
+        if decodes and cap is not None:
+            return min(budget, cap)
         return budget
 
     def advance(self, plan: StepPlan) -> None:
         """Record that ``plan``'s forward succeeded: its chunks' tokens are now cached."""
         for c in plan.chunks:
             c.seq.num_computed = c.start + c.n
+
+
+def burst_step_allowed(stretched: int, total_gaps: int, decodes: int, share: float) -> bool:
+    """Whether one more uncapped step may stretch ``decodes`` more gaps: ``stretched + decodes
+    <= share * total_gaps``.
+
+    Args:
+        stretched: gaps of the live sequences already stretched by uncapped steps.
+        total_gaps: gaps the live sequences have at most (sum of ``max_tokens - 1``).
+        decodes: decoding sequences in the step (each gets one stretched gap).
+        share: the allowed share of stretched gaps (``0`` never allows one).
+    """
+    return decodes > 0 and stretched + decodes <= share * total_gaps
 
 
 def prefill_cap_for(decode_step_s: float, prefill_token_s: float, ratio: float, floor: int) -> int:
@@ -369,5 +425,6 @@ __all__ = [
     "Sequence",
     "StepCostModel",
     "StepPlan",
+    "burst_step_allowed",
     "prefill_cap_for",
 ]

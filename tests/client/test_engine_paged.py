@@ -496,6 +496,95 @@ def test_scheduler_caps_prefill_only_in_steps_that_decode():
         Scheduler(BlockAllocator(4), 4, prefill_cap=0)
 
 
+def _gseq(req: _Req, arrival: int, max_gaps: int) -> Sequence:
+    return Sequence(req, lambda: req.prompt + req.out, arrival, max_gaps=max_gaps)
+
+
+def _plan(plan) -> list[tuple]:
+    return [(ch.seq.request, ch.start, ch.n) for ch in plan.chunks]
+
+
+def test_burst_step_goes_over_the_cap_only_within_the_tail_share():
+    """A burst's first prompts: a step whose few decodes keep the stretched gaps of the live
+    sequences within the share takes the whole budget; once the share is spent, the cap holds."""
+    s = Scheduler(
+        BlockAllocator(400),
+        4,
+        max_num_seqs=8,
+        max_num_batched_tokens=40,
+        prefill_cap=5,
+        burst_tail_share=0.005,
+    )
+    a, b, c, d = _Req(6), _Req(30), _Req(30), _Req(30)
+    s.add(_gseq(a, 0, 399))
+    _finish_step(s, s.schedule())  # a's prompt alone (nothing decodes): a now decodes
+    for i, r in enumerate((b, c, d), start=1):
+        s.add(_gseq(r, i, 399))
+    # live gaps 4 x 399 = 1596, share 0.005 -> 7.98 stretched gaps allowed: a's one fits
+    plan = s.schedule()
+    assert _plan(plan) == [(a, 6, 1), (b, 0, 30), (c, 0, 9)]
+    assert s.running[0].stretched == 1 and s.num_burst_steps == 1
+    _finish_step(s, plan)
+    # a and b decode (1 + 2 = 3 <= 7.98): c's chunk and d's admission take the budget again
+    plan = s.schedule()
+    assert _plan(plan) == [(a, 7, 1), (b, 30, 1), (c, 9, 21), (d, 0, 17)]
+    assert [q.stretched for q in s.running] == [2, 1, 0, 0] and s.num_burst_steps == 2
+    _finish_step(s, plan)
+    # a, b, c decode: 3 + 3 = 6 <= 7.98, but d's last 13 tokens are more than the cap of 5
+    plan = s.schedule()
+    assert _plan(plan) == [(a, 8, 1), (b, 31, 1), (c, 30, 1), (d, 17, 13)]
+    assert [q.stretched for q in s.running] == [3, 2, 1, 0] and s.num_burst_steps == 3
+    _finish_step(s, plan)
+    e = _Req(30)
+    s.add(_gseq(e, 5, 399))
+    # 6 stretched + 4 decodes = 10 > 0.005 * 5 * 399 = 9.975: the cap holds
+    plan = s.schedule()
+    assert _plan(plan) == [(a, 9, 1), (b, 32, 1), (c, 31, 1), (d, 30, 1), (e, 0, 5)]
+    assert s.num_burst_steps == 3 and sum(q.stretched for q in s.running) == 6
+
+
+def test_burst_step_within_the_cap_stretches_nothing_and_share_zero_never_bursts():
+    s = Scheduler(
+        BlockAllocator(400), 4, max_num_batched_tokens=40, prefill_cap=8, burst_tail_share=0.009
+    )
+    a, b = _Req(6), _Req(4)
+    s.add(_gseq(a, 0, 999))
+    _finish_step(s, s.schedule())
+    s.add(_gseq(b, 1, 999))
+    plan = s.schedule()  # a burst was allowed, but b's 4 tokens fit under the cap anyway
+    assert _plan(plan) == [(a, 6, 1), (b, 0, 4)]
+    assert s.running[0].stretched == 0 and s.num_burst_steps == 0
+    # share 0 (the default; a fixed --prefill-tokens-while-decoding N): the cap always holds
+    s0 = Scheduler(BlockAllocator(400), 4, max_num_batched_tokens=40, prefill_cap=5)
+    a, b = _Req(6), _Req(30)
+    s0.add(_gseq(a, 0, 10**6))
+    _finish_step(s0, s0.schedule())
+    s0.add(_gseq(b, 1, 10**6))
+    assert _plan(s0.schedule()) == [(a, 6, 1), (b, 0, 5)]
+    # unknown max_gaps (0) allow nothing
+    s1 = Scheduler(
+        BlockAllocator(400), 4, max_num_batched_tokens=40, prefill_cap=5, burst_tail_share=0.005
+    )
+    a, b = _Req(6), _Req(30)
+    s1.add(_gseq(a, 0, 0))
+    _finish_step(s1, s1.schedule())
+    s1.add(_gseq(b, 1, 0))
+    assert _plan(s1.schedule()) == [(a, 6, 1), (b, 0, 5)]
+    for bad in (-0.001, 0.01, 0.5):
+        with pytest.raises(ValueError, match="burst_tail_share must be in"):
+            Scheduler(BlockAllocator(4), 4, burst_tail_share=bad)
+
+
+def test_burst_step_allowed():
+    from eaas.runtime.client.scheduler import burst_step_allowed
+
+    assert burst_step_allowed(0, 4064, 9, 0.005)  # W1's second step: 9 <= 20.3
+    assert not burst_step_allowed(9, 4064, 18, 0.005)  # its third: 27 > 20.3
+    assert burst_step_allowed(11, 4064, 9, 0.005)  # 20 <= 20.3
+    assert not burst_step_allowed(0, 4064, 0, 0.005)  # no decodes: nothing to allow
+    assert not burst_step_allowed(0, 10**6, 1, 0.0)  # share 0: never
+
+
 def test_step_cost_model_estimates_decode_step_and_prefill_token_costs():
     from eaas.runtime.client.scheduler import StepCostModel, prefill_cap_for
 
