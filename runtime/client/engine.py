@@ -431,7 +431,8 @@ class Engine(EngineBase):
         prefill_tokens_while_decoding: prefill tokens at most in a step that also decodes
             (``--prefill-tokens-while-decoding``): an int (fixed cap), ``"auto"`` (a mixed step
             costs at most :data:`AUTO_PREFILL_RATIO` decode steps, from measured step times:
-            :class:`~eaas.runtime.client.scheduler.StepCostModel`) or ``None`` / ``"off"``
+            :class:`~eaas.runtime.client.scheduler.StepCostModel`; burst steps over the cap within
+            :data:`AUTO_BURST_TAIL_SHARE` of the gaps between tokens) or ``None`` / ``"off"``
             (only ``max_num_batched_tokens``).
 
     Raises:
@@ -518,6 +519,8 @@ class Engine(EngineBase):
                 "max_step_tokens": 0,
                 # most prefill tokens in a step that also decoded (the prefill cap's effect)
                 "max_prefill_tokens_while_decoding": 0,
+                # steps that went over the cap as burst steps (auto)
+                "burst_steps": 0,
             }
         )
 
@@ -609,6 +612,7 @@ class Engine(EngineBase):
         st["prefill_chunks"] += sum(1 for c in plan.chunks if c.n > 1 or c.start == 0)
         st["max_batch"] = max(st["max_batch"], len(plan.chunks))
         st["max_step_tokens"] = max(st["max_step_tokens"], plan.num_tokens)
+        st["burst_steps"] = sched.num_burst_steps
         decodes = sum(1 for c in plan.chunks if c.n == 1 and c.start > 0)
         if decodes:
             st["max_prefill_tokens_while_decoding"] = max(

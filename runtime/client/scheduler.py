@@ -31,7 +31,20 @@ from measured step times (:class:`StepCostModel`, ``auto``): with a plain decode
 stays within ``ratio`` decode steps when ``P <= (ratio - 1) * t_d / c_p``. Steps without
 decodes use the whole budget (the first prompts of a burst are prefilled at full speed). This is vLLM's
 ``--long-prefill-token-threshold`` idea (a long prompt's chunk is capped so it does not stall
-decoding) applied to the step's prefill tokens as a whole. The KV cache must hold at least one sequence of the longest
+decoding) applied to the step's prefill tokens as a whole.
+
+**Burst steps** (``burst_tail_share``, ``auto`` only): an ITL p99 lets 1% of the gaps between
+tokens be long. While few sequences decode (the first prompts of a burst have just got their
+first token and the rest of the burst waits), a step may go over the cap and take the whole
+budget, as long as the gaps such steps stretched among the live (running and waiting) sequences,
+this step's decodes included, stay within ``burst_tail_share`` of all the gaps those sequences
+will have (``Sequence.max_gaps``: ``max_tokens - 1`` each; :func:`burst_step_allowed`). W1 of
+issue 8 (32 prompts of 220 tokens at once, 128 output tokens, budget 2048): the second step,
+with 9 decodes, prefills the next 2039 tokens at full speed (9 <= 0.005 * 32 * 127 = 20.3), the
+third (18 decodes, 27 stretched gaps) is capped; the median request gets its first token after two full
+steps instead of one full step and ~9 capped ones. Requests that stop before ``max_tokens``
+have fewer gaps than counted, so the share is an upper bound only for those that run to the
+end. The KV cache must hold at least one sequence of the longest
 allowed length (checked by the engine at start-up), so a lone sequence always fits and nothing
 ever runs out of memory.
 """

@@ -671,6 +671,30 @@ def test_greedy_equals_generate_with_prefill_cap_while_decoding(arch, cap, model
     assert eng.kv_cache_usage()["blocks_used"] == 0
 
 
+def test_greedy_equals_generate_with_burst_steps(models, loaded):
+    """``auto``: a step over the cap (a burst step) changes the steps, never the tokens."""
+    model, tok, _ = loaded["deepseek_v3"]
+    prompts = [tok(TEXTS[2])["input_ids"], tok(TEXTS[4])["input_ids"]]
+    assert len(prompts[0]) < 8 < len(prompts[1]) - 8
+    max_new = 120  # 2 x 119 gaps: 0.005 of them allows one stretched gap
+    refs = [reference_generate(models["deepseek_v3"], [p], max_new)[0] for p in prompts]
+    eng = Engine(
+        model,
+        tok,
+        client_id="burst",
+        max_num_batched_tokens=8,
+        block_size=4,
+        prefill_tokens_while_decoding="auto",
+    )
+    reqs = _run_all(eng, prompts, [SamplingParams(max_tokens=max_new)] * 2)
+    for req, ref in zip(reqs, refs, strict=True):
+        assert req.output_ids == ref
+    # step 2: the short prompt decodes, the long one's chunk takes the budget left (7 tokens,
+    # over the cap of 4 before any step was measured); then the share is spent
+    assert eng.stats["burst_steps"] == 1, eng.stats
+    assert eng.stats["max_prefill_tokens_while_decoding"] == 7, eng.stats
+
+
 def test_serve_rejects_a_bad_prefill_cap_before_starting_anything():
     import subprocess
     import sys
