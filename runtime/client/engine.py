@@ -373,6 +373,9 @@ AUTO_PREFILL_RATIO = 2.0
 #: (a burst's first prompts prefilled at full speed while few sequences decode); half of the
 #: 1% an ITL p99 allows
 AUTO_BURST_TAIL_SHARE = 0.005
+#: ``auto``: a mixed step at the decode steps' 90th-percentile noise costs about this many mean
+#: decode steps (the ratio goes from 2 down to 1.25 on a noisy machine; 3 x 0.85 margin)
+AUTO_NOISE_BUDGET = 2.55
 
 
 def parse_prefill_cap(value: int | str | None) -> int | str | None:
@@ -506,6 +509,7 @@ class Engine(EngineBase):
                 floor=block_size,
                 large_tokens=max(1, max_num_batched_tokens // 4),
                 probe=max(block_size, max_num_batched_tokens // 8),
+                noise_budget=AUTO_NOISE_BUDGET,
             )
             if cap == "auto"
             else None

@@ -357,13 +357,27 @@ class StepCostModel:
     not positive) :meth:`cap` answers ``probe``. The engine's steps persist over requests, so a
     burst of new prompts is capped from what earlier traffic (a warm-up) measured.
 
+    **Noise** (``noise_budget``): a mixed step's cost is a multiple of the mean decode step, but
+    the ITL tail is an upper quantile, and on a shared machine the same step takes 1.2-2x its
+    mean now and then. The model keeps the last ``window`` decode steps' *residuals* (wall time
+    / the estimate's time for their batch) and, once it has ``window // 4`` of them, lowers the
+    ratio to ``noise_budget / q`` (at least ``min_ratio``), ``q`` being their
+    ``noise_quantile`` (at least 1): a mixed step at its upper quantile then costs about
+    ``noise_budget`` mean decode steps. On a quiet machine (``q`` ~1.2) the ratio stays at
+    ``ratio``.
+
     Args:
-        ratio: a mixed step may cost this many decode steps (default 2).
+        ratio: a mixed step may cost this many decode steps at most (default 2).
         floor: least cap in tokens (default 16).
         large_tokens: a step with at least this many prefill tokens is a prefill step
             (default 256).
         decay: weight kept per observation of a class (default 0.8).
         probe: the cap while the estimate is undetermined (``None``: no cap).
+        noise_budget: a mixed step's cost at the residuals' ``noise_quantile``, in mean decode
+            steps (``None``: no noise correction, always ``ratio``).
+        min_ratio: the ratio the noise correction goes down to at most (default 1.25).
+        noise_quantile: the residuals' quantile, in ``(0, 1)`` (default 0.9).
+        window: decode steps whose residuals are kept (default 64).
     """
 
     def __init__(
@@ -373,14 +387,27 @@ class StepCostModel:
         large_tokens: int = 256,
         decay: float = 0.8,
         probe: int | None = None,
+        noise_budget: float | None = None,
+        min_ratio: float = 1.25,
+        noise_quantile: float = 0.9,
+        window: int = 64,
     ):
         if ratio <= 1:
             raise ValueError(f"ratio must be > 1, got {ratio}")
+        if not 1 < min_ratio <= ratio:
+            raise ValueError(f"min_ratio must be in (1, ratio], got {min_ratio}")
+        if not 0 < noise_quantile < 1:
+            raise ValueError(f"noise_quantile must be in (0, 1), got {noise_quantile}")
         if large_tokens < 1:
             raise ValueError(f"large_tokens must be >= 1, got {large_tokens}")
+        if window < 4:
+            raise ValueError(f"window must be >= 4, got {window}")
         self.ratio, self.floor, self.decay = float(ratio), int(floor), float(decay)
         self.large_tokens = int(large_tokens)
         self.probe = probe
+        self.noise_budget = noise_budget
+        self.min_ratio, self.noise_quantile = float(min_ratio), float(noise_quantile)
+        self._residuals: deque[float] = deque(maxlen=int(window))
         # per class: [weight, weighted tokens, weighted seconds]
         self._decode = [0.0, 0.0, 0.0]
         self._prefill = [0.0, 0.0, 0.0]
@@ -390,6 +417,13 @@ class StepCostModel:
         ``seconds`` (wall time). Mixed steps below ``large_tokens`` prefill tokens are ignored."""
         if prefill == 0 and decodes > 0:
             acc = self._decode
+            e = self.estimate()
+            if e is not None:  # the residual against the estimate before this step
+                t_dec, per_token = e
+                seen = self._decode[1] / self._decode[0]
+                predicted = t_dec + (decodes - seen) * per_token
+                if predicted > 0:
+                    self._residuals.append(float(seconds) / predicted)
         elif prefill >= self.large_tokens:
             acc = self._prefill
         else:
@@ -429,7 +463,23 @@ class StepCostModel:
         if batch is not None:
             seen = self._decode[1] / self._decode[0]
             t_dec += max(0.0, batch - seen) * per_token
-        return prefill_cap_for(t_dec, per_token, self.ratio, self.floor)
+        return prefill_cap_for(t_dec, per_token, self.effective_ratio(), self.floor)
+
+    def noise(self) -> float | None:
+        """The ``noise_quantile`` of the kept decode-step residuals, at least 1 (``None`` while
+        fewer than ``window // 4`` are kept)."""
+        r = self._residuals
+        if len(r) < max(1, (r.maxlen or 4) // 4):
+            return None
+        xs = sorted(r)
+        return max(1.0, xs[min(len(xs) - 1, int(self.noise_quantile * len(xs)))])
+
+    def effective_ratio(self) -> float:
+        """``ratio``, or ``noise_budget / noise()`` clamped to ``[min_ratio, ratio]``."""
+        q = self.noise() if self.noise_budget is not None else None
+        if q is None or self.noise_budget is None:
+            return self.ratio
+        return min(self.ratio, max(self.min_ratio, self.noise_budget / q))
 
 
 __all__ = [

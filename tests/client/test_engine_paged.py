@@ -625,6 +625,42 @@ def test_step_cost_model_estimates_decode_step_and_prefill_token_costs():
         prefill_cap_for(0.01, 0.0, 2.0, 16)
 
 
+def test_step_cost_model_lowers_the_ratio_on_a_noisy_machine():
+    from eaas.runtime.client.scheduler import StepCostModel
+
+    def t(decodes, prefill):  # 10 ms per step, 0.5 ms per decode, 0.1 ms per prefill token
+        return 0.010 + 5e-4 * decodes + 1e-4 * prefill
+
+    def model(**kw):
+        m = StepCostModel(ratio=2.0, floor=1, large_tokens=512, window=16, **kw)
+        m.observe(8, 0, t(8, 0))
+        m.observe(0, 2048, t(0, 2048))
+        return m
+
+    quiet, noisy, off = model(noise_budget=2.55), model(noise_budget=2.55), model()
+    assert quiet.noise() is None and quiet.effective_ratio() == 2.0  # no residuals yet
+    for i in range(16):
+        quiet.observe(8, 0, t(8, 0) * (1.1 if i % 2 else 0.95))
+        # every 4th decode step takes 2x: the 90th percentile of the residuals is ~2
+        slow = 2.0 if i % 4 == 3 else 1.0
+        noisy.observe(8, 0, t(8, 0) * slow)
+        off.observe(8, 0, t(8, 0) * slow)
+    assert quiet.noise() == pytest.approx(1.1, rel=0.05)
+    assert quiet.effective_ratio() == 2.0  # 2.55 / 1.1 > 2: the ratio stays
+    assert noisy.noise() > 1.5
+    assert noisy.effective_ratio() == pytest.approx(2.55 / noisy.noise())
+    assert 1.25 <= noisy.effective_ratio() < 2.0
+    assert noisy.cap() < quiet.cap()  # a smaller cap on the noisy machine
+    assert off.effective_ratio() == 2.0  # no noise budget: the ratio is fixed
+    for i in range(16):  # a very noisy machine: not below min_ratio
+        noisy.observe(8, 0, t(8, 0) * (5.0 if i % 2 else 1.0))
+    assert noisy.effective_ratio() == 1.25
+    with pytest.raises(ValueError, match="min_ratio"):
+        StepCostModel(ratio=2.0, min_ratio=3.0)
+    with pytest.raises(ValueError, match="noise_quantile"):
+        StepCostModel(noise_quantile=1.0)
+
+
 @pytest.mark.parametrize(
     "value,expected",
     [("auto", "auto"), ("off", None), (None, None), ("64", 64), (64, 64)],
