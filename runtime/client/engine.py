@@ -370,9 +370,9 @@ class EngineBase:
 #: room for the noise of a shared machine: at 3 the mixed steps themselves sat at 3-5x)
 AUTO_PREFILL_RATIO = 2.0
 #: ``auto``: share of the live sequences' gaps between tokens that uncapped steps may stretch
-#: (a burst's first prompts prefilled at full speed while few sequences decode); half of the
-#: 1% an ITL p99 allows
-AUTO_BURST_TAIL_SHARE = 0.005
+#: (a burst's first prompts prefilled at full speed while few sequences decode); a quarter of
+#: the 1% an ITL p99 allows (the capped mixed steps' noise takes its share of the rest)
+AUTO_BURST_TAIL_SHARE = 0.0025
 #: ``auto``: a mixed step at the decode steps' 90th-percentile noise costs about this many mean
 #: decode steps (the ratio goes from 2 down to 1.25 on a noisy machine; 3 x 0.85 margin)
 AUTO_NOISE_BUDGET = 2.55

@@ -40,7 +40,7 @@ budget, as long as the gaps such steps stretched among the live (running and wai
 this step's decodes included, stay within ``burst_tail_share`` of all the gaps those sequences
 will have (``Sequence.max_gaps``: ``max_tokens - 1`` each; :func:`burst_step_allowed`). W1 of
 issue 8 (32 prompts of 220 tokens at once, 128 output tokens, budget 2048): the second step,
-with 9 decodes, prefills the next 2039 tokens at full speed (9 <= 0.005 * 32 * 127 = 20.3), the
+with 9 decodes, prefills the next 2039 tokens at full speed (9 <= 0.0025 * 32 * 127 = 10.2), the
 third (18 decodes, 27 stretched gaps) is capped; the median request gets its first token after two full
 steps instead of one full step and ~9 capped ones. Requests that stop before ``max_tokens``
 have fewer gaps than counted, so the share is an upper bound only for those that run to the
