@@ -369,10 +369,10 @@ class EngineBase:
 #: many plain decode steps of the whole batch (issue 8's target, ITL p99 <= 3x ITL p50, with
 #: room for the noise of a shared machine: at 3 the mixed steps themselves sat at 3-5x)
 AUTO_PREFILL_RATIO = 2.0
-#: ``auto``: share of the live sequences' gaps between tokens that uncapped steps may stretch
-#: (a burst's first prompts prefilled at full speed while few sequences decode); a quarter of
-#: the 1% an ITL p99 allows (the capped mixed steps' noise takes its share of the rest)
-AUTO_BURST_TAIL_SHARE = 0.0025
+#: ``auto``: share of the live sequences' gaps between tokens that burst steps may stretch
+#: (the decodes held while a burst of prompts is prefilled at full speed); half of
+#: the 1% an ITL p99 allows
+AUTO_BURST_TAIL_SHARE = 0.005
 #: ``auto``: a mixed step at the decode steps' 90th-percentile noise costs about this many mean
 #: decode steps (the ratio goes from 2 down to 1.25 on a noisy machine; 3 x 0.85 margin)
 AUTO_NOISE_BUDGET = 2.55

@@ -34,17 +34,19 @@ decodes use the whole budget (the first prompts of a burst are prefilled at full
 decoding) applied to the step's prefill tokens as a whole.
 
 **Burst steps** (``burst_tail_share``, ``auto`` only): an ITL p99 lets 1% of the gaps between
-tokens be long. While few sequences decode (the first prompts of a burst have just got their
-first token and the rest of the burst waits), a step may go over the cap and take the whole
-budget, as long as the gaps such steps stretched among the live (running and waiting) sequences,
-this step's decodes included, stay within ``burst_tail_share`` of all the gaps those sequences
-will have (``Sequence.max_gaps``: ``max_tokens - 1`` each; :func:`burst_step_allowed`). W1 of
-issue 8 (32 prompts of 220 tokens at once, 128 output tokens, budget 2048): the second step,
-with 9 decodes, prefills the next 2039 tokens at full speed (9 <= 0.0025 * 32 * 127 = 10.2), the
-third (18 decodes, 27 stretched gaps) is capped; the median request gets its first token after two full
-steps instead of one full step and ~9 capped ones. Requests that stop before ``max_tokens``
-have fewer gaps than counted, so the share is an upper bound only for those that run to the
-end. The KV cache must hold at least one sequence of the longest
+tokens be long. When more prompt tokens wait than the cap (a burst of prompts), a step may hold
+the decodes and give the whole budget to prefill (as vLLM V0's scheduler did, prefill first),
+as long as the gaps that holding stretched among the live (running and waiting) sequences stay
+within ``burst_tail_share`` of all the gaps those sequences will have (``Sequence.max_gaps``:
+``max_tokens - 1`` each; :func:`burst_step_allowed`). A sequence held over several steps in a
+row has ONE long gap, so it counts once; it is held ``burst_max_steps`` in a row at most. W1 of
+issue 8 (32 prompts of 220 tokens at once, 128 output tokens, budget 2048, share 0.005): step 1
+prefills 9 prompts, step 2 holds those 9 (9 <= 0.005 * 32 * 127 = 20.3) and prefills 9 more,
+step 3 holds 18 (9 newly: 18 <= 20.3) and prefills 9 more, step 4 would hold 9 more (27 > 20.3)
+and is a capped mixed step instead: 27 of 4064 gaps (0.7%) are long, the rest of the burst is
+prefilled at full speed with no mixed steps. Requests that stop before ``max_tokens`` have fewer
+gaps than counted, so the share is an upper bound only for those that run to the end.
+The KV cache must hold at least one sequence of the longest
 allowed length (checked by the engine at start-up), so a lone sequence always fits and nothing
 ever runs out of memory.
 """
@@ -74,7 +76,8 @@ class Sequence:
         arrival: admission-order key (FCFS; preempted sequences keep theirs).
         max_gaps: gaps between its tokens at most (``max_tokens - 1``; 0: unknown), the
             denominator of the burst tail share.
-        stretched: its gaps that fell in an uncapped burst step.
+        stretched: its gaps that burst steps stretched (one per pause, however long).
+        paused_steps: burst steps it has been held for since its last token.
     """
 
     request: GenerationRequest
@@ -85,8 +88,10 @@ class Sequence:
     preemptions: int = 0
     #: gaps between tokens the sequence will have at most (``max_tokens - 1``; 0: unknown)
     max_gaps: int = 0
-    #: its gaps that an uncapped burst step stretched (:attr:`Scheduler.burst_tail_share`)
+    #: its gaps that burst steps stretched (:attr:`Scheduler.burst_tail_share`)
     stretched: int = 0
+    #: burst steps it has been paused for since its last token (0: not paused)
+    paused_steps: int = 0
 
 
 @dataclass
@@ -130,7 +135,8 @@ class Scheduler:
         prefill_cap: prefill tokens at most in a step that also decodes (``None``: only the
             token budget); the engine may change it between steps.
         burst_tail_share: share (``0 <= share < 0.01``) of the live sequences' gaps that
-            uncapped burst steps may stretch (0: never; see the module docstring).
+            burst steps may stretch (0: never; see the module docstring).
+        burst_max_steps: a sequence is held for this many burst steps in a row at most.
     """
 
     def __init__(
@@ -143,6 +149,7 @@ class Scheduler:
         watermark_blocks: int = 0,
         prefill_cap: int | None = None,
         burst_tail_share: float = 0.0,
+        burst_max_steps: int = 4,
     ):
         if prefill_cap is not None and prefill_cap < 1:
             raise ValueError(f"prefill_cap must be >= 1 or None, got {prefill_cap}")
@@ -160,7 +167,10 @@ class Scheduler:
         #: prefill tokens at most in a step that also decodes (None: only the token budget);
         #: the engine may change it between steps (StepCostModel)
         self.prefill_cap = prefill_cap
+        if burst_max_steps < 1:
+            raise ValueError(f"burst_max_steps must be >= 1, got {burst_max_steps}")
         self.burst_tail_share = float(burst_tail_share)
+        self.burst_max_steps = int(burst_max_steps)
         #: steps that went over the prefill cap on the burst tail share (a statistic)
         self.num_burst_steps = 0
         self.waiting: deque[Sequence] = deque()
@@ -219,11 +229,15 @@ class Scheduler:
         decoding = [q for q in self.running if q.num_tokens() - q.num_computed == 1]
         prefilling = [q for q in self.running if q.num_tokens() - q.num_computed > 1]
         cap = self.prefill_cap
-        burst = cap is not None and self._burst_allowed(len(decoding))
-        if burst:
-            cap = None  # this step may take the whole budget (see the module docstring)
+        burst = self._burst_allowed(decoding, prefilling)
+        if burst:  # decodes held, the whole budget to prefill (see the module docstring)
+            cap = None
+            self.num_burst_steps += 1
+            for q in decoding:
+                q.stretched += q.paused_steps == 0
+                q.paused_steps += 1
         prefill_budget: int | None = None  # set once the decodes are planned
-        for seq in decoding + prefilling:
+        for seq in prefilling if burst else decoding + prefilling:
             if prefill_budget is None and seq.num_tokens() - seq.num_computed > 1:
                 prefill_budget = self._prefill_budget(budget, bool(chunks), cap)
             left = budget if prefill_budget is None else prefill_budget
@@ -273,26 +287,34 @@ class Scheduler:
                 chunks.append(ScheduledChunk(seq, 0, n))
                 budget -= n
                 prefill_budget -= n
-        if burst:
-            decodes = [c.seq for c in chunks if c.n == 1 and c.start > 0]
-            assert self.prefill_cap is not None
-            if sum(c.n for c in chunks) - len(decodes) > self.prefill_cap:  # it did stretch
-                self.num_burst_steps += 1
-                for q in decodes:
-                    q.stretched += 1
+        for c in chunks:  # a sequence in this step is no longer held
+            c.seq.paused_steps = 0
         return StepPlan(chunks, preempted)
 
-    def _burst_allowed(self, decodes: int) -> bool:
-        """Whether a step with ``decodes`` decoding sequences may go over the prefill cap: only
-        while the live sequences' stretched gaps, these included, stay within
-        :attr:`burst_tail_share` of all their gaps (:func:`burst_step_allowed`)."""
-        if self.burst_tail_share <= 0 or not decodes:
+    def _burst_allowed(self, decoding: list[Sequence], prefilling: list[Sequence]) -> bool:
+        """Whether this step holds the decodes and gives the whole budget to prefill: only when
+        sequences decode, the prefill work waiting is more than the cap and can start, no
+        sequence has been held ``burst_max_steps`` in a row, and the live sequences' stretched
+        gaps, the newly held ones included, stay within :attr:`burst_tail_share` of all their
+        gaps (:func:`burst_step_allowed`)."""
+        cap = self.prefill_cap
+        if self.burst_tail_share <= 0 or cap is None or not decoding:
+            return False
+        if any(q.paused_steps >= self.burst_max_steps for q in decoding):
+            return False
+        pending = sum(q.num_tokens() - q.num_computed for q in prefilling)
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            head = self.waiting[0]
+            need = self._blocks_for(head.num_tokens()) + self.watermark_blocks
+            if need <= self.allocator.num_free:
+                pending += sum(q.num_tokens() for q in self.waiting)
+        if pending <= cap:  # a capped step does it without holding anyone
             return False
         live = (*self.running, *self.waiting)
         return burst_step_allowed(
             sum(q.stretched for q in live),
             sum(q.max_gaps for q in live),
-            decodes,
+            sum(1 for q in decoding if q.paused_steps == 0),
             self.burst_tail_share,
         )
 
@@ -310,17 +332,18 @@ class Scheduler:
             c.seq.num_computed = c.start + c.n
 
 
-def burst_step_allowed(stretched: int, total_gaps: int, decodes: int, share: float) -> bool:
-    """Whether one more uncapped step may stretch ``decodes`` more gaps: ``stretched + decodes
-    <= share * total_gaps``.
+def burst_step_allowed(stretched: int, total_gaps: int, newly_held: int, share: float) -> bool:
+    """Whether one more burst step may hold ``newly_held`` more sequences: ``stretched +
+    newly_held <= share * total_gaps`` (and ``share > 0``).
 
     Args:
-        stretched: gaps of the live sequences already stretched by uncapped steps.
+        stretched: gaps of the live sequences already stretched by burst steps (a sequence
+            held over several steps in a row counts once).
         total_gaps: gaps the live sequences have at most (sum of ``max_tokens - 1``).
-        decodes: decoding sequences in the step (each gets one stretched gap).
+        newly_held: decoding sequences the step holds that the previous step did not.
         share: the allowed share of stretched gaps (``0`` never allows one).
     """
-    return decodes > 0 and stretched + decodes <= share * total_gaps
+    return share > 0 and stretched + newly_held <= share * total_gaps
 
 
 def prefill_cap_for(decode_step_s: float, prefill_token_s: float, ratio: float, floor: int) -> int:
