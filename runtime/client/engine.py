@@ -39,6 +39,7 @@ keeps serving.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import queue
@@ -190,6 +191,13 @@ class EngineBase:
 
     # ---- public API (any thread) -----------------------------------------------------------
     def start(self) -> None:
+        """Start the scheduler thread. First moves every object alive now (the model, the
+        tokenizer, the imported modules: ~430k objects for the tiny DeepSeek-V3 client) out of
+        the cyclic garbage collector's reach (``gc.collect(); gc.freeze()``, as vLLM does after
+        start-up), so a full collection scans only what serving allocates: over those objects
+        one took 320-350 ms here (0 ms after the freeze), a pause every stream sees at once."""
+        gc.collect()
+        gc.freeze()
         self._thread = threading.Thread(
             target=self._loop, name=f"eaas-engine-{self.client_id}", daemon=True
         )
