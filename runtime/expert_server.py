@@ -435,6 +435,7 @@ def run(server: ExpertServer, metrics_port: int = 0, health=None) -> None:
     try:
         server.serve_forever()
     finally:
+        gc.unfreeze()
         if health is not None:
             health.stopping = True
 

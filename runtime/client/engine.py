@@ -208,6 +208,7 @@ class EngineBase:
         self._inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
+        gc.unfreeze()  # collectable again at exit (nanobind reports frozen objects as leaked)
 
     def _check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         if not prompt_ids:

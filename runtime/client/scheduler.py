@@ -34,7 +34,9 @@ decodes use the whole budget (the first prompts of a burst are prefilled at full
 decoding) applied to the step's prefill tokens as a whole.
 
 **Burst steps** (``burst_tail_share``, ``auto`` only): an ITL p99 lets 1% of the gaps between
-tokens be long. When more prompt tokens wait than the cap (a burst of prompts), a step may hold
+tokens be long. When a burst of prompts waits (at least ``max_num_batched_tokens`` prompt
+tokens, more than one step takes; a prompt or two arriving while others decode is a capped mixed
+step: there the live set turns over and a share over it would allow holds again and again), a step may hold
 the decodes and give the whole budget to prefill (as vLLM V0's scheduler did, prefill first),
 as long as the gaps that holding stretched among the live (running and waiting) sequences stay
 within ``burst_tail_share`` of all the gaps those sequences will have (``Sequence.max_gaps``:
@@ -293,7 +295,7 @@ class Scheduler:
 
     def _burst_allowed(self, decoding: list[Sequence], prefilling: list[Sequence]) -> bool:
         """Whether this step holds the decodes and gives the whole budget to prefill: only when
-        sequences decode, the prefill work waiting is more than the cap and can start, no
+        sequences decode, at least a whole budget of prompt tokens waits and can start, no
         sequence has been held ``burst_max_steps`` in a row, and the live sequences' stretched
         gaps, the newly held ones included, stay within :attr:`burst_tail_share` of all their
         gaps (:func:`burst_step_allowed`)."""
@@ -308,7 +310,10 @@ class Scheduler:
             need = self._blocks_for(head.num_tokens()) + self.watermark_blocks
             if need <= self.allocator.num_free:
                 pending += sum(q.num_tokens() for q in self.waiting)
-        if pending <= cap:  # a capped step does it without holding anyone
+        # a burst: more prompt tokens wait than one step takes (one prompt arriving while others
+        # decode, the steady state, is a capped mixed step: the live set turns over there, and
+        # a share counted over the live sequences would allow a hold again and again)
+        if pending < self.max_num_batched_tokens:
             return False
         live = (*self.running, *self.waiting)
         return burst_step_allowed(

@@ -537,23 +537,22 @@ def test_burst_steps_hold_the_decodes_within_the_tail_share():
     plan = s.schedule()  # a still held (counts once), b held now: 2 stretched
     assert _plan(plan) == [(c, 10, 20), (d, 0, 20)]
     _finish_step(s, plan)
-    plan = s.schedule()  # c held too: 3 stretched
-    assert _plan(plan) == [(d, 20, 10)]
-    assert [(q.stretched, q.paused_steps) for q in s.running] == [(1, 3), (1, 2), (1, 1), (0, 0)]
-    assert s.num_burst_steps == 3
-    _finish_step(s, plan)
-    plan = s.schedule()  # nothing left to prefill: everyone decodes again
-    assert _plan(plan) == [(a, 6, 1), (b, 30, 1), (c, 30, 1), (d, 30, 1)]
-    assert [(q.stretched, q.paused_steps) for q in s.running] == [(1, 0)] * 3 + [(0, 0)]
+    assert [(q.stretched, q.paused_steps) for q in s.running] == [(1, 2), (1, 1), (0, 0), (0, 0)]
+    plan = s.schedule()  # 10 tokens left, less than a budget: no burst, a capped mixed step
+    assert _plan(plan) == [(a, 6, 1), (b, 30, 1), (c, 30, 1), (d, 20, 5)]
+    assert [(q.stretched, q.paused_steps) for q in s.running] == [(1, 0), (1, 0), (0, 0), (0, 0)]
+    assert s.num_burst_steps == 2
 
 
 def test_burst_steps_end_when_the_share_is_spent_or_a_hold_is_long():
-    # 4 x 100 gaps, share 0.005: 2 stretched gaps; the third newly held sequence is refused
+    # 5 x 100 gaps, share 0.005: 2.5 stretched gaps; the third newly held sequence is refused
     s = _burst_scheduler()
     a, b, c, d = _burst_start(s, 100)
+    e = _Req(60)
+    s.add(_gseq(e, 4, 100))
     _finish_step(s, s.schedule())  # holds a
-    _finish_step(s, s.schedule())  # holds b as well (2 <= 2)
-    plan = s.schedule()  # c would be the third: a capped mixed step instead
+    _finish_step(s, s.schedule())  # holds b as well (2 <= 2.5)
+    plan = s.schedule()  # 70 tokens wait, but c would be the third: a capped mixed step
     assert _plan(plan) == [(a, 6, 1), (b, 30, 1), (c, 30, 1), (d, 20, 5)]
     assert s.num_burst_steps == 2
     # burst_max_steps=1: a is held once, then decodes (the step is capped)
