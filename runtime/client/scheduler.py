@@ -35,8 +35,9 @@ decoding) applied to the step's prefill tokens as a whole.
 
 **Burst steps** (``burst_tail_share``, ``auto`` only): an ITL p99 lets 1% of the gaps between
 tokens be long. When a burst of prompts waits (at least ``max_num_batched_tokens`` prompt
-tokens, more than one step takes; a prompt or two arriving while others decode is a capped mixed
-step: there the live set turns over and a share over it would allow holds again and again), a step may hold
+tokens, more than one step takes) and every decoding sequence has only its first token (the
+first prompts of the burst; a sequence that has decoded before is never held, so a long prompt
+or a prompt arriving while others decode is a capped mixed step, never a stall), a step may hold
 the decodes and give the whole budget to prefill (as vLLM V0's scheduler did, prefill first),
 as long as the gaps that holding stretched among the live (running and waiting) sequences stay
 within ``burst_tail_share`` of all the gaps those sequences will have (``Sequence.max_gaps``:
@@ -80,6 +81,7 @@ class Sequence:
             denominator of the burst tail share.
         stretched: its gaps that burst steps stretched (one per pause, however long).
         paused_steps: burst steps it has been held for since its last token.
+        decodes: decode steps it has been in; only a sequence with none can be held.
     """
 
     request: GenerationRequest
@@ -94,6 +96,8 @@ class Sequence:
     stretched: int = 0
     #: burst steps it has been paused for since its last token (0: not paused)
     paused_steps: int = 0
+    #: decode steps it has been in (0: it has only the token its prefill sampled)
+    decodes: int = 0
 
 
 @dataclass
@@ -291,18 +295,22 @@ class Scheduler:
                 prefill_budget -= n
         for c in chunks:  # a sequence in this step is no longer held
             c.seq.paused_steps = 0
+            if c.n == 1 and c.start > 0 and c.seq.num_tokens() - c.start == 1:
+                c.seq.decodes += 1
         return StepPlan(chunks, preempted)
 
     def _burst_allowed(self, decoding: list[Sequence], prefilling: list[Sequence]) -> bool:
         """Whether this step holds the decodes and gives the whole budget to prefill: only when
-        sequences decode, at least a whole budget of prompt tokens waits and can start, no
-        sequence has been held ``burst_max_steps`` in a row, and the live sequences' stretched
+        sequences decode, every one of them has only its first token (a sequence that has
+        decoded before is never held: a long prompt never stalls running streams), at least a
+        whole budget of prompt tokens waits and can start, no sequence has been held
+        ``burst_max_steps`` in a row, and the live sequences' stretched
         gaps, the newly held ones included, stay within :attr:`burst_tail_share` of all their
         gaps (:func:`burst_step_allowed`)."""
         cap = self.prefill_cap
         if self.burst_tail_share <= 0 or cap is None or not decoding:
             return False
-        if any(q.paused_steps >= self.burst_max_steps for q in decoding):
+        if any(q.paused_steps >= self.burst_max_steps or q.decodes for q in decoding):
             return False
         pending = sum(q.num_tokens() - q.num_computed for q in prefilling)
         if self.waiting and len(self.running) < self.max_num_seqs:

@@ -542,6 +542,14 @@ def test_burst_steps_hold_the_decodes_within_the_tail_share():
     assert _plan(plan) == [(a, 6, 1), (b, 30, 1), (c, 30, 1), (d, 20, 5)]
     assert [(q.stretched, q.paused_steps) for q in s.running] == [(1, 0), (1, 0), (0, 0), (0, 0)]
     assert s.num_burst_steps == 2
+    _finish_step(s, plan)
+    e, f = _Req(60), _Req(60)
+    s.add(_gseq(e, 4, 399))
+    s.add(_gseq(f, 5, 399))
+    # 120 tokens wait, but a, b, c have decoded before: never held (a capped mixed step)
+    plan = s.schedule()
+    assert _plan(plan) == [(a, 7, 1), (b, 31, 1), (c, 31, 1), (d, 25, 5)]
+    assert s.num_burst_steps == 2
 
 
 def test_burst_steps_end_when_the_share_is_spent_or_a_hold_is_long():
