@@ -80,7 +80,11 @@ class RequestSpec:
 class RequestResult:
     ok: bool
     ttft: float = 0.0
+    #: gaps between streamed chunks that carry a token (a choice), empty text included
     itls: list[float] = field(default_factory=list)
+    #: gaps between chunks with non-empty text only (a byte-level BPE token that ends inside a
+    #: UTF-8 character streams as an empty text delta: its gap merges into the next one here)
+    text_itls: list[float] = field(default_factory=list)
     output_tokens: int = 0
     latency: float = 0.0
     error: str = ""
@@ -115,7 +119,7 @@ async def run_one(
         "stream_options": {"include_usage": True},
     }
     t0 = time.perf_counter()
-    last = None
+    last = last_text = None
     res = RequestResult(ok=False)
     tokens = 0
     usage_tokens = None
@@ -134,8 +138,10 @@ async def run_one(
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens")
                 choices = chunk.get("choices") or []
-                if not choices or not choices[0].get("text"):
+                if not choices:  # the usage chunk
                     continue
+                # every chunk with a choice is a token delivered (as vLLM's serving benchmark
+                # counts them), also when its text is empty (held back bytes of a character)
                 now = time.perf_counter()
                 if last is None:
                     res.ttft = now - t0
@@ -143,6 +149,10 @@ async def run_one(
                     res.itls.append(now - last)
                 last = now
                 tokens += 1
+                if choices[0].get("text"):
+                    if last_text is not None:
+                        res.text_itls.append(now - last_text)
+                    last_text = now
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
         return res
@@ -194,6 +204,7 @@ def _pct(xs: list[float], q: float) -> float:
 def summarize(label: str, results: list[RequestResult], wall: float, concurrency: int) -> dict:
     ok = [r for r in results if r.ok]
     itls = [x for r in ok for x in r.itls]
+    text_itls = [x for r in ok for x in r.text_itls]
     ttfts = [r.ttft for r in ok]
     out_tokens = sum(r.output_tokens for r in ok)
     return {
@@ -210,6 +221,8 @@ def summarize(label: str, results: list[RequestResult], wall: float, concurrency
         "itl_p50_ms": 1e3 * _pct(itls, 50),
         "itl_p99_ms": 1e3 * _pct(itls, 99),
         "itl_mean_ms": 1e3 * statistics.fmean(itls) if itls else float("nan"),
+        "text_itl_p50_ms": 1e3 * _pct(text_itls, 50),
+        "text_itl_p99_ms": 1e3 * _pct(text_itls, 99),
         "ttfts": ttfts,
         "itls": itls,
     }

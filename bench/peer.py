@@ -28,7 +28,9 @@ vLLM CPU's API-server default) and ``--max-num-seqs`` 64 (eaas and single also w
 prompts differ from the measured ones (so vLLM's prefix cache gains nothing from them).
 
 Per system, dtype and workload: output tokens/s (completion tokens / wall time), TTFT p50/p99,
-ITL p50/p99 (gaps between streamed chunks), TPOT p50/p99 (per request: time after
+ITL p50/p99 (gaps between streamed chunks that carry a token, as vLLM's serving benchmark counts
+them; the "text ITL" column counts only chunks with non-empty text, where a token that ends
+inside a UTF-8 character, an empty text delta, merges its gap into the next), TPOT p50/p99 (per request: time after
 the first token / (tokens - 1)); ratios vs vLLM (or the peer) and eaas/single. Memory: PSS (``Pss`` of
 ``/proc/PID/smaps_rollup``, i.e. shared pages split among the processes that map them) of every
 process of the system (the launched process and all its descendants), at idle (after a warm-up,
@@ -422,13 +424,13 @@ def report(res: dict, args) -> tuple[str, list[str]]:
         lines.append(f"\n### {dtype}\n")
         lines.append(
             "| workload | system | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | "
-            "ITL p99/p50 | TPOT p50 / p99 (ms) | tok/s vs "
+            "ITL p99/p50 | text ITL p99/p50 | TPOT p50 / p99 (ms) | tok/s vs "
             + (ref or "peer")
             + " | TTFT p50 vs "
             + (ref or "peer")
             + " | failed |"
         )
-        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for wname in args.workloads.split(","):
             peer_r = systems.get(ref, {}).get("workloads", {}).get(wname) if ref else None
             for kind, r in systems.items():
@@ -436,16 +438,18 @@ def report(res: dict, args) -> tuple[str, list[str]]:
                 if w is None:
                     misses.append(f"{dtype} {wname}: {kind} failed")
                     lines.append(
-                        f"| {wname} | {kind} | failed: {r.get('error', '?')} | | | | | | | |"
+                        f"| {wname} | {kind} | failed: {r.get('error', '?')} | | | | | | | | |"
                     )
                     continue
                 tps = _ratio(w["output_tokens_per_s"], peer_r and peer_r["output_tokens_per_s"])
                 ttft = _ratio(w["ttft_p50_ms"], peer_r and peer_r["ttft_p50_ms"])
                 spread = _ratio(w["itl_p99_ms"], w["itl_p50_ms"])
+                text_spread = _ratio(w.get("text_itl_p99_ms"), w.get("text_itl_p50_ms"))
                 lines.append(
                     f"| {wname} | {kind} | {_f(w['output_tokens_per_s'])} | "
                     f"{_f(w['ttft_p50_ms'], '{:.0f}')} / {_f(w['ttft_p99_ms'], '{:.0f}')} | "
                     f"{_f(w['itl_p50_ms'])} / {_f(w['itl_p99_ms'])} | {_f(spread, '{:.2f}')} | "
+                    f"{_f(text_spread, '{:.2f}')} | "
                     f"{_f(w.get('tpot_p50_ms'))} / {_f(w.get('tpot_p99_ms'))} | "
                     f"{_f(tps, '{:.2f}x') if kind != ref else ''} | "
                     f"{_f(ttft, '{:.2f}x') if kind != ref else ''} | {w['failed']} |"
@@ -461,7 +465,7 @@ def report(res: dict, args) -> tuple[str, list[str]]:
             s = systems.get("single", {}).get("workloads", {}).get(wname)
             if e and s:
                 r_es = _ratio(e["output_tokens_per_s"], s["output_tokens_per_s"])
-                lines.append(f"| {wname} | eaas / single | {_f(r_es, '{:.2f}x')} | | | | | | | |")
+                lines.append(f"| {wname} | eaas / single | {_f(r_es, '{:.2f}x')} | | | | | | | | |")
                 if r_es is not None and r_es < TARGETS["eaas_vs_single"]:
                     misses.append(f"{dtype} {wname}: eaas/single {r_es:.2f} < 0.85")
         # memory

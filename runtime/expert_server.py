@@ -33,6 +33,7 @@ accepting connections is an equivalent signal. No separate marker file.
 
 from __future__ import annotations
 
+import gc
 import signal
 import sys
 import threading
@@ -461,10 +462,15 @@ def run(server: ExpertServer, metrics_port: int = 0, health=None) -> None:
 
         start_http_server(int(metrics_port))
     server.install_signal_handlers()
+    # the objects of start-up (torch, weights, modules) out of the cyclic GC's reach: a full
+    # collection over them paused the serve loop for ~100-300 ms (see Engine.start)
+    gc.collect()
+    gc.freeze()
     print(server.ready_line(), flush=True)
     try:
         server.serve_forever()
     finally:
+        gc.unfreeze()
         if health is not None:
             health.stopping = True
 

@@ -31,7 +31,25 @@ from measured step times (:class:`StepCostModel`, ``auto``): with a plain decode
 stays within ``ratio`` decode steps when ``P <= (ratio - 1) * t_d / c_p``. Steps without
 decodes use the whole budget (the first prompts of a burst are prefilled at full speed). This is vLLM's
 ``--long-prefill-token-threshold`` idea (a long prompt's chunk is capped so it does not stall
-decoding) applied to the step's prefill tokens as a whole. The KV cache must hold at least one sequence of the longest
+decoding) applied to the step's prefill tokens as a whole.
+
+**Burst steps** (``burst_tail_share``, ``auto`` only): an ITL p99 lets 1% of the gaps between
+tokens be long. When a burst of prompts waits (at least ``max_num_batched_tokens`` prompt
+tokens, more than one step takes) and every decoding sequence has only its first token (the
+first prompts of the burst; a sequence that has decoded before is never held, so a long prompt
+or a prompt arriving while others decode is a capped mixed step, never a stall), a step may hold
+the decodes and give the whole budget to prefill (as vLLM V0's scheduler did, prefill first),
+as long as the gaps that holding stretched among the live (running and waiting) sequences stay
+within ``burst_tail_share`` of all the gaps those sequences will have (``Sequence.max_gaps``:
+``max_tokens - 1`` each; :func:`burst_step_allowed`). A sequence held over several steps in a
+row has ONE long gap, so it counts once; it is held ``burst_max_steps`` in a row at most. W1 of
+issue 8 (32 prompts of 220 tokens at once, 128 output tokens, budget 2048, share 0.005): step 1
+prefills 9 prompts, step 2 holds those 9 (9 <= 0.005 * 32 * 127 = 20.3) and prefills 9 more,
+step 3 holds 18 (9 newly: 18 <= 20.3) and prefills 9 more, step 4 would hold 9 more (27 > 20.3)
+and is a capped mixed step instead: 27 of 4064 gaps (0.7%) are long, the rest of the burst is
+prefilled at full speed with no mixed steps. Requests that stop before ``max_tokens`` have fewer
+gaps than counted, so the share is an upper bound only for those that run to the end.
+The KV cache must hold at least one sequence of the longest
 allowed length (checked by the engine at start-up), so a lone sequence always fits and nothing
 ever runs out of memory.
 """
@@ -59,6 +77,11 @@ class Sequence:
         block_table: KV-cache block ids, in position order.
         num_computed: leading tokens whose keys/values are in the cache.
         arrival: admission-order key (FCFS; preempted sequences keep theirs).
+        max_gaps: gaps between its tokens at most (``max_tokens - 1``; 0: unknown), the
+            denominator of the burst tail share.
+        stretched: its gaps that burst steps stretched (one per pause, however long).
+        paused_steps: burst steps it has been held for since its last token.
+        decodes: decode steps it has been in; only a sequence with none can be held.
     """
 
     request: GenerationRequest
@@ -67,6 +90,14 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
     preemptions: int = 0
+    #: gaps between tokens the sequence will have at most (``max_tokens - 1``; 0: unknown)
+    max_gaps: int = 0
+    #: its gaps that burst steps stretched (:attr:`Scheduler.burst_tail_share`)
+    stretched: int = 0
+    #: burst steps it has been paused for since its last token (0: not paused)
+    paused_steps: int = 0
+    #: decode steps it has been in (0: it has only the token its prefill sampled)
+    decodes: int = 0
 
 
 @dataclass
@@ -107,6 +138,11 @@ class Scheduler:
         max_num_seqs: running sequences at most.
         max_num_batched_tokens: tokens per forward at most (decode tokens + prefill chunks).
         watermark_blocks: free blocks admission leaves for running sequences to grow into.
+        prefill_cap: prefill tokens at most in a step that also decodes (``None``: only the
+            token budget); the engine may change it between steps.
+        burst_tail_share: share (``0 <= share < 0.01``) of the live sequences' gaps that
+            burst steps may stretch (0: never; see the module docstring).
+        burst_max_steps: a sequence is held for this many burst steps in a row at most.
     """
 
     def __init__(
@@ -118,9 +154,13 @@ class Scheduler:
         max_num_batched_tokens: int = 512,
         watermark_blocks: int = 0,
         prefill_cap: int | None = None,
+        burst_tail_share: float = 0.0,
+        burst_max_steps: int = 4,
     ):
         if prefill_cap is not None and prefill_cap < 1:
             raise ValueError(f"prefill_cap must be >= 1 or None, got {prefill_cap}")
+        if not 0.0 <= burst_tail_share < 0.01:
+            raise ValueError(f"burst_tail_share must be in [0, 0.01), got {burst_tail_share}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -133,6 +173,12 @@ class Scheduler:
         #: prefill tokens at most in a step that also decodes (None: only the token budget);
         #: the engine may change it between steps (StepCostModel)
         self.prefill_cap = prefill_cap
+        if burst_max_steps < 1:
+            raise ValueError(f"burst_max_steps must be >= 1, got {burst_max_steps}")
+        self.burst_tail_share = float(burst_tail_share)
+        self.burst_max_steps = int(burst_max_steps)
+        #: steps that went over the prefill cap on the burst tail share (a statistic)
+        self.num_burst_steps = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -188,10 +234,18 @@ class Scheduler:
         # prefilled never takes the budget of the sequences that are decoding
         decoding = [q for q in self.running if q.num_tokens() - q.num_computed == 1]
         prefilling = [q for q in self.running if q.num_tokens() - q.num_computed > 1]
+        cap = self.prefill_cap
+        burst = self._burst_allowed(decoding, prefilling)
+        if burst:  # decodes held, the whole budget to prefill (see the module docstring)
+            cap = None
+            self.num_burst_steps += 1
+            for q in decoding:
+                q.stretched += q.paused_steps == 0
+                q.paused_steps += 1
         prefill_budget: int | None = None  # set once the decodes are planned
-        for seq in decoding + prefilling:
+        for seq in prefilling if burst else decoding + prefilling:
             if prefill_budget is None and seq.num_tokens() - seq.num_computed > 1:
-                prefill_budget = self._prefill_budget(budget, decodes=bool(chunks))
+                prefill_budget = self._prefill_budget(budget, bool(chunks), cap)
             left = budget if prefill_budget is None else prefill_budget
             if left <= 0:
                 break
@@ -216,7 +270,7 @@ class Scheduler:
             if prefill_budget is not None:
                 prefill_budget -= n
         if prefill_budget is None:
-            prefill_budget = self._prefill_budget(budget, decodes=bool(chunks))
+            prefill_budget = self._prefill_budget(budget, bool(chunks), cap)
         if not preempted:
             while (
                 self.waiting
@@ -239,19 +293,70 @@ class Scheduler:
                 chunks.append(ScheduledChunk(seq, 0, n))
                 budget -= n
                 prefill_budget -= n
+        for c in chunks:  # a sequence in this step is no longer held
+            c.seq.paused_steps = 0
+            if c.n == 1 and c.start > 0 and c.seq.num_tokens() - c.start == 1:
+                c.seq.decodes += 1
         return StepPlan(chunks, preempted)
 
-    def _prefill_budget(self, budget: int, decodes: bool) -> int:
-        """Prefill tokens this step may still take: the token budget left, capped at
-        :attr:`prefill_cap` when the step decodes."""
-        if decodes and self.prefill_cap is not None:
-            return min(budget, self.prefill_cap)
+    def _burst_allowed(self, decoding: list[Sequence], prefilling: list[Sequence]) -> bool:
+        """Whether this step holds the decodes and gives the whole budget to prefill: only when
+        sequences decode, every one of them has only its first token (a sequence that has
+        decoded before is never held: a long prompt never stalls running streams), at least a
+        whole budget of prompt tokens waits and can start, no sequence has been held
+        ``burst_max_steps`` in a row, and the live sequences' stretched
+        gaps, the newly held ones included, stay within :attr:`burst_tail_share` of all their
+        gaps (:func:`burst_step_allowed`)."""
+        cap = self.prefill_cap
+        if self.burst_tail_share <= 0 or cap is None or not decoding:
+            return False
+        if any(q.paused_steps >= self.burst_max_steps or q.decodes for q in decoding):
+            return False
+        pending = sum(q.num_tokens() - q.num_computed for q in prefilling)
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            head = self.waiting[0]
+            need = self._blocks_for(head.num_tokens()) + self.watermark_blocks
+            if need <= self.allocator.num_free:
+                pending += sum(q.num_tokens() for q in self.waiting)
+        # a burst: more prompt tokens wait than one step takes (one prompt arriving while others
+        # decode, the steady state, is a capped mixed step: the live set turns over there, and
+        # a share counted over the live sequences would allow a hold again and again)
+        if pending < self.max_num_batched_tokens:
+            return False
+        live = (*self.running, *self.waiting)
+        return burst_step_allowed(
+            sum(q.stretched for q in live),
+            sum(q.max_gaps for q in live),
+            sum(1 for q in decoding if q.paused_steps == 0),
+            self.burst_tail_share,
+        )
+
+    @staticmethod
+    def _prefill_budget(budget: int, decodes: bool, cap: int | None) -> int:
+        """Prefill tokens this step may still take: the token budget left, capped at ``cap``
+        when the step decodes."""
+        if decodes and cap is not None:
+            return min(budget, cap)
         return budget
 
     def advance(self, plan: StepPlan) -> None:
         """Record that ``plan``'s forward succeeded: its chunks' tokens are now cached."""
         for c in plan.chunks:
             c.seq.num_computed = c.start + c.n
+
+
+def burst_step_allowed(stretched: int, total_gaps: int, newly_held: int, share: float) -> bool:
+    """Whether one more burst step may hold ``newly_held`` more sequences: ``stretched +
+    newly_held <= share * total_gaps`` (and ``share > 0``).
+
+    Args:
+        stretched: gaps of the live sequences already stretched by burst steps (a sequence
+            held over several steps in a row counts once).
+        total_gaps: gaps the live sequences have at most (sum of ``max_tokens - 1``).
+        newly_held: decoding sequences the step holds that the previous step did not.
+        share: the allowed share of stretched gaps (``0`` never allows one).
+    """
+    return share > 0 and stretched + newly_held <= share * total_gaps
 
 
 def prefill_cap_for(decode_step_s: float, prefill_token_s: float, ratio: float, floor: int) -> int:
@@ -288,13 +393,27 @@ class StepCostModel:
     not positive) :meth:`cap` answers ``probe``. The engine's steps persist over requests, so a
     burst of new prompts is capped from what earlier traffic (a warm-up) measured.
 
+    **Noise** (``noise_budget``): a mixed step's cost is a multiple of the mean decode step, but
+    the ITL tail is an upper quantile, and on a shared machine the same step takes 1.2-2x its
+    mean now and then. The model keeps the last ``window`` decode steps' *residuals* (wall time
+    / the estimate's time for their batch) and, once it has ``window // 4`` of them, lowers the
+    ratio to ``noise_budget / q`` (at least ``min_ratio``), ``q`` being their
+    ``noise_quantile`` (at least 1): a mixed step at its upper quantile then costs about
+    ``noise_budget`` mean decode steps. On a quiet machine (``q`` ~1.2) the ratio stays at
+    ``ratio``.
+
     Args:
-        ratio: a mixed step may cost this many decode steps (default 2).
+        ratio: a mixed step may cost this many decode steps at most (default 2).
         floor: least cap in tokens (default 16).
         large_tokens: a step with at least this many prefill tokens is a prefill step
             (default 256).
         decay: weight kept per observation of a class (default 0.8).
         probe: the cap while the estimate is undetermined (``None``: no cap).
+        noise_budget: a mixed step's cost at the residuals' ``noise_quantile``, in mean decode
+            steps (``None``: no noise correction, always ``ratio``).
+        min_ratio: the ratio the noise correction goes down to at most (default 1.25).
+        noise_quantile: the residuals' quantile, in ``(0, 1)`` (default 0.9).
+        window: decode steps whose residuals are kept (default 64).
     """
 
     def __init__(
@@ -304,14 +423,27 @@ class StepCostModel:
         large_tokens: int = 256,
         decay: float = 0.8,
         probe: int | None = None,
+        noise_budget: float | None = None,
+        min_ratio: float = 1.25,
+        noise_quantile: float = 0.9,
+        window: int = 64,
     ):
         if ratio <= 1:
             raise ValueError(f"ratio must be > 1, got {ratio}")
+        if not 1 < min_ratio <= ratio:
+            raise ValueError(f"min_ratio must be in (1, ratio], got {min_ratio}")
+        if not 0 < noise_quantile < 1:
+            raise ValueError(f"noise_quantile must be in (0, 1), got {noise_quantile}")
         if large_tokens < 1:
             raise ValueError(f"large_tokens must be >= 1, got {large_tokens}")
+        if window < 4:
+            raise ValueError(f"window must be >= 4, got {window}")
         self.ratio, self.floor, self.decay = float(ratio), int(floor), float(decay)
         self.large_tokens = int(large_tokens)
         self.probe = probe
+        self.noise_budget = noise_budget
+        self.min_ratio, self.noise_quantile = float(min_ratio), float(noise_quantile)
+        self._residuals: deque[float] = deque(maxlen=int(window))
         # per class: [weight, weighted tokens, weighted seconds]
         self._decode = [0.0, 0.0, 0.0]
         self._prefill = [0.0, 0.0, 0.0]
@@ -321,6 +453,13 @@ class StepCostModel:
         ``seconds`` (wall time). Mixed steps below ``large_tokens`` prefill tokens are ignored."""
         if prefill == 0 and decodes > 0:
             acc = self._decode
+            e = self.estimate()
+            if e is not None:  # the residual against the estimate before this step
+                t_dec, per_token = e
+                seen = self._decode[1] / self._decode[0]
+                predicted = t_dec + (decodes - seen) * per_token
+                if predicted > 0:
+                    self._residuals.append(float(seconds) / predicted)
         elif prefill >= self.large_tokens:
             acc = self._prefill
         else:
@@ -360,7 +499,23 @@ class StepCostModel:
         if batch is not None:
             seen = self._decode[1] / self._decode[0]
             t_dec += max(0.0, batch - seen) * per_token
-        return prefill_cap_for(t_dec, per_token, self.ratio, self.floor)
+        return prefill_cap_for(t_dec, per_token, self.effective_ratio(), self.floor)
+
+    def noise(self) -> float | None:
+        """The ``noise_quantile`` of the kept decode-step residuals, at least 1 (``None`` while
+        fewer than ``window // 4`` are kept)."""
+        r = self._residuals
+        if len(r) < max(1, (r.maxlen or 4) // 4):
+            return None
+        xs = sorted(r)
+        return max(1.0, xs[min(len(xs) - 1, int(self.noise_quantile * len(xs)))])
+
+    def effective_ratio(self) -> float:
+        """``ratio``, or ``noise_budget / noise()`` clamped to ``[min_ratio, ratio]``."""
+        q = self.noise() if self.noise_budget is not None else None
+        if q is None or self.noise_budget is None:
+            return self.ratio
+        return min(self.ratio, max(self.min_ratio, self.noise_budget / q))
 
 
 __all__ = [
@@ -369,5 +524,6 @@ __all__ = [
     "Sequence",
     "StepCostModel",
     "StepPlan",
+    "burst_step_allowed",
     "prefill_cap_for",
 ]

@@ -474,6 +474,123 @@ def test_scheduler_caps_prefill_only_in_steps_that_decode():
         Scheduler(BlockAllocator(4), 4, prefill_cap=0)
 
 
+def _gseq(req: _Req, arrival: int, max_gaps: int) -> Sequence:
+    return Sequence(req, lambda: req.prompt + req.out, arrival, max_gaps=max_gaps)
+
+
+def _plan(plan) -> list[tuple]:
+    return [(ch.seq.request, ch.start, ch.n) for ch in plan.chunks]
+
+
+def _burst_scheduler(**kw) -> Scheduler:
+    return Scheduler(
+        BlockAllocator(400),
+        4,
+        max_num_seqs=8,
+        max_num_batched_tokens=40,
+        prefill_cap=5,
+        burst_tail_share=0.005,
+        **kw,
+    )
+
+
+def _burst_start(s: Scheduler, gaps: int) -> list[_Req]:
+    """a's prompt alone (nothing decodes), then b, c, d wait: 90 prompt tokens > the cap."""
+    a, b, c, d = _Req(6), _Req(30), _Req(30), _Req(30)
+    s.add(_gseq(a, 0, gaps))
+    _finish_step(s, s.schedule())
+    for i, r in enumerate((b, c, d), start=1):
+        s.add(_gseq(r, i, gaps))
+    return [a, b, c, d]
+
+
+def test_burst_steps_hold_the_decodes_within_the_tail_share():
+    """A burst of prompts: the decodes are held and the whole budget goes to prefill while the
+    stretched gaps stay within the share; a sequence held over several steps counts once."""
+    s = _burst_scheduler()
+    a, b, c, d = _burst_start(s, 399)  # 4 x 399 gaps, share 0.005: 7.98 stretched allowed
+    plan = s.schedule()
+    assert _plan(plan) == [(b, 0, 30), (c, 0, 10)]  # a held
+    _finish_step(s, plan)
+    plan = s.schedule()  # a still held (counts once), b held now: 2 stretched
+    assert _plan(plan) == [(c, 10, 20), (d, 0, 20)]
+    _finish_step(s, plan)
+    assert [(q.stretched, q.paused_steps) for q in s.running] == [(1, 2), (1, 1), (0, 0), (0, 0)]
+    plan = s.schedule()  # 10 tokens left, less than a budget: no burst, a capped mixed step
+    assert _plan(plan) == [(a, 6, 1), (b, 30, 1), (c, 30, 1), (d, 20, 5)]
+    assert [(q.stretched, q.paused_steps) for q in s.running] == [(1, 0), (1, 0), (0, 0), (0, 0)]
+    assert s.num_burst_steps == 2
+    _finish_step(s, plan)
+    e, f = _Req(60), _Req(60)
+    s.add(_gseq(e, 4, 399))
+    s.add(_gseq(f, 5, 399))
+    # 120 tokens wait, but a, b, c have decoded before: never held (a capped mixed step)
+    plan = s.schedule()
+    assert _plan(plan) == [(a, 7, 1), (b, 31, 1), (c, 31, 1), (d, 25, 5)]
+    assert s.num_burst_steps == 2
+
+
+def test_burst_steps_end_when_the_share_is_spent_or_a_hold_is_long():
+    # 5 x 100 gaps, share 0.005: 2.5 stretched gaps; the third newly held sequence is refused
+    s = _burst_scheduler()
+    a, b, c, d = _burst_start(s, 100)
+    e = _Req(60)
+    s.add(_gseq(e, 4, 100))
+    _finish_step(s, s.schedule())  # holds a
+    _finish_step(s, s.schedule())  # holds b as well (2 <= 2.5)
+    plan = s.schedule()  # 70 tokens wait, but c would be the third: a capped mixed step
+    assert _plan(plan) == [(a, 6, 1), (b, 30, 1), (c, 30, 1), (d, 20, 5)]
+    assert s.num_burst_steps == 2
+    # burst_max_steps=1: a is held once, then decodes (the step is capped)
+    s = _burst_scheduler(burst_max_steps=1)
+    a, b, c, d = _burst_start(s, 399)
+    _finish_step(s, s.schedule())
+    plan = s.schedule()
+    assert _plan(plan) == [(a, 6, 1), (b, 30, 1), (c, 10, 5)]
+    with pytest.raises(ValueError, match="burst_max_steps"):
+        _burst_scheduler(burst_max_steps=0)
+
+
+def test_no_burst_step_when_the_prefill_fits_the_cap_or_the_share_is_zero():
+    s = Scheduler(
+        BlockAllocator(400), 4, max_num_batched_tokens=40, prefill_cap=8, burst_tail_share=0.009
+    )
+    a, b = _Req(6), _Req(4)
+    s.add(_gseq(a, 0, 999))
+    _finish_step(s, s.schedule())
+    s.add(_gseq(b, 1, 999))
+    plan = s.schedule()  # b's 4 tokens fit under the cap: nobody is held
+    assert _plan(plan) == [(a, 6, 1), (b, 0, 4)]
+    assert s.running[0].stretched == 0 and s.num_burst_steps == 0
+    # share 0 (the default; a fixed --prefill-tokens-while-decoding N): the cap always holds
+    s0 = Scheduler(BlockAllocator(400), 4, max_num_batched_tokens=40, prefill_cap=5)
+    a, b = _Req(6), _Req(30)
+    s0.add(_gseq(a, 0, 10**6))
+    _finish_step(s0, s0.schedule())
+    s0.add(_gseq(b, 1, 10**6))
+    assert _plan(s0.schedule()) == [(a, 6, 1), (b, 0, 5)]
+    # unknown max_gaps (0) allow nothing
+    s1 = _burst_scheduler()
+    a, b = _Req(6), _Req(30)
+    s1.add(_gseq(a, 0, 0))
+    _finish_step(s1, s1.schedule())
+    s1.add(_gseq(b, 1, 0))
+    assert _plan(s1.schedule()) == [(a, 6, 1), (b, 0, 5)]
+    for bad in (-0.001, 0.01, 0.5):
+        with pytest.raises(ValueError, match="burst_tail_share must be in"):
+            Scheduler(BlockAllocator(4), 4, burst_tail_share=bad)
+
+
+def test_burst_step_allowed():
+    from eaas.runtime.client.scheduler import burst_step_allowed
+
+    assert burst_step_allowed(0, 4064, 9, 0.005)  # W1's step 2 holds 9: 9 <= 20.3
+    assert burst_step_allowed(9, 4064, 9, 0.005)  # step 3 holds 9 more: 18 <= 20.3
+    assert not burst_step_allowed(18, 4064, 9, 0.005)  # step 4: 27 > 20.3
+    assert burst_step_allowed(18, 4064, 0, 0.005)  # holding the same ones longer: free
+    assert not burst_step_allowed(0, 10**6, 1, 0.0)  # share 0: never
+
+
 def test_step_cost_model_estimates_decode_step_and_prefill_token_costs():
     from eaas.runtime.client.scheduler import StepCostModel, prefill_cap_for
 
@@ -512,6 +629,42 @@ def test_step_cost_model_estimates_decode_step_and_prefill_token_costs():
         StepCostModel(ratio=1.0)
     with pytest.raises(ValueError, match="prefill_token_s must be > 0"):
         prefill_cap_for(0.01, 0.0, 2.0, 16)
+
+
+def test_step_cost_model_lowers_the_ratio_on_a_noisy_machine():
+    from eaas.runtime.client.scheduler import StepCostModel
+
+    def t(decodes, prefill):  # 10 ms per step, 0.5 ms per decode, 0.1 ms per prefill token
+        return 0.010 + 5e-4 * decodes + 1e-4 * prefill
+
+    def model(**kw):
+        m = StepCostModel(ratio=2.0, floor=1, large_tokens=512, window=16, **kw)
+        m.observe(8, 0, t(8, 0))
+        m.observe(0, 2048, t(0, 2048))
+        return m
+
+    quiet, noisy, off = model(noise_budget=2.55), model(noise_budget=2.55), model()
+    assert quiet.noise() is None and quiet.effective_ratio() == 2.0  # no residuals yet
+    for i in range(16):
+        quiet.observe(8, 0, t(8, 0) * (1.1 if i % 2 else 0.95))
+        # every 4th decode step takes 2x: the 90th percentile of the residuals is ~2
+        slow = 2.0 if i % 4 == 3 else 1.0
+        noisy.observe(8, 0, t(8, 0) * slow)
+        off.observe(8, 0, t(8, 0) * slow)
+    assert quiet.noise() == pytest.approx(1.1, rel=0.05)
+    assert quiet.effective_ratio() == 2.0  # 2.55 / 1.1 > 2: the ratio stays
+    assert noisy.noise() > 1.5
+    assert noisy.effective_ratio() == pytest.approx(2.55 / noisy.noise())
+    assert 1.25 <= noisy.effective_ratio() < 2.0
+    assert noisy.cap() < quiet.cap()  # a smaller cap on the noisy machine
+    assert off.effective_ratio() == 2.0  # no noise budget: the ratio is fixed
+    for i in range(16):  # a very noisy machine: not below min_ratio
+        noisy.observe(8, 0, t(8, 0) * (5.0 if i % 2 else 1.0))
+    assert noisy.effective_ratio() == 1.25
+    with pytest.raises(ValueError, match="min_ratio"):
+        StepCostModel(ratio=2.0, min_ratio=3.0)
+    with pytest.raises(ValueError, match="noise_quantile"):
+        StepCostModel(noise_quantile=1.0)
 
 
 @pytest.mark.parametrize(
@@ -558,6 +711,29 @@ def test_greedy_equals_generate_with_prefill_cap_while_decoding(arch, cap, model
     if cap == 3:
         assert 0 < st["max_prefill_tokens_while_decoding"] <= 3, st
     assert eng.kv_cache_usage()["blocks_used"] == 0
+
+
+def test_greedy_equals_generate_with_burst_steps(models, loaded):
+    """``auto``: burst steps (decodes held) change the steps, never the tokens."""
+    model, tok, _ = loaded["deepseek_v3"]
+    prompts = [tok(TEXTS[2])["input_ids"], tok(TEXTS[4])["input_ids"]]
+    assert len(prompts[0]) < 8 < len(prompts[1]) - 8
+    max_new = 120  # 2 x 119 gaps: 0.005 of them allows one stretched gap
+    refs = [reference_generate(models["deepseek_v3"], [p], max_new)[0] for p in prompts]
+    eng = Engine(
+        model,
+        tok,
+        client_id="burst",
+        max_num_batched_tokens=8,
+        block_size=4,
+        prefill_tokens_while_decoding="auto",
+    )
+    reqs = _run_all(eng, prompts, [SamplingParams(max_tokens=max_new)] * 2)
+    for req, ref in zip(reqs, refs, strict=True):
+        assert req.output_ids == ref
+    # step 2: the short prompt is held, the long one's chunk takes the whole budget (8 tokens,
+    # more than the cap of 4 before any step was measured), as long as prompt tokens are left
+    assert eng.stats["burst_steps"] >= 1, eng.stats
 
 
 def test_serve_rejects_a_bad_prefill_cap_before_starting_anything():

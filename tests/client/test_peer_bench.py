@@ -69,8 +69,11 @@ def test_report_names_each_missed_target():
             "vllm": {"workloads": {"W1": _summary(100.0, 200.0, 5.0, 10.0)}},
         }
     }
+    res["float32"]["eaas"]["workloads"]["W1"].update(text_itl_p50_ms=10.0, text_itl_p99_ms=35.0)
     table, misses = peer.report(res, args)
     assert "| W1 | eaas | 40.0 |" in table and "0.40x" in table
+    # the text-only ITL ratio is reported beside the token-chunk one (not a target)
+    assert "text ITL p99/p50" in table and "| 5.00 | 3.50 |" in table
     assert sorted(m.split(": ")[1].split()[0] for m in misses) == [
         "ITL",
         "TTFT",
