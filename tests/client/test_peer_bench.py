@@ -94,6 +94,7 @@ def test_dtype_with_policy_passes_cpu_bf16_compute_to_eaas_only():
         max_num_batched_tokens=2048,
         prefill_tokens_while_decoding="auto",
         single_threads=1,
+        client_spin_us="default",
     )
     for kind in ("eaas", "single"):
         cmd = peer.eaas_command(kind, args, "bfloat16:fp32", 8000, None)
