@@ -139,3 +139,22 @@ def test_bad_endpoints_and_tables_exit_2_naming_the_flag(tmp_path):
         assert flag in out and needle in out, (argv, out)
         assert "Traceback" not in out, (argv, out)
     assert not (tmp_path / "no").exists()  # a typo creates no directory tree
+
+
+def test_attention_client_bad_dtype_and_spin_us_exit_2_naming_the_flag(tmp_path):
+    """attention-client --dtype float16 was a ValueError traceback (expert-server and serve
+    answered a usage error) and --spin-us inf started a client that busy-polls every round trip
+    up to --dispatch-timeout (serve's --client-spin-us refuses inf): both exit 2 naming the flag,
+    before the routing table (missing here) is looked at."""
+    table = str(tmp_path / "none.json")
+    cases = [
+        (["--dtype", "float16"], "--dtype", "float16"),
+        (["--spin-us", "inf"], "--spin-us", "inf"),
+    ]
+    results = run_eaas_all(
+        [["attention-client", "--routing-table", table, "--port", "1", *a] for a, _, _ in cases]
+    )
+    for (argv, flag, needle), (code, out) in zip(cases, results, strict=True):
+        assert code == 2, (argv, out)
+        assert flag in out and needle in out, (argv, out)
+        assert "Traceback" not in out and "--routing-table" not in out, (argv, out)
