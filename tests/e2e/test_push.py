@@ -158,6 +158,10 @@ def test_push_refusals_keep_the_table(deployment):
 
     r = put(deployment, b"{not json")
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = put(deployment, "[" * 100_000 + "]" * 100_000)  # was a RecursionError: HTTP 500
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"], r.text
+    r = put(deployment, "[1, 2]")
+    assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"]
     for version in ("5", 5.0, True):  # not a JSON integer: refused naming the field
         r = put(deployment, json.dumps({**table(info, 5, eps).to_dict(), "version": version}))
         assert r.status_code == 400, r.text

@@ -128,6 +128,10 @@ def test_server_loads_assigned_experts_while_serving_and_refuses_dropped_ones(se
     for version in ("1", 1.0, True):  # a version that is not a JSON integer: 400 naming it
         code, body = _http("PUT", port, "/routing-table", {**v1.to_dict(), "version": version})
         assert code == 400 and "'version' must be an integer" in body["error"]["message"], body
+    deep = "[" * 100_000 + "]" * 100_000  # was a RecursionError: the connection dropped
+    code, body = _http("PUT", port, "/routing-table", deep)
+    assert code == 400 and "nested too deeply" in body["error"]["message"], body
+    assert _http("POST", port, "/routing-table/release", deep)[0] == 400
     code, body = _http("PUT", port, "/routing-table", v1.to_json())
     assert code == 202 and body["assigned_version"] == 1
     assert wait_until(lambda: _http("GET", port, "/routing-table")[1]["weights_version"] == 1, 30)
