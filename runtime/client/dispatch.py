@@ -413,7 +413,7 @@ class Dispatcher:
             table = self._table
             if table is None:
                 return []
-            out = []
+            out: list[dict] = []
             for layer in self.moe_layers or ():
                 if layer not in table.layers:
                     out.extend(
