@@ -158,3 +158,16 @@ def test_attention_client_bad_dtype_and_spin_us_exit_2_naming_the_flag(tmp_path)
         assert code == 2, (argv, out)
         assert flag in out and needle in out, (argv, out)
         assert "Traceback" not in out and "--routing-table" not in out, (argv, out)
+
+
+def test_listen_on_an_existing_file_that_is_not_a_socket_keeps_the_file(tmp_path):
+    """expert-server --listen unix:PATH where PATH is a regular file (a typo for the socket path)
+    deleted the file and listened there: it exits 2 naming --listen, and the file is kept. A
+    stale socket file is still replaced (tests/runtime/test_transport.py)."""
+    existing = tmp_path / "notes.txt"
+    existing.write_text("keep me\n")
+    server = ["expert-server", "--device", "cpu", "--experts", "1:0"]
+    [(code, out)] = run_eaas_all([[*server, "--listen", f"unix:{existing}"]], timeout=120)
+    assert code == 2, out
+    assert "--listen" in out and "not a socket" in out and "Traceback" not in out, out
+    assert existing.read_text() == "keep me\n"
