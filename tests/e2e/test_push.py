@@ -188,6 +188,31 @@ def test_push_refusals_keep_the_table(deployment):
     assert complete(deployment) == deployment["reference"]  # still serving, same tokens
 
 
+def test_an_oversized_push_is_refused_before_its_body_is_read(deployment):
+    """PUT /routing-table read the whole body into memory before the 64 MiB check (a peer
+    without a token could make the client buffer any size): a declared length over the limit is
+    refused at once (here the body never comes, so reading it would wait until the socket
+    timeout), and a chunked body stops being read at the limit."""
+    import socket
+
+    port = int(deployment["url"].rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(
+            b"PUT /routing-table HTTP/1.1\r\nHost: x\r\n"
+            + f"Content-Length: {100 * 10**9}\r\n\r\n{{}}".encode()
+        )
+        status = s.recv(4096).split(b"\r\n", 1)[0]
+    assert b" 413 " in status, status
+
+    def chunks():
+        for _ in range(80):
+            yield b" " * (1 << 20)
+
+    r = httpx.put(f"{deployment['url']}/routing-table", content=chunks(), timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "invalid_routing_table", r.text
+    assert httpx.get(f"{deployment['url']}/routing-table", timeout=30).json()["version"] == 1
+
+
 def test_push_applies_and_acknowledges(deployment):
     info, eps = deployment["info"], deployment["endpoints"]
     r = put(deployment, table(info, 3, eps).to_json())
