@@ -46,10 +46,13 @@ class RoutingTableError(ValueError):
     """Malformed routing table (message names the offending field)."""
 
 
+INT64_MAX = 2**63 - 1
+
+
 def _int_field(d: Mapping, name: str) -> int:
     """``d[name]`` as a JSON integer (KeyError when absent). A string ("3"), a float or a bool
     is refused: a version or count that is not an integer is a producer's bug, not a number to
-    guess at.
+    guess at. Larger than :data:`INT64_MAX` is refused too.
 
     Raises:
         RoutingTableError: naming the field and the value.
@@ -57,6 +60,8 @@ def _int_field(d: Mapping, name: str) -> int:
     v = d[name]
     if isinstance(v, bool) or not isinstance(v, int):
         raise RoutingTableError(f"field {name!r} must be an integer, got {v!r}")
+    if v > INT64_MAX:  # Kubernetes integers (the CRD status fields that carry it) are int64
+        raise RoutingTableError(f"field {name!r} must be at most 2**63 - 1, got {v}")
     return v
 
 
