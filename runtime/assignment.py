@@ -335,7 +335,7 @@ class TableEndpoint:
             self._authorize(authorization)
             try:
                 version = json.loads(raw or b"{}").get("version")
-            except (ValueError, AttributeError):
+            except (ValueError, AttributeError, RecursionError):
                 version = None
             if isinstance(version, bool) or not isinstance(version, int) or version < 0:
                 raise PushError(400, 'body must be {"version": <integer >= 0>}', "invalid_release")

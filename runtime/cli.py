@@ -5,6 +5,7 @@ Each command is a thin shell: it parses options and calls the module that does t
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import Annotated, Any
@@ -559,6 +560,12 @@ def attention_client(
     if world_cfg is not None and local_experts:
         raise typer.BadParameter(
             "--nvshmem-world connects to expert servers; not with --local-experts"
+        )
+    if dtype not in ("float32", "bfloat16"):
+        raise typer.BadParameter(f"--dtype must be float32 or bfloat16, got {dtype!r}")
+    if spin_us is not None and not math.isfinite(spin_us):
+        raise typer.BadParameter(
+            f"--spin-us must be a finite number of microseconds, got {spin_us}"
         )
     if not local_experts and not routing_table and not routing_table_configmap:
         raise typer.BadParameter(

@@ -46,10 +46,13 @@ class RoutingTableError(ValueError):
     """Malformed routing table (message names the offending field)."""
 
 
+INT64_MAX = 2**63 - 1
+
+
 def _int_field(d: Mapping, name: str) -> int:
     """``d[name]`` as a JSON integer (KeyError when absent). A string ("3"), a float or a bool
     is refused: a version or count that is not an integer is a producer's bug, not a number to
-    guess at.
+    guess at. Larger than :data:`INT64_MAX` is refused too.
 
     Raises:
         RoutingTableError: naming the field and the value.
@@ -57,6 +60,35 @@ def _int_field(d: Mapping, name: str) -> int:
     v = d[name]
     if isinstance(v, bool) or not isinstance(v, int):
         raise RoutingTableError(f"field {name!r} must be an integer, got {v!r}")
+    if v > INT64_MAX:  # Kubernetes integers (the CRD status fields that carry it) are int64
+        raise RoutingTableError(f"field {name!r} must be at most 2**63 - 1, got {v}")
+    return v
+
+
+def _json_type(v: object) -> str:
+    """JSON's name for the type of a parsed value (``object``, ``list``, ``null``, ...)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, Mapping):
+        return "object"
+    if isinstance(v, (list, tuple)):
+        return "list"
+    if isinstance(v, str):
+        return "string"
+    return "number" if isinstance(v, (int, float)) else type(v).__name__
+
+
+def _object_field(d: Mapping, name: str) -> Mapping:
+    """``d[name]`` as a JSON object (KeyError when absent).
+
+    Raises:
+        RoutingTableError: naming the field and the JSON type it has.
+    """
+    v = d[name]
+    if not isinstance(v, Mapping):
+        raise RoutingTableError(f"field {name!r} must be an object, got {_json_type(v)}")
     return v
 
 
@@ -199,17 +231,26 @@ class RoutingTable:
                 raise RoutingTableError(f"unknown routing table encoding {d['encoding']!r}")
             try:
                 inner = json.loads(zlib.decompress(base64.b64decode(d["table"], validate=True)))
+            except RecursionError:
+                raise RoutingTableError("compact routing table is nested too deeply") from None
             except (KeyError, TypeError, ValueError, binascii.Error, zlib.error) as exc:
                 raise RoutingTableError(
                     f"malformed compact routing table field 'table': {exc}"
                 ) from None
             return cls._from_compact(inner)
+        if not isinstance(d, Mapping):
+            raise RoutingTableError(f"routing table must be a JSON object, got {_json_type(d)}")
         try:
             version = _int_field(d, "version")
             num_experts = _int_field(d, "num_experts")
-            servers = {str(k): str(v) for k, v in d["servers"].items()}
+            servers = {str(k): str(v) for k, v in _object_field(d, "servers").items()}
             layers = {}
-            for k, experts in d["layers"].items():
+            for k, experts in _object_field(d, "layers").items():
+                if not isinstance(experts, list) or not all(isinstance(r, list) for r in experts):
+                    raise RoutingTableError(
+                        f"field 'layers[{k}]' must be a list of replica lists (server ids), "
+                        f"got {_json_type(experts)}"
+                    )
                 if len(experts) != num_experts:
                     raise RoutingTableError(
                         f"layers[{k}] has {len(experts)} experts, expected num_experts={num_experts}"
@@ -254,3 +295,5 @@ class RoutingTable:
             return cls.from_dict(json.loads(text))
         except json.JSONDecodeError as exc:
             raise RoutingTableError(f"routing table is not valid JSON: {exc}") from None
+        except RecursionError:  # Python's json recurses per nesting level
+            raise RoutingTableError("routing table is nested too deeply") from None

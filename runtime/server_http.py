@@ -229,10 +229,31 @@ def _make_handler(health: ServerHealth) -> type[BaseHTTPRequestHandler]:
             if health.table is None:
                 self._no_table()
                 return
-            n = int(self.headers.get("Content-Length") or 0)
+            from eaas.runtime.client.table_push import MAX_TABLE_BYTES
+
+            length = self.headers.get("Content-Length") or "0"
+            if not length.strip().isdigit():  # int() would raise, the connection would drop
+                self._error(400, f"Content-Length must be a byte count, got {length!r}")
+                return
+            n = int(length)
+            if n > MAX_TABLE_BYTES:  # refused before reading: read(n) allocates n bytes at once
+                self.close_connection = True
+                self._error(413, f"routing table larger than {MAX_TABLE_BYTES} bytes")
+                return
             raw = self.rfile.read(n) if n > 0 else b""
             code, body = getattr(health.table, name)(self.headers.get("Authorization"), raw)
             self._send(code, json.dumps(body), "application/json")
+
+        def _error(self, status: int, message: str) -> None:
+            body = {
+                "error": {
+                    "message": message,
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "invalid_routing_table",
+                }
+            }
+            self._send(status, json.dumps(body), "application/json")
 
         def _no_table(self) -> None:
             self._send(

@@ -134,6 +134,8 @@ def create_app(server: OpenAIServer) -> FastAPI:
             body = await asyncio.to_thread(json.loads, raw) if size > 1 << 20 else json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise bad(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
+        except RecursionError:  # Python's json recurses per nesting level (was a 500)
+            raise bad("request body is nested too deeply", None, "invalid_json") from None
         if not isinstance(body, dict):
             raise bad("request body must be a JSON object", None, "invalid_json")
         return body

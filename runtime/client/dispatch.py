@@ -56,7 +56,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -284,6 +284,9 @@ class Dispatcher:
             :meth:`~eaas.runtime.transport.base.ClientConnection.ring` per server afterwards;
             default). False: each frame's ``send`` wakes its server at once (the behaviour
             before; kept for side-by-side measurements, bench/decode_profile.py).
+        moe_layers: the model's MoE layer indices; a table that leaves one out has every expert
+            of it uncovered (:meth:`uncovered`, ``/health`` 503). None: only what the table
+            lists is checked.
     """
 
     def __init__(
@@ -300,10 +303,13 @@ class Dispatcher:
         graphs=None,
         split_pairs: int = DEFAULT_SPLIT_PAIRS,
         ring_after_all: bool = True,
+        moe_layers: Collection[int] | None = None,
     ) -> None:
         if split_pairs < 1:
             raise ValueError(f"split_pairs must be >= 1, got {split_pairs}")
         self.split_pairs = int(split_pairs)
+        # the model's MoE layers: one that a table leaves out is uncovered (None: not known)
+        self.moe_layers = tuple(sorted(moe_layers)) if moe_layers is not None else None
         self.ring_after_all = bool(ring_after_all)
         self.client_id = int(client_id)
         self.hidden_size = int(hidden_size)
@@ -400,13 +406,26 @@ class Dispatcher:
             return True
 
     def uncovered(self) -> list[dict]:
-        """``(layer, expert)`` pairs without a live replica: none in the routing table, or all of
-        its replicas marked down. Items: ``{"layer", "expert", "reason", "replicas"}``."""
+        """``(layer, expert)`` pairs without a live replica: none in the routing table (a MoE
+        layer of ``moe_layers`` the table leaves out included), or all of its replicas marked
+        down. Items: ``{"layer", "expert", "reason", "replicas"}``."""
         with self._lock:
             table = self._table
             if table is None:
                 return []
-            out = []
+            out: list[dict] = []
+            for layer in self.moe_layers or ():
+                if layer not in table.layers:
+                    out.extend(
+                        {
+                            "layer": layer,
+                            "expert": e,
+                            "reason": f"layer {layer} is not in routing table version "
+                            f"{table.version}",
+                            "replicas": [],
+                        }
+                        for e in range(table.num_experts)
+                    )
             for layer, experts in sorted(table.layers.items()):
                 for e, reps in enumerate(experts):
                     if not reps:
@@ -427,6 +446,7 @@ class Dispatcher:
                                 "replicas": list(reps),
                             }
                         )
+            out.sort(key=lambda u: (u["layer"], u["expert"]))
             return out
 
     # ---- connections (connector thread; never the request path) --------------------------

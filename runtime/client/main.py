@@ -238,6 +238,7 @@ def run_attention_client(
             torch_dtype,
             timeout=dispatch_timeout,
             graphs=graphs,
+            moe_layers=info.moe_layers,
             **connect_kw,
         )
         if failure_report_url:

@@ -309,7 +309,20 @@ async def put_routing_table(request: Request):
     push = _state(request)
     if push is None:
         push = TablePush(None, None, str(getattr(request.app.state.eaas, "client_id", "?")))
-    raw = await request.body()
+    # bounded before it is buffered: a peer without a token must not make us hold any size
+    too_large = PushError(
+        413, f"routing table larger than {MAX_TABLE_BYTES} bytes", "invalid_routing_table"
+    )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_TABLE_BYTES:
+        return too_large.response()
+    chunks, size = [], 0
+    async for chunk in request.stream():  # also bounds a chunked body without a length
+        size += len(chunk)
+        if size > MAX_TABLE_BYTES:
+            return too_large.response()
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         _, body = await asyncio.to_thread(
             push.handle_put, request.headers.get("authorization"), raw

@@ -70,6 +70,7 @@ import mmap
 import os
 import select
 import socket
+import stat
 import struct
 import threading
 import time
@@ -705,8 +706,12 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
 
     @staticmethod
     def _remove_stale(path: str) -> None:
-        if not os.path.exists(path):
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
             return
+        if not stat.S_ISSOCK(mode):  # a regular file or a directory: never deleted
+            raise OSError(errno.EEXIST, f"{path} exists and is not a socket")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             probe.settimeout(0.5)

@@ -139,3 +139,35 @@ def test_bad_endpoints_and_tables_exit_2_naming_the_flag(tmp_path):
         assert flag in out and needle in out, (argv, out)
         assert "Traceback" not in out, (argv, out)
     assert not (tmp_path / "no").exists()  # a typo creates no directory tree
+
+
+def test_attention_client_bad_dtype_and_spin_us_exit_2_naming_the_flag(tmp_path):
+    """attention-client --dtype float16 was a ValueError traceback (expert-server and serve
+    answered a usage error) and --spin-us inf started a client that busy-polls every round trip
+    up to --dispatch-timeout (serve's --client-spin-us refuses inf): both exit 2 naming the flag,
+    before the routing table (missing here) is looked at."""
+    table = str(tmp_path / "none.json")
+    cases = [
+        (["--dtype", "float16"], "--dtype", "float16"),
+        (["--spin-us", "inf"], "--spin-us", "inf"),
+    ]
+    results = run_eaas_all(
+        [["attention-client", "--routing-table", table, "--port", "1", *a] for a, _, _ in cases]
+    )
+    for (argv, flag, needle), (code, out) in zip(cases, results, strict=True):
+        assert code == 2, (argv, out)
+        assert flag in out and needle in out, (argv, out)
+        assert "Traceback" not in out and "--routing-table" not in out, (argv, out)
+
+
+def test_listen_on_an_existing_file_that_is_not_a_socket_keeps_the_file(tmp_path):
+    """expert-server --listen unix:PATH where PATH is a regular file (a typo for the socket path)
+    deleted the file and listened there: it exits 2 naming --listen, and the file is kept. A
+    stale socket file is still replaced (tests/runtime/test_transport.py)."""
+    existing = tmp_path / "notes.txt"
+    existing.write_text("keep me\n")
+    server = ["expert-server", "--device", "cpu", "--experts", "1:0"]
+    [(code, out)] = run_eaas_all([[*server, "--listen", f"unix:{existing}"]], timeout=120)
+    assert code == 2, out
+    assert "--listen" in out and "not a socket" in out and "Traceback" not in out, out
+    assert existing.read_text() == "keep me\n"

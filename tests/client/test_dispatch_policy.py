@@ -248,3 +248,20 @@ def test_reconnect_down_after_back_off():
     conns = [s.conn for s in d._servers.values()]
     d.close()
     assert all(c.closed for c in conns)
+
+
+def test_a_moe_layer_missing_from_the_table_is_uncovered():
+    """A pushed table may leave out a MoE layer of the model (PUT /routing-table accepted one
+    with ``"layers": {}``): every request then failed 503 while /health said ``ok`` with 0
+    uncovered experts. With the model's MoE layers known, each of that layer's experts is
+    uncovered, naming the layer."""
+    t = table()  # layers 1 and 2
+    d = Dispatcher(0, 8, torch.float32, t, moe_layers=(1, 2, 3), connect_in_background=False)
+    missing = d.uncovered()
+    assert [(u["layer"], u["expert"]) for u in missing] == [(3, e) for e in range(t.num_experts)]
+    assert missing[0]["reason"] == "layer 3 is not in routing table version 1"
+    assert missing[0]["replicas"] == []
+    assert d.health()["uncovered_experts"] == t.num_experts
+    # a dispatcher that does not know the model's layers reports what the table says
+    d2 = Dispatcher(0, 8, torch.float32, t, connect_in_background=False)
+    assert d2.uncovered() == []

@@ -56,6 +56,28 @@ def test_parse_pushed_table_checks_json_fields_and_model():
             TABLE.to_json().replace('"num_experts":2', '"num_experts":"2"').encode(),
             "'num_experts' must be an integer",
         ),
+        # beyond int64 (the CRD status fields and Kubernetes' integers): was applied, and no
+        # later table of the operator could ever be newer
+        (
+            TABLE.to_json().replace('"version":4', f'"version":{2**63}').encode(),
+            "'version' must be at most 2\\*\\*63 - 1",
+        ),
+        # nesting deeper than Python's recursion limit was a RecursionError (HTTP 500)
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (b'{"version": 4, "pad": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+        # the wrong JSON type names the field, not a Python internal
+        (b"[1, 2]", "routing table must be a JSON object, got list"),
+        (b"null", "routing table must be a JSON object, got null"),
+        (
+            TABLE.to_json()
+            .replace('"servers":{"s0":"tcp://127.0.0.1:1"}', '"servers":[1]')
+            .encode(),
+            "field 'servers' must be an object",
+        ),
+        (
+            TABLE.to_json().replace('"layers":{"1":', '"layers":{"1":"xy","9":').encode(),
+            r"field 'layers\[1\]' must be a list",
+        ),
     ]:
         with pytest.raises(PushError, match=needle) as e:
             parse_pushed_table(raw)

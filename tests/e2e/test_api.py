@@ -238,6 +238,12 @@ BAD = {
     ),
     # unknown model: 404 model_not_found as OpenAI answers (tests/e2e/test_api_parity.py)
     "malformed_json": ("/v1/completions", '{"prompt": "Hello", "max_tokens": 4', None),
+    # deeper than Python's recursion limit: json.loads raised RecursionError (was a plain 500)
+    "deeply_nested_json": (
+        "/v1/completions",
+        '{"prompt": "Hello", "max_tokens": 4, "stop": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        None,
+    ),
     "missing_prompt": ("/v1/completions", {"max_tokens": 4}, "prompt"),
     "temperature_type": (
         "/v1/completions",
@@ -312,6 +318,7 @@ BAD = {
 # expected error code per case (others: any code)
 BAD_CODES = {
     "beyond_context": "context_length_exceeded",
+    "deeply_nested_json": "invalid_json",
     **{
         c: "invalid_value"
         for c in BAD

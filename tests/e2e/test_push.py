@@ -158,6 +158,10 @@ def test_push_refusals_keep_the_table(deployment):
 
     r = put(deployment, b"{not json")
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = put(deployment, "[" * 100_000 + "]" * 100_000)  # was a RecursionError: HTTP 500
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"], r.text
+    r = put(deployment, "[1, 2]")
+    assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"]
     for version in ("5", 5.0, True):  # not a JSON integer: refused naming the field
         r = put(deployment, json.dumps({**table(info, 5, eps).to_dict(), "version": version}))
         assert r.status_code == 400, r.text
@@ -182,6 +186,31 @@ def test_push_refusals_keep_the_table(deployment):
 
     assert httpx.get(f"{deployment['url']}/routing-table", timeout=30).json()["version"] == 1
     assert complete(deployment) == deployment["reference"]  # still serving, same tokens
+
+
+def test_an_oversized_push_is_refused_before_its_body_is_read(deployment):
+    """PUT /routing-table read the whole body into memory before the 64 MiB check (a peer
+    without a token could make the client buffer any size): a declared length over the limit is
+    refused at once (here the body never comes, so reading it would wait until the socket
+    timeout), and a chunked body stops being read at the limit."""
+    import socket
+
+    port = int(deployment["url"].rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(
+            b"PUT /routing-table HTTP/1.1\r\nHost: x\r\n"
+            + f"Content-Length: {100 * 10**9}\r\n\r\n{{}}".encode()
+        )
+        status = s.recv(4096).split(b"\r\n", 1)[0]
+    assert b" 413 " in status, status
+
+    def chunks():
+        for _ in range(80):
+            yield b" " * (1 << 20)
+
+    r = httpx.put(f"{deployment['url']}/routing-table", content=chunks(), timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "invalid_routing_table", r.text
+    assert httpx.get(f"{deployment['url']}/routing-table", timeout=30).json()["version"] == 1
 
 
 def test_push_applies_and_acknowledges(deployment):

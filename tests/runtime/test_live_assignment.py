@@ -128,6 +128,10 @@ def test_server_loads_assigned_experts_while_serving_and_refuses_dropped_ones(se
     for version in ("1", 1.0, True):  # a version that is not a JSON integer: 400 naming it
         code, body = _http("PUT", port, "/routing-table", {**v1.to_dict(), "version": version})
         assert code == 400 and "'version' must be an integer" in body["error"]["message"], body
+    deep = "[" * 100_000 + "]" * 100_000  # was a RecursionError: the connection dropped
+    code, body = _http("PUT", port, "/routing-table", deep)
+    assert code == 400 and "nested too deeply" in body["error"]["message"], body
+    assert _http("POST", port, "/routing-table/release", deep)[0] == 400
     code, body = _http("PUT", port, "/routing-table", v1.to_json())
     assert code == 202 and body["assigned_version"] == 1
     assert wait_until(lambda: _http("GET", port, "/routing-table")[1]["weights_version"] == 1, 30)
@@ -217,3 +221,33 @@ def test_expert_server_cli_without_experts_needs_a_table_source(tmp_path):
     )
     assert r.returncode == 2
     assert "--push-token-file" in r.stderr
+
+
+def _raw_put(port: int, content_length: str, token: str | None) -> bytes:
+    """The status line of a PUT /routing-table whose Content-Length header is
+    ``content_length`` and whose body is ``{}`` (b"" when the server closed without one)."""
+    import socket
+
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    req = (
+        f"PUT /routing-table HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: {content_length}\r\n\r\n{{}}"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(req)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := s.recv(4096):
+            out += chunk
+    return out.split(b"\r\n", 1)[0]
+
+
+def test_bad_content_length_is_answered_and_nothing_is_allocated(servers):
+    """A Content-Length that is not a number dropped the connection (ValueError), and one of
+    100 GB made the server allocate it before any check (MemoryError, token or not): now 400 and
+    413 without reading the body, and the server keeps serving."""
+    _, port = servers
+    assert b" 400 " in _raw_put(port, "abc", TOKEN)
+    assert b" 413 " in _raw_put(port, str(100 * 10**9), TOKEN)
+    assert b" 413 " in _raw_put(port, str(100 * 10**9), None)
+    assert _http("GET", port, "/health")[0] == 200
+    assert _http("GET", port, "/routing-table")[0] == 200
