@@ -38,7 +38,8 @@ connection per expert server. Per MoE layer call (:meth:`Dispatcher.dispatch`):
    connections get one host copy per call (:mod:`eaas.runtime.gpu.staging`).
 
 Connections are opened only by the dispatcher's connector thread, never on the request path: at
-once for a new server, and for a down one after ``retry_down_s``, doubling per consecutive
+once for a new server, every :data:`FIRST_CONNECT_RETRY_S` for one never reached yet (it is
+probably still starting), for a down one after ``retry_down_s``, doubling per consecutive
 failure up to 30 s (connect timeout at most 2 s), and immediately when a newer routing table
 lists it again. The state lock is never held across network I/O, so ``/health`` answers while a
 layer call waits for a hung (e.g. SIGSTOPped) server.
@@ -106,6 +107,7 @@ class _Server:
     tokens_sent: int = 0
     failures: int = 0
     consecutive: int = 0  # failures since the last successful response (reconnect back-off)
+    ever_connected: bool = False  # this client has had a connection to it (back-off applies)
     last_error: str = ""
     connecting: bool = False  # the connector is opening a connection right now
     busy: bool = False  # a dispatch call is using ``conn`` outside the lock
@@ -113,6 +115,30 @@ class _Server:
 
 
 Connector = Callable[..., ClientConnection]
+
+#: Seconds between connection attempts to a server this client has never reached. At start-up
+#: (``eaas serve``, a new pod) clients and servers start together and a server may listen only
+#: after its weights are loaded: the doubling back-off would leave it unused for up to 30 s after
+#: it is ready.
+FIRST_CONNECT_RETRY_S = 0.25
+
+
+def reconnect_delay(consecutive: int, ever_connected: bool, retry_down_s: float) -> float:
+    """Seconds before a down server is tried again.
+
+    Args:
+        consecutive: failures since its last successful response (>= 1).
+        ever_connected: whether this client ever had a connection to it.
+        retry_down_s: the dispatcher's ``retry_down_s``.
+
+    Returns:
+        ``min(retry_down_s, FIRST_CONNECT_RETRY_S)`` for a server never reached (it is probably
+        still starting), else ``retry_down_s * 2 ** (consecutive - 1)``, at most
+        ``max(30, retry_down_s)`` (a server that failed after working).
+    """
+    if not ever_connected:
+        return min(retry_down_s, FIRST_CONNECT_RETRY_S)
+    return min(retry_down_s * 2 ** (consecutive - 1), max(30.0, retry_down_s))
 
 
 def _default_connect(endpoint: str, server_id: str, **kw) -> ClientConnection:
@@ -270,7 +296,8 @@ class Dispatcher:
         table: initial routing table (may be ``None`` until :meth:`set_table`).
         timeout: seconds to wait for all servers of one dispatch round.
         retry_down_s: seconds before a down server is tried again (doubling per consecutive
-            failure, at most 30 s).
+            failure, at most 30 s); a server never reached is tried every
+            ``min(retry_down_s, FIRST_CONNECT_RETRY_S)`` (:func:`reconnect_delay`).
         connect: connection factory (``eaas.runtime.transport.factory.connect``).
         connect_in_background: run the connector thread (default True). False leaves connecting
             to explicit :meth:`reconnect_down` calls (unit tests of the bookkeeping).
@@ -522,7 +549,7 @@ class Dispatcher:
                             self.client_id,
                             s.server_id,
                         )
-                    s.conn, s.down = conn, False
+                    s.conn, s.down, s.ever_connected = conn, False, True
                     back += 1
                     conn = None
                 self._changed.notify_all()
@@ -588,9 +615,10 @@ class Dispatcher:
         s.failures += 1
         s.consecutive += 1
         s.last_error = why
-        # exponential back-off between reconnect attempts: retry_down_s, 2x, 4x, ... (max 30 s)
-        s.retry_at = time.monotonic() + min(
-            self.retry_down_s * 2 ** (s.consecutive - 1), max(30.0, self.retry_down_s)
+        # back-off between reconnect attempts: retry_down_s, 2x, 4x, ... (max 30 s) once it
+        # worked; every FIRST_CONNECT_RETRY_S while it was never reached (still starting)
+        s.retry_at = time.monotonic() + reconnect_delay(
+            s.consecutive, s.ever_connected, self.retry_down_s
         )
         if not s.down:
             s.down = True

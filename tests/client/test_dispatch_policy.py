@@ -6,16 +6,20 @@ No expert server is started here; dispatch against real servers (failover, a hun
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from eaas.runtime.client.dispatch import (
+    FIRST_CONNECT_RETRY_S,
     NO_REPLICA,
     NO_SERVER,
     Dispatcher,
     NoLiveReplicaError,
     ReplicaMap,
     choose_replicas,
+    reconnect_delay,
 )
 from eaas.runtime.placement import place_experts
 from eaas.runtime.routing import RoutingTable
@@ -248,6 +252,55 @@ def test_reconnect_down_after_back_off():
     conns = [s.conn for s in d._servers.values()]
     d.close()
     assert all(c.closed for c in conns)
+
+
+def test_reconnect_delay_is_short_until_a_server_was_first_reached():
+    # a server never reached is probably still starting: tried every FIRST_CONNECT_RETRY_S
+    assert [reconnect_delay(n, False, 2.0) for n in (1, 2, 5, 20)] == [FIRST_CONNECT_RETRY_S] * 4
+    assert reconnect_delay(3, False, 0.1) == 0.1  # a shorter retry_down_s wins
+    # one that worked and failed: retry_down_s, doubling, at most 30 s
+    assert [reconnect_delay(n, True, 2.0) for n in (1, 2, 3, 4, 5, 6)] == [2, 4, 8, 16, 30, 30]
+    assert reconnect_delay(1, True, 60.0) == 60.0
+
+
+def test_a_server_still_starting_is_retried_at_the_short_interval_then_backs_off():
+    """``eaas serve`` starts clients and servers together: a client that finds a server not
+    listening yet retried it after 2, 4, 8, ... 30 s, so a server that became ready during a
+    long back-off stayed unused (503s after ``serving``) for up to 30 s. Until it is first
+    reached it is retried every FIRST_CONNECT_RETRY_S; once it worked, a failure backs off."""
+    t = table()
+    up = {"s0": False}
+
+    class FakeConn:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    def connect(endpoint, server_id, **kw):
+        if server_id == "s0" and not up["s0"]:
+            raise ConnectionRefusedError("not listening yet")
+        return FakeConn()
+
+    d = Dispatcher(
+        0, 8, torch.float32, t, retry_down_s=2.0, connect=connect, connect_in_background=False
+    )
+    s0 = d._servers["s0"]
+    for failures in range(1, 7):  # the old back-off would now be 30 s
+        if failures == 1:
+            d.reconnect_down()  # the first attempt: refused
+        else:
+            d._mark_down(s0, "connect: not listening yet")  # a refused retry
+        assert s0.down and s0.failures == failures
+        assert s0.retry_at - time.monotonic() <= FIRST_CONNECT_RETRY_S
+    up["s0"] = True
+    deadline = time.monotonic() + 60
+    while d.reconnect_down() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not s0.down and s0.ever_connected
+    d._mark_down(s0, "recv: PeerDeadError")  # it worked once: back to the doubling back-off
+    assert s0.retry_at - time.monotonic() > 1.0
+    d.close()
 
 
 def test_a_moe_layer_missing_from_the_table_is_uncovered():
