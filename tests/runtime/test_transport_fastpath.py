@@ -39,6 +39,23 @@ def _round_trip(c, f: RequestFrame, seq: int):
     return r.output.clone()
 
 
+def _connect_while_polling(lst, **kw):
+    """Open a client connection to ``lst`` from a thread while this thread polls ``lst`` (which
+    answers the hello); returns the connection."""
+    client: dict = {}
+
+    def open_client():
+        client["c"] = connect(lst.endpoint, "s", hidden_size=HIDDEN, dtype=torch.float32, **kw)
+
+    t = threading.Thread(target=open_client)
+    t.start()
+    deadline = time.monotonic() + 20
+    while t.is_alive() and time.monotonic() < deadline:
+        lst.poll(0.05)  # answers the hello
+    t.join()
+    return client["c"]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_new_frame_shape_is_validated_after_cached_ones(kind, tmp_path):
     """Good frames of one shape first (their validation is remembered), then frames that differ
@@ -144,20 +161,7 @@ def test_server_output_that_does_not_fit_is_an_error_response(kind, tmp_path):
     deadline), and the connection keeps working."""
     ep = _endpoint(kind, tmp_path)
     lst = listen(ep, hidden_size=HIDDEN, dtype=torch.float32)
-    client: dict = {}
-
-    def open_client():
-        client["c"] = connect(
-            lst.endpoint, "s", hidden_size=HIDDEN, dtype=torch.float32, max_tokens=2
-        )
-
-    t = threading.Thread(target=open_client)
-    t.start()
-    deadline = time.monotonic() + 20
-    while t.is_alive() and time.monotonic() < deadline:
-        lst.poll(0.05)  # answers the hello
-    t.join()
-    c = client["c"]
+    c = _connect_while_polling(lst, max_tokens=2)
     try:
         outputs = [torch.zeros(3, HIDDEN), torch.zeros(1, HIDDEN + 4)]  # 3 rows > 2 of the slot
         for seq, bad in enumerate(outputs):
@@ -187,18 +191,7 @@ def test_error_status_carries_its_message_and_the_next_frame_is_ok(kind, tmp_pat
     after it on the same connection are answered normally."""
     ep = _endpoint(kind, tmp_path)
     lst = listen(ep, hidden_size=HIDDEN, dtype=torch.float32)
-    client: dict = {}
-
-    def open_client():
-        client["c"] = connect(lst.endpoint, "s", hidden_size=HIDDEN, dtype=torch.float32)
-
-    t = threading.Thread(target=open_client)
-    t.start()
-    deadline = time.monotonic() + 20
-    while t.is_alive() and time.monotonic() < deadline:
-        lst.poll(0.05)  # answers the hello
-    t.join()
-    c = client["c"]
+    c = _connect_while_polling(lst)
     try:
         for seq, msg in enumerate(["expert 7 is not hosted here (ü)", "x" * 3000]):
             c.send(_frame(2, 2, seq=seq))
