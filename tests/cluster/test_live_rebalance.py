@@ -95,6 +95,10 @@ class Watcher:
             self._stop.wait(0.2)
 
     def __enter__(self) -> Watcher:
+        # the pods that exist now, before any change: a pod deleted before the thread's first
+        # poll finished (several kubectl calls on a loaded machine) was never "seen" and so
+        # never recorded as deleted (seen once: live-4 missing from deleted_at)
+        self.seen.update(wait_for("server pods listed", lambda: server_pods(self.ns), 60))
         self._t.start()
         return self
 
