@@ -7,6 +7,7 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,12 +32,13 @@ def test_pss_covers_the_whole_process_tree():
     # a parent shell with a sleeping child: both are in the tree, each with a positive PSS
     p = subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True)
     try:
-        for _ in range(200):
-            tree = peer.process_tree(p.pid)
-            if len(tree) >= 2:
-                break
-            os.sched_yield()
+        # wait until the child has exec'ed sleep (forked but not yet exec'ed it is named "sh":
+        # seen once on a loaded machine)
+        end = time.monotonic() + 60
         snap = peer.pss_snapshot(p.pid)
+        while not any(n.startswith("sleep") for n, _ in snap.values()) and time.monotonic() < end:
+            time.sleep(0.05)
+            snap = peer.pss_snapshot(p.pid)
         assert p.pid in snap and len(snap) >= 2, snap
         assert all(kib > 0 for _name, kib in snap.values())
         assert any(name.startswith("sleep") for name, _ in snap.values())
