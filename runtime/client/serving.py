@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -118,6 +119,44 @@ class Prepared:
     logprobs: int | None
 
 
+class EventMailbox:
+    """Hands the engine thread's events to the event loop, one loop wake-up per burst.
+
+    The engine emits one event per token per sequence from its own thread. A
+    ``loop.call_soon_threadsafe`` per event costs a self-pipe write (a syscall) in the engine
+    thread and a wake-up of the loop thread (which then competes for the GIL) per token; with
+    32 streams that is 32 of each per decode step. Here an event posted while a drain is already
+    pending joins it, so one step's events for all streams cost about one wake-up. Each queue
+    gets its events in the order they were posted.
+
+    Args:
+        loop: the event loop whose thread owns the queues.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, object]] = []
+
+    def post(self, q: asyncio.Queue, item: object) -> None:
+        """From any thread: ``q.put_nowait(item)`` on the loop, soon.
+
+        Raises:
+            RuntimeError: the loop is closed (as ``call_soon_threadsafe``).
+        """
+        with self._lock:
+            self._items.append((q, item))
+            if len(self._items) > 1:
+                return  # a drain is pending: it takes this one too
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for q, item in items:
+            q.put_nowait(item)
+
+
 @dataclass
 class _Choice:
     index: int
@@ -165,6 +204,7 @@ class OpenAIServer:
         self._token_strs: dict[int, str] = {}
         self.shutting_down = False
         self._queues: set[asyncio.Queue] = set()  # event queues of the running requests
+        self._mailbox: EventMailbox | None = None  # engine events -> the loop (per loop)
 
     def shut_down(self) -> int:
         """End every running request with 503 ``server_shutting_down`` and refuse new ones.
@@ -542,12 +582,15 @@ class OpenAIServer:
     async def _generate(self, request: Request, prep: Prepared, loop, q: asyncio.Queue):
         n = len(prep.params)
         choices: list[_Choice] = []
+        box = self._mailbox
+        if box is None or box.loop is not loop:
+            box = self._mailbox = EventMailbox(loop)
         for p in range(len(prep.prompts)):
             for i in range(n):
                 idx = len(choices)
 
                 def on_event(ev, _idx=idx) -> None:
-                    loop.call_soon_threadsafe(q.put_nowait, (_idx, ev))
+                    box.post(q, (_idx, ev))
 
                 req = self.engine.submit(prep.prompts[p], prep.params[i], on_event)
                 choices.append(_Choice(index=idx, prompt=p, req=req))
