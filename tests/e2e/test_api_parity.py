@@ -400,6 +400,50 @@ def test_completion_only_bad_fields(deployment, model_name, oai):
     _ok(deployment, model_name)
 
 
+# A known-but-unsupported field sent with its no-op value (what some OpenAI clients and SDKs
+# send by default) is accepted and changes nothing; any other value is a 400 naming the field.
+NO_OP = {
+    "/v1/chat/completions": [
+        ("tools", []),
+        ("tool_choice", "none"),
+        ("response_format", {"type": "text"}),
+        ("store", False),
+        ("service_tier", "auto"),
+        ("modalities", ["text"]),
+        ("add_generation_prompt", True),
+        ("chat_template_kwargs", {}),
+        ("use_beam_search", False),
+        ("length_penalty", 1.0),
+        ("spaces_between_special_tokens", True),
+    ],
+    "/v1/completions": [("suffix", ""), ("use_beam_search", False), ("bad_words", [])],
+}
+
+
+@pytest.mark.parametrize("path", sorted(NO_OP))
+def test_unsupported_field_with_its_no_op_value_is_accepted(deployment, model_name, path):
+    base = {"model": model_name, "max_tokens": 3, "temperature": 0}
+    base |= (
+        {"prompt": PROMPT}
+        if path == "/v1/completions"
+        else {"messages": [{"role": "user", "content": PROMPT}]}
+    )
+    plain = _post(deployment, path, base)
+    assert plain.status_code == 200, plain.text
+    want = plain.json()["choices"][0]["token_ids"]
+    for field, value in NO_OP[path]:
+        r = _post(deployment, path, {**base, field: value})
+        assert r.status_code == 200, (field, value, r.text)
+        assert r.json()["choices"][0]["token_ids"] == want, (field, value)
+    # the same fields with a value that would act are still refused by name
+    acting = {"tools": [{"type": "function", "function": {"name": "f"}}], "suffix": "x"}
+    field = "tools" if path == "/v1/chat/completions" else "suffix"
+    r = _post(deployment, path, {**base, field: acting[field]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == (field, "unsupported_parameter"), err
+
+
 # ---- Qwen3-MoE checkpoints: tokenizer.json wins; ids beyond the vocabulary are a 400 -------------
 def _qwen3(d: Path, tiny_dir: str, extra_token: bool) -> Path:
     from tokenizers import Tokenizer
