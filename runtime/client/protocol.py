@@ -105,8 +105,12 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
-def check_unsupported(body: dict, extra_ok: dict[str, tuple[Any, ...]] | None = None) -> None:
+def check_unsupported(body: dict, extra_ok: dict[str, tuple[Any, ...]] | None = None) -> dict:
     """400 naming the first known-but-unsupported field that is set to a value that acts.
+
+    Returns:
+        ``body`` without the known-but-unsupported fields (all of them carry their no-op value
+        by then), ready for the request model, which does not declare them.
 
     Raises:
         APIError: 400, code ``unsupported_parameter``.
@@ -121,6 +125,7 @@ def check_unsupported(body: dict, extra_ok: dict[str, tuple[Any, ...]] | None = 
                 key,
                 "unsupported_parameter",
             )
+    return {k: v for k, v in body.items() if k not in table}
 
 
 # ---- field types -------------------------------------------------------------------------

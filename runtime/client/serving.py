@@ -265,7 +265,7 @@ class OpenAIServer:
 
     def prepare_completion(self, body: dict) -> Prepared:
         """Validate a ``/v1/completions`` body. Raises: APIError (400 / 404)."""
-        check_unsupported(body)
+        body = check_unsupported(body)
         req = parse(CompletionRequest, body)
         self.check_model(req.model)
         p = req.prompt
@@ -345,7 +345,7 @@ class OpenAIServer:
 
     def prepare_chat(self, body: dict) -> Prepared:
         """Validate a ``/v1/chat/completions`` body. Raises: APIError (400 / 404)."""
-        check_unsupported(body)
+        body = check_unsupported(body)
         req = parse(ChatCompletionRequest, body)
         self.check_model(req.model)
         ids = self.render_chat(self._messages(req.messages))
