@@ -5,15 +5,18 @@ succeeds; tokenizer loading of Qwen3-MoE checkpoints through a real ``eaas atten
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
-from e2e_helpers import free_port, sigterm_and_wait, start_serve
+from e2e_helpers import free_port, metric_sum, metric_values, sigterm_and_wait, start_serve
 
 from eaas.runtime.client.sampling import SamplingParams, apply_penalties
 from eaas.runtime.models.reference import reference_generate, reference_logits
@@ -474,7 +477,7 @@ def _qwen3(d: Path, tiny_dir: str, extra_token: bool) -> Path:
 
 
 class _Client:
-    def __init__(self, model: Path, log: Path):
+    def __init__(self, model: Path | str, log: Path, extra: tuple[str, ...] = ()):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self._log = open(log, "wb")
@@ -489,6 +492,7 @@ class _Client:
                 str(model),
                 "--port",
                 str(self.port),
+                *extra,
             ],
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -577,3 +581,62 @@ def test_streamed_n_choices_with_usage(oai, model_name, prompt_ids, ref):
         assert c.usage is not None  # continuous usage stats: usage on every chunk
     assert ids == {0: ref, 1: ref} and set(finishes) == {0, 1}
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2 * len(ref)
+
+
+# ---- many clients give up at once: the running and waiting gauges return to 0 -----------------
+def _gauges(base: str) -> tuple[float, float]:
+    v = metric_values(base)
+    return metric_sum(v, "eaas_running_sequences"), metric_sum(v, "eaas_waiting_sequences")
+
+
+def _wait_gauges(base: str, want: tuple[float, float], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (got := _gauges(base)) != want:
+        assert time.monotonic() < deadline, (got, want)
+        time.sleep(0.05)
+
+
+def _open_stream(port: int, body: dict) -> socket.socket:
+    """A raw HTTP/1.1 streaming request whose connection the test closes when it likes (an
+    httpx stream blocks until the response head, which comes with the first token)."""
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    return sock
+
+
+def test_mass_disconnect_returns_running_and_waiting_to_zero(tmp_path, model_dir):
+    """With ``--max-num-seqs 2``, 5 long streams: 2 decode and 3 wait (``eaas_running_sequences``
+    and ``eaas_waiting_sequences``, as vLLM's ``num_requests_running`` / ``_waiting``); all five
+    clients disconnect at once (the waiting ones before their first token), both gauges return
+    to 0 and the next request succeeds."""
+    c = _Client(model_dir, tmp_path / "client.log", ("--max-num-seqs", "2"))
+    try:
+        body = {
+            "prompt": "Tell a long story",
+            "max_tokens": 1500,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        socks = [_open_stream(c.port, body) for _ in range(5)]
+        try:
+            _wait_gauges(c.base, (2.0, 3.0))
+        finally:
+            for sock in socks:
+                sock.close()
+        _wait_gauges(c.base, (0.0, 0.0))
+        r = httpx.post(
+            f"{c.base}/v1/completions",
+            json={"prompt": "Hello", "max_tokens": 3, "temperature": 0},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        c.stop()
