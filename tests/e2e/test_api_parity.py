@@ -374,6 +374,8 @@ BAD = {
     "stop_token_ids_out_of_vocab": ({"stop_token_ids": [100000]}, "stop_token_ids", 400),
     "min_tokens_above_max": ({"min_tokens": 9, "max_tokens": 4}, "min_tokens", 400),
     "top_k_below_minus_one": ({"top_k": -2}, "top_k", 400),
+    "stop_empty_string": ({"stop": ""}, "stop", 400),  # vLLM: stop cannot contain ""
+    "stop_list_with_empty_string": ({"stop": ["x", ""]}, "stop", 400),
     "min_p_above_one": ({"min_p": 1.5}, "min_p", 400),
     "repetition_penalty_zero": ({"repetition_penalty": 0}, "repetition_penalty", 400),
     "presence_penalty_range": ({"presence_penalty": 3}, "presence_penalty", 400),
