@@ -182,6 +182,8 @@ class _SamplingFields(_Strict):
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stop) > 4:
             raise _FieldError("stop", "'stop' accepts at most 4 sequences")
+        if any(not s for s in stop):  # it would match everywhere; vLLM refuses it too
+            raise _FieldError("stop", "'stop' must not contain an empty string")
         if self.stream_options is not None and not self.stream:
             raise _FieldError(
                 "stream_options", "'stream_options' is only allowed when 'stream' is true"
@@ -195,7 +197,7 @@ class _SamplingFields(_Strict):
 
     def stop_list(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return [s for s in stop if s]
+        return list(stop)
 
 
 class _FieldError(ValueError):
