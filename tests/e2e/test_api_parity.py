@@ -642,3 +642,31 @@ def test_mass_disconnect_returns_running_and_waiting_to_zero(tmp_path, model_dir
         assert r.json()["choices"][0]["finish_reason"] == "length"
     finally:
         c.stop()
+
+
+def test_queued_stream_that_disconnects_leaves_the_queue(tmp_path, model_dir):
+    """A stream still waiting for its first token (``--max-num-seqs 1``, another stream
+    decoding) whose client disconnects leaves the waiting queue at once; it is not kept
+    until a slot frees and then prefilled for nobody (vLLM aborts it likewise)."""
+    c = _Client(model_dir, tmp_path / "client.log", ("--max-num-seqs", "1"))
+    try:
+        body = {
+            "prompt": "Tell a long story",
+            "max_tokens": 1900,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        running = _open_stream(c.port, body)
+        try:
+            _wait_gauges(c.base, (1.0, 0.0))
+            queued = _open_stream(c.port, body)
+            _wait_gauges(c.base, (1.0, 1.0))
+            queued.close()
+            # the running stream is still decoding (1900 tokens) when the queued one is gone
+            _wait_gauges(c.base, (1.0, 0.0))
+        finally:
+            running.close()
+        _wait_gauges(c.base, (0.0, 0.0))
+    finally:
+        c.stop()
