@@ -79,6 +79,12 @@ RUNNING_SEQS = Gauge(
     ["client_id"],
     multiprocess_mode="livesum",
 )
+WAITING_SEQS = Gauge(
+    "eaas_waiting_sequences",
+    "Sequences admitted to an attention client but not in its decode batch yet (or preempted)",
+    ["client_id"],
+    multiprocess_mode="livesum",
+)
 KV_CACHE_BLOCKS = Gauge(
     "eaas_kv_cache_blocks",
     "Paged KV-cache blocks of an attention client (state: total, used)",

@@ -177,6 +177,8 @@ class EngineBase:
         self.stats = {"prefills": 0, "decode_steps": 0, "max_batch": 0, "cancelled": 0, "failed": 0}
         self._running_gauge = metrics.RUNNING_SEQS.labels(client_id=self.client_id)
         self._running_gauge.set(0)
+        self._waiting_gauge = metrics.WAITING_SEQS.labels(client_id=self.client_id)
+        self._waiting_gauge.set(0)
 
     def _default_eos(self) -> list[int]:
         ids: set[int] = set()
@@ -662,4 +664,5 @@ class Engine(EngineBase):
 
     def _publish(self) -> None:
         self._running_gauge.set(len(self.scheduler.running))
+        self._waiting_gauge.set(len(self.scheduler.waiting))
         self.kv_cache.report()

@@ -105,8 +105,12 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
-def check_unsupported(body: dict, extra_ok: dict[str, tuple[Any, ...]] | None = None) -> None:
+def check_unsupported(body: dict, extra_ok: dict[str, tuple[Any, ...]] | None = None) -> dict:
     """400 naming the first known-but-unsupported field that is set to a value that acts.
+
+    Returns:
+        ``body`` without the known-but-unsupported fields (all of them carry their no-op value
+        by then), ready for the request model, which does not declare them.
 
     Raises:
         APIError: 400, code ``unsupported_parameter``.
@@ -121,6 +125,7 @@ def check_unsupported(body: dict, extra_ok: dict[str, tuple[Any, ...]] | None = 
                 key,
                 "unsupported_parameter",
             )
+    return {k: v for k, v in body.items() if k not in table}
 
 
 # ---- field types -------------------------------------------------------------------------
@@ -177,6 +182,8 @@ class _SamplingFields(_Strict):
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stop) > 4:
             raise _FieldError("stop", "'stop' accepts at most 4 sequences")
+        if any(not s for s in stop):  # it would match everywhere; vLLM refuses it too
+            raise _FieldError("stop", "'stop' must not contain an empty string")
         if self.stream_options is not None and not self.stream:
             raise _FieldError(
                 "stream_options", "'stream_options' is only allowed when 'stream' is true"
@@ -190,7 +197,7 @@ class _SamplingFields(_Strict):
 
     def stop_list(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return [s for s in stop if s]
+        return list(stop)
 
 
 class _FieldError(ValueError):

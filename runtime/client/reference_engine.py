@@ -145,6 +145,7 @@ class ReferenceEngine(EngineBase):
         if len(self._batch):
             self._decode()
         self._running_gauge.set(len(self._batch))
+        self._waiting_gauge.set(len(self._waiting))
         self.steps += 1
 
     def _forward(self, input_ids, attention_mask, position_ids, cache):

@@ -69,7 +69,7 @@ class _ClientGone(Exception):
     """The HTTP client disconnected before the answer was ready."""
 
 
-_GONE = object()  # queued by the disconnect watcher of a non-streaming request
+_GONE = object()  # queued by the disconnect watcher (a stream's only before its first token)
 
 
 class ServerShuttingDown(Exception):
@@ -305,7 +305,7 @@ class OpenAIServer:
 
     def prepare_completion(self, body: dict) -> Prepared:
         """Validate a ``/v1/completions`` body. Raises: APIError (400 / 404)."""
-        check_unsupported(body)
+        body = check_unsupported(body)
         req = parse(CompletionRequest, body)
         self.check_model(req.model)
         p = req.prompt
@@ -385,7 +385,7 @@ class OpenAIServer:
 
     def prepare_chat(self, body: dict) -> Prepared:
         """Validate a ``/v1/chat/completions`` body. Raises: APIError (400 / 404)."""
-        check_unsupported(body)
+        body = check_unsupported(body)
         req = parse(ChatCompletionRequest, body)
         self.check_model(req.model)
         ids = self.render_chat(self._messages(req.messages))
@@ -610,8 +610,16 @@ class OpenAIServer:
 
         if prep.stream:
             # An error before the first token (no live replica, a bad prompt found by the engine)
-            # is answered with its HTTP status, not as a 200 stream that carries the error.
-            head = await q.get()
+            # is answered with its HTTP status, not as a 200 stream that carries the error. A
+            # client that leaves before then (queued behind --max-num-seqs) is cancelled at once.
+            watcher = asyncio.create_task(self._watch_disconnect(request, cancel_all, q))
+            try:
+                head = await q.get()
+            finally:
+                watcher.cancel()
+            if head[1] is _GONE:
+                metrics.REQUESTS.labels(client_id=label, status="cancelled").inc()
+                return Response(status_code=499)
             if isinstance(head[1], ErrorEvent):
                 cancel_all()
                 err = exc_error(head[1].error)
@@ -623,18 +631,7 @@ class OpenAIServer:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
 
-        async def watch_disconnect() -> None:
-            # Polled on its own clock: while tokens keep arriving the event queue never idles.
-            try:
-                while not await request.is_disconnected():
-                    await asyncio.sleep(DISCONNECT_POLL_S)
-            except Exception:  # noqa: BLE001  (receive channel unusable: stop watching)
-                log.debug("disconnect watcher stopped", exc_info=True)
-                return
-            cancel_all()
-            q.put_nowait((-1, _GONE))
-
-        watcher = asyncio.create_task(watch_disconnect())
+        watcher = asyncio.create_task(self._watch_disconnect(request, cancel_all, q))
         left = len(choices)
         try:
             while left:
@@ -702,6 +699,20 @@ class OpenAIServer:
             usage=usage(),
         ).model_dump()
 
+    @staticmethod
+    async def _watch_disconnect(request: Request, cancel_all, q: asyncio.Queue) -> None:
+        """Poll the connection every ``DISCONNECT_POLL_S`` (on its own clock: while tokens keep
+        arriving the event queue never idles); when the client is gone, cancel every choice
+        and queue ``_GONE``."""
+        try:
+            while not await request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+        except Exception:  # noqa: BLE001  (receive channel unusable: stop watching)
+            log.debug("disconnect watcher stopped", exc_info=True)
+            return
+        cancel_all()
+        q.put_nowait((-1, _GONE))
+
     async def _sse(
         self, prep, choices, q, rid, created, usage, cancel_all, head=None
     ) -> AsyncIterator[str]:
@@ -748,6 +759,8 @@ class OpenAIServer:
                     (idx, ev), head = head, None
                 else:
                     idx, ev = await q.get()
+                if ev is _GONE:  # the pre-head watcher saw the client leave as the head came
+                    return
                 ch = choices[idx]
                 if isinstance(ev, ErrorEvent):
                     cancel_all()

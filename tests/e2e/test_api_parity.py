@@ -5,15 +5,18 @@ succeeds; tokenizer loading of Qwen3-MoE checkpoints through a real ``eaas atten
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
-from e2e_helpers import free_port, sigterm_and_wait, start_serve
+from e2e_helpers import free_port, metric_sum, metric_values, sigterm_and_wait, start_serve
 
 from eaas.runtime.client.sampling import SamplingParams, apply_penalties
 from eaas.runtime.models.reference import reference_generate, reference_logits
@@ -371,6 +374,8 @@ BAD = {
     "stop_token_ids_out_of_vocab": ({"stop_token_ids": [100000]}, "stop_token_ids", 400),
     "min_tokens_above_max": ({"min_tokens": 9, "max_tokens": 4}, "min_tokens", 400),
     "top_k_below_minus_one": ({"top_k": -2}, "top_k", 400),
+    "stop_empty_string": ({"stop": ""}, "stop", 400),  # vLLM: stop cannot contain ""
+    "stop_list_with_empty_string": ({"stop": ["x", ""]}, "stop", 400),
     "min_p_above_one": ({"min_p": 1.5}, "min_p", 400),
     "repetition_penalty_zero": ({"repetition_penalty": 0}, "repetition_penalty", 400),
     "presence_penalty_range": ({"presence_penalty": 3}, "presence_penalty", 400),
@@ -398,6 +403,50 @@ def test_completion_only_bad_fields(deployment, model_name, oai):
         oai.completions.create(model=model_name, prompt="Hi", max_tokens=2, suffix="x")
     assert ei.value.body["param"] == "suffix"
     _ok(deployment, model_name)
+
+
+# A known-but-unsupported field sent with its no-op value (what some OpenAI clients and SDKs
+# send by default) is accepted and changes nothing; any other value is a 400 naming the field.
+NO_OP = {
+    "/v1/chat/completions": [
+        ("tools", []),
+        ("tool_choice", "none"),
+        ("response_format", {"type": "text"}),
+        ("store", False),
+        ("service_tier", "auto"),
+        ("modalities", ["text"]),
+        ("add_generation_prompt", True),
+        ("chat_template_kwargs", {}),
+        ("use_beam_search", False),
+        ("length_penalty", 1.0),
+        ("spaces_between_special_tokens", True),
+    ],
+    "/v1/completions": [("suffix", ""), ("use_beam_search", False), ("bad_words", [])],
+}
+
+
+@pytest.mark.parametrize("path", sorted(NO_OP))
+def test_unsupported_field_with_its_no_op_value_is_accepted(deployment, model_name, path):
+    base = {"model": model_name, "max_tokens": 3, "temperature": 0}
+    base |= (
+        {"prompt": PROMPT}
+        if path == "/v1/completions"
+        else {"messages": [{"role": "user", "content": PROMPT}]}
+    )
+    plain = _post(deployment, path, base)
+    assert plain.status_code == 200, plain.text
+    want = plain.json()["choices"][0]["token_ids"]
+    for field, value in NO_OP[path]:
+        r = _post(deployment, path, {**base, field: value})
+        assert r.status_code == 200, (field, value, r.text)
+        assert r.json()["choices"][0]["token_ids"] == want, (field, value)
+    # the same fields with a value that would act are still refused by name
+    acting = {"tools": [{"type": "function", "function": {"name": "f"}}], "suffix": "x"}
+    field = "tools" if path == "/v1/chat/completions" else "suffix"
+    r = _post(deployment, path, {**base, field: acting[field]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == (field, "unsupported_parameter"), err
 
 
 # ---- Qwen3-MoE checkpoints: tokenizer.json wins; ids beyond the vocabulary are a 400 -------------
@@ -430,7 +479,7 @@ def _qwen3(d: Path, tiny_dir: str, extra_token: bool) -> Path:
 
 
 class _Client:
-    def __init__(self, model: Path, log: Path):
+    def __init__(self, model: Path | str, log: Path, extra: tuple[str, ...] = ()):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self._log = open(log, "wb")
@@ -445,6 +494,7 @@ class _Client:
                 str(model),
                 "--port",
                 str(self.port),
+                *extra,
             ],
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -533,3 +583,90 @@ def test_streamed_n_choices_with_usage(oai, model_name, prompt_ids, ref):
         assert c.usage is not None  # continuous usage stats: usage on every chunk
     assert ids == {0: ref, 1: ref} and set(finishes) == {0, 1}
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2 * len(ref)
+
+
+# ---- many clients give up at once: the running and waiting gauges return to 0 -----------------
+def _gauges(base: str) -> tuple[float, float]:
+    v = metric_values(base)
+    return metric_sum(v, "eaas_running_sequences"), metric_sum(v, "eaas_waiting_sequences")
+
+
+def _wait_gauges(base: str, want: tuple[float, float], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (got := _gauges(base)) != want:
+        assert time.monotonic() < deadline, (got, want)
+        time.sleep(0.05)
+
+
+def _open_stream(port: int, body: dict) -> socket.socket:
+    """A raw HTTP/1.1 streaming request whose connection the test closes when it likes (an
+    httpx stream blocks until the response head, which comes with the first token)."""
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    return sock
+
+
+def test_mass_disconnect_returns_running_and_waiting_to_zero(tmp_path, model_dir):
+    """With ``--max-num-seqs 2``, 5 long streams: 2 decode and 3 wait (``eaas_running_sequences``
+    and ``eaas_waiting_sequences``, as vLLM's ``num_requests_running`` / ``_waiting``); all five
+    clients disconnect at once (the waiting ones before their first token), both gauges return
+    to 0 and the next request succeeds."""
+    c = _Client(model_dir, tmp_path / "client.log", ("--max-num-seqs", "2"))
+    try:
+        body = {
+            "prompt": "Tell a long story",
+            "max_tokens": 1500,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        socks = [_open_stream(c.port, body) for _ in range(5)]
+        try:
+            _wait_gauges(c.base, (2.0, 3.0))
+        finally:
+            for sock in socks:
+                sock.close()
+        _wait_gauges(c.base, (0.0, 0.0))
+        r = httpx.post(
+            f"{c.base}/v1/completions",
+            json={"prompt": "Hello", "max_tokens": 3, "temperature": 0},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        c.stop()
+
+
+def test_queued_stream_that_disconnects_leaves_the_queue(tmp_path, model_dir):
+    """A stream still waiting for its first token (``--max-num-seqs 1``, another stream
+    decoding) whose client disconnects leaves the waiting queue at once; it is not kept
+    until a slot frees and then prefilled for nobody (vLLM aborts it likewise)."""
+    c = _Client(model_dir, tmp_path / "client.log", ("--max-num-seqs", "1"))
+    try:
+        body = {
+            "prompt": "Tell a long story",
+            "max_tokens": 1900,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        running = _open_stream(c.port, body)
+        try:
+            _wait_gauges(c.base, (1.0, 0.0))
+            queued = _open_stream(c.port, body)
+            _wait_gauges(c.base, (1.0, 1.0))
+            queued.close()
+            # the running stream is still decoding (1900 tokens) when the queued one is gone
+            _wait_gauges(c.base, (1.0, 0.0))
+        finally:
+            running.close()
+        _wait_gauges(c.base, (0.0, 0.0))
+    finally:
+        c.stop()
