@@ -239,10 +239,31 @@ class PagedModelRunner:
         return self.model.lm_head(x).float(), full  # (B, V)
 
     def _attend(self, q, k, v, mask, scale, gqa: bool) -> torch.Tensor:
-        # q (B, Hq, n, dk), k (B, Hk, L, dk), v (B, Hk, L, dv), mask bool broadcastable (B,1,n,L)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa and k.shape[1] != q.shape[1]
+        """Prefill attention of one chunk: SDPA, in the form its fused CPU kernel takes.
+
+        q (B, Hq, n, dk), k (B, Hk, L, dk), v (B, Hk, L, dv), mask bool broadcastable to
+        (B, 1, n, L) -> (B, Hq, n, dv). On CPU, SDPA's fused (flash) kernel needs ``dv == dk``;
+        MLA has ``dv < dk`` (DeepSeek-V3: 128 vs 192), and the math fallback materializes the
+        (n, L) scores: 2-4x slower at 220-1024 tokens here. So ``v`` is zero-padded to ``dk``
+        (the extra output columns are exactly 0 and dropped). A chunk that is a whole prompt
+        (``n == L``, no sliding window cuts it) uses ``is_causal`` instead of the dense mask:
+        the same top-left causal mask, without reading it (1.8x at 1024 tokens).
+        """
+        n, L, dk, dv = q.shape[2], k.shape[2], q.shape[-1], v.shape[-1]
+        pad = q.device.type == "cpu" and dv < dk
+        if pad:
+            v = F.pad(v, (0, dk - dv))  # (B, Hk, L, dk)
+        causal = n == L and (not self.sliding_window or L <= self.sliding_window)
+        o = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=None if causal else mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=gqa and k.shape[1] != q.shape[1],
         )
+        return o[..., :dv] if pad else o
 
     @staticmethod
     def _decode_attend(q, k, v, valid, scale: float) -> torch.Tensor:
