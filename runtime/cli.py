@@ -265,6 +265,9 @@ def expert_server(
         )
     except (OSError, OverflowError) as e:  # bind: address in use, no such host, bad port
         raise typer.BadParameter(f"--listen {listen}: {e}") from None
+    # the server keeps its own copies (compute dtype, stacked per layer on the CPU): holding
+    # the loaded ones for the life of the process would keep every expert's weights twice
+    del hosted
     try:
         learn_from_table(
             server,

@@ -47,3 +47,64 @@ def test_all_padding_gives_zeros_and_no_load():
         torch.randn(5, HIDDEN), torch.full((5, 3), -1), torch.rand(5, 3), hosted
     )
     assert torch.equal(out, torch.zeros(5, HIDDEN)) and loads == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(1, 1), (16, 4), (300, 2), (600, 4)])  # (600, 4): the loop
+def test_grouped_mm_over_a_layer_stack_equals_the_per_expert_loop(dtype, n, k):
+    """``LayerStack`` + ``grouped_mm``: the same matmuls on the same slices as the loop (gate and
+    up in one), so the same result (hosted ids with gaps; experts without tokens are empty
+    groups)."""
+    from eaas.runtime.expert_server import LayerStack
+
+    ids = [0, 3, 4, 9, 10]
+    hosted = {
+        e: w for (_, e), w in random_experts([(1, e) for e in ids], HIDDEN, INTER, dtype).items()
+    }
+    stack = LayerStack.build(hosted)
+    assert stack.gate_up.shape == (len(ids), 2 * INTER, HIDDEN)
+    assert stack.down.shape == (len(ids), HIDDEN, INTER)
+    for g, e in enumerate(ids):  # views of the stack, equal to the originals: no second copy
+        v = stack.experts[e]
+        assert v.gate.data_ptr() == stack.gate_up[g].data_ptr()
+        assert v.down.data_ptr() == stack.down[g].data_ptr()
+        assert torch.equal(v.gate, hosted[e].gate) and torch.equal(v.up, hosted[e].up)
+        assert torch.equal(v.down, hosted[e].down)
+    g = torch.Generator().manual_seed(n + k)
+    h = torch.randn(n, HIDDEN, generator=g).to(dtype)
+    ex = torch.tensor(ids + [-1])[torch.randint(0, len(ids) + 1, (n, k), generator=g)]
+    w = torch.rand(n, k, generator=g)
+    got, got_loads = grouped_expert_sum(h, ex, w, stack.experts, stack)
+    want, want_loads = grouped_expert_sum(h, ex, w, hosted)
+    assert got_loads == want_loads
+    # one (n, 2I) matmul for gate and up instead of two (n, I) ones: equal up to the BLAS
+    # kernel's rounding (the last bit at larger row counts)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_a_cpu_expert_server_computes_on_layer_stacks(tmp_path):
+    """Hosting on the CPU (initial and after add / drop) is stacked per layer, and every hosted
+    expert's weights are views of its layer's stack."""
+    from eaas.runtime.expert_server import ExpertServer
+
+    server = ExpertServer(
+        f"unix:{tmp_path / 's.sock'}",
+        random_experts([(1, 0), (1, 1), (2, 5)], HIDDEN, INTER, torch.float32),
+        HIDDEN,
+        torch.float32,
+        "s",
+    )
+    try:
+        server.add_experts(random_experts([(1, 2)], HIDDEN, INTER, torch.float32))
+        server.drop_experts([(1, 0)])
+        assert server.hosted_pairs() == frozenset({(1, 1), (1, 2), (2, 5)})
+        hosting = server._hosting
+        assert sorted(hosting.stacks) == [1, 2]
+        assert hosting.stacks[1].gate_up.shape[0] == 2
+        for (layer, e), w in hosting.pairs.items():
+            st = hosting.stacks[layer]
+            g = int(st.local[e])
+            assert w.gate.data_ptr() == st.gate_up[g].data_ptr(), (layer, e)
+    finally:
+        server.listener.close()
