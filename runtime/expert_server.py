@@ -10,7 +10,8 @@ Loop (see DESIGN.md "Data plane protocol", steps 4-5):
    gets ``STATUS_BAD_FRAME``. The server never crashes on a client's input.
 3. Per layer, the frames' tokens are concatenated and every hosted expert of that layer that
    got tokens runs ONCE on the union of its tokens (sort-based grouping; only experts with
-   tokens are touched, the CPU analog of the paper's "kernel shrinking"). With the weights on a
+   tokens are touched, the CPU analog of the paper's "kernel shrinking"); on the CPU the layer's
+   experts are stacked (:class:`LayerStack`) and run as two ``grouped_mm`` calls. With the weights on a
    CUDA device the native grouped kernels run instead (:mod:`eaas.runtime.gpu.grouped`: one
    launch sequence per layer, compact group metadata computed on the device).
 4. The output ``[N, H]`` is split back per frame and each client gets its rows.
