@@ -92,6 +92,20 @@ class LayerStack:
         }
         return cls(gate_up, down, local, views)
 
+    def usable(self) -> bool:
+        """Whether this torch's ``grouped_mm`` takes this stack on the CPU (one row through
+        both projections). It does not for every dtype and shape: torch 2.15 wants each
+        row's bytes a multiple of 16, and older versions have no CPU kernel."""
+        n_i = int(self.down.shape[2])
+        x = torch.zeros(1, int(self.down.shape[1]), dtype=self.down.dtype)  # (1, H)
+        offs = torch.ones(int(self.gate_up.shape[0]), dtype=torch.int32)  # the row in group 0
+        try:
+            gu = F.grouped_mm(x, self.gate_up.transpose(1, 2), offs=offs)  # (1, 2I)
+            y = F.grouped_mm(gu[:, :n_i].contiguous(), self.down.transpose(1, 2), offs=offs)
+        except (RuntimeError, TypeError, NotImplementedError):
+            return False
+        return tuple(y.shape) == tuple(x.shape)
+
 
 def grouped_expert_sum(
     hidden: torch.Tensor,
@@ -205,8 +219,11 @@ class _Hosting:
             # one stack per layer, the weights rebound to views of it (no second copy: the
             # previous snapshot's tensors go when its last batch is done)
             stacks = {layer: LayerStack.build(experts) for layer, experts in by_layer.items()}
-            by_layer = {layer: dict(st.experts) for layer, st in stacks.items()}
-            pairs = {(layer, e): w for layer, ex in by_layer.items() for e, w in ex.items()}
+            if all(st.usable() for st in stacks.values()):
+                by_layer = {layer: dict(st.experts) for layer, st in stacks.items()}
+                pairs = {(layer, e): w for layer, ex in by_layer.items() for e, w in ex.items()}
+            else:  # this torch's CPU grouped_mm refuses these dtypes / shapes: the loop
+                stacks = {}
         return cls(dict(pairs), by_layer, masks, stacks)
 
 

@@ -108,3 +108,24 @@ def test_a_cpu_expert_server_computes_on_layer_stacks(tmp_path):
             assert w.gate.data_ptr() == st.gate_up[g].data_ptr(), (layer, e)
     finally:
         server.listener.close()
+
+
+def test_shapes_grouped_mm_refuses_keep_the_loop(tmp_path):
+    """torch's CPU grouped_mm refuses rows whose bytes are not a multiple of 16 (hidden 6 in
+    float32): that server keeps the per-expert loop (no stacks) and still answers right."""
+    from eaas.runtime.expert_server import ExpertServer, LayerStack
+
+    hidden, inter = 6, 4
+    weights = random_experts([(1, 0), (1, 1)], hidden, inter, torch.float32)
+    assert not LayerStack.build({e: w for (_, e), w in weights.items()}).usable()
+    server = ExpertServer(f"unix:{tmp_path / 's.sock'}", weights, hidden, torch.float32, "s")
+    try:
+        hosting = server._hosting
+        assert hosting.stacks == {}
+        h = torch.randn(5, hidden, generator=torch.Generator().manual_seed(1))
+        ex = torch.tensor([[0, 1]] * 5, dtype=torch.int32)
+        w = torch.rand(5, 2, generator=torch.Generator().manual_seed(2))
+        out, _ = grouped_expert_sum(h, ex, w, hosting.by_layer[1], hosting.stacks.get(1))
+        assert torch.equal(out, weighted_expert_sum(h, ex, w, hosting.by_layer[1]))
+    finally:
+        server.listener.close()
