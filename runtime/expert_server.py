@@ -92,6 +92,14 @@ class LayerStack:
         }
         return cls(gate_up, down, local, views)
 
+    @property
+    def grouped_mm_ok(self) -> bool:
+        """Whether torch's CPU ``grouped_mm`` takes this stack: it needs every row stride
+        (``H`` and ``I`` elements, of the activations and of the weights) to be a multiple of
+        16 bytes and raises otherwise (bfloat16: ``H``, ``I`` multiples of 8; float32: of 4)."""
+        es = self.gate_up.element_size()
+        return (self.gate_up.shape[2] * es) % 16 == 0 and (self.down.shape[2] * es) % 16 == 0
+
 
 def grouped_expert_sum(
     hidden: torch.Tensor,
@@ -119,7 +127,8 @@ def grouped_expert_sum(
         weights: ``[N, k]`` float32 gate weights.
         hosted: expert id -> weights (this layer's hosted experts). Every non-negative id in
             ``experts`` must be a key (the caller checks).
-        stack: ``hosted`` stacked (:class:`LayerStack`), or None for the per-expert loop.
+        stack: ``hosted`` stacked (:class:`LayerStack`), or None for the per-expert loop (also
+            taken when ``grouped_mm`` cannot run on the stack: :attr:`LayerStack.grouped_mm_ok`).
 
     Returns:
         ``(out [N, H] same dtype as hidden, tokens_per_expert {expert id: token count})``.
@@ -140,7 +149,7 @@ def grouped_expert_sum(
     xs = hidden.index_select(0, tok)  # (P, H) one gather for all experts
     present = counts.nonzero().squeeze(1)
     loads = dict(zip(present.tolist(), counts.index_select(0, present).tolist(), strict=True))
-    if stack is not None and int(pos.numel()) <= GROUPED_MM_MAX_PAIRS:
+    if stack is not None and stack.grouped_mm_ok and int(pos.numel()) <= GROUPED_MM_MAX_PAIRS:
         # groups = the stack's hosted experts, in ascending id order
         per_group = torch.zeros(int(stack.gate_up.shape[0]), dtype=torch.int64)
         per_group.index_copy_(0, stack.local.index_select(0, present), counts[present])

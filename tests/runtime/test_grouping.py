@@ -108,3 +108,35 @@ def test_a_cpu_expert_server_computes_on_layer_stacks(tmp_path):
             assert w.gate.data_ptr() == st.gate_up[g].data_ptr(), (layer, e)
     finally:
         server.listener.close()
+
+
+@pytest.mark.parametrize(
+    "dtype,hidden,inter",
+    [
+        (torch.float32, 7, 3),
+        (torch.float32, 40, 6),
+        (torch.bfloat16, 12, 20),
+        (torch.bfloat16, 64, 4),
+    ],
+)
+def test_a_layer_stack_whose_rows_are_not_16_byte_aligned_still_computes(dtype, hidden, inter):
+    """torch's CPU ``grouped_mm`` needs every row stride to be a multiple of 16 bytes
+    ("strides should be multiple of 16 bytes"): a model whose hidden or intermediate size is
+    not (bf16: not a multiple of 8; fp32: of 4) must still be served (the per-expert loop),
+    with the same result."""
+    from eaas.runtime.expert_server import LayerStack
+
+    ids = [1, 4, 6]
+    hosted = {
+        e: w for (_, e), w in random_experts([(0, e) for e in ids], hidden, inter, dtype).items()
+    }
+    stack = LayerStack.build(hosted)
+    g = torch.Generator().manual_seed(hidden + inter)
+    h = torch.randn(50, hidden, generator=g).to(dtype)
+    ex = torch.tensor(ids)[torch.randint(0, len(ids), (50, 2), generator=g)]
+    w = torch.rand(50, 2, generator=g)
+    got, got_loads = grouped_expert_sum(h, ex, w, stack.experts, stack)
+    want, want_loads = grouped_expert_sum(h, ex, w, hosted)
+    assert got_loads == want_loads
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
