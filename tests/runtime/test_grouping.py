@@ -140,3 +140,31 @@ def test_a_layer_stack_whose_rows_are_not_16_byte_aligned_still_computes(dtype, 
     assert got_loads == want_loads
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_a_bf16_expert_server_with_an_unaligned_hidden_size_answers_frames(tmp_path):
+    """A real expert-server process with bfloat16 weights and hidden size 12 (24-byte rows):
+    was ``error status 2: server error: RuntimeError('strides should be multiple of 16
+    bytes')`` on every frame (the client marked every server down: 503 for every request)."""
+    from srv_helpers import SPEC, reference, start_server
+
+    from eaas.runtime.client.dispatch import Dispatcher
+    from eaas.runtime.routing import RoutingTable
+
+    hidden = 12
+    srv = start_server(f"unix:{tmp_path}/s.sock", dtype=torch.bfloat16, hidden=hidden)
+    table = RoutingTable(
+        version=1, num_experts=4, servers={"s": srv.endpoint}, layers={1: (("s",),) * 4}
+    )
+    d = Dispatcher(0, hidden, torch.bfloat16, table, timeout=60.0)
+    try:
+        g = torch.Generator().manual_seed(3)
+        h = torch.randn(40, hidden, generator=g).to(torch.bfloat16)
+        ex = torch.randint(0, 4, (40, 2), generator=g)
+        w = torch.rand(40, 2, generator=g)
+        out = d.dispatch(1, h, ex, w)
+        want = reference(1, h, ex, w, spec=SPEC, dtype=torch.bfloat16)
+        torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+    finally:
+        d.close()
+        srv.stop()
