@@ -34,6 +34,7 @@ accepting connections is an equivalent signal. No separate marker file.
 
 from __future__ import annotations
 
+import functools
 import gc
 import signal
 import sys
@@ -92,17 +93,20 @@ class LayerStack:
         }
         return cls(gate_up, down, local, views)
 
+    @functools.cached_property
     def usable(self) -> bool:
         """Whether this torch's ``grouped_mm`` takes this stack on the CPU (one row through
-        both projections). It does not for every dtype and shape: torch 2.15 wants each
-        row's bytes a multiple of 16, and older versions have no CPU kernel."""
+        both projections, tried once). It does not for every dtype and shape: torch 2.15 wants
+        each row's bytes a multiple of 16 ("strides should be multiple of 16 bytes": bf16
+        hidden / intermediate sizes not a multiple of 8, fp32 not of 4), and older versions
+        have no CPU kernel."""
         n_i = int(self.down.shape[2])
         x = torch.zeros(1, int(self.down.shape[1]), dtype=self.down.dtype)  # (1, H)
         offs = torch.ones(int(self.gate_up.shape[0]), dtype=torch.int32)  # the row in group 0
         try:
             gu = F.grouped_mm(x, self.gate_up.transpose(1, 2), offs=offs)  # (1, 2I)
             y = F.grouped_mm(gu[:, :n_i].contiguous(), self.down.transpose(1, 2), offs=offs)
-        except (RuntimeError, TypeError, NotImplementedError):
+        except (AttributeError, RuntimeError, TypeError, NotImplementedError):
             return False
         return tuple(y.shape) == tuple(x.shape)
 
@@ -133,7 +137,8 @@ def grouped_expert_sum(
         weights: ``[N, k]`` float32 gate weights.
         hosted: expert id -> weights (this layer's hosted experts). Every non-negative id in
             ``experts`` must be a key (the caller checks).
-        stack: ``hosted`` stacked (:class:`LayerStack`), or None for the per-expert loop.
+        stack: ``hosted`` stacked (:class:`LayerStack`), or None for the per-expert loop (also
+            taken when ``grouped_mm`` cannot run on the stack: :attr:`LayerStack.usable`).
 
     Returns:
         ``(out [N, H] same dtype as hidden, tokens_per_expert {expert id: token count})``.
@@ -154,7 +159,7 @@ def grouped_expert_sum(
     xs = hidden.index_select(0, tok)  # (P, H) one gather for all experts
     present = counts.nonzero().squeeze(1)
     loads = dict(zip(present.tolist(), counts.index_select(0, present).tolist(), strict=True))
-    if stack is not None and int(pos.numel()) <= GROUPED_MM_MAX_PAIRS:
+    if stack is not None and stack.usable and int(pos.numel()) <= GROUPED_MM_MAX_PAIRS:
         # groups = the stack's hosted experts, in ascending id order
         per_group = torch.zeros(int(stack.gate_up.shape[0]), dtype=torch.int64)
         per_group.index_copy_(0, stack.local.index_select(0, present), counts[present])
@@ -219,7 +224,7 @@ class _Hosting:
             # one stack per layer, the weights rebound to views of it (no second copy: the
             # previous snapshot's tensors go when its last batch is done)
             stacks = {layer: LayerStack.build(experts) for layer, experts in by_layer.items()}
-            if all(st.usable() for st in stacks.values()):
+            if all(st.usable for st in stacks.values()):
                 by_layer = {layer: dict(st.experts) for layer, st in stacks.items()}
                 pairs = {(layer, e): w for layer, ex in by_layer.items() for e, w in ex.items()}
             else:  # this torch's CPU grouped_mm refuses these dtypes / shapes: the loop

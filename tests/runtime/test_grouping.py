@@ -117,7 +117,7 @@ def test_shapes_grouped_mm_refuses_keep_the_loop(tmp_path):
 
     hidden, inter = 6, 4
     weights = random_experts([(1, 0), (1, 1)], hidden, inter, torch.float32)
-    assert not LayerStack.build({e: w for (_, e), w in weights.items()}).usable()
+    assert not LayerStack.build({e: w for (_, e), w in weights.items()}).usable
     server = ExpertServer(f"unix:{tmp_path / 's.sock'}", weights, hidden, torch.float32, "s")
     try:
         hosting = server._hosting
@@ -129,3 +129,63 @@ def test_shapes_grouped_mm_refuses_keep_the_loop(tmp_path):
         assert torch.equal(out, weighted_expert_sum(h, ex, w, hosting.by_layer[1]))
     finally:
         server.listener.close()
+
+
+@pytest.mark.parametrize(
+    "dtype,hidden,inter",
+    [
+        (torch.float32, 7, 3),
+        (torch.float32, 40, 6),
+        (torch.bfloat16, 12, 20),
+        (torch.bfloat16, 64, 4),
+    ],
+)
+def test_a_layer_stack_whose_rows_are_not_16_byte_aligned_still_computes(dtype, hidden, inter):
+    """torch's CPU ``grouped_mm`` needs every row stride to be a multiple of 16 bytes
+    ("strides should be multiple of 16 bytes"): a model whose hidden or intermediate size is
+    not (bf16: not a multiple of 8; fp32: of 4) must still be served (the per-expert loop),
+    with the same result."""
+    from eaas.runtime.expert_server import LayerStack
+
+    ids = [1, 4, 6]
+    hosted = {
+        e: w for (_, e), w in random_experts([(0, e) for e in ids], hidden, inter, dtype).items()
+    }
+    stack = LayerStack.build(hosted)
+    g = torch.Generator().manual_seed(hidden + inter)
+    h = torch.randn(50, hidden, generator=g).to(dtype)
+    ex = torch.tensor(ids)[torch.randint(0, len(ids), (50, 2), generator=g)]
+    w = torch.rand(50, 2, generator=g)
+    got, got_loads = grouped_expert_sum(h, ex, w, stack.experts, stack)
+    want, want_loads = grouped_expert_sum(h, ex, w, hosted)
+    assert got_loads == want_loads
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_a_bf16_expert_server_with_an_unaligned_hidden_size_answers_frames(tmp_path):
+    """A real expert-server process with bfloat16 weights and hidden size 12 (24-byte rows):
+    was ``error status 2: server error: RuntimeError('strides should be multiple of 16
+    bytes')`` on every frame (the client marked every server down: 503 for every request)."""
+    from srv_helpers import SPEC, reference, start_server
+
+    from eaas.runtime.client.dispatch import Dispatcher
+    from eaas.runtime.routing import RoutingTable
+
+    hidden = 12
+    srv = start_server(f"unix:{tmp_path}/s.sock", dtype=torch.bfloat16, hidden=hidden)
+    table = RoutingTable(
+        version=1, num_experts=4, servers={"s": srv.endpoint}, layers={1: (("s",),) * 4}
+    )
+    d = Dispatcher(0, hidden, torch.bfloat16, table, timeout=60.0)
+    try:
+        g = torch.Generator().manual_seed(3)
+        h = torch.randn(40, hidden, generator=g).to(torch.bfloat16)
+        ex = torch.randint(0, 4, (40, 2), generator=g)
+        w = torch.rand(40, 2, generator=g)
+        out = d.dispatch(1, h, ex, w)
+        want = reference(1, h, ex, w, spec=SPEC, dtype=torch.bfloat16)
+        torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+    finally:
+        d.close()
+        srv.stop()
