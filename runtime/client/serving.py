@@ -148,7 +148,12 @@ class EventMailbox:
             self._items.append((q, item))
             if len(self._items) > 1:
                 return  # a drain is pending: it takes this one too
-        self.loop.call_soon_threadsafe(self._drain)
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed: no drain will come, so none is pending
+            with self._lock:
+                self._items.clear()
+            raise
 
     def _drain(self) -> None:
         with self._lock:

@@ -51,3 +51,15 @@ def test_a_burst_is_one_drain_and_every_queue_keeps_its_order():
     assert got_a == list(range(0, 100, 2))
     assert got_b == list(range(1, 100, 2))
     assert drains == 2  # the burst of 100, then "late"
+
+
+def test_posting_to_a_closed_loop_raises_every_time():
+    """After the loop closed, ``post`` raises as ``call_soon_threadsafe`` does, each time: a
+    failed first post must not leave a "drain pending" that silences the later ones."""
+    loop = asyncio.new_event_loop()
+    box = EventMailbox(loop)
+    loop.close()
+    q: asyncio.Queue = asyncio.Queue()
+    for i in range(3):
+        with pytest.raises(RuntimeError):
+            box.post(q, i)
