@@ -114,6 +114,38 @@ def _batch(seed: int, T: int = 8, k: int = 2):
     return hidden, idx, w
 
 
+class Traffic:
+    """A thread that dispatches ``batch(seed)`` for seed 0, 1, ... on ``d`` until :meth:`stop`,
+    each result checked against the reference (``tol``: ``assert_close`` tolerances); the first
+    failure ends it and is kept in ``errors``; ``calls`` counts the calls that passed."""
+
+    def __init__(self, d: Dispatcher, batch, **tol):
+        self.errors: list[BaseException] = []
+        self.calls = 0
+        self._stop = threading.Event()
+
+        def run() -> None:
+            seed = 0
+            while not self._stop.is_set():
+                hidden, idx, w = batch(seed)
+                try:
+                    out = d.dispatch(LAYER, hidden, idx, w)
+                    want = reference(LAYER, hidden, idx, w, spec=SPEC)
+                    torch.testing.assert_close(out, want, **tol)
+                except BaseException as exc:  # noqa: BLE001
+                    self.errors.append(exc)
+                    return
+                self.calls += 1
+                seed += 1
+
+        self._t = threading.Thread(target=run, daemon=True)
+        self._t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join(60)
+
+
 def test_server_loads_assigned_experts_while_serving_and_refuses_dropped_ones(servers):
     eps, port = servers
     both = ("s0", "s1")
@@ -139,27 +171,9 @@ def test_server_loads_assigned_experts_while_serving_and_refuses_dropped_ones(se
     assert _http("GET", port, "/routing-table")[1]["experts"] == 0
 
     d = Dispatcher(0, HIDDEN, torch.float32, v1, timeout=30.0)
-    errors: list[BaseException] = []
-    calls = [0]
-    stop = threading.Event()
-
-    def traffic() -> None:  # the client keeps serving throughout
-        seed = 0
-        while not stop.is_set():
-            hidden, idx, w = _batch(seed)
-            try:
-                out = d.dispatch(LAYER, hidden, idx, w)
-                torch.testing.assert_close(out, reference(LAYER, hidden, idx, w, spec=SPEC))
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
-                return
-            calls[0] += 1
-            seed += 1
-
-    t = threading.Thread(target=traffic, daemon=True)
-    t.start()
+    traffic = Traffic(d, _batch)  # the client keeps serving throughout
     try:
-        assert wait_until(lambda: calls[0] >= 5, 30)
+        assert wait_until(lambda: traffic.calls >= 5, 30)
         # phase 1: the new version goes to the server first; it loads while serving
         code, body = _http("PUT", port, "/routing-table", v2.to_json())
         assert code == 202 and body["assigned_version"] == 2
@@ -192,16 +206,15 @@ def test_server_loads_assigned_experts_while_serving_and_refuses_dropped_ones(se
         assert code == 200 and body["released_version"] == 3
         assert wait_until(lambda: _http("GET", port, "/health")[1]["experts"] == 0, 30)
         # the client on v2 still sends pairs to s1: refused (NOT_HOSTED), re-sent to s0
-        before = calls[0]
-        assert wait_until(lambda: d.not_hosted_resends >= 3 and calls[0] >= before + 5, 60)
+        before = traffic.calls
+        assert wait_until(lambda: d.not_hosted_resends >= 3 and traffic.calls >= before + 5, 60)
     finally:
-        stop.set()
-        t.join(30)
+        traffic.stop()
         d.close()
-    assert not errors, errors[0]
+    assert not traffic.errors, traffic.errors[0]
     h = d.health()
     assert h["servers"]["s1"]["state"] != "down"  # refusing is not failing
-    assert calls[0] > 10
+    assert traffic.calls > 10
 
 
 def test_expert_server_cli_without_experts_needs_a_table_source(tmp_path):
@@ -322,43 +335,27 @@ def test_add_drop_cycles_under_load_keep_results_health_and_memory(tmp_path):
 
         push(())
         d = Dispatcher(0, HIDDEN_BIG, torch.float32, _table(1, eps, [("s0", "s1")] * 4), timeout=60)
-        errors: list[BaseException] = []
-        calls = [0]
-        stop = threading.Event()
-
-        def traffic() -> None:
-            seed = 0
-            while not stop.is_set():
-                hidden, idx, w = _big_batch(seed, 600 if seed % 4 == 0 else 8)  # 1200 or 16 pairs
-                try:
-                    out = d.dispatch(LAYER, hidden, idx, w)
-                    want = reference(LAYER, hidden, idx, w, spec=SPEC)
-                    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
-                except BaseException as exc:  # noqa: BLE001
-                    errors.append(exc)
-                    return
-                calls[0] += 1
-                seed += 1
-
-        t = threading.Thread(target=traffic, daemon=True)
-        t.start()
+        traffic = Traffic(  # 1200 or 16 pairs per call
+            d, lambda seed: _big_batch(seed, 600 if seed % 4 == 0 else 8), rtol=1e-4, atol=1e-4
+        )
         try:
-            assert wait_until(lambda: calls[0] >= 4, 60)
+            assert wait_until(lambda: traffic.calls >= 4, 60)
             for a in ASSIGNMENTS:  # warm-up round: the allocator reaches its working set
                 push(a)
             base = _pss_kib(p1.pid)
             for _ in range(4):
                 for a in ASSIGNMENTS:
-                    before = calls[0]
+                    before = traffic.calls
                     push(a)
-                    assert wait_until(lambda b=before: calls[0] >= b + 2 or bool(errors), 120)
+                    assert wait_until(
+                        lambda b=before: traffic.calls >= b + 2 or bool(traffic.errors), 120
+                    )
             grown = _pss_kib(p1.pid) - base
             assert _http("GET", port, "/health")[0] == 200
         finally:
-            stop.set()
-            t.join(60)
+            traffic.stop()
             d.close()
-        assert not errors, errors[0]
+        assert not traffic.errors, traffic.errors[0]
         assert d.health()["servers"]["s1"]["state"] != "down"
         # 24 pushes of up to 1.2 MB of weights each: a leak of the old stacks would be ~30 MB
         assert grown < 8 * 1024, f"s1 PSS grew by {grown} KiB over 24 add/drop cycles"
