@@ -34,7 +34,9 @@ SPEC = "1:0-3"
 TOKEN = "s3cret-token"
 
 
-def _start(tmp_path, sid: str, extra: list[str]) -> tuple[subprocess.Popen, str, int]:
+def _start(
+    tmp_path, sid: str, extra: list[str], hidden: int = HIDDEN
+) -> tuple[subprocess.Popen, str, int]:
     sock = f"unix:{tmp_path}/{sid}.sock"
     port = free_port()
     cmd = [
@@ -44,7 +46,7 @@ def _start(tmp_path, sid: str, extra: list[str]) -> tuple[subprocess.Popen, str,
         "--listen",
         sock,
         "--random",
-        f"{HIDDEN}:{INTER}:{SEED}",
+        f"{hidden}:{INTER}:{SEED}",
         "--server-id",
         sid,
         "--http-port",
@@ -106,9 +108,9 @@ def servers(tmp_path):
                 p.kill()
 
 
-def _batch(seed: int, T: int = 8, k: int = 2):
+def _batch(seed: int, T: int = 8, k: int = 2, hidden_size: int = HIDDEN):
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(T, HIDDEN, generator=g)
+    hidden = torch.randn(T, hidden_size, generator=g)
     idx = torch.stack([torch.randperm(4, generator=g)[:k] for _ in range(T)])
     w = torch.rand(T, k, generator=g)
     return hidden, idx, w
@@ -279,18 +281,6 @@ HIDDEN_BIG = 512  # 4 experts x 3 x 512 x 48 fp32 = 1.2 MB per full set: a leak 
 ASSIGNMENTS = [(0, 2, 3), (1,), (0, 3), (), (0, 1, 2, 3), (2,)]  # gaps, one expert, none, all
 
 
-def _start_big(tmp_path, sid: str, extra: list[str]):
-    sock = f"unix:{tmp_path}/{sid}.sock"
-    port = free_port()
-    cmd = [sys.executable, "-m", "eaas.runtime.expert_server", "--listen", sock]
-    cmd += ["--random", f"{HIDDEN_BIG}:{INTER}:{SEED}", "--server-id", sid]
-    cmd += ["--http-port", str(port), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline() if proc.stdout else ""
-    assert "ready on" in line, f"{sid} did not start: {line!r}"
-    return proc, sock, port
-
-
 def _pss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/smaps_rollup") as f:
         for line in f:
@@ -299,21 +289,14 @@ def _pss_kib(pid: int) -> int:
     raise AssertionError(f"no Pss in /proc/{pid}/smaps_rollup")
 
 
-def _big_batch(seed: int, T: int):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(T, HIDDEN_BIG, generator=g)
-    idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(T)])  # (T, 2)
-    return hidden, idx, torch.rand(T, 2, generator=g)
-
-
 def test_add_drop_cycles_under_load_keep_results_health_and_memory(tmp_path):
     tok = tmp_path / "token"
     tok.write_text(TOKEN + "\n")
     procs = []
     try:
-        p0, ep0, _ = _start_big(tmp_path, "s0", ["--experts", SPEC])
+        p0, ep0, _ = _start(tmp_path, "s0", ["--experts", SPEC], HIDDEN_BIG)
         procs.append(p0)
-        p1, ep1, port = _start_big(tmp_path, "s1", ["--push-token-file", str(tok)])
+        p1, ep1, port = _start(tmp_path, "s1", ["--push-token-file", str(tok)], HIDDEN_BIG)
         procs.append(p1)
         eps = {"s0": ep0, "s1": ep1}
         version = [0]
@@ -336,7 +319,10 @@ def test_add_drop_cycles_under_load_keep_results_health_and_memory(tmp_path):
         push(())
         d = Dispatcher(0, HIDDEN_BIG, torch.float32, _table(1, eps, [("s0", "s1")] * 4), timeout=60)
         traffic = Traffic(  # 1200 or 16 pairs per call
-            d, lambda seed: _big_batch(seed, 600 if seed % 4 == 0 else 8), rtol=1e-4, atol=1e-4
+            d,
+            lambda seed: _batch(seed, 600 if seed % 4 == 0 else 8, hidden_size=HIDDEN_BIG),
+            rtol=1e-4,
+            atol=1e-4,
         )
         try:
             assert wait_until(lambda: traffic.calls >= 4, 60)
