@@ -244,33 +244,24 @@ def _make_handler(health: ServerHealth) -> type[BaseHTTPRequestHandler]:
             code, body = getattr(health.table, name)(self.headers.get("Authorization"), raw)
             self._send(code, json.dumps(body), "application/json")
 
-        def _error(self, status: int, message: str) -> None:
+        def _error(self, status: int, message: str, code: str = "invalid_routing_table") -> None:
             body = {
                 "error": {
                     "message": message,
                     "type": "invalid_request_error",
                     "param": None,
-                    "code": "invalid_routing_table",
+                    "code": code,
                 }
             }
             self._send(status, json.dumps(body), "application/json")
 
         def _no_table(self) -> None:
-            self._send(
+            self._error(
                 404,
-                json.dumps(
-                    {
-                        "error": {
-                            "message": "this expert server's experts are fixed (--experts); "
-                            "start it with --push-token-file or --routing-table-configmap to "
-                            "learn them from the routing table",
-                            "type": "invalid_request_error",
-                            "param": None,
-                            "code": "no_routing_table",
-                        }
-                    }
-                ),
-                "application/json",
+                "this expert server's experts are fixed (--experts); start it with "
+                "--push-token-file or --routing-table-configmap to learn them from the routing "
+                "table",
+                "no_routing_table",
             )
 
         def do_PUT(self) -> None:  # noqa: N802
