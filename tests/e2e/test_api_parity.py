@@ -612,6 +612,17 @@ def _open_stream(port: int, body: dict) -> socket.socket:
     return sock
 
 
+def _long_stream(max_tokens: int) -> dict:
+    """A greedy streamed completion that keeps decoding for ``max_tokens`` tokens."""
+    return {
+        "prompt": "Tell a long story",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+
+
 def test_mass_disconnect_returns_running_and_waiting_to_zero(tmp_path, model_dir):
     """With ``--max-num-seqs 2``, 5 long streams: 2 decode and 3 wait (``eaas_running_sequences``
     and ``eaas_waiting_sequences``, as vLLM's ``num_requests_running`` / ``_waiting``); all five
@@ -619,13 +630,7 @@ def test_mass_disconnect_returns_running_and_waiting_to_zero(tmp_path, model_dir
     to 0 and the next request succeeds."""
     c = _Client(model_dir, tmp_path / "client.log", ("--max-num-seqs", "2"))
     try:
-        body = {
-            "prompt": "Tell a long story",
-            "max_tokens": 1500,
-            "temperature": 0,
-            "stream": True,
-            "ignore_eos": True,
-        }
+        body = _long_stream(1500)
         socks = [_open_stream(c.port, body) for _ in range(5)]
         try:
             _wait_gauges(c.base, (2.0, 3.0))
@@ -650,13 +655,7 @@ def test_queued_stream_that_disconnects_leaves_the_queue(tmp_path, model_dir):
     until a slot frees and then prefilled for nobody (vLLM aborts it likewise)."""
     c = _Client(model_dir, tmp_path / "client.log", ("--max-num-seqs", "1"))
     try:
-        body = {
-            "prompt": "Tell a long story",
-            "max_tokens": 1900,
-            "temperature": 0,
-            "stream": True,
-            "ignore_eos": True,
-        }
+        body = _long_stream(1900)
         running = _open_stream(c.port, body)
         try:
             _wait_gauges(c.base, (1.0, 0.0))

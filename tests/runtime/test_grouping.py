@@ -49,6 +49,17 @@ def test_all_padding_gives_zeros_and_no_load():
     assert torch.equal(out, torch.zeros(5, HIDDEN)) and loads == {}
 
 
+def assert_stack_equals_loop(stack, hosted, h, ex, w) -> None:
+    """``grouped_expert_sum`` over ``stack`` gives the per-expert loop's loads and outputs: one
+    (n, 2I) matmul for gate and up instead of two (n, I) ones, so equal up to the BLAS kernel's
+    rounding (the last bit at larger row counts)."""
+    got, got_loads = grouped_expert_sum(h, ex, w, stack.experts, stack)
+    want, want_loads = grouped_expert_sum(h, ex, w, hosted)
+    assert got_loads == want_loads
+    tol = 1e-5 if h.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", [(1, 1), (16, 4), (300, 2), (600, 4)])  # (600, 4): the loop
 def test_grouped_mm_over_a_layer_stack_equals_the_per_expert_loop(dtype, n, k):
@@ -74,13 +85,7 @@ def test_grouped_mm_over_a_layer_stack_equals_the_per_expert_loop(dtype, n, k):
     h = torch.randn(n, HIDDEN, generator=g).to(dtype)
     ex = torch.tensor(ids + [-1])[torch.randint(0, len(ids) + 1, (n, k), generator=g)]
     w = torch.rand(n, k, generator=g)
-    got, got_loads = grouped_expert_sum(h, ex, w, stack.experts, stack)
-    want, want_loads = grouped_expert_sum(h, ex, w, hosted)
-    assert got_loads == want_loads
-    # one (n, 2I) matmul for gate and up instead of two (n, I) ones: equal up to the BLAS
-    # kernel's rounding (the last bit at larger row counts)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert_stack_equals_loop(stack, hosted, h, ex, w)
 
 
 def test_a_cpu_expert_server_computes_on_layer_stacks(tmp_path):
@@ -156,11 +161,7 @@ def test_a_layer_stack_whose_rows_are_not_16_byte_aligned_still_computes(dtype, 
     h = torch.randn(50, hidden, generator=g).to(dtype)
     ex = torch.tensor(ids)[torch.randint(0, len(ids), (50, 2), generator=g)]
     w = torch.rand(50, 2, generator=g)
-    got, got_loads = grouped_expert_sum(h, ex, w, stack.experts, stack)
-    want, want_loads = grouped_expert_sum(h, ex, w, hosted)
-    assert got_loads == want_loads
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert_stack_equals_loop(stack, hosted, h, ex, w)
 
 
 def test_a_bf16_expert_server_with_an_unaligned_hidden_size_answers_frames(tmp_path):

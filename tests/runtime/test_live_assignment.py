@@ -12,6 +12,7 @@ local reference, no failed call, ``s1`` never marked down.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -87,17 +88,19 @@ def _table(version: int, endpoints: dict[str, str], reps: list[tuple[str, ...]])
     )
 
 
-@pytest.fixture
-def servers(tmp_path):
+@contextlib.contextmanager
+def _pool(tmp_path, hidden: int = HIDDEN):
+    """``s0`` (``--experts SPEC``) and ``s1`` (empty, ``--push-token-file``), both stopped on
+    exit; yields ``(endpoints {"s0", "s1"}, s1's HTTP port, s1's process)``."""
     tok = tmp_path / "token"
     tok.write_text(TOKEN + "\n")
     procs = []
     try:
-        p0, ep0, _ = _start(tmp_path, "s0", ["--experts", SPEC])
+        p0, ep0, _ = _start(tmp_path, "s0", ["--experts", SPEC], hidden)
         procs.append(p0)
-        p1, ep1, port1 = _start(tmp_path, "s1", ["--push-token-file", str(tok)])
+        p1, ep1, port1 = _start(tmp_path, "s1", ["--push-token-file", str(tok)], hidden)
         procs.append(p1)
-        yield {"s0": ep0, "s1": ep1}, port1
+        yield {"s0": ep0, "s1": ep1}, port1, p1
     finally:
         for p in procs:
             p.terminate()
@@ -106,6 +109,12 @@ def servers(tmp_path):
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+@pytest.fixture
+def servers(tmp_path):
+    with _pool(tmp_path) as (eps, port1, _):
+        yield eps, port1
 
 
 def _batch(seed: int, T: int = 8, k: int = 2, hidden_size: int = HIDDEN):
@@ -290,15 +299,7 @@ def _pss_kib(pid: int) -> int:
 
 
 def test_add_drop_cycles_under_load_keep_results_health_and_memory(tmp_path):
-    tok = tmp_path / "token"
-    tok.write_text(TOKEN + "\n")
-    procs = []
-    try:
-        p0, ep0, _ = _start(tmp_path, "s0", ["--experts", SPEC], HIDDEN_BIG)
-        procs.append(p0)
-        p1, ep1, port = _start(tmp_path, "s1", ["--push-token-file", str(tok)], HIDDEN_BIG)
-        procs.append(p1)
-        eps = {"s0": ep0, "s1": ep1}
+    with _pool(tmp_path, HIDDEN_BIG) as (eps, port, p1):
         version = [0]
 
         def push(hosted_on_s1: tuple[int, ...]) -> None:
@@ -345,11 +346,3 @@ def test_add_drop_cycles_under_load_keep_results_health_and_memory(tmp_path):
         assert d.health()["servers"]["s1"]["state"] != "down"
         # 24 pushes of up to 1.2 MB of weights each: a leak of the old stacks would be ~30 MB
         assert grown < 8 * 1024, f"s1 PSS grew by {grown} KiB over 24 add/drop cycles"
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except Exception:  # noqa: BLE001
-                p.kill()
