@@ -22,7 +22,9 @@ with ``--push-token-file`` or ``--routing-table-configmap`` and no ``--experts``
 starts empty and learns its experts from the routing table (:func:`learn_from_table`,
 :mod:`eaas.runtime.assignment`).
 
-Metrics (:mod:`eaas.runtime.metrics`): ``EXPERT_TOKENS{layer,expert}`` (expert load),
+Metrics (:mod:`eaas.runtime.metrics`): ``EXPERT_TOKENS{layer,expert}`` (expert load; added at
+most every ``LOAD_METRICS_FLUSH_S`` while busy and when idle, see
+:meth:`ExpertServer.flush_load_metrics`),
 ``SERVER_BATCH_TOKENS`` (tokens per per-layer dynamic batch), ``SERVER_FRAMES``.
 
 Run it with ``eaas expert-server`` (checkpoint weights) or, for tests and benchmarks,
@@ -59,6 +61,7 @@ from eaas.runtime.transport.base import (
 from eaas.runtime.transport.factory import listen
 
 GROUPED_MM_MAX_PAIRS = 1024  # grouped_expert_sum: grouped_mm up to this many pairs, else the loop
+LOAD_METRICS_FLUSH_S = 0.05  # a busy server adds its expert loads to EXPERT_TOKENS this often
 
 
 @dataclass(frozen=True)
@@ -73,12 +76,21 @@ class LayerStack:
         down: ``[G, H, I]``.
         local: ``[max hosted id + 1]`` int64: logical expert id -> ``g`` (``-1``: not hosted).
         experts: ``{expert id: ExpertWeights}`` whose tensors are views of the stack.
+        ids: the hosted expert ids in group order (ascending).
+        group_of: ``[max hosted id + 2]`` int64: ``group_of[id + 1]`` is ``id``'s group; the
+            padding id ``-1`` and ids not hosted map to ``G`` (a last group that is never run).
+        gate_up_t: ``gate_up.transpose(1, 2)``, ``[G, H, 2I]`` (the ``grouped_mm`` operand).
+        down_t: ``down.transpose(1, 2)``, ``[G, I, H]``.
     """
 
     gate_up: torch.Tensor
     down: torch.Tensor
     local: torch.Tensor
     experts: Mapping[int, ExpertWeights]
+    ids: tuple[int, ...]
+    group_of: torch.Tensor
+    gate_up_t: torch.Tensor
+    down_t: torch.Tensor
 
     @classmethod
     def build(cls, experts: Mapping[int, ExpertWeights]) -> LayerStack:
@@ -88,10 +100,21 @@ class LayerStack:
         down = torch.stack([experts[e].down for e in ids])  # (G, H, I)
         local = torch.full((ids[-1] + 1,), -1, dtype=torch.int64)
         local[ids] = torch.arange(len(ids))
+        group_of = torch.full((ids[-1] + 2,), len(ids), dtype=torch.int64)
+        group_of[torch.tensor(ids) + 1] = torch.arange(len(ids))
         views = {
             e: ExpertWeights(gate_up[g, :n], gate_up[g, n:], down[g]) for g, e in enumerate(ids)
         }
-        return cls(gate_up, down, local, views)
+        return cls(
+            gate_up,
+            down,
+            local,
+            views,
+            tuple(ids),
+            group_of,
+            gate_up.transpose(1, 2),
+            down.transpose(1, 2),
+        )
 
     @functools.cached_property
     def usable(self) -> bool:
@@ -104,8 +127,8 @@ class LayerStack:
         x = torch.zeros(1, int(self.down.shape[1]), dtype=self.down.dtype)  # (1, H)
         offs = torch.ones(int(self.gate_up.shape[0]), dtype=torch.int32)  # the row in group 0
         try:
-            gu = F.grouped_mm(x, self.gate_up.transpose(1, 2), offs=offs)  # (1, 2I)
-            y = F.grouped_mm(gu[:, :n_i].contiguous(), self.down.transpose(1, 2), offs=offs)
+            gu = F.grouped_mm(x, self.gate_up_t, offs=offs)  # (1, 2I)
+            y = F.grouped_mm(F.silu(gu[:, :n_i]), self.down_t, offs=offs)
         except (AttributeError, RuntimeError, TypeError, NotImplementedError):
             return False
         return tuple(y.shape) == tuple(x.shape)
@@ -144,9 +167,11 @@ def grouped_expert_sum(
         ``(out [N, H] same dtype as hidden, tokens_per_expert {expert id: token count})``.
     """
     n, k = experts.shape
-    out = torch.zeros_like(hidden)
     if n == 0 or k == 0:
-        return out, {}
+        return torch.zeros_like(hidden), {}
+    if stack is not None and n * k <= GROUPED_MM_MAX_PAIRS and stack.usable:
+        return _stacked_expert_sum(hidden, experts, weights, stack)
+    out = torch.zeros_like(hidden)
     flat = experts.reshape(-1).to(torch.int64)  # (n*k,)
     pos = (flat >= 0).nonzero().squeeze(1)  # (P,) flat positions of real pairs
     if pos.numel() == 0:
@@ -159,20 +184,11 @@ def grouped_expert_sum(
     xs = hidden.index_select(0, tok)  # (P, H) one gather for all experts
     present = counts.nonzero().squeeze(1)
     loads = dict(zip(present.tolist(), counts.index_select(0, present).tolist(), strict=True))
-    if stack is not None and stack.usable and int(pos.numel()) <= GROUPED_MM_MAX_PAIRS:
-        # groups = the stack's hosted experts, in ascending id order
-        per_group = torch.zeros(int(stack.gate_up.shape[0]), dtype=torch.int64)
-        per_group.index_copy_(0, stack.local.index_select(0, present), counts[present])
-        offs = torch.cumsum(per_group, 0).to(torch.int32)  # (G,) end of each group's rows
-        n_i = int(stack.down.shape[2])  # I
-        gu = F.grouped_mm(xs, stack.gate_up.transpose(1, 2), offs=offs)  # (P, 2I)
-        ys = F.grouped_mm(F.silu(gu[:, :n_i]) * gu[:, n_i:], stack.down.transpose(1, 2), offs=offs)
-    else:
-        ys = torch.empty_like(xs)  # (P, H)
-        start = 0
-        for e, c in loads.items():  # loop over experts, contiguous slices, no per-token work
-            ys[start : start + c] = expert_forward(xs[start : start + c], hosted[e])
-            start += c
+    ys = torch.empty_like(xs)  # (P, H)
+    start = 0
+    for e, c in loads.items():  # loop over experts, contiguous slices, no per-token work
+        ys[start : start + c] = expert_forward(xs[start : start + c], hosted[e])
+        start += c
     # weighted sum accumulated in float32 (a no-op cast for float32 activations), rounded once
     acc = ys.float() if ys.dtype != torch.float32 else ys  # (P, H) float32
     acc *= weights.reshape(-1).index_select(0, pos).to(torch.float32).unsqueeze(-1)
@@ -183,6 +199,43 @@ def grouped_expert_sum(
     out32 = torch.zeros(out.shape, dtype=torch.float32)
     out32.index_add_(0, tok, acc)
     return out32.to(out.dtype), loads
+
+
+def _stacked_expert_sum(
+    hidden: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, stack: LayerStack
+) -> tuple[torch.Tensor, dict[int, int]]:
+    """:func:`grouped_expert_sum` over a usable ``stack`` with at most
+    :data:`GROUPED_MM_MAX_PAIRS` pairs: the same grouping (pairs by expert in ascending id order,
+    token order kept) in fewer operations, as a frame is mostly a few tokens and every torch call
+    costs microseconds: one lookup of each pair's group (padding goes to a last group that is
+    never run), one stable argsort, one bincount whose ``tolist`` gives the group ends and the
+    loads, two ``grouped_mm`` calls, one weighted ``index_add_``."""
+    n, k = experts.shape
+    G = len(stack.ids)
+    flat = experts.reshape(-1)  # (n*k,) int32 from the wire
+    g = stack.group_of.index_select(0, flat + 1)  # (n*k,) group of every pair, padding -> G
+    order = torch.argsort(g, stable=True)  # (n*k,) pairs grouped, token order kept
+    counts = torch.bincount(g, minlength=G + 1)  # (G+1,)
+    per_group = counts.tolist()
+    P = n * k - per_group[G]  # real pairs
+    if P == 0:
+        return torch.zeros_like(hidden), {}
+    if P < n * k:
+        order = order[:P]  # (P,) the padding pairs sort last
+    tok = torch.div(order, k, rounding_mode="floor")  # (P,) token of each grouped pair
+    offs = counts[:G].cumsum(0).to(torch.int32)  # (G,) end of each group's rows
+    n_i = int(stack.down.shape[2])  # I
+    gu = F.grouped_mm(hidden.index_select(0, tok), stack.gate_up_t, offs=offs)  # (P, 2I)
+    act = F.silu(gu[:, :n_i])  # (P, I)
+    act.mul_(gu[:, n_i:])
+    ys = F.grouped_mm(act, stack.down_t, offs=offs)  # (P, H)
+    # weighted sum accumulated in float32 (a no-op for float32 activations), rounded once
+    acc = ys.float() if ys.dtype != torch.float32 else ys  # (P, H) float32
+    acc.mul_(weights.reshape(-1).index_select(0, order).to(torch.float32).unsqueeze(1))
+    out32 = torch.zeros((n, hidden.shape[1]), dtype=torch.float32)
+    out32.index_add_(0, tok, acc)  # per token, experts added in ascending id order
+    loads = {e: c for e, c in zip(stack.ids, per_group[:G], strict=True) if c}
+    return (out32 if hidden.dtype == torch.float32 else out32.to(hidden.dtype)), loads
 
 
 _NOTHING_HOSTED = torch.zeros(1, dtype=torch.bool)  # mask of a layer this server does not host
@@ -196,6 +249,8 @@ class _Hosting:
         pairs: ``{(layer, expert): ExpertWeights}``.
         by_layer: layer -> expert id -> weights.
         masks: layer -> ``[max hosted id + 1]`` bool (frame checks without Python per id).
+        accept: layer -> ``[max hosted id + 2]`` bool, ``accept[id + 1]``: ``id`` may appear in
+            a frame (hosted, or the padding id ``-1``): the check of a good frame in one lookup.
         stacks: layer -> :class:`LayerStack` (CPU weights: ``pairs`` and ``by_layer`` hold
             views of it); empty on CUDA.
         gpu: layer -> lazily built native grouped kernel of THIS snapshot (CUDA weights only).
@@ -204,6 +259,7 @@ class _Hosting:
     pairs: Mapping[tuple[int, int], ExpertWeights]
     by_layer: Mapping[int, Mapping[int, ExpertWeights]]
     masks: Mapping[int, torch.Tensor]
+    accept: Mapping[int, torch.Tensor]
     stacks: Mapping[int, LayerStack] = field(default_factory=dict)
     gpu: dict[int, object] = field(default_factory=dict)
 
@@ -214,11 +270,12 @@ class _Hosting:
         by_layer: dict[int, dict[int, ExpertWeights]] = {}
         for (layer, e), w in pairs.items():
             by_layer.setdefault(layer, {})[e] = w
-        masks = {}
+        masks, accept = {}, {}
         for layer, experts in by_layer.items():
             m = torch.zeros(max(experts) + 1, dtype=torch.bool)
             m[list(experts)] = True
             masks[layer] = m
+            accept[layer] = torch.cat([torch.ones(1, dtype=torch.bool), m])
         stacks: dict[int, LayerStack] = {}
         if (device is None or device.type == "cpu") and hasattr(F, "grouped_mm"):
             # one stack per layer, the weights rebound to views of it (no second copy: the
@@ -229,7 +286,7 @@ class _Hosting:
                 pairs = {(layer, e): w for layer, ex in by_layer.items() for e, w in ex.items()}
             else:  # this torch's CPU grouped_mm refuses these dtypes / shapes: the loop
                 stacks = {}
-        return cls(dict(pairs), by_layer, masks, stacks)
+        return cls(dict(pairs), by_layer, masks, accept, stacks)
 
 
 class ExpertServer:
@@ -296,6 +353,9 @@ class ExpertServer:
             self.device,
         )
         self._load_metrics: dict[tuple[int, int], object] = {}
+        # expert loads not yet added to EXPERT_TOKENS (see flush_load_metrics)
+        self._pending_loads: dict[tuple[int, int], int] = {}
+        self._loads_flushed_at = time.monotonic()
         self.batch_window_s = batch_window_us * 1e-6
         self.poll_timeout = poll_timeout
         self.listener = listen(listen_endpoint, hidden_size=hidden_size, dtype=dtype, **listener_kw)
@@ -318,7 +378,10 @@ class ExpertServer:
         closes the listener (unlinking a Unix socket path) on the way out."""
         try:
             while not self._stop.is_set():
-                self.last_iteration = time.monotonic()
+                now = self.last_iteration = time.monotonic()
+                if self._pending_loads and now - self._loads_flushed_at >= LOAD_METRICS_FLUSH_S:
+                    self.flush_load_metrics()
+                # an idle server adds what is pending within one poll_timeout
                 frames = list(self.listener.poll(self.poll_timeout))
                 if frames and self.batch_window_s > 0:
                     end = time.monotonic() + self.batch_window_s
@@ -326,8 +389,25 @@ class ExpertServer:
                         frames.extend(self.listener.poll(0))
                 if frames:
                     self.process(frames)
+                elif self._pending_loads:
+                    self.flush_load_metrics()
         finally:
+            self.flush_load_metrics()
             self.listener.close()
+
+    def flush_load_metrics(self) -> None:
+        """Add the expert loads counted since the last flush to ``EXPERT_TOKENS``. The loop calls
+        it at most every :data:`LOAD_METRICS_FLUSH_S` while frames keep coming, when a poll finds
+        none, and on stop: one ``inc`` per (layer, expert) and flush, instead of one per frame
+        (a multiprocess counter's ``inc`` writes its mmap file: ~15 per frame cost 5-10% of a
+        busy server's CPU)."""
+        pending, self._pending_loads = self._pending_loads, {}
+        self._loads_flushed_at = time.monotonic()
+        for key, c in pending.items():
+            child = self._load_metrics.get(key)
+            if child is None:
+                child = self._load_metrics[key] = EXPERT_TOKENS.labels(str(key[0]), str(key[1]))
+            child.inc(c)  # type: ignore[attr-defined]
 
     def stop(self) -> None:
         """Ask the loop to end (takes effect within ``poll_timeout``). Safe from signal handlers."""
@@ -373,8 +453,15 @@ class ExpertServer:
             return STATUS_BAD_FRAME, f"hidden must be [n, {self.hidden_size}] {self.dtype}"
         if f.experts.shape != f.weights.shape or f.experts.shape[0] != f.hidden.shape[0]:
             return STATUS_BAD_FRAME, "experts/weights must be [n, k] matching hidden"
-        hosted = hosting.masks.get(f.layer, _NOTHING_HOSTED)
         ex = f.experts
+        accept = hosting.accept.get(f.layer)
+        if accept is not None:  # a good frame: every id hosted or -1, in one lookup
+            try:
+                if bool(accept.index_select(0, ex.reshape(-1) + 1).all()):
+                    return None
+            except IndexError:  # an id outside [-1, max hosted id]: named below
+                pass
+        hosted = hosting.masks.get(f.layer, _NOTHING_HOSTED)
         # one pass, no Python per token: ids outside [-1, len) or not hosted are "not hosted"
         inrange = (ex >= 0) & (ex < hosted.numel())
         bad_mask = ((ex >= 0) & ~inrange) | (ex < -1)
@@ -429,11 +516,9 @@ class ExpertServer:
             )
         ntok = int(hidden.shape[0])
         SERVER_BATCH_TOKENS.observe(ntok)
+        pending = self._pending_loads  # EXPERT_TOKENS, added by flush_load_metrics
         for e, c in loads.items():
-            child = self._load_metrics.get((layer, e))
-            if child is None:
-                child = self._load_metrics[(layer, e)] = EXPERT_TOKENS.labels(str(layer), str(e))
-            child.inc(c)  # type: ignore[attr-defined]
+            pending[(layer, e)] = pending.get((layer, e), 0) + c
         self.stats["batches"] += 1
         self.stats["tokens"] += ntok
         clients = len({f.client_id for _, f in group})

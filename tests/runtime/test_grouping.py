@@ -86,6 +86,10 @@ def test_grouped_mm_over_a_layer_stack_equals_the_per_expert_loop(dtype, n, k):
     ex = torch.tensor(ids + [-1])[torch.randint(0, len(ids) + 1, (n, k), generator=g)]
     w = torch.rand(n, k, generator=g)
     assert_stack_equals_loop(stack, hosted, h, ex, w)
+    assert_stack_equals_loop(stack, hosted, h, ex.to(torch.int32), w)  # the wire's id dtype
+    pad = torch.full((n, k), -1, dtype=torch.int32)  # padding only: zeros, no load
+    out, loads = grouped_expert_sum(h, pad, w, stack.experts, stack)
+    assert torch.equal(out, torch.zeros_like(h)) and loads == {}
 
 
 def test_a_cpu_expert_server_computes_on_layer_stacks(tmp_path):
