@@ -170,6 +170,10 @@ def test_logits_match_transformers_shm(servers, model_dir, prompt_ids, ref_logit
         assert_close(out, ref_logits)
     # every (token, selected expert) pair was computed exactly once, on exactly one replica
     pairs = len(prompt_ids) * servers.info.top_k * len(servers.info.moe_layers)
+    # the servers add their loads to the counter within a poll timeout of going idle
+    deadline = time.monotonic() + 30
+    while servers.expert_tokens() - before < 2 * pairs and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert servers.expert_tokens() - before == 2 * pairs
     h = d.health()
     assert h["routing_table_version"] == 1

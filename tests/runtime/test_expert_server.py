@@ -86,11 +86,15 @@ def test_process_batches_mixed_layers_k_and_errors(tmp_path):
         ("c", _req(2, 1, layer=2, n_exp=2, seed=3)),
         ("d", _req(2, 1, layer=1, n_exp=9, seed=4)),  # names experts 4..8: not hosted
         ("e", _req(1, 1, layer=7, seed=5)),  # layer not hosted at all
+        ("f", _req(2, 2, layer=1, seed=6)),  # an id below the padding id -1
+        ("g", _req(1, 1, layer=2, seed=7)),  # past the layer's largest hosted id
     ]
     frames[3][1].experts[1, 0] = 7
+    frames[5][1].experts[1, 1] = -2
+    frames[6][1].experts[0, 0] = 2**31 - 1  # id + 1 overflows int32
     srv.process(frames)
     got = {conn: fr for conn, fr in fake.responses}
-    assert set(got) == {"a", "b", "c", "d", "e"}
+    assert set(got) == {"a", "b", "c", "d", "e", "f", "g"}
     for conn in "abc":
         f = dict(frames)[conn]
         assert got[conn].status == STATUS_OK
@@ -102,7 +106,28 @@ def test_process_batches_mixed_layers_k_and_errors(tmp_path):
         )
     assert got["d"].status == STATUS_NOT_HOSTED and "layer 1" in got["d"].message
     assert got["e"].status == STATUS_NOT_HOSTED and "layer 7" in got["e"].message
+    assert got["f"].status == STATUS_NOT_HOSTED and "[-2]" in got["f"].message
+    assert got["g"].status == STATUS_NOT_HOSTED and str(2**31 - 1) in got["g"].message
+    # the loads of the answered frames reach the counter on the next flush
+    before = _expert_tokens_total()
+    srv.flush_load_metrics()
+    ok_pairs = sum(
+        int((dict(frames)[c].experts >= 0).sum()) for c in "abc"
+    )  # every real pair of a, b, c
+    assert _expert_tokens_total() - before == ok_pairs
     assert srv.stats["max_clients_per_batch"] == 2 and srv.stats["batches"] == 2
+
+
+def _expert_tokens_total() -> float:
+    from prometheus_client import REGISTRY
+
+    return sum(
+        s.value
+        for fam in REGISTRY.collect()
+        if fam.name == "eaas_expert_tokens"
+        for s in fam.samples
+        if s.name == "eaas_expert_tokens_total"
+    )
 
 
 def _scrape(port: int) -> str:
@@ -160,6 +185,18 @@ def test_two_clients_are_batched_together(kind, tmp_path):
         t.start()
     for t in ts:
         t.join(60)
+
+    def per_expert(text: str) -> float:
+        return sum(
+            float(v)
+            for v in re.findall(
+                r'^eaas_expert_tokens_total\{expert="\d+",layer="1"\} (\S+)$', text, re.M
+            )
+        )
+
+    # the loads reach the counter within a poll timeout of the server going idle
+    want = tokens0 + 15 * (1 + 2) * 2  # tokens x k, counted per expert
+    assert wait_until(lambda: per_expert(_scrape(port)) >= want, 30)
     text = _scrape(port)
     stats = srv.stop()
     assert not errors, errors
@@ -169,13 +206,7 @@ def test_two_clients_are_batched_together(kind, tmp_path):
     both = _metric(text, bucket, '{le="4.0"}') - _metric(text, bucket, '{le="2.0"}') - (b4 - b2)
     assert both >= 1, text
     assert _metric(text, "eaas_expert_server_frames_total") - frames0 == 30
-    per_expert = sum(
-        float(v)
-        for v in re.findall(
-            r'^eaas_expert_tokens_total\{expert="\d+",layer="1"\} (\S+)$', text, re.M
-        )
-    )
-    assert per_expert - tokens0 == 15 * (1 + 2) * 2  # tokens x k, counted per expert
+    assert per_expert(text) == want, text
 
 
 @pytest.mark.parametrize("kind", ["unix", "tcp"])
