@@ -40,8 +40,10 @@ servers before waking any).
 Server ``poll``: spin up to ``spin_us`` reading every connection's ready counter; then block in
 ``select`` on all sockets (idle server: ~0 CPU). Server ``respond``: copy the output into the
 response slot, write the done counter last, send a doorbell. Client ``recv``: spin (at least
-``spin_us``, up to 1.5x the moving average of recent round trips, at most 2 ms), then block on
-the socket until the done counter matches or the deadline passes.
+``spin_us``, up to 1.5x the moving average of recent round trips, at most 2 ms; only ``spin_us``
+while this process's requests in flight and the client itself outnumber its CPUs, as the spin
+would take a core from a server it waits on), then block on the socket until the done counter
+matches or the deadline passes.
 
 Frames larger than the slot: ``send`` transparently grows the slot. It creates a new memfd sized
 for the frame (capacity at least doubled), sends it in a *remap* packet (same format as hello),
@@ -74,6 +76,7 @@ import stat
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -109,6 +112,23 @@ _KIND_HELLO = b"H"
 _KIND_REMAP = b"R"
 _KIND_ACK = b"A"
 _DOORBELL = b"D"
+
+
+# every open client connection of this process, for _cores_to_spin
+_LIVE_CLIENTS: weakref.WeakSet[ShmClientConnection] = weakref.WeakSet()
+_CORES = len(os.sched_getaffinity(0))  # CPUs this process may run on
+
+
+def _cores_to_spin() -> bool:
+    """Whether a client that spins while it waits still leaves a core to every expert server it
+    waits on: this process's requests in flight (each an expert server of this host working or
+    about to) plus the spinning client itself fit on the CPUs it may use. When they do not (two
+    servers per MoE layer on a 2-core host), the spin takes a core from a server it waits on:
+    on W2 here the adaptive spin cost ~2 s of client CPU per 6 s run and ~10% of the output
+    tokens/s (``docs/serving.md``)."""
+    if len(_LIVE_CLIENTS) < _CORES:
+        return True
+    return sum(1 for c in _LIVE_CLIENTS if c._outstanding) < _CORES
 
 
 _yield = os.sched_yield  # spin politely: let the peer run when cores are oversubscribed
@@ -363,6 +383,7 @@ class ShmClientConnection(SocketClientConnection):
         except BaseException:
             self.close()
             raise
+        _LIVE_CLIENTS.add(self)
 
     def _slots_now(self) -> _Slots:
         if self._slots is None:
@@ -610,14 +631,19 @@ class ShmClientConnection(SocketClientConnection):
         """Until the response header's done counter equals the request counter: spin at least
         ``spin_us`` and up to 1.5x the recent round trip (large frames take longer than
         ``spin_us`` to copy both ways; blocking then costs a doorbell and a wake-up), at most
-        ``MAX_ADAPTIVE_SPIN_S``; then set the client-waiting flag and block on the socket.
+        ``MAX_ADAPTIVE_SPIN_S``, but only ``spin_us`` when the CPUs cannot hold the spinning
+        client beside the servers it waits on (:func:`_cores_to_spin`); then set the
+        client-waiting flag and block on the socket.
 
         Raises PeerDeadError (EOF / reset, connection closed) or DeadlineExceeded."""
         sock = self._open_sock()
         hdr = self._slots_now().resp_q
         want = self._counter
         now = _monotonic()
-        spin_end = min(now + max(self.spin_s, min(self.max_spin_s, 1.5 * self._rtt)), deadline)
+        spin = self.spin_s
+        if self.max_spin_s > spin and _cores_to_spin():
+            spin = max(spin, min(self.max_spin_s, 1.5 * self._rtt))
+        spin_end = min(now + spin, deadline)
         while now < spin_end:
             if hdr[0] == want:
                 # the round trip, for the next spin window (only waits measure it)

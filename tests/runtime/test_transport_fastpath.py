@@ -258,3 +258,37 @@ def test_frames_written_before_any_doorbell_are_answered_and_recv_rings_a_forgot
     finally:
         for s in srvs:
             s.stop()
+
+
+def test_the_client_spins_only_while_its_servers_and_itself_fit_on_the_cores(tmp_path, monkeypatch):
+    """The adaptive spin is kept for when a core is free for it: with two requests in flight
+    on as many cores (two expert servers working, the client waiting) the client only blocks;
+    once one server has answered, the wait for the other may spin again. Answers stay exact."""
+    from eaas.runtime.transport import shm
+
+    servers = [start_server(f"unix:{tmp_path}/spin{i}.sock") for i in range(2)]
+    conns = [
+        connect(s.endpoint, f"s{i}", hidden_size=HIDDEN, dtype=torch.float32)
+        for i, s in enumerate(servers)
+    ]
+    try:
+        others = sum(1 for c in shm._LIVE_CLIENTS if c._outstanding)  # left by other tests
+        monkeypatch.setattr(shm, "_CORES", others + 2)
+        assert shm._cores_to_spin()
+        frames = [_frame(3, 2, seq=i) for i in range(2)]
+        for c, f in zip(conns, frames, strict=True):
+            c.send(f)
+        assert not shm._cores_to_spin()  # 2 servers at work + this client > 2 cores
+        outs = [conns[0].recv(time.monotonic() + 10)]
+        assert shm._cores_to_spin()  # one server left to wait for
+        outs.append(conns[1].recv(time.monotonic() + 10))
+        for r, f in zip(outs, frames, strict=True):
+            assert r.status == STATUS_OK, r.message
+            torch.testing.assert_close(
+                r.output, reference(1, f.hidden, f.experts, f.weights), rtol=1e-5, atol=1e-6
+            )
+    finally:
+        for c in conns:
+            c.close()
+        for s in servers:
+            s.stop()
