@@ -534,7 +534,7 @@ def attention_client(
         min=0,
         help="shm / cudaipc: busy-poll for an expert server's answer at least this many "
         "microseconds before blocking (default 80; longer, up to 2 ms, when recent round trips "
-        "took longer). 0: block at once, never busy-poll (shm; cudaipc keeps its adaptive spin) "
+        "took longer and the client and the servers it waits on fit on the CPUs). 0: block at once, never busy-poll (shm; cudaipc keeps its adaptive spin) "
         "(pays on cores oversubscribed by other work; docs/serving.md).",
     ),
     nvshmem_world: NvshmemWorldOption = None,
