@@ -114,9 +114,17 @@ _KIND_ACK = b"A"
 _DOORBELL = b"D"
 
 
-# every open client connection of this process, for _cores_to_spin
+# every open client connection of this process, for _cores_to_spin (added on the dispatcher's
+# connector thread while the engine thread may walk it: both under the lock)
 _LIVE_CLIENTS: weakref.WeakSet[ShmClientConnection] = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
 _CORES = len(os.sched_getaffinity(0))  # CPUs this process may run on
+
+
+def _register(conn: ShmClientConnection) -> None:
+    """Count ``conn`` in :func:`_cores_to_spin` while it lives."""
+    with _LIVE_LOCK:
+        _LIVE_CLIENTS.add(conn)
 
 
 def _cores_to_spin() -> bool:
@@ -128,7 +136,8 @@ def _cores_to_spin() -> bool:
     tokens/s (``docs/serving.md``)."""
     if len(_LIVE_CLIENTS) < _CORES:
         return True
-    return sum(1 for c in _LIVE_CLIENTS if c._outstanding) < _CORES
+    with _LIVE_LOCK:
+        return sum(1 for c in _LIVE_CLIENTS if c._outstanding) < _CORES
 
 
 _yield = os.sched_yield  # spin politely: let the peer run when cores are oversubscribed
@@ -383,7 +392,7 @@ class ShmClientConnection(SocketClientConnection):
         except BaseException:
             self.close()
             raise
-        _LIVE_CLIENTS.add(self)
+        _register(self)
 
     def _slots_now(self) -> _Slots:
         if self._slots is None:

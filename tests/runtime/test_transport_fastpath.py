@@ -292,3 +292,39 @@ def test_the_client_spins_only_while_its_servers_and_itself_fit_on_the_cores(tmp
             c.close()
         for s in servers:
             s.stop()
+
+
+def test_counting_the_requests_in_flight_while_connections_open_on_another_thread(monkeypatch):
+    """The dispatcher opens connections on its connector thread while the engine thread counts
+    the requests in flight: a walk of the registry during an add raised "Set changed size
+    during iteration" out of ``recv`` (and the server was marked down)."""
+    from eaas.runtime.transport import shm
+
+    class Conn:  # registered like a connection: only ``_outstanding`` is read
+        _outstanding = True
+
+    monkeypatch.setattr(shm, "_CORES", 1)  # always walk the registry
+    kept: list[Conn] = []
+    stop = threading.Event()
+
+    def open_many() -> None:
+        while not stop.is_set():
+            c = Conn()
+            kept.append(c)
+            shm._register(c)
+            if len(kept) > 2000:
+                del kept[:1000]  # dropped from the weak registry as they go
+
+    t = threading.Thread(target=open_many)
+    t.start()
+    try:
+        end = time.monotonic() + 3
+        walks = 0
+        while time.monotonic() < end:
+            assert not shm._cores_to_spin()  # requests in flight: more than 1 core's worth
+            walks += 1
+    finally:
+        stop.set()
+        t.join(10)
+    kept.clear()
+    assert walks > 10
