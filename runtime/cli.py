@@ -534,8 +534,9 @@ def attention_client(
         min=0,
         help="shm / cudaipc: busy-poll for an expert server's answer at least this many "
         "microseconds before blocking (default 80; longer, up to 2 ms, when recent round trips "
-        "took longer and the client and the servers it waits on fit on the CPUs). 0: block at once, never busy-poll (shm; cudaipc keeps its adaptive spin) "
-        "(pays on cores oversubscribed by other work; docs/serving.md).",
+        "took longer and the client and the servers it waits on fit on the CPUs). 0: block at "
+        "once, never busy-poll (shm; cudaipc keeps its adaptive spin while a core is free for "
+        "it) (pays on cores oversubscribed by other work; docs/serving.md).",
     ),
     nvshmem_world: NvshmemWorldOption = None,
     nvshmem_pe: NvshmemPeOption = None,

@@ -169,7 +169,12 @@ def grouped_expert_sum(
     n, k = experts.shape
     if n == 0 or k == 0:
         return torch.zeros_like(hidden), {}
-    if stack is not None and n * k <= GROUPED_MM_MAX_PAIRS and stack.usable:
+    if (
+        stack is not None
+        # real pairs: merged frames of different k carry padding (counted only when it matters)
+        and (n * k <= GROUPED_MM_MAX_PAIRS or int((experts >= 0).sum()) <= GROUPED_MM_MAX_PAIRS)
+        and stack.usable
+    ):
         return _stacked_expert_sum(hidden, experts, weights, stack)
     out = torch.zeros_like(hidden)
     flat = experts.reshape(-1).to(torch.int64)  # (n*k,)
@@ -209,7 +214,8 @@ def _stacked_expert_sum(
     token order kept) in fewer operations, as a frame is mostly a few tokens and every torch call
     costs microseconds: one lookup of each pair's group (padding goes to a last group that is
     never run), one stable argsort, one bincount whose ``tolist`` gives the group ends and the
-    loads, two ``grouped_mm`` calls, one weighted ``index_add_``."""
+    loads, two ``grouped_mm`` calls, one weighted ``index_add_``. An id the stack does not
+    host counts as padding here (the server checks every frame first)."""
     n, k = experts.shape
     G = len(stack.ids)
     flat = experts.reshape(-1)  # (n*k,) int32 from the wire
@@ -459,8 +465,8 @@ class ExpertServer:
             try:
                 if bool(accept.index_select(0, ex.reshape(-1) + 1).all()):
                     return None
-            except IndexError:  # an id outside [-1, max hosted id]: named below
-                pass
+            except (IndexError, RuntimeError):  # an id outside [-1, max hosted id], ids
+                pass  # of another dtype or device: the exact check below
         hosted = hosting.masks.get(f.layer, _NOTHING_HOSTED)
         # one pass, no Python per token: ids outside [-1, len) or not hosted are "not hosted"
         inrange = (ex >= 0) & (ex < hosted.numel())
