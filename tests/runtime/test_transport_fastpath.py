@@ -328,3 +328,16 @@ def test_counting_the_requests_in_flight_while_connections_open_on_another_threa
         t.join(10)
     kept.clear()
     assert walks > 10
+
+
+def test_a_server_spins_longer_only_while_frames_come_within_a_spin():
+    """The server's spin before it blocks: ``spin_us``, or 1.5x the recent wait for a frame
+    when that is at most ``MAX_SERVER_SPIN_S`` (capped there); never for ``spin_us`` 0."""
+    from eaas.runtime.transport.shm import MAX_SERVER_SPIN_S, _server_spin_s
+
+    spin = 80e-6
+    assert _server_spin_s(spin, 0.0) == spin  # frames were waiting: the base spin
+    assert _server_spin_s(spin, 160e-6) == pytest.approx(240e-6)  # back-to-back big frames
+    assert _server_spin_s(spin, MAX_SERVER_SPIN_S) == MAX_SERVER_SPIN_S  # capped
+    assert _server_spin_s(spin, 3e-3) == spin  # an attention client's layers, ms apart
+    assert _server_spin_s(0.0, 160e-6) == 0.0  # block at once stays block at once
