@@ -13,7 +13,7 @@ and a round trip then costs context switches, which swamps what is measured here
   the ``[n, H]`` response) and two header lines laid out as shm's (a counter, the header fields
   and a waiting flag each way). The same wait policy as shm: the client spins at least
   ``--spin-us`` and up to 1.5x its recent round trip (at most 2 ms) with ``sched_yield``, the
-  server spins ``--spin-us``; then a side sets its waiting flag, fences and blocks on a
+  server spins ``--spin-us`` (longer, up to 0.5 ms, while its frames come that often); then a side sets its waiting flag, fences and blocks on a
   doorbell socket, and the other rings it only when that flag is set. Per round trip the client
   copies its three tensors in and stores the request header (one ``pack_into``) and counter,
   the server reads the header (one ``tolist``), copies the rows to the response and stores the
@@ -45,6 +45,8 @@ every run), 64 tokens 1.01-1.35x. In one process shm adds ~3.8 us to the prototy
 copies and stores, and even a copy of shm stripped of its guards, liveness and fences keeps
 ~2.8 us (shape reads, frame objects, headers, hand-off): about 1.24x at one token, so 1.2x
 there needs fewer frames or a compiled data path, not more trimming of per-frame Python.
+At 17:55 UTC (load 1.2-1.6), with the adaptive server spin in both kinds: one token 1.25-1.26x,
+64 tokens 1.02-1.03x (shm 203-213 us, 494 us before the adaptive spin).
 """
 
 from __future__ import annotations
@@ -130,21 +132,29 @@ def _proto_block(flags, idx: int, old: int, waiting_idx: int, sock: socket.socke
 
 
 def _proto_server(p: _Proto, spin_s: float) -> None:
-    """Child: the shm listener's policy (spin ``spin_s`` on the request counter, then block
+    """Child: the shm listener's policy (spin ``spin_s`` on the request counter, longer while
+    frames come within a spin (:func:`~eaas.runtime.transport.shm._server_spin_s`), then block
     on the doorbell), read the request header, echo the hidden rows, write the response header
     and counter, ring the client's doorbell only if it waits; a counter of -1 stops."""
+    from eaas.runtime.transport.shm import _server_spin_s
+
     torch.set_num_threads(1)
     flags, seen, sock = p.flags, 0, p.server_sock
     req_hdr, resp, req = p.req_hdr, p.resp, p.req
     sock.setblocking(True)
     mono, yld = time.monotonic, os.sched_yield
+    gap = 0.0  # moving average of the waits for a frame (shm's adaptive server spin)
     while True:
         if flags[0] == seen:
-            end = mono() + spin_s
+            start = mono()
+            end = start + _server_spin_s(spin_s, gap)
             while flags[0] == seen and mono() < end:
                 yld()
             if flags[0] == seen:
                 _proto_block(flags, 0, seen, _REQ_WAITING, sock)
+            gap = 0.75 * gap + 0.25 * (mono() - start)
+        else:
+            gap *= 0.75
         c, layer, _version, n, _k, _cid, seq, _ = req_hdr.tolist()
         if c < 0:
             os._exit(0)
