@@ -74,7 +74,6 @@ class LayerStack:
     Attributes:
         gate_up: ``[G, 2I, H]``: hosted expert ``g``'s gate rows then up rows.
         down: ``[G, H, I]``.
-        local: ``[max hosted id + 1]`` int64: logical expert id -> ``g`` (``-1``: not hosted).
         experts: ``{expert id: ExpertWeights}`` whose tensors are views of the stack.
         ids: the hosted expert ids in group order (ascending).
         group_of: ``[max hosted id + 2]`` int64: ``group_of[id + 1]`` is ``id``'s group; the
@@ -85,7 +84,6 @@ class LayerStack:
 
     gate_up: torch.Tensor
     down: torch.Tensor
-    local: torch.Tensor
     experts: Mapping[int, ExpertWeights]
     ids: tuple[int, ...]
     group_of: torch.Tensor
@@ -98,8 +96,6 @@ class LayerStack:
         n = int(experts[ids[0]].gate.shape[0])  # I
         gate_up = torch.stack([torch.cat([experts[e].gate, experts[e].up]) for e in ids])
         down = torch.stack([experts[e].down for e in ids])  # (G, H, I)
-        local = torch.full((ids[-1] + 1,), -1, dtype=torch.int64)
-        local[ids] = torch.arange(len(ids))
         group_of = torch.full((ids[-1] + 2,), len(ids), dtype=torch.int64)
         group_of[torch.tensor(ids) + 1] = torch.arange(len(ids))
         views = {
@@ -108,7 +104,6 @@ class LayerStack:
         return cls(
             gate_up,
             down,
-            local,
             views,
             tuple(ids),
             group_of,
@@ -254,9 +249,9 @@ class _Hosting:
     Attributes:
         pairs: ``{(layer, expert): ExpertWeights}``.
         by_layer: layer -> expert id -> weights.
-        masks: layer -> ``[max hosted id + 1]`` bool (frame checks without Python per id).
         accept: layer -> ``[max hosted id + 2]`` bool, ``accept[id + 1]``: ``id`` may appear in
-            a frame (hosted, or the padding id ``-1``): the check of a good frame in one lookup.
+            a frame (hosted, or the padding id ``-1``): the check of a good frame in one lookup;
+            ``accept[1:]`` is the layer's hosted mask (frame checks without Python per id).
         stacks: layer -> :class:`LayerStack` (CPU weights: ``pairs`` and ``by_layer`` hold
             views of it); empty on CUDA.
         gpu: layer -> lazily built native grouped kernel of THIS snapshot (CUDA weights only).
@@ -264,7 +259,6 @@ class _Hosting:
 
     pairs: Mapping[tuple[int, int], ExpertWeights]
     by_layer: Mapping[int, Mapping[int, ExpertWeights]]
-    masks: Mapping[int, torch.Tensor]
     accept: Mapping[int, torch.Tensor]
     stacks: Mapping[int, LayerStack] = field(default_factory=dict)
     gpu: dict[int, object] = field(default_factory=dict)
@@ -276,12 +270,12 @@ class _Hosting:
         by_layer: dict[int, dict[int, ExpertWeights]] = {}
         for (layer, e), w in pairs.items():
             by_layer.setdefault(layer, {})[e] = w
-        masks, accept = {}, {}
+        accept = {}
         for layer, experts in by_layer.items():
-            m = torch.zeros(max(experts) + 1, dtype=torch.bool)
-            m[list(experts)] = True
-            masks[layer] = m
-            accept[layer] = torch.cat([torch.ones(1, dtype=torch.bool), m])
+            a = torch.zeros(max(experts) + 2, dtype=torch.bool)
+            a[0] = True  # the padding id -1
+            a[[e + 1 for e in experts]] = True
+            accept[layer] = a
         stacks: dict[int, LayerStack] = {}
         if (device is None or device.type == "cpu") and hasattr(F, "grouped_mm"):
             # one stack per layer, the weights rebound to views of it (no second copy: the
@@ -292,7 +286,7 @@ class _Hosting:
                 pairs = {(layer, e): w for layer, ex in by_layer.items() for e, w in ex.items()}
             else:  # this torch's CPU grouped_mm refuses these dtypes / shapes: the loop
                 stacks = {}
-        return cls(dict(pairs), by_layer, masks, accept, stacks)
+        return cls(dict(pairs), by_layer, accept, stacks)
 
 
 class ExpertServer:
@@ -467,7 +461,7 @@ class ExpertServer:
                     return None
             except (IndexError, RuntimeError):  # an id outside [-1, max hosted id], ids
                 pass  # of another dtype or device: the exact check below
-        hosted = hosting.masks.get(f.layer, _NOTHING_HOSTED)
+        hosted = _NOTHING_HOSTED if accept is None else accept[1:]  # [max hosted id + 1]
         # one pass, no Python per token: ids outside [-1, len) or not hosted are "not hosted"
         inrange = (ex >= 0) & (ex < hosted.numel())
         bad_mask = ((ex >= 0) & ~inrange) | (ex < -1)

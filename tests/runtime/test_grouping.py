@@ -113,7 +113,7 @@ def test_a_cpu_expert_server_computes_on_layer_stacks(tmp_path):
         assert hosting.stacks[1].gate_up.shape[0] == 2
         for (layer, e), w in hosting.pairs.items():
             st = hosting.stacks[layer]
-            g = int(st.local[e])
+            g = int(st.group_of[e + 1])
             assert w.gate.data_ptr() == st.gate_up[g].data_ptr(), (layer, e)
     finally:
         server.listener.close()
