@@ -914,7 +914,7 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
         frames = self._collect()
         if frames:
             if timeout != 0:
-                self._gap *= 0.75  # a frame was waiting: a gap of 0
+                self._note_wait(0.0)  # a frame was waiting
             return frames
         deadline = None if timeout is None else now + timeout
         spin = _server_spin_s(self.spin_s, self._gap)
@@ -927,7 +927,7 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
                 if q[0] != last:
                     frames = self._collect()
                     if frames:
-                        self._gap = 0.75 * self._gap + 0.25 * (now - start)
+                        self._note_wait(now - start)
                         return frames
                     watch = self._watch_list()  # (a bad frame, answered at once)
                     break
@@ -956,8 +956,13 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
         finally:
             self._set_waiting(0)
         if timeout != 0:  # (the wait for the next frame, or a timeout with none: long)
-            self._gap = 0.75 * self._gap + 0.25 * (_monotonic() - start)
+            self._note_wait(_monotonic() - start)
         return frames
+
+    def _note_wait(self, seconds: float) -> None:
+        """One ``poll``'s wait for a frame into the moving average the spin follows
+        (:func:`_server_spin_s`); batch-gathering polls (``timeout=0``) are not waits."""
+        self._gap = 0.75 * self._gap + 0.25 * seconds
 
     def _watch_list(self) -> list[tuple[memoryview, int]]:
         """``(request header, last seen counter)`` of every connection that may send a frame."""
