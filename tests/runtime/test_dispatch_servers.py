@@ -174,6 +174,11 @@ def test_small_calls_keep_each_expert_on_one_replica_and_alternate(two_servers):
         def sent() -> dict[str, int]:
             return {sid: s["tokens_sent"] for sid, s in d.health()["servers"].items()}
 
+        # both first connections open (a call while one is still opening goes to the other
+        # replica alone: every expert is covered, so the plan does not wait for it)
+        assert wait_until(
+            lambda: all(s["state"] == "connected" for s in d.health()["servers"].values()), 60
+        ), d.health()
         hidden, idx, w = batch(T=2, k=2, seed=5)  # 3 pairs: no expert above 4
         reached = []
         for _ in range(4):
