@@ -45,7 +45,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from loadgen import make_workload, run_one  # noqa: E402
+from loadgen import load_session, make_workload, run_one  # noqa: E402
 
 
 def kubectl(tb, *args: str, input: str | None = None, check: bool = True) -> str:
@@ -98,7 +98,7 @@ async def drive(
         i = int((time.time() - t0) // phase_s)
         return ramp[i] if i < len(ramp) else 0
 
-    async def worker(k: int, client: httpx.AsyncClient) -> None:
+    async def worker(k: int, client) -> None:  # an aiohttp session (loadgen.load_session)
         while time.time() < end:
             if k >= concurrency_now():
                 await asyncio.sleep(0.2)
@@ -129,7 +129,7 @@ async def drive(
             conc_log.append((time.time(), concurrency_now()))
             await asyncio.sleep(1.0)
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0)) as client:
+    async with load_session(max(ramp) or 1) as client:
         await asyncio.gather(log_concurrency(), *(worker(k, client) for k in range(max(ramp) or 1)))
     return records, conc_log
 

@@ -23,6 +23,11 @@ Metrics
 * TTFT: request start -> first streamed token; ITL: gaps between streamed tokens;
   p50 and p99 of each over all requests.
 
+Load client: ``aiohttp`` (:func:`load_session`), as vLLM's serving benchmark uses, not ``httpx``:
+the load client shares the CPUs with the system it measures, and on a W2 run (96 requests at
+concurrency 16, 2-core machine) ``httpx``'s streaming took 0.74-0.89 s of CPU against
+aiohttp's 0.26-0.30 s (2026-11-30, docs/serving.md).
+
 Usage::
 
     python bench/loadgen.py --requests 64 --concurrency 8 --length-scale 0.1
@@ -51,6 +56,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 try:
@@ -106,9 +112,19 @@ def make_workload(n: int, seed: int, length_scale: float, max_context: int) -> l
     return out
 
 
+def load_session(concurrency: int) -> aiohttp.ClientSession:
+    """The load client's HTTP session: up to ``concurrency + 4`` connections, 10 s to connect,
+    600 s per request. Use as ``async with load_session(c) as session``."""
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=600.0, connect=10.0),
+        connector=aiohttp.TCPConnector(limit=concurrency + 4),
+    )
+
+
 async def run_one(
-    client: httpx.AsyncClient, url: str, model: str, spec: RequestSpec
+    session: aiohttp.ClientSession, url: str, model: str, spec: RequestSpec
 ) -> RequestResult:
+    """One streamed ``/v1/completions`` request; its TTFT, gaps and token count."""
     body = {
         "model": model,
         "prompt": spec.prompt,
@@ -124,15 +140,15 @@ async def run_one(
     tokens = 0
     usage_tokens = None
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
                 return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
+            async for raw in resp.content:  # one SSE line at a time
+                if not raw.startswith(b"data: "):
                     continue
-                data = line[6:]
-                if data == "[DONE]":
+                data = raw[6:].strip()
+                if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
                 if chunk.get("usage"):
@@ -153,7 +169,7 @@ async def run_one(
                     if last_text is not None:
                         res.text_itls.append(now - last_text)
                     last_text = now
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:  # ValueError: JSON
         res.error = f"{type(exc).__name__}: {exc}"
         return res
     res.ok = True
@@ -170,23 +186,20 @@ async def run_load(
         queue.put_nowait(spec)
     results: list[RequestResult] = []
     bar = tqdm(total=len(workload), desc=f"{label} (c={concurrency})", unit="req") if tqdm else None
-    timeout = httpx.Timeout(600.0, connect=10.0)
 
-    async def worker(client: httpx.AsyncClient) -> None:
+    async def worker(session: aiohttp.ClientSession) -> None:
         while True:
             try:
                 spec = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            results.append(await run_one(client, url, model, spec))
+            results.append(await run_one(session, url, model, spec))
             if bar:
                 bar.update(1)
 
     t0 = time.perf_counter()
-    async with httpx.AsyncClient(
-        timeout=timeout, limits=httpx.Limits(max_connections=concurrency + 4)
-    ) as client:
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    async with load_session(concurrency) as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
     wall = time.perf_counter() - t0
     if bar:
         bar.close()

@@ -115,22 +115,19 @@ async def run_load(
     results: list[loadgen.RequestResult] = []
     bar = tqdm(total=len(specs), desc=f"{label} (c={concurrency})", unit="req") if tqdm else None
 
-    async def worker(client: httpx.AsyncClient) -> None:
+    async def worker(session) -> None:
         while True:
             try:
                 spec = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            results.append(await loadgen.run_one(client, url, model, spec))
+            results.append(await loadgen.run_one(session, url, model, spec))
             if bar:
                 bar.update(1)
 
     t0 = time.perf_counter()
-    async with httpx.AsyncClient(
-        timeout=httpx.Timeout(600.0, connect=10.0),
-        limits=httpx.Limits(max_connections=concurrency + 4),
-    ) as client:
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    async with loadgen.load_session(concurrency) as session:  # aiohttp, as vLLM's benchmark
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
     wall = time.perf_counter() - t0
     if bar:
         bar.close()
