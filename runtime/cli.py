@@ -127,6 +127,12 @@ def expert_server(
     threads: int = typer.Option(
         1, "--threads", min=0, help="torch intra-op threads (0: torch default)."
     ),
+    cpus: str = typer.Option(
+        None,
+        "--cpus",
+        help="Pin this server to these CPUs, Linux list format ('1', '0-3,8'); each must be one "
+        "this process may run on. Default: not pinned. (eaas serve --server-cpus auto sets it.)",
+    ),
     batch_window_us: float = typer.Option(
         0.0, "--batch-window-us", help="Extra gather time per dynamic batch."
     ),
@@ -170,6 +176,11 @@ def expert_server(
     In multiprocess metrics mode (``PROMETHEUS_MULTIPROC_DIR`` set) no port is opened: the
     process only writes its metric files.
     """
+    if cpus is not None:  # first: every thread started later (torch, HTTP) inherits it
+        try:
+            os.sched_setaffinity(0, parse_cpu_list(cpus))
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--cpus") from None
     import torch
 
     from eaas.runtime.client.main import resolve_device
@@ -282,6 +293,33 @@ def expert_server(
         raise typer.BadParameter(str(exc)) from None
     run(server, metrics_port, health)
     _exit_now(f"expert-server {server_id}")
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """``'0-3,8'`` -> ``{0, 1, 2, 3, 8}`` (the Linux CPU list format of ``taskset -c`` and
+    ``/sys/devices/system/cpu/online``).
+
+    Raises:
+        ValueError: malformed, empty, or a CPU this process may not run on
+            (``os.sched_getaffinity(0)``).
+    """
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            a, b = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"CPU list {text!r}: {part!r} is not a CPU or a range a-b") from None
+        if a < 0 or b < a:
+            raise ValueError(f"CPU list {text!r}: {part!r} is not a CPU or a range a-b")
+        out.update(range(a, b + 1))
+    allowed = os.sched_getaffinity(0)
+    if not out <= allowed:
+        raise ValueError(
+            f"CPU list {text!r}: CPU(s) {sorted(out - allowed)} not available to this process "
+            f"(it may run on {sorted(allowed)})"
+        )
+    return out
 
 
 def _check_listen_endpoint(listen: str) -> None:
@@ -715,6 +753,13 @@ def serve(
         help="Attention clients' --spin-us (shm): default (the transport's busy-poll) or "
         "microseconds; 0 blocks at once (docs/serving.md: better only under heavy load).",
     ),
+    server_cpus: str = typer.Option(
+        "auto",
+        "--server-cpus",
+        help="auto: pin each expert server to one CPU (its --cpus), the servers one decode call "
+        "reaches on different CPUs (with >= 2 servers and CPUs and --server-threads 1); "
+        "none: not pinned.",
+    ),
 ) -> None:
     """Start a whole deployment on this machine: expert servers + attention clients."""
     _check_dispatch_timeout(dispatch_timeout)
@@ -742,6 +787,7 @@ def serve(
             double_batch_overlap=double_batch_overlap,
             prefill_tokens_while_decoding=prefill_tokens_while_decoding,
             client_spin_us=client_spin_us,
+            server_cpus=server_cpus,
         )
     except (PlacementError, ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eaas.runtime.placement import format_expert_spec, place_experts
+from eaas.runtime.placement import format_expert_spec, place_experts, spread_over_cpus
 from eaas.runtime.routing import RoutingTable
 from eaas.text import printable
 
@@ -232,6 +232,11 @@ class Deployment:
             (``"auto"``, ``"off"`` or a token count).
         client_spin_us: attention clients' ``--spin-us`` (shm only): None / ``"default"``
             (the transport's busy-poll) or microseconds >= 0 (0: block at once).
+        server_cpus: ``"auto"``: pin each expert server to one CPU of this process's CPU set
+            (its ``--cpus``), the servers one decode call reaches on different CPUs
+            (:func:`~eaas.runtime.placement.spread_over_cpus`), when there are at least 2
+            servers and 2 CPUs and ``server_threads`` is 1; ``"none"``: not pinned.
+            :attr:`server_cpu_list` holds the result (None: not pinned).
     """
 
     def __init__(
@@ -256,12 +261,15 @@ class Deployment:
         double_batch_overlap: bool = False,
         prefill_tokens_while_decoding: str = "auto",
         client_spin_us: str | float | None = None,
+        server_cpus: str = "auto",
         ready_timeout: float = 300.0,
     ) -> None:
         if transport not in ("shm", "tcp"):
             raise ValueError(f"--transport must be shm or tcp, got {transport!r}")
         if attention_clients < 1:
             raise ValueError("--attention-clients must be >= 1")
+        if server_cpus not in ("auto", "none"):
+            raise ValueError(f"--server-cpus must be auto or none, got {server_cpus!r}")
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
         from eaas.runtime.models.compute import check_policy
@@ -312,6 +320,11 @@ class Deployment:
         self.placement = place_experts(
             self.info.moe_layers, self.info.num_experts, expert_servers, replicas
         )
+        cpus = sorted(os.sched_getaffinity(0))
+        # the CPU of every expert server (--cpus), or None: not pinned
+        self.server_cpu_list: tuple[int, ...] | None = None
+        if server_cpus == "auto" and server_threads == 1 and expert_servers >= 2 and len(cpus) >= 2:
+            self.server_cpu_list = spread_over_cpus(self.placement, cpus)
         self.n, self.r, self.m = expert_servers, replicas, attention_clients
         self.host, self.port = host, port
         self.transport = transport
@@ -431,6 +444,8 @@ class Deployment:
                     "--device",
                     self.server_device,
                 ]
+                if self.server_cpu_list is not None:
+                    argv += ["--cpus", str(self.server_cpu_list[s])]
                 self._spawn(Child(sid, "expert-server", argv, server_id=sid), env)
             for c in range(self.m):
                 argv = py + [
@@ -656,6 +671,8 @@ def serve(**options) -> int:
         f"placement: {len(dep.info.moe_layers)} MoE layers x {dep.info.num_experts} experts, "
         f"{dep.r} replicas on {dep.n} servers ({dep.placement.experts_per_server()} experts per server)"
     )
+    if dep.server_cpu_list is not None:
+        _log(f"expert servers pinned to CPUs {list(dep.server_cpu_list)} (--server-cpus auto)")
     try:
         dep.start()
     except ServeInterrupted as exc:

@@ -4,6 +4,7 @@ cannot garble a terminal."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -114,6 +115,8 @@ def test_bad_endpoints_and_tables_exit_2_naming_the_flag(tmp_path):
         ([*server, "--listen", f"unix:{missing}/s.sock"], "--listen", "does not exist"),
         ([*server, "--listen", f"cudaipc:{missing}/s.sock"], "--listen", "does not exist"),
         ([*server, "--listen", f"tcp://127.0.0.1:{port}"], "--listen", "in use"),
+        ([*server, "--listen", "tcp://127.0.0.1:0", "--cpus", "0-"], "--cpus", "not a CPU"),
+        ([*server, "--listen", "tcp://127.0.0.1:0", "--cpus", "4096"], "--cpus", "not available"),
         (
             [*server, "--listen", "tcp://127.0.0.1:0", "--http-port", str(port)],
             "--http-port",
@@ -171,3 +174,16 @@ def test_listen_on_an_existing_file_that_is_not_a_socket_keeps_the_file(tmp_path
     assert code == 2, out
     assert "--listen" in out and "not a socket" in out and "Traceback" not in out, out
     assert existing.read_text() == "keep me\n"
+
+
+def test_parse_cpu_list_reads_the_linux_list_format():
+    from eaas.runtime.cli import parse_cpu_list
+
+    allowed = sorted(os.sched_getaffinity(0))
+    assert parse_cpu_list(str(allowed[0])) == {allowed[0]}
+    assert parse_cpu_list(f"{allowed[0]}-{allowed[-1]}") == set(range(allowed[0], allowed[-1] + 1))
+    assert parse_cpu_list(" , ".join(map(str, allowed))) == set(allowed)
+    for bad, needle in [("", "not a CPU"), ("a", "not a CPU"), ("3-1", "not a CPU"),
+                        ("-1", "not a CPU"), ("4096", "not available")]:  # fmt: skip
+        with pytest.raises(ValueError, match=needle):
+            parse_cpu_list(bad)

@@ -4,6 +4,7 @@ SIGKILLed ``eaas serve`` die with it (PR_SET_PDEATHSIG)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -14,7 +15,9 @@ import pytest
 import torch
 from e2e_helpers import ServeProcess, alive, descendants, free_port, sigterm_and_wait
 
+from eaas.runtime.models.arch import read_model_info as model_info
 from eaas.runtime.models.reference import reference_generate
+from eaas.runtime.placement import dispatch_columns, place_experts, spread_over_cpus
 
 pytestmark = pytest.mark.e2e
 
@@ -71,7 +74,15 @@ def test_local_experts_baseline(tokenizer, model_dir, tmp_path):
     assert rc == 0
 
 
+def _server_cpus(pid: int) -> set[int]:
+    return os.sched_getaffinity(pid)
+
+
 def test_serve_over_tcp(tokenizer, model_dir, tmp_path):
+    """--transport tcp, 3 servers R=2 (exact greedy tokens); the expert servers are pinned by
+    the default --server-cpus auto: one CPU each, as spread_over_cpus gives for the placement
+    (every process here may use the same CPUs), the two servers of one decode call on two
+    CPUs."""
     sp = ServeProcess(
         ["--transport", "tcp", "--expert-servers", "3", "--replicas", "2"],
         tmp_path / "serve.log",
@@ -84,6 +95,23 @@ def test_serve_over_tcp(tokenizer, model_dir, tmp_path):
         assert len(h["servers"]) == 3
         _check_exact(sp.base_url, tokenizer, model_dir)
         assert "serving" in sp.log() and "(3 expert servers, 2 replicas, 1 client)" in sp.log()
+        cpus = sorted(os.sched_getaffinity(0))
+        servers = {
+            int(c.split("--server-id expert-")[1].split()[0]): p
+            for p, c in descendants(sp.proc.pid).items()
+            if " expert-server " in c
+        }
+        assert sorted(servers) == [0, 1, 2], servers
+        if len(cpus) >= 2:
+            info = model_info(model_dir)
+            placement = place_experts(info.moe_layers, info.num_experts, 3, 2)
+            want = spread_over_cpus(placement, cpus)
+            assert [_server_cpus(servers[s]) for s in range(3)] == [{c} for c in want]
+            assert f"expert servers pinned to CPUs {list(want)}" in sp.log()
+            for col in dispatch_columns(placement):
+                assert len({want[s] for s in col}) == min(len(col), len(cpus)), (col, want)
+        else:  # one CPU: nothing to spread
+            assert all(_server_cpus(p) == set(cpus) for p in servers.values())
         # serve itself is SIGKILLed (no cleanup code runs): PR_SET_PDEATHSIG takes every child down
         kids = descendants(sp.proc.pid)
         assert len(kids) == 4, kids
@@ -105,9 +133,11 @@ def test_serve_over_tcp(tokenizer, model_dir, tmp_path):
 
 def test_serve_client_that_blocks_at_once_is_exact(tokenizer, model_dir, tmp_path):
     """serve --client-spin-us 0: the attention client runs with --spin-us 0 (it never
-    busy-polls for the expert servers' answers) and its greedy tokens are the reference's."""
+    busy-polls for the expert servers' answers) and its greedy tokens are the reference's.
+    With --server-cpus none the expert servers are not pinned (no --cpus, every CPU allowed)."""
     sp = ServeProcess(
-        ["--expert-servers", "2", "--replicas", "1", "--client-spin-us", "0"],
+        ["--expert-servers", "2", "--replicas", "1", "--client-spin-us", "0"]
+        + ["--server-cpus", "none"],
         tmp_path / "serve.log",
         free_port(),
     )
@@ -117,6 +147,11 @@ def test_serve_client_that_blocks_at_once_is_exact(tokenizer, model_dir, tmp_pat
         assert len(clients) == 1, clients
         argv = clients[0].split()
         assert argv[argv.index("--spin-us") + 1] == "0", argv
+        servers = [p for p, c in descendants(sp.proc.pid).items() if " expert-server " in c]
+        assert len(servers) == 2, servers
+        for p in servers:
+            assert _server_cpus(p) == os.sched_getaffinity(0), p
+        assert "pinned to CPUs" not in sp.log()
         _check_exact(sp.base_url, tokenizer, model_dir)
     finally:
         sp.stop(check=True)
@@ -150,6 +185,7 @@ def _taken_port():
         (["--client-spin-us", "fast"], "--client-spin-us must be default or microseconds >= 0"),
         (["--client-spin-us", "-5"], "--client-spin-us must be default or microseconds >= 0"),
         (["--transport", "tcp", "--client-spin-us", "10"], "acts on --transport shm only"),
+        (["--server-cpus", "all"], "--server-cpus must be auto or none, got 'all'"),
         # checked against the model's config before any child loads weights
         (["--kv-cache-memory", "1KiB"], "--kv-cache-memory 1024 B is below one sequence"),
     ]

@@ -6,9 +6,11 @@ import pytest
 
 from eaas.runtime.placement import (
     PlacementError,
+    dispatch_columns,
     format_expert_spec,
     parse_expert_spec,
     place_experts,
+    spread_over_cpus,
 )
 from eaas.runtime.routing import RoutingTable, RoutingTableError
 
@@ -200,3 +202,38 @@ def test_largest_pool_the_crd_accepts_fits_a_configmap():
     assert len(plain) > 1024 * 1024
     assert len(wire.encode()) < CONFIGMAP_DATA_LIMIT, len(wire)
     assert RoutingTable.from_json(wire) == t
+
+
+def test_dispatch_columns_are_the_servers_a_decode_call_reaches():
+    # 4 servers, R=2 (serve's default): expert e on servers {0, 1} or {2, 3}, listed ascending;
+    # slot 0 of every expert is {0, 2}, slot 1 is {1, 3}
+    p = place_experts(LAYERS, 32, 4, 2)
+    assert p.replicas()[(1, 0)] == (0, 1) and p.replicas()[(1, 1)] == (2, 3)
+    assert dispatch_columns(p) == [frozenset({0, 2}), frozenset({1, 3})]
+    # R=1: every server hosts its own experts, so a call may need all of them
+    assert dispatch_columns(place_experts(LAYERS, 8, 3, 1)) == [frozenset({0, 1, 2})]
+
+
+@pytest.mark.parametrize("servers,redundancy", [(2, 2), (3, 2), (4, 2), (6, 2), (8, 2), (6, 3)])
+@pytest.mark.parametrize("ncpu", [2, 3, 4])
+def test_spread_over_cpus_puts_each_column_on_distinct_cpus_when_they_allow(
+    servers, redundancy, ncpu
+):
+    p = place_experts(LAYERS, 32, servers, redundancy)
+    cpus = [10 + 2 * c for c in range(ncpu)]  # any CPU ids, not necessarily 0..n-1
+    cpu = spread_over_cpus(p, cpus)
+    assert len(cpu) == servers and set(cpu) <= set(cpus)
+    for col in dispatch_columns(p):
+        used = [cpu[s] for s in col]
+        # as many distinct CPUs as the column has servers, or every CPU
+        assert len(set(used)) == min(len(col), ncpu), (col, cpu)
+    # servers spread evenly over the CPUs
+    counts = [cpu.count(c) for c in cpus]
+    assert max(counts) - min(counts) <= 1, counts
+    assert spread_over_cpus(p, cpus) == cpu  # deterministic
+
+
+def test_spread_over_cpus_needs_a_cpu():
+    with pytest.raises(ValueError, match="no CPUs"):
+        spread_over_cpus(place_experts(LAYERS, 8, 2, 2), [])
+    assert spread_over_cpus(place_experts(LAYERS, 8, 3, 2), [5]) == (5, 5, 5)
