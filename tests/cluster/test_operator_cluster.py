@@ -462,17 +462,25 @@ def test_client_faults(fault_fleet):
     assert ids == {n: str(client_id_of(n)) for n in ids} and len(set(ids.values())) == 2, ids
     load = StreamLoad(f"http://{a_ip}:8000/v1", model_id, prompts, FAULT_MAX_TOKENS).start()
     try:
-        # B talks to every server once it served a request
+        # B serves a request
         api_b = openai.OpenAI(base_url=f"http://{b_ip}:8000/v1", api_key="unused", timeout=120)
         out = api_b.completions.create(
             model=model_id, prompt=prompts[0], max_tokens=FAULT_MAX_TOKENS, temperature=0
         )
         assert out.choices[0].model_extra["token_ids"] == references[0]
-        b_conns = peer_connections(container_pid(b, "attention-client"), 9000)
-        a_conns = peer_connections(container_pid(a, "attention-client"), 9000)
         ips = {p["status"]["podIP"] for p in server_pods(ns).values()}
-        # each client is connected to every server
-        assert {c[0] for c in b_conns} == ips == {c[0] for c in a_conns}, (b_conns, a_conns)
+
+        # each client is connected to every server: a client opens its connections on a
+        # background thread, and a request does not wait for one still opening while every
+        # expert has a connected replica, so serving a request does not mean all are open yet
+        def connected():
+            bc = peer_connections(container_pid(b, "attention-client"), 9000)
+            ac = peer_connections(container_pid(a, "attention-client"), 9000)
+            return (bc, ac) if {c[0] for c in bc} == ips == {c[0] for c in ac} else None
+
+        b_conns, a_conns = wait_for(
+            "each client connected to every server", connected, timeout=60, interval=0.2
+        )
         assert b_conns <= tcp_connections(9000)  # the servers' side of them
 
         # ---- SIGKILL B: the servers drop exactly its connections, A is unaffected ----------

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dispatch_health import wait_all_connected
 from e2e_helpers import free_port
 from prometheus_client import REGISTRY
 
@@ -162,6 +163,9 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 def test_logits_match_transformers_shm(servers, model_dir, prompt_ids, ref_logits):
     d = Dispatcher(0, servers.info.hidden_size, torch.float32, servers.table())
     model = remote_model(model_dir, d)
+    # every first connection open: a call while one is still opening sends its pairs to the
+    # other replicas alone (every expert is covered, so the plan does not wait for it)
+    wait_all_connected(d.health)
     before = servers.expert_tokens()
     # two forwards: an expert's pairs stay on one replica per call and the replica rotates
     # from call to call (dispatch.choose_replicas), so two calls per layer reach every replica
@@ -287,6 +291,8 @@ def test_hung_server_hits_deadline_and_fails_over(servers, model_dir, prompt_ids
         split_pairs=1,
     )
     model = remote_model(model_dir, d)
+    # s0 connected before it is stopped, or its pairs never reach it (nothing to wait for)
+    wait_all_connected(d.health)
     assert_close(logits(model, prompt_ids), ref_logits)  # warm: all connected
     fo = failovers()
     os.kill(servers.procs["s0"].pid, signal.SIGSTOP)
@@ -314,6 +320,8 @@ def test_hung_server_hits_deadline_and_fails_over(servers, model_dir, prompt_ids
 def test_killed_server_fails_over_then_no_live_replica(servers, model_dir, prompt_ids, ref_logits):
     d = Dispatcher(4, servers.info.hidden_size, torch.float32, servers.table(), timeout=5.0)
     model = remote_model(model_dir, d)
+    # s1 connected before it is killed, or its pairs never reach it (nothing to fail over)
+    wait_all_connected(d.health)
     assert_close(logits(model, prompt_ids), ref_logits)
     fo = failovers()
     servers.procs["s1"].kill()

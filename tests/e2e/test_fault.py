@@ -20,6 +20,7 @@ import time
 
 import httpx
 import pytest
+from dispatch_health import wait_all_connected
 from e2e_helpers import metric_sum, metric_values, start_serve
 
 from eaas.runtime.models.reference import reference_generate
@@ -92,6 +93,10 @@ def test_kill_expert_server_while_streaming(deployment, model_name, tokenizer, m
     refs = reference_generate(model_dir, prompts, MAX_TOKENS)
     outs = [{} for _ in prompts]
     starts = [threading.Event() for _ in prompts]
+    # expert-1 connected before it is killed, or its pairs never reach it (nothing to fail
+    # over): the client opens connections in the background, and a layer call waits for one
+    # only when an expert has no connected replica at all
+    wait_all_connected(lambda: httpx.get(f"{deployment.base_url}/health", timeout=10).json())
     threads = [
         threading.Thread(
             target=_stream, args=(deployment.base_url, model_name, p, o, s), daemon=True

@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+from dispatch_health import wait_all_connected
 from e2e_helpers import metric_sum, metric_values, start_serve
 from test_fault import MAX_TOKENS, TEXTS, _stream
 
@@ -43,6 +44,10 @@ def test_health_answers_while_a_server_is_hung_and_streams_fail_over(
     refs = reference_generate(model_dir, prompts, MAX_TOKENS)
     outs = [{} for _ in prompts]
     starts = [threading.Event() for _ in prompts]
+    # expert-1 connected before it is stopped, or its pairs never reach it (no deadline, no
+    # failover): the client opens connections in the background, and a layer call waits for
+    # one only when an expert has no connected replica at all
+    wait_all_connected(lambda: httpx.get(f"{base}/health", timeout=10).json())
     threads = [
         threading.Thread(target=_stream, args=(base, model, p, o, s), daemon=True)
         for p, o, s in zip(prompts, outs, starts, strict=True)

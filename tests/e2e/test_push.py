@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import openai
 import pytest
+from dispatch_health import wait_all_connected
 from e2e_helpers import free_port
 
 from eaas.runtime.client.table_push import push_routing_table
@@ -233,6 +234,9 @@ def test_push_applies_and_acknowledges(deployment):
     assert (res.status, res.applied_version, res.acknowledged_version) == (409, 3, None)
     assert "not newer" in res.message
     assert push_routing_table(deployment["url"], "{}", "wrong").status == 401
+    # b's first connection opens in the background after the push: a call while it is still
+    # opening goes to a alone (every expert is covered, so the call does not wait for b)
+    wait_all_connected(lambda: httpx.get(f"{deployment['url']}/health", timeout=30).json())
     assert complete(deployment) == deployment["reference"]
     h = httpx.get(f"{deployment['url']}/health", timeout=30).json()
     assert all(s["tokens_sent"] > 0 for s in h["servers"].values()), h["servers"]

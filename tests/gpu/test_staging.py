@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from dispatch_health import wait_all_connected
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 from srv_helpers import HIDDEN, INTER, SEED, SPEC, reference, start_server  # noqa: E402
@@ -82,6 +83,9 @@ def test_host_staging_over_unix_and_cudaipc_host_emulation(tmp_path):
     )
     try:
         d.set_table(_table({"a": a.endpoint, "b": b.endpoint}))
+        # both first connections open: a call while one is still opening goes to the other
+        # replica alone (every expert is covered, so the plan does not wait for it)
+        wait_all_connected(d.health)
         for seed in range(6):
             h, ex, w = _batch(seed)
             out = d.dispatch(1, h, ex, w)
@@ -122,6 +126,9 @@ def test_device_hidden_states_skip_the_host_for_cuda_payload_servers(tmp_path, m
         for servers, copies in (({"g": ep}, 0), ({"g": ep, "h": host.endpoint}, 1)):
             d = Dispatcher(0, HIDDEN, torch.float32, timeout=30.0)
             d.set_table(_table(servers))
+            # every first connection open: a call while h's is still opening would go to g
+            # alone (no host copy), as every expert is covered
+            wait_all_connected(d.health)
             made.clear()
             for seed in range(4):
                 h, ex, w = _batch(seed)

@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from dispatch_health import wait_all_connected
 from prometheus_client import REGISTRY
 from srv_helpers import HIDDEN, reference, start_server, wait_until
 
@@ -62,6 +63,9 @@ def failovers() -> float:
 def test_dispatch_matches_reference_and_spreads_over_replicas(two_servers):
     d = Dispatcher(0, HIDDEN, torch.float32, make_table(two_servers), timeout=30.0)
     try:
+        # both first connections open: a call while one is still opening goes to the other
+        # replica alone (every expert is covered, so the plan does not wait for it)
+        wait_all_connected(d.health)
         for seed in range(3):
             hidden, idx, w = batch(seed=seed)
             out = d.dispatch(LAYER, hidden, idx, w)
@@ -91,6 +95,8 @@ def test_health_answers_while_a_server_is_hung_and_pairs_fail_over(two_servers):
     hidden, idx, w = batch(T=16)
     ref = reference(LAYER, hidden, idx, w)
     try:
+        # s0 connected before it is stopped, or its pairs never reach it (nothing to fail over)
+        wait_all_connected(d.health)
         torch.testing.assert_close(d.dispatch(LAYER, hidden, idx, w), ref)  # both connected
         fo = failovers()
         pid = two_servers["s0"].pid
@@ -147,6 +153,8 @@ def test_killed_server_fails_over_then_recovers_by_table(two_servers, tmp_path):
     hidden, idx, w = batch(T=12, seed=3)
     ref = reference(LAYER, hidden, idx, w)
     try:
+        # s1 connected before it is killed, or its pairs never reach it (nothing to fail over)
+        wait_all_connected(d.health)
         torch.testing.assert_close(d.dispatch(LAYER, hidden, idx, w), ref)
         two_servers["s1"].kill()
         fo = failovers()
@@ -176,9 +184,7 @@ def test_small_calls_keep_each_expert_on_one_replica_and_alternate(two_servers):
 
         # both first connections open (a call while one is still opening goes to the other
         # replica alone: every expert is covered, so the plan does not wait for it)
-        assert wait_until(
-            lambda: all(s["state"] == "connected" for s in d.health()["servers"].values()), 60
-        ), d.health()
+        wait_all_connected(d.health)
         hidden, idx, w = batch(T=2, k=2, seed=5)  # 3 pairs: no expert above 4
         reached = []
         for _ in range(4):
