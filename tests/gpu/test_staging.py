@@ -124,7 +124,10 @@ def test_device_hidden_states_skip_the_host_for_cuda_payload_servers(tmp_path, m
     try:
         assert "ready on" in (gpu.stdout.readline() if gpu.stdout else "")
         for servers, copies in (({"g": ep}, 0), ({"g": ep, "h": host.endpoint}, 1)):
-            d = Dispatcher(0, HIDDEN, torch.float32, timeout=30.0)
+            # split_pairs=1: every expert's pairs (~6 per call) are dealt over both replicas, so
+            # each call reaches both servers (the default keeps a small call's experts on one
+            # replica and alternates g, h, g, h: host copies [0, 1, 0, 1])
+            d = Dispatcher(0, HIDDEN, torch.float32, timeout=30.0, split_pairs=1)
             d.set_table(_table(servers))
             # every first connection open: a call while h's is still opening would go to g
             # alone (no host copy), as every expert is covered
