@@ -133,6 +133,13 @@ def expert_server(
         help="Pin this server to these CPUs, Linux list format ('1', '0-3,8'); each must be one "
         "this process may run on. Default: not pinned. (eaas serve --server-cpus auto sets it.)",
     ),
+    sched_policy: str = typer.Option(
+        "other",
+        "--sched-policy",
+        help="Linux scheduling policy of this server's threads: other (SCHED_OTHER, the default "
+        "policy) or batch (SCHED_BATCH: a woken server does not preempt the process running on "
+        "its CPU, such as the attention client still writing its frames; eaas serve's default).",
+    ),
     batch_window_us: float = typer.Option(
         0.0, "--batch-window-us", help="Extra gather time per dynamic batch."
     ),
@@ -181,6 +188,13 @@ def expert_server(
             os.sched_setaffinity(0, parse_cpu_list(cpus))
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--cpus") from None
+    if sched_policy not in SCHED_POLICIES:
+        raise typer.BadParameter(
+            f"must be one of {sorted(SCHED_POLICIES)}, got {sched_policy!r}",
+            param_hint="--sched-policy",
+        )
+    if SCHED_POLICIES[sched_policy] != os.sched_getscheduler(0):  # inherited by later threads
+        os.sched_setscheduler(0, SCHED_POLICIES[sched_policy], os.sched_param(0))
     import torch
 
     from eaas.runtime.client.main import resolve_device
@@ -293,6 +307,10 @@ def expert_server(
         raise typer.BadParameter(str(exc)) from None
     run(server, metrics_port, health)
     _exit_now(f"expert-server {server_id}")
+
+
+#: ``--sched-policy`` values (Linux ``sched(7)``); neither needs privileges
+SCHED_POLICIES = {"other": os.SCHED_OTHER, "batch": os.SCHED_BATCH}
 
 
 def parse_cpu_list(text: str) -> set[int]:
@@ -753,6 +771,12 @@ def serve(
         help="Attention clients' --spin-us (shm): default (the transport's busy-poll) or "
         "microseconds; 0 blocks at once (docs/serving.md: better only under heavy load).",
     ),
+    server_sched_policy: str = typer.Option(
+        "batch",
+        "--server-sched-policy",
+        help="Expert servers' --sched-policy: batch (default: a woken server does not preempt "
+        "the attention client that woke it) or other.",
+    ),
     server_cpus: str = typer.Option(
         "auto",
         "--server-cpus",
@@ -788,6 +812,7 @@ def serve(
             prefill_tokens_while_decoding=prefill_tokens_while_decoding,
             client_spin_us=client_spin_us,
             server_cpus=server_cpus,
+            server_sched_policy=server_sched_policy,
         )
     except (PlacementError, ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -237,6 +237,9 @@ class Deployment:
             (:func:`~eaas.runtime.placement.spread_over_cpus`), when there are at least 2
             servers and 2 CPUs and ``server_threads`` is 1; ``"none"``: not pinned.
             :attr:`server_cpu_list` holds the result (None: not pinned).
+        server_sched_policy: expert servers' ``--sched-policy``: ``"batch"`` (SCHED_BATCH: a
+            server woken by a client's doorbell does not preempt that client, which still rings
+            the other servers of the call and computes the shared expert) or ``"other"``.
     """
 
     def __init__(
@@ -262,6 +265,7 @@ class Deployment:
         prefill_tokens_while_decoding: str = "auto",
         client_spin_us: str | float | None = None,
         server_cpus: str = "auto",
+        server_sched_policy: str = "batch",
         ready_timeout: float = 300.0,
     ) -> None:
         if transport not in ("shm", "tcp"):
@@ -270,6 +274,11 @@ class Deployment:
             raise ValueError("--attention-clients must be >= 1")
         if server_cpus not in ("auto", "none"):
             raise ValueError(f"--server-cpus must be auto or none, got {server_cpus!r}")
+        if server_sched_policy not in ("batch", "other"):
+            raise ValueError(
+                f"--server-sched-policy must be batch or other, got {server_sched_policy!r}"
+            )
+        self.server_sched_policy = server_sched_policy
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
         from eaas.runtime.models.compute import check_policy
@@ -446,6 +455,7 @@ class Deployment:
                 ]
                 if self.server_cpu_list is not None:
                     argv += ["--cpus", str(self.server_cpu_list[s])]
+                argv += ["--sched-policy", self.server_sched_policy]
                 self._spawn(Child(sid, "expert-server", argv, server_id=sid), env)
             for c in range(self.m):
                 argv = py + [

@@ -118,6 +118,11 @@ def test_bad_endpoints_and_tables_exit_2_naming_the_flag(tmp_path):
         ([*server, "--listen", "tcp://127.0.0.1:0", "--cpus", "0-"], "--cpus", "not a CPU"),
         ([*server, "--listen", "tcp://127.0.0.1:0", "--cpus", "4096"], "--cpus", "not available"),
         (
+            [*server, "--listen", "tcp://127.0.0.1:0", "--sched-policy", "fifo"],
+            "--sched-policy",
+            "fifo",
+        ),
+        (
             [*server, "--listen", "tcp://127.0.0.1:0", "--http-port", str(port)],
             "--http-port",
             "in use",

@@ -82,7 +82,7 @@ def test_serve_over_tcp(tokenizer, model_dir, tmp_path):
     """--transport tcp, 3 servers R=2 (exact greedy tokens); the expert servers are pinned by
     the default --server-cpus auto: one CPU each, as spread_over_cpus gives for the placement
     (every process here may use the same CPUs), the two servers of one decode call on two
-    CPUs."""
+    CPUs; and they run as SCHED_BATCH (default --server-sched-policy batch)."""
     sp = ServeProcess(
         ["--transport", "tcp", "--expert-servers", "3", "--replicas", "2"],
         tmp_path / "serve.log",
@@ -102,6 +102,7 @@ def test_serve_over_tcp(tokenizer, model_dir, tmp_path):
             if " expert-server " in c
         }
         assert sorted(servers) == [0, 1, 2], servers
+        assert all(os.sched_getscheduler(p) == os.SCHED_BATCH for p in servers.values())
         if len(cpus) >= 2:
             info = model_info(model_dir)
             placement = place_experts(info.moe_layers, info.num_experts, 3, 2)
@@ -134,10 +135,11 @@ def test_serve_over_tcp(tokenizer, model_dir, tmp_path):
 def test_serve_client_that_blocks_at_once_is_exact(tokenizer, model_dir, tmp_path):
     """serve --client-spin-us 0: the attention client runs with --spin-us 0 (it never
     busy-polls for the expert servers' answers) and its greedy tokens are the reference's.
-    With --server-cpus none the expert servers are not pinned (no --cpus, every CPU allowed)."""
+    With --server-cpus none the expert servers are not pinned (no --cpus, every CPU allowed), and
+    with --server-sched-policy other they keep the default SCHED_OTHER."""
     sp = ServeProcess(
         ["--expert-servers", "2", "--replicas", "1", "--client-spin-us", "0"]
-        + ["--server-cpus", "none"],
+        + ["--server-cpus", "none", "--server-sched-policy", "other"],
         tmp_path / "serve.log",
         free_port(),
     )
@@ -151,6 +153,7 @@ def test_serve_client_that_blocks_at_once_is_exact(tokenizer, model_dir, tmp_pat
         assert len(servers) == 2, servers
         for p in servers:
             assert _server_cpus(p) == os.sched_getaffinity(0), p
+            assert os.sched_getscheduler(p) == os.SCHED_OTHER, p
         assert "pinned to CPUs" not in sp.log()
         _check_exact(sp.base_url, tokenizer, model_dir)
     finally:
@@ -186,6 +189,7 @@ def _taken_port():
         (["--client-spin-us", "-5"], "--client-spin-us must be default or microseconds >= 0"),
         (["--transport", "tcp", "--client-spin-us", "10"], "acts on --transport shm only"),
         (["--server-cpus", "all"], "--server-cpus must be auto or none, got 'all'"),
+        (["--server-sched-policy", "fifo"], "--server-sched-policy must be batch or other"),
         # checked against the model's config before any child loads weights
         (["--kv-cache-memory", "1KiB"], "--kv-cache-memory 1024 B is below one sequence"),
     ]
