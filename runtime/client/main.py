@@ -43,7 +43,10 @@ def bind_listener(host: str, port: int, reuse_port: bool = False) -> socket.sock
         OSError: the address is taken (``EADDRINUSE``) or not bindable.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
+    # accepted sockets inherit it. With Nagle left on, a kept-alive streaming connection (the
+    # openai client's) held every SSE chunk until the client's delayed ACK, ~40 ms
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
