@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 from typing import Annotated, Any
 
@@ -189,10 +190,7 @@ def expert_server(
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--cpus") from None
     if sched_policy not in SCHED_POLICIES:
-        raise typer.BadParameter(
-            f"must be one of {sorted(SCHED_POLICIES)}, got {sched_policy!r}",
-            param_hint="--sched-policy",
-        )
+        raise typer.BadParameter(f"--sched-policy must be batch or other, got {sched_policy!r}")
     if SCHED_POLICIES[sched_policy] != os.sched_getscheduler(0):  # inherited by later threads
         os.sched_setscheduler(0, SCHED_POLICIES[sched_policy], os.sched_param(0))
     import torch
@@ -315,27 +313,34 @@ SCHED_POLICIES = {"other": os.SCHED_OTHER, "batch": os.SCHED_BATCH}
 
 def parse_cpu_list(text: str) -> set[int]:
     """``'0-3,8'`` -> ``{0, 1, 2, 3, 8}`` (the Linux CPU list format of ``taskset -c`` and
-    ``/sys/devices/system/cpu/online``).
+    ``/sys/devices/system/cpu/online``: decimal CPU ids and ranges ``a-b``, comma-separated).
 
     Raises:
         ValueError: malformed, empty, or a CPU this process may not run on
-            (``os.sched_getaffinity(0)``).
+            (``os.sched_getaffinity(0)``; checked before a range is expanded).
     """
+    allowed = os.sched_getaffinity(0)
+    top = max(allowed)
     out: set[int] = set()
     for part in text.split(","):
-        lo, sep, hi = part.strip().partition("-")
-        try:
-            a, b = int(lo), int(hi) if sep else int(lo)
-        except ValueError:
-            raise ValueError(f"CPU list {text!r}: {part!r} is not a CPU or a range a-b") from None
-        if a < 0 or b < a:
+        m = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", part.strip())
+        if m is None:
             raise ValueError(f"CPU list {text!r}: {part!r} is not a CPU or a range a-b")
+        a = int(m[1])
+        b = int(m[2]) if m[2] is not None else a
+        if b < a:
+            raise ValueError(f"CPU list {text!r}: {part!r} is not a CPU or a range a-b")
+        if b > top:  # before expanding: '0-100000000000' must not build a set of that size
+            raise ValueError(
+                f"CPU list {text!r}: CPU {b} not available to this process "
+                f"(it may run on {sorted(allowed)})"
+            )
         out.update(range(a, b + 1))
-    allowed = os.sched_getaffinity(0)
     if not out <= allowed:
+        missing = sorted(out - allowed)
         raise ValueError(
-            f"CPU list {text!r}: CPU(s) {sorted(out - allowed)} not available to this process "
-            f"(it may run on {sorted(allowed)})"
+            f"CPU list {text!r}: CPU(s) {missing[:8]}{' ...' if len(missing) > 8 else ''} not "
+            f"available to this process (it may run on {sorted(allowed)})"
         )
     return out
 

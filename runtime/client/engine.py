@@ -57,6 +57,10 @@ from eaas.runtime.client.sampling import SampleOutput, SamplingParams, make_gene
 
 log = logging.getLogger("eaas.client.engine")
 
+#: at most one "forward failed" log line per this many seconds; it counts the failures in
+#: between (with every replica of an expert down, each engine step fails: ~60 lines per second)
+FAIL_LOG_INTERVAL_S = 5.0
+
 
 @dataclass
 class TokenEvent:
@@ -175,6 +179,8 @@ class EngineBase:
         self._stopping = threading.Event()
         self.steps = 0
         self.stats = {"prefills": 0, "decode_steps": 0, "max_batch": 0, "cancelled": 0, "failed": 0}
+        self._fail_log_at = 0.0  # time.monotonic() from which a failed forward is logged again
+        self._fail_quiet = 0  # failed forwards not logged since the last line
         self._running_gauge = metrics.RUNNING_SEQS.labels(client_id=self.client_id)
         self._running_gauge.set(0)
         self._waiting_gauge = metrics.WAITING_SEQS.labels(client_id=self.client_id)
@@ -293,7 +299,21 @@ class EngineBase:
                 return
 
     def _fail(self, reqs: list[GenerationRequest], exc: BaseException) -> None:
-        log.warning("forward failed for %d request(s): %s: %s", len(reqs), type(exc).__name__, exc)
+        now = time.monotonic()
+        if now >= self._fail_log_at:
+            log.warning(
+                "forward failed for %d request(s): %s: %s%s",
+                len(reqs),
+                type(exc).__name__,
+                exc,
+                f" ({self._fail_quiet} more failed forwards in the last {FAIL_LOG_INTERVAL_S:g} s "
+                "not logged)"
+                if self._fail_quiet
+                else "",
+            )
+            self._fail_log_at, self._fail_quiet = now + FAIL_LOG_INTERVAL_S, 0
+        else:
+            self._fail_quiet += 1
         self.stats["failed"] += len(reqs)
         for r in reqs:
             r.finish_reason = "error"

@@ -189,6 +189,9 @@ def test_parse_cpu_list_reads_the_linux_list_format():
     assert parse_cpu_list(f"{allowed[0]}-{allowed[-1]}") == set(range(allowed[0], allowed[-1] + 1))
     assert parse_cpu_list(" , ".join(map(str, allowed))) == set(allowed)
     for bad, needle in [("", "not a CPU"), ("a", "not a CPU"), ("3-1", "not a CPU"),
-                        ("-1", "not a CPU"), ("4096", "not available")]:  # fmt: skip
+                        ("-1", "not a CPU"), ("0_1", "not a CPU"), ("+1", "not a CPU"),
+                        ("0,,1", "not a CPU"), ("4096", "not available"),
+                        # refused before the range is expanded (it ate all memory)
+                        ("0-100000000000", "CPU 100000000000 not available")]:  # fmt: skip
         with pytest.raises(ValueError, match=needle):
             parse_cpu_list(bad)

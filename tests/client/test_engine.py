@@ -182,3 +182,38 @@ def test_submit_rejects_bad_input(engine):
         engine.submit([], SamplingParams(), lambda ev: None)
     with pytest.raises(ValueError):
         engine.submit([1, 2], SamplingParams(max_tokens=0), lambda ev: None)
+
+
+def test_failed_forwards_are_logged_at_most_once_per_interval(engine, loaded, caplog):
+    """With every replica of an expert down each engine step fails; the log gets one line per
+    FAIL_LOG_INTERVAL_S with the count of the failures in between, not one line per step (116
+    lines in ~2 s were seen), and every request still gets its error event."""
+    import logging
+
+    from eaas.runtime.client import engine as engine_mod
+
+    _, tok, _ = loaded
+
+    def broken(chunks):
+        raise RuntimeError("no live replica (injected)")
+
+    engine.runner.forward_full = broken
+    caplog.set_level(logging.WARNING, logger="eaas.client.engine")
+    engine.start()
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+
+    def fail_one() -> None:
+        req, events, done = _collect(engine, tok("Hello world")["input_ids"], params)
+        assert done.wait(120)
+        assert isinstance(events[-1], ErrorEvent) and req.finish_reason == "error"
+
+    for _ in range(12):
+        fail_one()
+    lines = [r.getMessage() for r in caplog.records if "forward failed" in r.getMessage()]
+    assert len(lines) == 1 and "more failed forwards" not in lines[0], lines
+    assert engine.stats["failed"] == 12
+    engine._fail_log_at = 0.0  # the interval is over
+    fail_one()
+    lines = [r.getMessage() for r in caplog.records if "forward failed" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert f"(11 more failed forwards in the last {engine_mod.FAIL_LOG_INTERVAL_S:g} s" in lines[1]
