@@ -332,8 +332,15 @@ class Deployment:
         cpus = sorted(os.sched_getaffinity(0))
         # the CPU of every expert server (--cpus), or None: not pinned
         self.server_cpu_list: tuple[int, ...] | None = None
-        if server_cpus == "auto" and server_threads == 1 and expert_servers >= 2 and len(cpus) >= 2:
-            self.server_cpu_list = spread_over_cpus(self.placement, cpus)
+        self.server_cpus = server_cpus
+        self.not_pinned_why = ""  # why auto did not pin, for the log line
+        if server_cpus == "auto":
+            if server_threads != 1:
+                self.not_pinned_why = ": --server-threads is not 1"
+            elif expert_servers < 2 or len(cpus) < 2:
+                self.not_pinned_why = f": {expert_servers} server(s), {len(cpus)} CPU(s)"
+            else:
+                self.server_cpu_list = spread_over_cpus(self.placement, cpus)
         self.n, self.r, self.m = expert_servers, replicas, attention_clients
         self.host, self.port = host, port
         self.transport = transport
@@ -683,6 +690,8 @@ def serve(**options) -> int:
     )
     if dep.server_cpu_list is not None:
         _log(f"expert servers pinned to CPUs {list(dep.server_cpu_list)} (--server-cpus auto)")
+    else:
+        _log(f"expert servers not pinned (--server-cpus {dep.server_cpus}{dep.not_pinned_why})")
     try:
         dep.start()
     except ServeInterrupted as exc:

@@ -155,6 +155,7 @@ def test_serve_client_that_blocks_at_once_is_exact(tokenizer, model_dir, tmp_pat
             assert _server_cpus(p) == os.sched_getaffinity(0), p
             assert os.sched_getscheduler(p) == os.SCHED_OTHER, p
         assert "pinned to CPUs" not in sp.log()
+        assert "expert servers not pinned (--server-cpus none)" in sp.log()
         _check_exact(sp.base_url, tokenizer, model_dir)
     finally:
         sp.stop(check=True)
