@@ -171,11 +171,10 @@ def grouped_expert_sum(
         and stack.usable
     ):
         return _stacked_expert_sum(hidden, experts, weights, stack)
-    out = torch.zeros_like(hidden)
     flat = experts.reshape(-1).to(torch.int64)  # (n*k,)
     pos = (flat >= 0).nonzero().squeeze(1)  # (P,) flat positions of real pairs
     if pos.numel() == 0:
-        return out, {}
+        return torch.zeros_like(hidden), {}
     ev = flat.index_select(0, pos)  # (P,) expert per pair
     order = torch.argsort(ev, stable=True)  # pairs grouped by expert, token order kept
     pos = pos.index_select(0, order)  # (P,)
@@ -189,16 +188,29 @@ def grouped_expert_sum(
     for e, c in loads.items():  # loop over experts, contiguous slices, no per-token work
         ys[start : start + c] = expert_forward(xs[start : start + c], hosted[e])
         start += c
-    # weighted sum accumulated in float32 (a no-op cast for float32 activations), rounded once
+    return _weighted_sum(ys, weights, pos, tok, n, hidden.dtype), loads
+
+
+def _weighted_sum(
+    ys: torch.Tensor,
+    weights: torch.Tensor,
+    pairs: torch.Tensor,
+    tok: torch.Tensor,
+    n: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``out[t] = sum over grouped pairs p of token t: weights.flat[pairs[p]] * ys[p]``,
+    accumulated in float32 (a no-op cast for float32 activations) and rounded once to ``dtype``.
+
+    ``ys`` ``[P, H]`` expert outputs in group order (ascending expert id, token order kept);
+    ``pairs`` ``[P]`` each grouped pair's flat position in ``weights`` ``[n, k]``; ``tok`` ``[P]``
+    its token. ``index_add_`` walks the pairs in order: per token, experts are added in ascending
+    id order. Returns ``[n, H]`` in ``dtype``."""
     acc = ys.float() if ys.dtype != torch.float32 else ys  # (P, H) float32
-    acc *= weights.reshape(-1).index_select(0, pos).to(torch.float32).unsqueeze(-1)
-    # index_add_ walks the pairs in order: per token, experts are added in ascending id order
-    if out.dtype == torch.float32:
-        out.index_add_(0, tok, acc)
-        return out, loads
-    out32 = torch.zeros(out.shape, dtype=torch.float32)
+    acc.mul_(weights.reshape(-1).index_select(0, pairs).to(torch.float32).unsqueeze(1))
+    out32 = torch.zeros((n, ys.shape[1]), dtype=torch.float32)
     out32.index_add_(0, tok, acc)
-    return out32.to(out.dtype), loads
+    return out32 if dtype == torch.float32 else out32.to(dtype)
 
 
 def _stacked_expert_sum(
@@ -230,13 +242,8 @@ def _stacked_expert_sum(
     act = F.silu(gu[:, :n_i])  # (P, I)
     act.mul_(gu[:, n_i:])
     ys = F.grouped_mm(act, stack.down_t, offs=offs)  # (P, H)
-    # weighted sum accumulated in float32 (a no-op for float32 activations), rounded once
-    acc = ys.float() if ys.dtype != torch.float32 else ys  # (P, H) float32
-    acc.mul_(weights.reshape(-1).index_select(0, order).to(torch.float32).unsqueeze(1))
-    out32 = torch.zeros((n, hidden.shape[1]), dtype=torch.float32)
-    out32.index_add_(0, tok, acc)  # per token, experts added in ascending id order
     loads = {e: c for e, c in zip(stack.ids, per_group[:G], strict=True) if c}
-    return (out32 if hidden.dtype == torch.float32 else out32.to(hidden.dtype)), loads
+    return _weighted_sum(ys, weights, order, tok, n, hidden.dtype), loads
 
 
 _NOTHING_HOSTED = torch.zeros(1, dtype=torch.bool)  # mask of a layer this server does not host
