@@ -74,10 +74,6 @@ def test_local_experts_baseline(tokenizer, model_dir, tmp_path):
     assert rc == 0
 
 
-def _server_cpus(pid: int) -> set[int]:
-    return os.sched_getaffinity(pid)
-
-
 def test_serve_over_tcp(tokenizer, model_dir, tmp_path):
     """--transport tcp, 3 servers R=2 (exact greedy tokens); the expert servers are pinned by
     the default --server-cpus auto: one CPU each, as spread_over_cpus gives for the placement
@@ -107,12 +103,12 @@ def test_serve_over_tcp(tokenizer, model_dir, tmp_path):
             info = model_info(model_dir)
             placement = place_experts(info.moe_layers, info.num_experts, 3, 2)
             want = spread_over_cpus(placement, cpus)
-            assert [_server_cpus(servers[s]) for s in range(3)] == [{c} for c in want]
+            assert [os.sched_getaffinity(servers[s]) for s in range(3)] == [{c} for c in want]
             assert f"expert servers pinned to CPUs {list(want)}" in sp.log()
             for col in dispatch_columns(placement):
                 assert len({want[s] for s in col}) == min(len(col), len(cpus)), (col, want)
         else:  # one CPU: nothing to spread
-            assert all(_server_cpus(p) == set(cpus) for p in servers.values())
+            assert all(os.sched_getaffinity(p) == set(cpus) for p in servers.values())
         # serve itself is SIGKILLed (no cleanup code runs): PR_SET_PDEATHSIG takes every child down
         kids = descendants(sp.proc.pid)
         assert len(kids) == 4, kids
@@ -152,7 +148,7 @@ def test_serve_client_that_blocks_at_once_is_exact(tokenizer, model_dir, tmp_pat
         servers = [p for p, c in descendants(sp.proc.pid).items() if " expert-server " in c]
         assert len(servers) == 2, servers
         for p in servers:
-            assert _server_cpus(p) == os.sched_getaffinity(0), p
+            assert os.sched_getaffinity(p) == os.sched_getaffinity(0), p
             assert os.sched_getscheduler(p) == os.SCHED_OTHER, p
         assert "pinned to CPUs" not in sp.log()
         assert "expert servers not pinned (--server-cpus none)" in sp.log()
