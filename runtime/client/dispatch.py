@@ -54,6 +54,7 @@ published in the ``eaas_routing_table_version{client_id}`` gauge and by :meth:`D
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -278,6 +279,80 @@ def live_replicas(
     return replicas.gather(1, order), live.sum(1)
 
 
+#: rotation phases a :class:`PhaseTables` holds at most (the lcm of the experts' live replica
+#: counts: 2 for R=2); a layer whose count is larger uses :func:`choose_replicas` for every call
+MAX_PHASES = 64
+
+
+@dataclass(frozen=True)
+class PhaseTables:
+    """:func:`choose_replicas` precomputed for calls in which no expert's pairs are split.
+
+    When every expert has at most ``split_pairs`` pairs in a call (always so when the call has
+    at most ``split_pairs`` pairs in all, as a decode step has), each pair goes to replica
+    ``start % nlive`` of its expert, and ``start`` is the same for every expert of a layer
+    (the dispatcher advances all of them by one per call). The choice then depends only on the
+    expert and on the *phase* ``start % P`` (``P`` = the least common multiple of the live
+    replica counts), so one look-up per pair replaces the policy's tensor work.
+
+    Attributes:
+        usable: ``[S]`` bool, the usable servers these tables were built for.
+        live: ``live_replicas(replicas, usable)``.
+        luts: ``P`` tensors ``[E + 1]`` int64, one per phase: ``luts[p][e + 1]`` is the server
+            index chosen for expert ``e`` at phase ``p`` (:data:`NO_REPLICA` when ``e`` has no
+            usable replica) and ``luts[p][0]`` is :data:`NO_SERVER` (expert id -1); empty when
+            ``P > MAX_PHASES``.
+        servers: per phase, the sorted server indices ``luts[p]`` holds (a superset of the servers
+            one call reaches).
+        complete: every expert has a usable replica (no :data:`NO_REPLICA` in ``luts``).
+    """
+
+    usable: torch.Tensor
+    live: tuple[torch.Tensor, torch.Tensor]
+    luts: tuple[torch.Tensor, ...]
+    servers: tuple[tuple[int, ...], ...]
+    complete: bool
+
+    @classmethod
+    def build(cls, replicas: torch.Tensor, usable: torch.Tensor) -> PhaseTables:
+        """Tables for ``replicas`` ``[E, R]`` (server index per replica, -1 padding) and
+        ``usable`` ``[S]`` bool."""
+        live_reps, nlive = live = live_replicas(replicas, usable)
+        counts = sorted({int(c) for c in nlive.tolist() if c > 0})  # once per table and set
+        phases = math.lcm(*counts) if counts else 1
+        complete = bool((nlive > 0).all())
+        if phases > MAX_PHASES:
+            return cls(usable, live, (), (), complete)
+        p = torch.arange(phases).unsqueeze(1)  # (P, 1)
+        slot = p % nlive.clamp(min=1).unsqueeze(0)  # (P, E)
+        chosen = live_reps.gather(1, slot.t()).t()  # (P, E): live_reps[e, p % nlive[e]]
+        chosen = torch.where(nlive.unsqueeze(0) > 0, chosen, NO_REPLICA)
+        luts = torch.cat([torch.full((phases, 1), NO_SERVER, dtype=torch.int64), chosen], 1)
+        servers = tuple(tuple(sorted({s for s in row if s >= 0})) for row in chosen.tolist())
+        return cls(usable, live, tuple(luts.unbind(0)), servers, complete)
+
+    def choose(self, experts: torch.Tensor, start: int) -> torch.Tensor | None:
+        """``choose_replicas(experts, replicas, usable, full(start), split_pairs=...)[0]`` for a
+        call in which no expert has more than ``split_pairs`` pairs.
+
+        Args:
+            experts: ``[T, k]`` int64 logical expert ids, -1 = none.
+            start: the layer's rotation offset (the same for every expert).
+
+        Returns:
+            ``[T, k]`` int64 ``assign``, or None when there are no tables or some id is neither
+            -1 nor a known expert (the caller then uses :func:`choose_replicas`).
+        """
+        luts = self.luts
+        if not luts:
+            return None
+        lut = luts[start % len(luts)]  # (E + 1,)
+        try:
+            return lut.index_select(0, experts.reshape(-1) + 1).view(experts.shape)
+        except IndexError:  # an id < -1 or >= E: the general policy marks it NO_REPLICA
+            return None
+
+
 class Dispatcher:
     """Per-client dispatch/combine over the expert servers of the current routing table.
 
@@ -354,10 +429,11 @@ class Dispatcher:
         self._thread: threading.Thread | None = None
         self._table: RoutingTable | None = None
         self._map: ReplicaMap | None = None
-        # (layer, usable servers) -> live_replicas(...) of the table in use
-        self._live: dict[tuple[int, tuple[bool, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (layer, usable servers) -> PhaseTables (usable, live_replicas) of the table in use
+        self._phases: dict[tuple[int, tuple[bool, ...]], PhaseTables] = {}
         self._servers: dict[str, _Server] = {}
-        self._rr: dict[int, torch.Tensor] = {}  # layer -> [E] int64 rotation offsets
+        # layer -> rotation offset of all its experts (planned rounds so far)
+        self._rr: dict[int, int] = {}
         self._version_gauge = metrics.ROUTING_TABLE_VERSION.labels(client_id=str(self.client_id))
         # called as (server_id, endpoint, table_version, reason) when a server is marked down,
         # under the lock: must not block (failure_report.FailureReporter.report only enqueues)
@@ -415,11 +491,8 @@ class Dispatcher:
             self._servers = new
             self._table = table
             self._map = rmap
-            self._live = {}
-            self._rr = {
-                layer: torch.zeros(int(r.shape[0]), dtype=torch.int64)
-                for layer, r in rmap.replicas.items()
-            }
+            self._phases = {}
+            self._rr = dict.fromkeys(rmap.replicas, 0)
             self._version_gauge.set(table.version)
             uncovered = table.uncovered()
             log.info(
@@ -649,13 +722,15 @@ class Dispatcher:
 
         Returns:
             ``(assign [T, k] int64 server index per pair or NO_SERVER, indices of the servers
-            used, servers by index, table)``.
+            reserved (every server ``assign`` holds, and for a decode call possibly another of
+            the same column with no pair; ``_send_round`` skips it), servers by index, table)``.
 
         Raises:
             NoLiveReplicaError: some selected expert has no usable replica.
             RuntimeError: no routing table yet.
         """
         wait_until = time.monotonic() + self.timeout
+        used: tuple[int, ...] | list[int] | None = None
         with self._lock:
             while True:
                 table, rmap = self._table, self._map
@@ -666,7 +741,6 @@ class Dispatcher:
                     s.conn is not None and not s.busy and s.server_id not in exclude
                     for s in servers
                 )
-                usable = torch.tensor(ukey)
                 replicas = rmap.replicas.get(layer)
                 if replicas is None:
                     e = int(idx64.max()) if idx64.numel() else 0
@@ -674,14 +748,30 @@ class Dispatcher:
                         layer, e, f"layer {layer} is not in routing table version {table.version}"
                     )
                 rr = self._rr[layer]
-                live = self._live.get((layer, ukey))
-                if live is None:  # usable set changed: recompute once (few per table)
-                    if len(self._live) > 256:
-                        self._live.clear()
-                    live = self._live[(layer, ukey)] = live_replicas(replicas, usable)
-                assign, counts = choose_replicas(
-                    idx64, replicas, usable, rr, live=live, split_pairs=self.split_pairs
-                )
+                ph = self._phases.get((layer, ukey))
+                if ph is None:  # usable set changed: recompute once (few per table)
+                    if len(self._phases) > 256:
+                        self._phases.clear()
+                    ph = PhaseTables.build(replicas, torch.tensor(ukey, dtype=torch.bool))
+                    self._phases[(layer, ukey)] = ph
+                # no expert above split_pairs pairs (a decode step): one look-up per pair
+                few = self.split_pairs > 1 and idx64.numel() <= self.split_pairs
+                assign = ph.choose(idx64, rr) if few else None
+                used = None
+                if assign is not None:
+                    used = ph.servers[rr % len(ph.servers)]  # (may include a server with no pair)
+                    if ph.complete:
+                        break
+                else:
+                    start = torch.full((int(replicas.shape[0]),), rr, dtype=torch.int64)
+                    assign, _ = choose_replicas(
+                        idx64,
+                        replicas,
+                        ph.usable,
+                        start,
+                        live=ph.live,
+                        split_pairs=self.split_pairs,
+                    )
                 missing = assign == NO_REPLICA
                 if not bool(missing.any()):
                     break
@@ -711,11 +801,12 @@ class Dispatcher:
             # one rotation step per call for every expert of the layer: the experts' replica
             # choices stay in phase, so a call whose experts all stay on one replica reaches the
             # servers of one "column" of the placement, and the next call the next column
-            rr += 1
-            used = torch.unique(assign[assign >= 0]).tolist()
+            self._rr[layer] = rr + 1
+            if used is None:
+                used = torch.unique(assign[assign >= 0]).tolist()
             for si in used:  # loop over servers
                 servers[si].busy = True
-            return assign, used, servers, table
+            return assign, list(used), servers, table
 
     def _release(self, servers: list[_Server], used: list[int]) -> None:
         with self._lock:
@@ -818,16 +909,19 @@ class Dispatcher:
         failed: list[int] = []
         sent: list[tuple[_Server, int, torch.Tensor | None, int]] = []
         graph_out: dict[int, tuple] = {}  # server index -> (graph, output view) (--cuda-graphs)
+        idx32 = idx64.to(torch.int32)  # (T, k) the wire's expert ids
         for si in used:  # loop over servers, tensor ops inside
             s = servers[si]
             m = assign == si  # (T, k)
-            rows: torch.Tensor | None = m.any(dim=1).nonzero().squeeze(1)  # (n,)
-            assert rows is not None
-            ex = torch.where(m, idx64, -1)
+            nz = m.any(dim=1).nonzero()  # (n, 1)
+            n = int(nz.shape[0])
+            if n == 0:
+                continue  # reserved with its column, but no pair of this call is its
+            ex = torch.where(m, idx32, -1)
             w = torch.where(m, w32, 0.0)
-            if int(rows.shape[0]) == T:
-                rows = None  # every token: the hidden batch as is
-            else:
+            rows: torch.Tensor | None = None  # every token: the hidden batch as is
+            if n != T:
+                rows = nz.squeeze(1)  # (n,)
                 ex, w = ex.index_select(0, rows), w.index_select(0, rows)
             s.seq += 1
             conn = s.conn
@@ -838,7 +932,7 @@ class Dispatcher:
                 table_version=table.version,
                 seq=s.seq,
                 hidden=h,
-                experts=ex.to(torch.int32),
+                experts=ex,
                 weights=w,
                 rows=rows,
             )

@@ -17,6 +17,7 @@ from eaas.runtime.client.dispatch import (
     NO_SERVER,
     Dispatcher,
     NoLiveReplicaError,
+    PhaseTables,
     ReplicaMap,
     choose_replicas,
     reconnect_delay,
@@ -124,6 +125,49 @@ def test_choose_replicas_keeps_an_expert_on_one_replica_up_to_split_pairs(seed, 
             c = int(sel.numel())
             if c and int(sel[0]) >= 0:
                 assert len(set(sel.tolist())) <= -(-c // split_pairs)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_phase_tables_choose_as_the_policy_when_no_expert_is_split(seed):
+    """The decode fast path (one look-up per pair at the layer's rotation phase) picks what
+    :func:`choose_replicas` picks whenever no expert has more than ``split_pairs`` pairs."""
+    g = torch.Generator().manual_seed(seed)
+    E, R, S, T, k, split_pairs = 7, 3, 5, 9, 3, 27  # T * k <= split_pairs: no expert split
+    replicas = torch.randint(0, S, (E, R), generator=g)
+    replicas[torch.rand(E, R, generator=g) < 0.3] = -1  # live counts 0..3: phases up to 6
+    usable = torch.rand(S, generator=g) < 0.8
+    ph = PhaseTables.build(replicas, usable)
+    nlive = ((replicas >= 0) & usable[replicas.clamp(min=0)]).sum(1)
+    assert ph.complete == bool((nlive > 0).all())
+    experts = torch.randint(-1, E, (T, k), generator=g)  # -1 pads, repeats allowed
+    for rr in range(13):
+        start = torch.full((E,), rr, dtype=torch.int64)
+        want, _ = choose_replicas(experts, replicas, usable, start, split_pairs=split_pairs)
+        got = ph.choose(experts, rr)
+        assert got is not None and torch.equal(got, want), rr
+        # every server the call reaches is among the servers reserved for its phase
+        assert set(got[got >= 0].tolist()) <= set(ph.servers[rr % len(ph.servers)])
+    # an id that is neither -1 nor a known expert: the caller falls back to the policy
+    assert ph.choose(torch.tensor([[0, E]]), 0) is None
+    assert ph.choose(torch.tensor([[-2, 0]]), 0) is None
+
+
+def test_phase_tables_of_two_replicas_alternate_the_columns():
+    # experts 0, 2 on servers (0, 1); experts 1, 3 on (2, 3): column {0, 2}, then {1, 3}
+    replicas = torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]])
+    ph = PhaseTables.build(replicas, torch.ones(4, dtype=torch.bool))
+    assert ph.complete and ph.servers == ((0, 2), (1, 3))
+    experts = torch.tensor([[0, 1], [2, 3]])
+    assert ph.choose(experts, 0).tolist() == [[0, 2], [0, 2]]
+    assert ph.choose(experts, 1).tolist() == [[1, 3], [1, 3]]
+    # server 1 down: experts 0 and 2 stay on server 0 in both phases
+    ph = PhaseTables.build(replicas, torch.tensor([True, False, True, True]))
+    assert ph.servers == ((0, 2), (0, 3))
+    assert ph.choose(experts, 1).tolist() == [[0, 3], [0, 3]]
+    # servers 0 and 1 down: experts 0 and 2 have no replica
+    ph = PhaseTables.build(replicas, torch.tensor([False, False, True, True]))
+    assert not ph.complete
+    assert ph.choose(experts, 0).tolist() == [[NO_REPLICA, 2], [NO_REPLICA, 2]]
 
 
 def test_choose_replicas_splits_evenly_and_rotates():

@@ -206,3 +206,43 @@ def test_small_calls_keep_each_expert_on_one_replica_and_alternate(two_servers):
         assert all(after[sid] - before[sid] == 5 for sid in after), (before, after)
     finally:
         d.close()
+
+
+def test_a_decode_call_sends_only_to_the_servers_its_pairs_reach(two_servers):
+    """Experts 0-1 live on s0 only, 2-3 on s1 only: a small call reserves both servers (its
+    column) but a server none of whose experts the call selects gets no frame at all."""
+    sids = sorted(two_servers)
+    layers = {LAYER: (("s0",), ("s0",), ("s1",), ("s1",)), 2: (tuple(sids), tuple(sids))}
+    table = RoutingTable(
+        version=1,
+        num_experts=4,
+        servers={sid: two_servers[sid].endpoint for sid in sids},
+        layers=layers,
+    )
+    d = Dispatcher(3, HIDDEN, torch.float32, table, timeout=30.0)
+    try:
+
+        def sent() -> dict[str, int]:
+            return {sid: s["tokens_sent"] for sid, s in d.health()["servers"].items()}
+
+        wait_all_connected(d.health)
+        g = torch.Generator().manual_seed(7)
+        hidden = torch.randn(3, HIDDEN, generator=g)
+        w = torch.rand(3, 2, generator=g)
+        for idx, reached in (
+            (torch.tensor([[0, 1], [1, 0], [0, -1]]), {"s0": 3, "s1": 0}),
+            (torch.tensor([[2, 3], [3, -1], [2, 3]]), {"s0": 0, "s1": 3}),
+            (torch.tensor([[0, 2], [1, -1], [3, -1]]), {"s0": 2, "s1": 2}),
+        ):
+            before, seq0 = sent(), {sid: s.seq for sid, s in d._servers.items()}
+            out = d.dispatch(LAYER, hidden, idx, w)
+            torch.testing.assert_close(out, reference(LAYER, hidden, idx, w))
+            after = sent()
+            assert {sid: after[sid] - before[sid] for sid in after} == reached
+            # one frame per server reached, none (not even an empty one) to the other
+            frames = {sid: s.seq - seq0[sid] for sid, s in d._servers.items()}
+            assert frames == {sid: int(n > 0) for sid, n in reached.items()}
+            # nothing reserved is left busy: the next plan sees both servers usable
+            assert not any(s.busy for s in d._servers.values())
+    finally:
+        d.close()
