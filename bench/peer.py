@@ -1,6 +1,7 @@
 """Peer benchmark: ``eaas serve`` vs the single-process mode vs vLLM's CPU build, in one run.
 
-Systems (each started, measured and stopped in turn, same checkpoint, same load client):
+Systems (same checkpoint, same load client; for each dtype all of them are started, then
+measured side by side, then stopped):
 
 * ``eaas``: ``eaas serve`` (``--expert-servers`` 4, ``--replicas`` 2, shared-memory transport;
   1 torch thread per process, serve's default);
@@ -22,12 +23,20 @@ Workloads (streamed ``/v1/completions``, ``temperature 0``, ``ignore_eos``):
 * W2: the ShareGPT-shaped workload of ``bench/loadgen.py`` (``--w2-requests``, concurrency
   ``--w2-concurrency`` 16, ``--w2-length-scale``).
 
+Side by side: ``--rounds`` (3) rounds; in each, every workload runs on every system in turn
+(one system under load at a time, the others idle; the order reversed every other round), with
+fresh prompts of the same shapes each round (seed + round: no prefix-cache gains from an earlier
+round). Machine load that drifts over the minutes of a run thus hits every system alike, and
+each round is a paired comparison: the report gives eaas/single over all rounds (all tokens /
+all wall time) and per round, and the CPU each idle system used while the others were measured
+(its interference; ~0 expected).
+
 Every system runs with the same ``--max-num-batched-tokens`` (tokens per forward; default 2048,
 vLLM CPU's API-server default) and ``--max-num-seqs`` 64 (eaas and single also with
 ``--prefill-tokens-while-decoding``, default ``auto``: their decode-aware prefill cap), after ``--warmup`` requests whose
 prompts differ from the measured ones (so vLLM's prefix cache gains nothing from them).
 
-Per system, dtype and workload: output tokens/s (completion tokens / wall time), TTFT p50/p99,
+Per system, dtype and workload (its rounds pooled): output tokens/s (completion tokens / wall time), TTFT p50/p99,
 ITL p50/p99 (gaps between streamed chunks that carry a token, as vLLM's serving benchmark counts
 them; the "text ITL" column counts only chunks with non-empty text, where a token that ends
 inside a UTF-8 character, an empty text delta, merges its gap into the next), TPOT p50/p99 (per request: time after
@@ -103,12 +112,11 @@ def workload_w1(
     return out
 
 
-async def run_load(
+async def run_load_raw(
     url: str, model: str, specs: list[loadgen.RequestSpec], concurrency: int, label: str
-) -> dict:
-    """:func:`loadgen.run_load` plus TPOT (time per output token after the first, per request:
-    ``(latency - TTFT) / (tokens - 1)``, as vLLM's serving benchmark reports it) p50 / p99;
-    unlike the per-gap ITL it does not depend on how the SSE chunks were grouped on the way."""
+) -> tuple[list[loadgen.RequestResult], float]:
+    """Stream ``specs`` at ``concurrency`` through :func:`loadgen.run_one`; returns the
+    per-request results and the wall time (s)."""
     queue: asyncio.Queue[loadgen.RequestSpec] = asyncio.Queue()
     for spec in specs:
         queue.put_nowait(spec)
@@ -131,7 +139,18 @@ async def run_load(
     wall = time.perf_counter() - t0
     if bar:
         bar.close()
-    out = loadgen.summarize(label, results, wall, concurrency)
+    return results, wall
+
+
+def summarize_runs(
+    label: str, runs: list[tuple[list[loadgen.RequestResult], float]], concurrency: int
+) -> dict:
+    """:func:`loadgen.summarize` over several runs of one workload (their requests pooled,
+    their wall times added: output tok/s = all tokens / all wall time), plus TPOT (time per
+    output token after the first, per request: ``(latency - TTFT) / (tokens - 1)``, as vLLM's
+    serving benchmark reports it) p50 / p99, and ``rounds_tok_s``: each run's output tok/s."""
+    results = [r for rs, _ in runs for r in rs]
+    out = loadgen.summarize(label, results, sum(w for _, w in runs), concurrency)
     tpots = [
         (r.latency - r.ttft) / (r.output_tokens - 1)
         for r in results
@@ -139,7 +158,19 @@ async def run_load(
     ]
     out["tpot_p50_ms"] = 1e3 * loadgen._pct(tpots, 50)
     out["tpot_p99_ms"] = 1e3 * loadgen._pct(tpots, 99)
+    out["rounds_tok_s"] = [
+        sum(r.output_tokens for r in rs if r.ok) / w if w > 0 else 0.0 for rs, w in runs
+    ]
     return out
+
+
+async def run_load(
+    url: str, model: str, specs: list[loadgen.RequestSpec], concurrency: int, label: str
+) -> dict:
+    """One run of ``specs``, summarized (:func:`summarize_runs`)."""
+    return summarize_runs(
+        label, [await run_load_raw(url, model, specs, concurrency, label)], concurrency
+    )
 
 
 # ---- memory ----------------------------------------------------------------------------------
@@ -343,35 +374,38 @@ def eaas_command(kind: str, args, dtype: str, port: int, model_dir: str | None) 
     )
 
 
-def measure_running(url: str, label: str, workloads: dict, args, root: int | None) -> dict:
-    """Warm up, PSS at idle, then every workload under a PSS sampler."""
-    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-    out: dict = {"model": model, "workloads": {}}
-    if args.warmup:
-        w = workloads["warmup"]
-        asyncio.run(run_load(url, model, w, len(w), f"{label} warm-up"))
-    if root is not None:
-        time.sleep(1.0)  # let the warm-up's buffers settle before the idle reading
-        out["pss_idle"] = pss_snapshot(root)
-    sampler = PssSampler(root, args.pss_interval) if root is not None else None
-    if sampler:
-        sampler.__enter__()
-    try:
-        for wname, item in workloads.items():
-            if wname == "warmup":
-                continue
-            specs, conc = item
-            out["workloads"][wname] = asyncio.run(
-                run_load(url, model, specs, conc, f"{label} {wname}")
-            )
-    finally:
-        if sampler:
-            sampler.__exit__(None, None, None)
-            out["pss_load"] = sampler.peak
-    return out
+def tree_cpu_s(root: int) -> float:
+    """CPU time (user + system, s) used so far by the live processes of ``root``'s tree."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in process_tree(root):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
 
 
-def run_system(kind: str, args, dtype: str, workloads: dict, logdir: Path) -> dict:
+class Running:
+    """A system under test: its URL, served model, process (None: an external ``--peer-url``),
+    log, and the result dict :func:`measure_interleaved` fills."""
+
+    def __init__(self, kind: str, dtype: str, url: str, proc=None, log=None):
+        self.kind, self.dtype, self.url, self.proc, self.log = kind, dtype, url, proc, log
+        self.label = f"{kind} {dtype}"
+        self.model = ""
+        self.res: dict = {"workloads": {}}
+
+    @property
+    def root(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+
+def start_system(kind: str, args, dtype: str, logdir: Path) -> Running:
+    """Start ``kind`` (eaas, single, vllm) and wait until it serves; raises on failure (after
+    stopping it)."""
     port = loadgen.free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ)
@@ -387,18 +421,102 @@ def run_system(kind: str, args, dtype: str, workloads: dict, logdir: Path) -> di
     proc = subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd="/"
     )
+    sysm = Running(kind, dtype, url, proc, log)
     try:
         loadgen.wait_ready(url, proc, timeout=args.start_timeout)
-        started = time.monotonic() - t0
-        res = measure_running(url, f"{kind} {dtype}", workloads, args, proc.pid)
-        res["start_s"] = started
-        return res
-    except Exception as exc:  # noqa: BLE001  (a system that fails is reported, the run goes on)
-        print(f"[{kind} {dtype}] FAILED: {type(exc).__name__}: {exc} (log: {log.name})", flush=True)
-        return {"error": f"{type(exc).__name__}: {exc}", "log": log.name}
-    finally:
-        loadgen.stop(proc)
-        log.close()
+    except BaseException:
+        stop_system(sysm)
+        raise
+    sysm.res["start_s"] = time.monotonic() - t0
+    return sysm
+
+
+def stop_system(sysm: Running) -> None:
+    if sysm.proc is not None:
+        loadgen.stop(sysm.proc)
+    if sysm.log is not None:
+        sysm.log.close()
+
+
+def round_workloads(workloads: dict, rnd: int, args, vocab: int) -> dict:
+    """Round ``rnd``'s requests: round 0 is ``workloads``; later rounds draw fresh prompts (seed
+    + round) of the same shapes, so no system's prefix cache gains from an earlier round."""
+    if rnd == 0:
+        return workloads
+    seed = args.seed + rnd
+    out = {}
+    for wname, (specs, conc) in workloads.items():
+        if wname == "W1":
+            specs = workload_w1(
+                args.w1_requests, args.w1_prompt_tokens, args.w1_output_tokens, vocab, seed
+            )
+        elif wname == "W2":
+            specs = loadgen.make_workload(
+                args.w2_requests, seed, args.w2_length_scale, args.max_model_len
+            )
+        out[wname] = (specs, conc)
+    return out
+
+
+def measure_interleaved(
+    systems: list[Running], workloads: dict, args, vocab: int, warmup: list | None
+) -> None:
+    """Warm up each system and read its PSS at idle, then ``args.rounds`` rounds: in each, every
+    workload runs on every system in turn (the order reversed every other round), so machine
+    load that changes over the minutes of a run hits every system alike and each round gives
+    a paired comparison. Fills each system's ``res``: ``workloads`` (:func:`summarize_runs`
+    over its rounds), ``pss_idle``, ``pss_load`` (peak while it was under load) and
+    ``cpu_while_others_s`` (CPU its processes used while another system was measured: the
+    interference of an idle system, which should be ~0)."""
+    for sysm in systems:
+        sysm.model = httpx.get(f"{sysm.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        sysm.res["model"] = sysm.model
+        if warmup:
+            asyncio.run(
+                run_load(sysm.url, sysm.model, warmup, len(warmup), f"{sysm.label} warm-up")
+            )
+        if sysm.root is not None:
+            time.sleep(1.0)  # let the warm-up's buffers settle before the idle reading
+            sysm.res["pss_idle"] = pss_snapshot(sysm.root)
+            sysm.res["pss_load"] = {}
+        sysm.res["cpu_while_others_s"] = 0.0
+    runs: dict[tuple[str, str], list] = {}
+    for rnd in range(args.rounds):
+        order = systems if rnd % 2 == 0 else systems[::-1]
+        for wname, (specs, conc) in round_workloads(workloads, rnd, args, vocab).items():
+            for sysm in order:
+                if "error" in sysm.res:
+                    continue  # failed in an earlier run: reported, not measured further
+                others = [o for o in systems if o is not sysm and o.root is not None]
+                cpu0 = [tree_cpu_s(o.root) for o in others]  # type: ignore[arg-type]
+                sampler = PssSampler(sysm.root, args.pss_interval) if sysm.root else None
+                if sampler:
+                    sampler.__enter__()
+                try:
+                    label = f"{sysm.label} {wname} round {rnd + 1}/{args.rounds}"
+                    run = asyncio.run(run_load_raw(sysm.url, sysm.model, specs, conc, label))
+                except Exception as exc:  # noqa: BLE001  (a system that fails is reported)
+                    print(f"[{sysm.label}] FAILED: {type(exc).__name__}: {exc}", flush=True)
+                    sysm.res["error"] = f"{type(exc).__name__}: {exc}"
+                    continue
+                finally:
+                    if sampler:
+                        sampler.__exit__(None, None, None)
+                        peak = sysm.res["pss_load"]
+                        if sum(v[1] for v in sampler.peak.values()) > sum(
+                            v[1] for v in peak.values()
+                        ):
+                            sysm.res["pss_load"] = sampler.peak
+                for o, c in zip(others, cpu0, strict=True):
+                    o.res["cpu_while_others_s"] += tree_cpu_s(o.root) - c  # type: ignore[arg-type]
+                runs.setdefault((sysm.kind, wname), []).append(run)
+    for sysm in systems:
+        if "error" in sysm.res:
+            continue
+        for wname, (_specs, conc) in workloads.items():
+            sysm.res["workloads"][wname] = summarize_runs(
+                f"{sysm.label} {wname}", runs[(sysm.kind, wname)], conc
+            )
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -462,9 +580,30 @@ def report(res: dict, args) -> tuple[str, list[str]]:
             s = systems.get("single", {}).get("workloads", {}).get(wname)
             if e and s:
                 r_es = _ratio(e["output_tokens_per_s"], s["output_tokens_per_s"])
-                lines.append(f"| {wname} | eaas / single | {_f(r_es, '{:.2f}x')} | | | | | | | | |")
+                per = [
+                    _ratio(a, b)
+                    for a, b in zip(
+                        e.get("rounds_tok_s", []), s.get("rounds_tok_s", []), strict=True
+                    )
+                ]
+                rounds = (
+                    " (rounds: " + ", ".join(_f(x, "{:.2f}") for x in per) + ")"
+                    if len(per) > 1
+                    else ""
+                )
+                lines.append(
+                    f"| {wname} | eaas / single | {_f(r_es, '{:.2f}x')}{rounds} | | | | | | | | |"
+                )
                 if r_es is not None and r_es < TARGETS["eaas_vs_single"]:
                     misses.append(f"{dtype} {wname}: eaas/single {r_es:.2f} < 0.85")
+        idle_cpu = [
+            (k, r["cpu_while_others_s"]) for k, r in systems.items() if "cpu_while_others_s" in r
+        ]
+        if idle_cpu:
+            lines.append(
+                "\nCPU used by each system while idle (another system under load): "
+                + ", ".join(f"{k} {v:.2f} s" for k, v in idle_cpu)
+            )
         # memory
         mem = [(k, r) for k, r in systems.items() if "pss_idle" in r]
         if mem:
@@ -607,9 +746,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start-timeout", type=float, default=900.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds of every workload on every system, interleaved (fresh prompts each round)",
+    )
+    ap.add_argument(
         "--short",
         action="store_true",
-        help="validation run: W1 8 requests x 16 tokens, W2 12 requests",
+        help="validation run: W1 8 requests x 16 tokens, W2 12 requests, one round",
     )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
@@ -617,6 +762,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.short:
         args.w1_requests, args.w1_output_tokens, args.w2_requests, args.warmup = 8, 16, 12, 2
+        args.rounds = 1
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be >= 1")
 
     from eaas.runtime.models.tiny import default_model_dir
 
@@ -662,21 +810,34 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     logdir = out / f"peer-{stamp}-logs"
     logdir.mkdir()
+    warmup = workloads.pop("warmup") if args.warmup else None
     res: dict[str, dict] = {}
     for dtype in args.dtypes.split(","):
         res[dtype] = {}
-        for kind in kinds:
-            res[dtype][kind] = run_system(kind, args, dtype, workloads, logdir)
-        if args.peer_url:
-            res[dtype]["peer"] = measure_running(
-                args.peer_url, f"peer {dtype}", workloads, args, None
-            )
+        started: list[Running] = []
+        try:
+            for kind in kinds:  # every system of this dtype runs, idle but for its own rounds
+                try:
+                    started.append(start_system(kind, args, dtype, logdir))
+                except Exception as exc:  # noqa: BLE001  (reported; the others are measured)
+                    print(f"[{kind} {dtype}] FAILED: {type(exc).__name__}: {exc}", flush=True)
+                    res[dtype][kind] = {"error": f"{type(exc).__name__}: {exc}"}
+            if args.peer_url:
+                started.append(Running("peer", dtype, args.peer_url))
+            measure_interleaved(started, workloads, args, cfg["vocab_size"], warmup)
+        finally:
+            for sysm in started:
+                stop_system(sysm)
+        for sysm in started:
+            res[dtype][sysm.kind] = sysm.res
+        res[dtype] = {k: res[dtype][k] for k in [*kinds, "peer"] if k in res[dtype]}
     table, misses = report(res, args)
     head = (
         f"peer benchmark {stamp}: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the end; "
         f"W1 {args.w1_requests} x ({args.w1_prompt_tokens} prompt + {args.w1_output_tokens} output tokens) "
         f"at concurrency {args.w1_requests}; W2 {args.w2_requests} ShareGPT-shaped requests "
-        f"(length scale {args.w2_length_scale}) at concurrency {args.w2_concurrency}"
+        f"(length scale {args.w2_length_scale}) at concurrency {args.w2_concurrency}; "
+        f"{args.rounds} interleaved round(s) per workload and system"
     )
     text = (
         head

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import loadgen  # noqa: E402
 import peer  # noqa: E402
 
 pytestmark = pytest.mark.engine
@@ -104,3 +105,53 @@ def test_dtype_with_policy_passes_cpu_bf16_compute_to_eaas_only():
         assert cmd[cmd.index("--cpu-bf16-compute") + 1] == "fp32"
         plain = peer.eaas_command(kind, args, "bfloat16", 8000, None)
         assert "--cpu-bf16-compute" not in plain  # the processes' own default (auto)
+
+
+def _result(tokens: int, ttft: float = 0.1) -> loadgen.RequestResult:
+    r = loadgen.RequestResult(ok=True, ttft=ttft, latency=ttft + 0.01 * (tokens - 1))
+    r.output_tokens = tokens
+    return r
+
+
+def test_rounds_are_pooled_and_each_round_kept():
+    # two rounds: 30 tokens in 1 s, then 10 tokens in 1 s: pooled 20 tok/s, per round 30 and 10
+    runs = [([_result(10), _result(20)], 1.0), ([_result(10, ttft=0.3)], 1.0)]
+    out = peer.summarize_runs("eaas W2", runs, 16)
+    assert out["requests"] == 3 and out["output_tokens"] == 40
+    assert out["output_tokens_per_s"] == pytest.approx(20.0)
+    assert out["rounds_tok_s"] == pytest.approx([30.0, 10.0])
+    assert out["tpot_p50_ms"] == pytest.approx(10.0)
+    # the report gives eaas/single pooled and per round
+    single = peer.summarize_runs("single W2", [([_result(30)], 1.0), ([_result(40)], 1.0)], 16)
+    args = argparse.Namespace(vllm=False, peer_url=None, workloads="W2")
+    table, misses = peer.report(
+        {"float32": {"eaas": {"workloads": {"W2": out}}, "single": {"workloads": {"W2": single}}}},
+        args,
+    )
+    assert "| W2 | eaas / single | 0.57x (rounds: 1.00, 0.25) |" in table
+    assert misses == ["float32 W2: eaas/single 0.57 < 0.85"]
+
+
+def test_later_rounds_draw_fresh_prompts_of_the_same_shapes():
+    args = argparse.Namespace(
+        seed=0,
+        w1_requests=3,
+        w1_prompt_tokens=20,
+        w1_output_tokens=8,
+        w2_requests=5,
+        w2_length_scale=0.2,
+        max_model_len=2048,
+    )
+    base = {
+        "W1": (peer.workload_w1(3, 20, 8, 922, 0), 3),
+        "W2": (loadgen.make_workload(5, 0, 0.2, 2048), 16),
+    }
+    assert peer.round_workloads(base, 0, args, 922) is base
+    r1 = peer.round_workloads(base, 1, args, 922)
+    for w in ("W1", "W2"):
+        assert r1[w][1] == base[w][1] and len(r1[w][0]) == len(base[w][0])
+        assert [s.prompt for s in r1[w][0]] != [s.prompt for s in base[w][0]]
+    assert all(len(s.prompt) == 20 and s.max_tokens == 8 for s in r1["W1"][0])
+    # every round is the same for every system: a round's requests depend on the round alone
+    again = peer.round_workloads(base, 1, args, 922)
+    assert [s.prompt for s in again["W2"][0]] == [s.prompt for s in r1["W2"][0]]
