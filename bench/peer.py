@@ -24,7 +24,9 @@ Workloads (streamed ``/v1/completions``, ``temperature 0``, ``ignore_eos``):
   ``--w2-concurrency`` 16, ``--w2-length-scale``).
 
 Side by side: ``--rounds`` (3) rounds; in each, every workload runs on every system in turn
-(one system under load at a time, the others idle; the order reversed every other round), with
+(one system under load at a time, the others idle: before each run the bench waits, up to
+``--settle-timeout``, until the idle systems use under 5% of a CPU over ``--settle-window``, as
+vLLM's engine keeps polling for seconds after its load ends; the order reversed every other round), with
 fresh prompts of the same shapes each round (seed + round: no prefix-cache gains from an earlier
 round). Machine load that drifts over the minutes of a run thus hits every system alike, and
 each round is a paired comparison: the report gives eaas/single over all rounds (all tokens /
@@ -388,6 +390,24 @@ def tree_cpu_s(root: int) -> float:
     return total
 
 
+def wait_quiet(roots: list[int], window: float, timeout: float) -> tuple[float, bool]:
+    """Wait until the process trees of ``roots`` together use under 5% of one CPU over a
+    ``window``-second window (a server that polls for a while after its load ended, as vLLM's
+    engine does, has stopped), at most ``timeout`` s. Returns ``(seconds waited, quiet)``."""
+    t0 = time.monotonic()
+    if not roots:
+        return 0.0, True
+    last = sum(tree_cpu_s(r) for r in roots)
+    while True:
+        time.sleep(window)
+        now = sum(tree_cpu_s(r) for r in roots)
+        if now - last < 0.05 * window:
+            return time.monotonic() - t0, True
+        if time.monotonic() - t0 >= timeout:
+            return time.monotonic() - t0, False
+        last = now
+
+
 class Running:
     """A system under test: its URL, served model, process (None: an external ``--peer-url``),
     log, and the result dict :func:`measure_interleaved` fills."""
@@ -488,6 +508,14 @@ def measure_interleaved(
                 if "error" in sysm.res:
                     continue  # failed in an earlier run: reported, not measured further
                 others = [o for o in systems if o is not sysm and o.root is not None]
+                waited, quiet = wait_quiet(
+                    [o.root for o in others],  # type: ignore[misc]
+                    args.settle_window,
+                    args.settle_timeout,
+                )
+                sysm.res["settle_s"] = sysm.res.get("settle_s", 0.0) + waited
+                if not quiet:
+                    sysm.res["unsettled_runs"] = sysm.res.get("unsettled_runs", 0) + 1
                 cpu0 = [tree_cpu_s(o.root) for o in others]  # type: ignore[arg-type]
                 sampler = PssSampler(sysm.root, args.pss_interval) if sysm.root else None
                 if sampler:
@@ -603,6 +631,17 @@ def report(res: dict, args) -> tuple[str, list[str]]:
             lines.append(
                 "\nCPU used by each system while idle (another system under load): "
                 + ", ".join(f"{k} {v:.2f} s" for k, v in idle_cpu)
+                + "; waited for the idle systems to settle before the runs of: "
+                + ", ".join(
+                    f"{k} {r.get('settle_s', 0.0):.1f} s"
+                    + (
+                        f" ({r['unsettled_runs']} runs unsettled)"
+                        if r.get("unsettled_runs")
+                        else ""
+                    )
+                    for k, r in systems.items()
+                    if "cpu_while_others_s" in r
+                )
             )
         # memory
         mem = [(k, r) for k, r in systems.items() if "pss_idle" in r]
@@ -745,6 +784,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pss-interval", type=float, default=1.0)
     ap.add_argument("--start-timeout", type=float, default=900.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--settle-window",
+        type=float,
+        default=1.0,
+        help="before each run, the idle systems must use < 5%% of a CPU over this many seconds",
+    )
+    ap.add_argument(
+        "--settle-timeout", type=float, default=30.0, help="... waiting at most this long"
+    )
     ap.add_argument(
         "--rounds",
         type=int,

@@ -155,3 +155,17 @@ def test_later_rounds_draw_fresh_prompts_of_the_same_shapes():
     # every round is the same for every system: a round's requests depend on the round alone
     again = peer.round_workloads(base, 1, args, 922)
     assert [s.prompt for s in again["W2"][0]] == [s.prompt for s in r1["W2"][0]]
+
+
+def test_wait_quiet_waits_for_a_busy_idle_system():
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    calm = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        waited, quiet = peer.wait_quiet([busy.pid], window=0.5, timeout=2.0)
+        assert not quiet and waited >= 2.0
+        waited, quiet = peer.wait_quiet([calm.pid], window=0.5, timeout=30.0)
+        assert quiet
+    finally:
+        for p in (busy, calm):
+            os.killpg(p.pid, 9)
+            p.wait()
