@@ -112,6 +112,32 @@ def make_workload(n: int, seed: int, length_scale: float, max_context: int) -> l
     return out
 
 
+def reword(specs: list[RequestSpec], seed: int) -> list[RequestSpec]:
+    """The same requests (prompt and output lengths) with fresh prompt words drawn with
+    ``seed``: another round of one workload that no prefix cache has seen."""
+    rng = random.Random(seed)
+    return [
+        RequestSpec(
+            prompt=" ".join(rng.choice(_WORDS) for _ in range(s.prompt_words)),
+            prompt_words=s.prompt_words,
+            max_tokens=s.max_tokens,
+        )
+        for s in specs
+    ]
+
+
+def require_bench_extra() -> None:
+    """Exit with a clear message when the ``bench`` extra (matplotlib for the plots) is not
+    installed, before any server is started."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit(
+            "the benchmarks need the bench extra (matplotlib for the plots): "
+            "pip install -e '.[bench]'"
+        ) from None
+
+
 def load_session(concurrency: int) -> aiohttp.ClientSession:
     """The load client's HTTP session: up to ``concurrency + 4`` connections, 10 s to connect,
     600 s per request. Use as ``async with load_session(c) as session``."""

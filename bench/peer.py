@@ -26,10 +26,11 @@ Workloads (streamed ``/v1/completions``, ``temperature 0``, ``ignore_eos``):
 Side by side: ``--rounds`` (3) rounds; in each, every workload runs on every system in turn
 (one system under load at a time, the others idle: before each run the bench waits, up to
 ``--settle-timeout``, until the idle systems use under 5% of a CPU over ``--settle-window``, as
-vLLM's engine keeps polling for seconds after its load ends; the order reversed every other round), with
-fresh prompts of the same shapes each round (seed + round: no prefix-cache gains from an earlier
-round). Machine load that drifts over the minutes of a run thus hits every system alike, and
-each round is a paired comparison: the report gives eaas/single over all rounds (all tokens /
+vLLM's engine keeps polling for seconds after its load ends; the order reversed every other
+round), with each request's prompt and output lengths kept and fresh prompt tokens / words
+drawn each round (seed + round: no prefix-cache gains from an earlier round). Machine load that
+drifts over the minutes of a run thus hits every system alike, and each round is a paired
+comparison: the report gives eaas/single over all rounds (all tokens /
 all wall time) and per round, and the CPU each idle system used while the others were measured
 (its interference; ~0 expected).
 
@@ -459,8 +460,9 @@ def stop_system(sysm: Running) -> None:
 
 
 def round_workloads(workloads: dict, rnd: int, args, vocab: int) -> dict:
-    """Round ``rnd``'s requests: round 0 is ``workloads``; later rounds draw fresh prompts (seed
-    + round) of the same shapes, so no system's prefix cache gains from an earlier round."""
+    """Round ``rnd``'s requests: round 0 is ``workloads``; later rounds keep every request's
+    prompt and output lengths and draw fresh prompt tokens (W1) or words (W2) with seed + round,
+    so no system's prefix cache gains from an earlier round."""
     if rnd == 0:
         return workloads
     seed = args.seed + rnd
@@ -471,9 +473,7 @@ def round_workloads(workloads: dict, rnd: int, args, vocab: int) -> dict:
                 args.w1_requests, args.w1_prompt_tokens, args.w1_output_tokens, vocab, seed
             )
         elif wname == "W2":
-            specs = loadgen.make_workload(
-                args.w2_requests, seed, args.w2_length_scale, args.max_model_len
-            )
+            specs = loadgen.reword(specs, seed)  # the same lengths, fresh words
         out[wname] = (specs, conc)
     return out
 
@@ -489,12 +489,19 @@ def measure_interleaved(
     ``cpu_while_others_s`` (CPU its processes used while another system was measured: the
     interference of an idle system, which should be ~0)."""
     for sysm in systems:
-        sysm.model = httpx.get(f"{sysm.url}/v1/models", timeout=10).json()["data"][0]["id"]
-        sysm.res["model"] = sysm.model
-        if warmup:
-            asyncio.run(
-                run_load(sysm.url, sysm.model, warmup, len(warmup), f"{sysm.label} warm-up")
-            )
+        try:
+            sysm.model = httpx.get(f"{sysm.url}/v1/models", timeout=10).json()["data"][0]["id"]
+            sysm.res["model"] = sysm.model
+            if warmup:
+                w = asyncio.run(
+                    run_load(sysm.url, sysm.model, warmup, len(warmup), f"{sysm.label} warm-up")
+                )
+                if w["failed"]:
+                    raise RuntimeError(f"{w['failed']} warm-up requests failed: {w['errors']}")
+        except Exception as exc:  # noqa: BLE001  (reported; the other systems are measured)
+            print(f"[{sysm.label}] FAILED: {type(exc).__name__}: {exc}", flush=True)
+            sysm.res["error"] = f"{type(exc).__name__}: {exc}"
+            continue
         if sysm.root is not None:
             time.sleep(1.0)  # let the warm-up's buffers settle before the idle reading
             sysm.res["pss_idle"] = pss_snapshot(sysm.root)
@@ -624,9 +631,7 @@ def report(res: dict, args) -> tuple[str, list[str]]:
                 )
                 if r_es is not None and r_es < TARGETS["eaas_vs_single"]:
                     misses.append(f"{dtype} {wname}: eaas/single {r_es:.2f} < 0.85")
-        idle_cpu = [
-            (k, r["cpu_while_others_s"]) for k, r in systems.items() if "cpu_while_others_s" in r
-        ]
+        idle_cpu = [(k, r["cpu_while_others_s"]) for k, r in systems.items() if "pss_idle" in r]
         if idle_cpu:
             lines.append(
                 "\nCPU used by each system while idle (another system under load): "
@@ -797,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds",
         type=int,
         default=3,
-        help="rounds of every workload on every system, interleaved (fresh prompts each round)",
+        help="rounds of every workload on every system, interleaved (fresh prompt words each round)",
     )
     ap.add_argument(
         "--short",
@@ -808,11 +813,20 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so every started server is stopped (the finally blocks)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be >= 1")
+    if not args.settle_window > 0 or not args.settle_timeout >= 0:
+        raise SystemExit("--settle-window must be > 0 s and --settle-timeout >= 0 s")
+    kinds = [k for k in args.systems.split(",") if k]
+    for k in kinds:
+        if k not in ("eaas", "single"):
+            raise SystemExit(f"--systems: unknown system {k!r} (eaas, single)")
+    if args.vllm:
+        kinds.append("vllm")
+    loadgen.require_bench_extra()
     if args.short:
         args.w1_requests, args.w1_output_tokens, args.w2_requests, args.warmup = 8, 16, 12, 2
         args.rounds = 1
-    if args.rounds < 1:
-        raise SystemExit("--rounds must be >= 1")
 
     from eaas.runtime.models.tiny import default_model_dir
 
@@ -847,12 +861,6 @@ def main(argv: list[str] | None = None) -> int:
     workloads["warmup"] = workload_w1(
         args.warmup, args.w1_prompt_tokens, 16, cfg["vocab_size"], args.seed + 1000
     )
-    kinds = [k for k in args.systems.split(",") if k]
-    for k in kinds:
-        if k not in ("eaas", "single"):
-            raise SystemExit(f"--systems: unknown system {k!r} (eaas, single)")
-    if args.vllm:
-        kinds.append("vllm")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")

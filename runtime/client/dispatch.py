@@ -349,7 +349,7 @@ class PhaseTables:
         lut = luts[start % len(luts)]  # (E + 1,)
         try:
             return lut.index_select(0, experts.reshape(-1) + 1).view(experts.shape)
-        except IndexError:  # an id < -1 or >= E: the general policy marks it NO_REPLICA
+        except IndexError:  # an id < -1 or >= E: the caller's choose_replicas handles it
             return None
 
 

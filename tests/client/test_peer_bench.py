@@ -152,6 +152,10 @@ def test_later_rounds_draw_fresh_prompts_of_the_same_shapes():
         assert r1[w][1] == base[w][1] and len(r1[w][0]) == len(base[w][0])
         assert [s.prompt for s in r1[w][0]] != [s.prompt for s in base[w][0]]
     assert all(len(s.prompt) == 20 and s.max_tokens == 8 for s in r1["W1"][0])
+    # W2: every request keeps its prompt and output lengths, only the words are new
+    for a, b in zip(r1["W2"][0], base["W2"][0], strict=True):
+        assert (a.prompt_words, a.max_tokens) == (b.prompt_words, b.max_tokens)
+        assert len(a.prompt.split()) == a.prompt_words
     # every round is the same for every system: a round's requests depend on the round alone
     again = peer.round_workloads(base, 1, args, 922)
     assert [s.prompt for s in again["W2"][0]] == [s.prompt for s in r1["W2"][0]]
@@ -169,3 +173,19 @@ def test_wait_quiet_waits_for_a_busy_idle_system():
         for p in (busy, calm):
             os.killpg(p.pid, 9)
             p.wait()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--rounds", "0"], "--rounds must be >= 1"),
+        (["--short", "--rounds", "0"], "--rounds must be >= 1"),
+        (["--settle-window", "0"], "--settle-window must be > 0"),
+        (["--settle-timeout", "-1"], "--settle-timeout >= 0"),
+        (["--systems", "eaas,foo"], "unknown system 'foo'"),
+    ],
+)
+def test_bad_options_are_refused_before_anything_starts(argv, message):
+    with pytest.raises(SystemExit) as e:
+        peer.main(argv)
+    assert message in str(e.value)
