@@ -366,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", default=None, help="benchmark a running server only (no baseline)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
+    require_bench_extra()
 
     workload = make_workload(args.requests, args.seed, args.length_scale, args.max_context)
     print(
