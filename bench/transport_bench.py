@@ -21,8 +21,8 @@ and a round trip then costs context switches, which swamps what is measured here
   a ``Tensor.copy_`` as in shm. Nothing else: no validation, no frame objects, no liveness
   checks.
 * ``shm``: :mod:`eaas.runtime.transport.shm` through its public interface (a new
-  :class:`RequestFrame` per ``send``, ``recv``, the echo server's ``poll`` / ``respond`` with a
-  new :class:`ResponseFrame`; output copied out).
+  :class:`RequestFrame` per ``send``, ``recv``, the echo server's ``poll`` / ``respond_ok``, as
+  the expert server answers; output copied out).
 * ``ref`` (``--ref-shm FILE``): the same for another copy of ``shm.py`` (an older version), in
   the same run.
 * ``tcp``: :mod:`eaas.runtime.transport.tcp` over loopback (``--tcp``).
@@ -273,7 +273,6 @@ def serve(
     listener of the file ``module`` instead of the installed transport when given."""
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
-    from eaas.runtime.transport.base import STATUS_OK, ResponseFrame
     from eaas.runtime.transport.factory import listen
 
     torch.set_num_threads(1)
@@ -289,7 +288,7 @@ def serve(
     try:
         while not stop:
             for conn, f in lst.poll(0.2):
-                lst.respond(conn, ResponseFrame(f.seq, f.layer, STATUS_OK, f.hidden))
+                lst.respond_ok(conn, f, f.hidden)  # as the expert server answers
     finally:
         lst.close()
 
@@ -348,8 +347,9 @@ def profile_segments(
     """Where a round trip's time goes, in one process (no waiting, no cross-CPU traffic): each
     step of a round trip timed with ``perf_counter_ns`` around it, for the prototype's steps
     (its three copies and counter store as "send", the server's copy and stores as "respond",
-    the copy out) and shm's (the caller's ``RequestFrame``, ``send``, ``poll(0)``, the echo's
-    ``ResponseFrame``, ``respond``, ``recv``, the copy out); ``rounds`` rounds of 100 round
+    the copy out) and shm's (the caller's ``RequestFrame``, ``send``, ``poll(0)``, "resp frame"
+    (nothing since the echo answers with ``respond_ok``, as the expert server; kept so older
+    tables compare), ``respond_ok``, ``recv``, the copy out); ``rounds`` rounds of 100 round
     trips, the kinds interleaved round by round.
 
     Returns:
@@ -358,7 +358,7 @@ def profile_segments(
     import threading
 
     from eaas.runtime.transport import shm
-    from eaas.runtime.transport.base import STATUS_OK, RequestFrame, ResponseFrame
+    from eaas.runtime.transport.base import RequestFrame
 
     mods = {"shm": shm} | ({"ref": ref_module} if ref_module is not None else {})
     h = torch.randn(n, hidden).to(dtype)
@@ -424,9 +424,8 @@ def profile_segments(
             t2 = pc()
             ((conn, g),) = lst.poll(0)
             t3 = pc()
-            rf = ResponseFrame(g.seq, g.layer, STATUS_OK, g.hidden)
-            t4 = pc()
-            lst.respond(conn, rf)
+            t4 = pc()  # no ResponseFrame: the echo answers as the expert server does
+            lst.respond_ok(conn, g, g.hidden)
             t5 = pc()
             r = c.recv(mono() + 10)
             t6 = pc()

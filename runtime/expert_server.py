@@ -54,7 +54,6 @@ from eaas.runtime.models.compute import ComputeChoice, decide_compute
 from eaas.runtime.transport.base import (
     STATUS_BAD_FRAME,
     STATUS_NOT_HOSTED,
-    STATUS_OK,
     RequestFrame,
     ResponseFrame,
 )
@@ -533,9 +532,7 @@ class ExpertServer:
         start = 0
         for conn, f in group:
             n = f.num_tokens
-            self.listener.respond(
-                conn, ResponseFrame(f.seq, f.layer, STATUS_OK, out[start : start + n])
-            )
+            self.listener.respond_ok(conn, f, out[start : start + n])
             start += n
 
     def _gpu_layer(self, layer: int, hosting: _Hosting):

@@ -238,5 +238,13 @@ class ServerListener(abc.ABC):
     def respond(self, conn: object, frame: ResponseFrame) -> None:
         """Send ``frame`` back on ``conn``; a dead client is dropped silently."""
 
+    def respond_ok(self, conn: object, request: RequestFrame, output: torch.Tensor) -> None:
+        """Answer ``request`` (a frame :meth:`poll` returned with ``conn``) with ``output``
+        ``[n, H]`` (the request's dtype) and ``STATUS_OK``: the same as ``respond(conn,
+        ResponseFrame(request.seq, request.layer, STATUS_OK, output))``, which a transport may do
+        without building the frame (the expert server's answer path). Reads only ``request.seq``
+        and ``request.layer``."""
+        self.respond(conn, ResponseFrame(request.seq, request.layer, STATUS_OK, output))
+
     @abc.abstractmethod
     def close(self) -> None: ...

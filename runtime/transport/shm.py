@@ -927,7 +927,7 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
                 if q[0] != last:
                     frames = self._collect()
                     if frames:
-                        self._note_wait(now - start)
+                        self._gap = 0.75 * self._gap + 0.25 * (now - start)  # _note_wait
                         return frames
                     watch = self._watch_list()  # (a bad frame, answered at once)
                     break
@@ -991,41 +991,63 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
         ``frame.output``: ``[n, H]`` in the connection dtype (ignored unless status is OK).
         A dead or vanished client is dropped silently.
         """
+        if frame.status == STATUS_OK and frame.output is not None:
+            self.respond_ok(conn, frame, frame.output)  # (reads .seq and .layer of either)
+            return
         # TypeError (from _own) for a handle that is no connection at all
         c = conn if isinstance(conn, _ServerConn) else self._own(conn)
         s = c.slots
         if s is None or self._conns.get(c.fileno) is not c:
             return  # dropped (dead client) or not ours
+        self._answer_status(c, s, frame.layer, frame.seq, frame.status, frame.message)
+
+    def respond_ok(
+        self, conn: object, request: RequestFrame | ResponseFrame, output: torch.Tensor
+    ) -> None:
+        """:meth:`respond` with ``STATUS_OK`` and ``output`` ``[n, H]`` without a
+        :class:`ResponseFrame` (``request``: the frame answered, or the ``ResponseFrame`` that
+        :meth:`respond` got; only its ``seq`` and ``layer`` are read): copy the output into the response slot, store the header fields
+        and the done counter, ring the doorbell only if the client waits. An output that does
+        not fit the slot (more rows, another hidden size) answers ``STATUS_BAD_FRAME`` instead."""
+        c = conn if isinstance(conn, _ServerConn) else self._own(conn)
+        s = c.slots
+        if s is None or self._conns.get(c.fileno) is not c:
+            return  # dropped (dead client) or not ours
+        n = output.shape[0]
+        if n:
+            v = s._resp_views.get(n)
+            if v is None:
+                v = s.resp_view(n)
+            try:
+                v.copy_(output)
+            except RuntimeError as e:  # wrong shape or more rows than the slot holds
+                msg = f"server output {tuple(output.shape)} does not fit the response: {e}"
+                self._answer_status(c, s, request.layer, request.seq, STATUS_BAD_FRAME, msg)
+                return
+            if not s.sync_free:
+                s.sync()  # payload before flag (a device payload)
         hdr = s.resp_q
-        status = frame.status
-        out = frame.output
-        n = ln = 0
-        if status == STATUS_OK and out is not None:
-            n = out.shape[0]
-            if n:
-                v = s._resp_views.get(n)
-                if v is None:
-                    v = s.resp_view(n)
-                try:
-                    v.copy_(out)
-                except RuntimeError as e:  # wrong shape or more rows than the slot holds
-                    status = STATUS_BAD_FRAME
-                    n, ln = (
-                        0,
-                        self._message(
-                            s, f"server output {tuple(out.shape)} does not fit the response: {e}"
-                        ),
-                    )
-                else:
-                    if not s.sync_free:
-                        s.sync()  # payload before flag (a device payload)
-        elif frame.message:
-            ln = self._message(s, frame.message)
         # header fields [1..5] in one store (one cache-line transfer to the spinning client)
-        _pack_resp(hdr, 8, frame.layer, status, n, ln, frame.seq)
+        _pack_resp(hdr, 8, request.layer, STATUS_OK, n, 0, request.seq)
         hdr[0] = c.last_seen  # written last: done flag, echoes the request counter
         c.in_flight = False
-        _fence_acquire()  # store-load fence between the counter store and the waiting-flag load
+        self._ring_if_waiting(c, hdr)
+
+    def _answer_status(
+        self, c: _ServerConn, s: _Slots, layer: int, seq: int, status: int, message: str
+    ) -> None:
+        """An answer without output rows: ``status`` and the utf-8 ``message``."""
+        ln = self._message(s, message) if message else 0
+        hdr = s.resp_q
+        _pack_resp(hdr, 8, layer, status, 0, ln, seq)
+        hdr[0] = c.last_seen  # written last
+        c.in_flight = False
+        self._ring_if_waiting(c, hdr)
+
+    def _ring_if_waiting(self, c: _ServerConn, hdr: memoryview) -> None:
+        """After the done counter store in response header ``hdr``: ring ``c``'s doorbell if
+        its client blocks (store-load fence first); drop ``c`` if its socket is gone."""
+        _fence_acquire()
         _fence_release()
         if not hdr[7]:
             return  # the client is spinning: no doorbell needed

@@ -31,6 +31,7 @@ from eaas.runtime.transport.base import (
     STATUS_OK,
     RequestFrame,
     ResponseFrame,
+    ServerListener,
 )
 from eaas.runtime.transport.factory import connect
 
@@ -61,11 +62,16 @@ def test_grouped_expert_sum_matches_reference():
     assert empty.shape == (0, HIDDEN) and none == {}
 
 
-class _FakeListener:
+class _FakeListener(ServerListener):
+    """Records answers; ``respond_ok`` is the base class's (a ResponseFrame via ``respond``)."""
+
     endpoint = "fake"
 
     def __init__(self):
         self.responses = []
+
+    def poll(self, timeout):
+        return []
 
     def respond(self, conn, frame: ResponseFrame):
         self.responses.append((conn, frame))

@@ -184,6 +184,38 @@ def test_server_output_that_does_not_fit_is_an_error_response(kind, tmp_path):
         lst.close()
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_respond_ok_answers_as_respond_does(kind, tmp_path):
+    """``respond_ok(conn, request, output)`` (the expert server's answer path; shm writes it
+    without a ResponseFrame) gives the client the same answer as ``respond`` with a
+    ``STATUS_OK`` frame, and (shared memory) an output that does not fit the slot is a
+    STATUS_BAD_FRAME answer."""
+    ep = _endpoint(kind, tmp_path)
+    lst = listen(ep, hidden_size=HIDDEN, dtype=torch.float32)
+    c = _connect_while_polling(lst, max_tokens=2)
+    try:
+        for seq, answer in enumerate(("respond", "respond_ok", "respond", "respond_ok")):
+            f0 = _frame(2, 1, seq=seq)
+            c.send(f0)
+            (conn, f), *_ = lst.poll(10)
+            if answer == "respond":
+                lst.respond(conn, ResponseFrame(f.seq, f.layer, STATUS_OK, f.hidden * 3))
+            else:
+                lst.respond_ok(conn, f, f.hidden * 3)
+            r = c.recv(time.monotonic() + 10)
+            assert (r.status, r.seq, r.layer) == (STATUS_OK, seq, f0.layer), answer
+            torch.testing.assert_close(r.output, f0.hidden * 3)
+        if kind != "tcp":  # a shared slot has room for 2 rows: 3 do not fit
+            c.send(_frame(1, 1, seq=9))
+            (conn, f), *_ = lst.poll(10)
+            lst.respond_ok(conn, f, torch.zeros(3, HIDDEN))
+            r = c.recv(time.monotonic() + 10)
+            assert (r.seq, r.status) == (9, STATUS_BAD_FRAME) and "does not fit" in r.message
+    finally:
+        c.close()
+        lst.close()
+
+
 @pytest.mark.parametrize("kind", SHM_KINDS)
 def test_error_status_carries_its_message_and_the_next_frame_is_ok(kind, tmp_path):
     """An error response (STATUS_NOT_HOSTED) reaches the client with its status, seq and utf-8
