@@ -927,7 +927,7 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
                 if q[0] != last:
                     frames = self._collect()
                     if frames:
-                        self._gap = 0.75 * self._gap + 0.25 * (now - start)  # _note_wait
+                        self._note_wait(now - start)
                         return frames
                     watch = self._watch_list()  # (a bad frame, answered at once)
                     break
@@ -1006,9 +1006,10 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
     ) -> None:
         """:meth:`respond` with ``STATUS_OK`` and ``output`` ``[n, H]`` without a
         :class:`ResponseFrame` (``request``: the frame answered, or the ``ResponseFrame`` that
-        :meth:`respond` got; only its ``seq`` and ``layer`` are read): copy the output into the response slot, store the header fields
-        and the done counter, ring the doorbell only if the client waits. An output that does
-        not fit the slot (more rows, another hidden size) answers ``STATUS_BAD_FRAME`` instead."""
+        :meth:`respond` got; only its ``seq`` and ``layer`` are read): copy the output into the
+        response slot, store the header fields and the done counter, ring the doorbell only if
+        the client waits. An output that does not fit the slot (more rows, another hidden size)
+        answers ``STATUS_BAD_FRAME`` instead."""
         c = conn if isinstance(conn, _ServerConn) else self._own(conn)
         s = c.slots
         if s is None or self._conns.get(c.fileno) is not c:
