@@ -207,6 +207,16 @@ async def run_one(
 async def run_load(
     url: str, model: str, workload: list[RequestSpec], concurrency: int, label: str
 ) -> dict:
+    """One run of ``workload`` at ``concurrency``, summarized (:func:`summarize`)."""
+    results, wall = await run_load_raw(url, model, workload, concurrency, label)
+    return summarize(label, results, wall, concurrency)
+
+
+async def run_load_raw(
+    url: str, model: str, workload: list[RequestSpec], concurrency: int, label: str
+) -> tuple[list[RequestResult], float]:
+    """Stream ``workload`` at ``concurrency`` through :func:`run_one` (a tqdm bar labelled
+    ``label``); returns the per-request results and the wall time (s)."""
     queue: asyncio.Queue[RequestSpec] = asyncio.Queue()
     for spec in workload:
         queue.put_nowait(spec)
@@ -229,7 +239,7 @@ async def run_load(
     wall = time.perf_counter() - t0
     if bar:
         bar.close()
-    return summarize(label, results, wall, concurrency)
+    return results, wall
 
 
 def _pct(xs: list[float], q: float) -> float:

