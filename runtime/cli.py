@@ -184,6 +184,8 @@ def expert_server(
     In multiprocess metrics mode (``PROMETHEUS_MULTIPROC_DIR`` set) no port is opened: the
     process only writes its metric files.
     """
+    from eaas.runtime.placement import SCHED_POLICIES
+
     if cpus is not None:  # first: every thread started later (torch, HTTP) inherits it
         try:
             os.sched_setaffinity(0, parse_cpu_list(cpus))
@@ -305,10 +307,6 @@ def expert_server(
         raise typer.BadParameter(str(exc)) from None
     run(server, metrics_port, health)
     _exit_now(f"expert-server {server_id}")
-
-
-#: ``--sched-policy`` values (Linux ``sched(7)``); neither needs privileges
-SCHED_POLICIES = {"other": os.SCHED_OTHER, "batch": os.SCHED_BATCH}
 
 
 def parse_cpu_list(text: str) -> set[int]:

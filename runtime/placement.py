@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -692,6 +693,11 @@ def dispatch_columns(placement: Placement) -> list[frozenset[int]]:
             )
             cols.add(col)
     return sorted(cols, key=sorted)
+
+
+#: expert servers' Linux scheduling policies (``sched(7)``; neither needs privileges):
+#: ``eaas expert-server --sched-policy`` and ``eaas serve --server-sched-policy``
+SCHED_POLICIES = {"other": os.SCHED_OTHER, "batch": os.SCHED_BATCH}
 
 
 def spread_over_cpus(placement: Placement, cpus: Sequence[int]) -> tuple[int, ...]:

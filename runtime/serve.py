@@ -46,7 +46,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eaas.runtime.placement import format_expert_spec, place_experts, spread_over_cpus
+from eaas.runtime.placement import (
+    SCHED_POLICIES,
+    format_expert_spec,
+    place_experts,
+    spread_over_cpus,
+)
 from eaas.runtime.routing import RoutingTable
 from eaas.text import printable
 
@@ -274,7 +279,7 @@ class Deployment:
             raise ValueError("--attention-clients must be >= 1")
         if server_cpus not in ("auto", "none"):
             raise ValueError(f"--server-cpus must be auto or none, got {server_cpus!r}")
-        if server_sched_policy not in ("batch", "other"):
+        if server_sched_policy not in SCHED_POLICIES:
             raise ValueError(
                 f"--server-sched-policy must be batch or other, got {server_sched_policy!r}"
             )
