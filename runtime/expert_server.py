@@ -30,8 +30,9 @@ most every ``LOAD_METRICS_FLUSH_S`` while busy and when idle, see
 Run it with ``eaas expert-server`` (checkpoint weights) or, for tests and benchmarks,
 ``python -m eaas.runtime.expert_server --random HIDDEN:INTER:SEED ...`` (random weights).
 Readiness: the process prints ``expert-server <id> ready on <endpoint> hosting <N> experts``
-to stdout (flushed) once the listener accepts connections; the Unix socket file / TCP port
-accepting connections is an equivalent signal. No separate marker file.
+to stdout (flushed) once the listener accepts connections and the serving loop has started (so
+``/health`` answers 200 from then on); the Unix socket file / TCP port accepting connections is
+an equivalent signal for the data plane. No separate marker file.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -379,12 +380,19 @@ class ExpertServer:
         }
 
     # -- loop ---------------------------------------------------------------------------
-    def serve_forever(self) -> None:
+    def serve_forever(self, on_started: Callable[[], None] | None = None) -> None:
         """Serve until :meth:`stop` (or SIGTERM/SIGINT via :meth:`install_signal_handlers`);
-        closes the listener (unlinking a Unix socket path) on the way out."""
+        closes the listener (unlinking a Unix socket path) on the way out.
+
+        ``on_started``: called once, after the loop's first iteration stamp and before its first
+        poll, so a ``/health`` probe made after it sees a started loop (:func:`run` prints the
+        ready line there)."""
         try:
             while not self._stop.is_set():
                 now = self.last_iteration = time.monotonic()
+                if on_started is not None:
+                    on_started()
+                    on_started = None
                 if self._pending_loads and now - self._loads_flushed_at >= LOAD_METRICS_FLUSH_S:
                     self.flush_load_metrics()
                 # an idle server adds what is pending within one poll_timeout
@@ -645,9 +653,8 @@ def run(server: ExpertServer, metrics_port: int = 0, health=None) -> None:
     # collection over them paused the serve loop for ~100-300 ms (see Engine.start)
     gc.collect()
     gc.freeze()
-    print(server.ready_line(), flush=True)
     try:
-        server.serve_forever()
+        server.serve_forever(on_started=lambda: print(server.ready_line(), flush=True))
     finally:
         gc.unfreeze()
         if health is not None:
