@@ -267,8 +267,7 @@ class _IpcSlots(_Slots):
         self.payload: _Payload | None = payload
         self.is_cuda = payload.is_cuda
         self.raw = payload.raw
-        self._req_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._resp_views: dict[int, torch.Tensor] = {}
+        self._new_caches()
 
     def sync(self) -> None:
         if self.payload is not None:

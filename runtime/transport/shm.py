@@ -258,8 +258,12 @@ class _Slots:
         self.resp_out = torch.frombuffer(
             mm, dtype=dtype, count=cap_tokens * hidden, offset=off
         ).view(cap_tokens, hidden)
+        self._new_caches()
 
+    def _new_caches(self) -> None:
+        """Empty the per-shape caches of views (and the server's frames) over this mapping."""
         self._req_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._req_frames: dict[tuple[int, int], RequestFrame] = {}  # the server's, per size
         self._resp_views: dict[int, torch.Tensor] = {}
 
     def req_views(self, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -276,6 +280,17 @@ class _Slots:
             )
             self._req_views[(n, k)] = v
         return v
+
+    def req_frame(self, n: int, k: int) -> RequestFrame:
+        """The server's :class:`RequestFrame` for frames of ``n`` tokens x ``k`` over this
+        request region (its tensors are :meth:`req_views`), cached per shape; the caller
+        refills the header fields (client id, layer, table version, seq) for every frame."""
+        f = self._req_frames.get((n, k))
+        if f is None:
+            if len(self._req_frames) > 64:
+                self._req_frames.clear()
+            f = self._req_frames[(n, k)] = RequestFrame(0, 0, 0, 0, *self.req_views(n, k))
+        return f
 
     def resp_view(self, n: int) -> torch.Tensor:
         """``[n, H]`` view of the response output region, cached per ``n``."""
@@ -298,7 +313,7 @@ class _Slots:
         self.resp_hdr = self.resp_msg = self.resp_out = None  # type: ignore
         for v in (self.req_q, self.resp_q, self._mv):
             v.release()
-        self._req_views, self._resp_views = {}, {}
+        self._new_caches()
         self.mm = None  # type: ignore
         if mm is not None:
             try:
@@ -370,6 +385,7 @@ class ShmClientConnection(SocketClientConnection):
         # cores, where a spinning client takes CPU from the servers it waits for)
         self.max_spin_s = MAX_ADAPTIVE_SPIN_S if max_spin_us is None else max_spin_us * 1e-6
         self._rtt = 0.0  # moving average of recent round trips, seconds (adaptive spin)
+        self._rt_seen: float | None = None  # the last wait's round trip, not yet in ``_rtt``
         self._sent_at = 0.0
         self._counter = 0
         self._ring_due = False  # a send_deferred frame whose doorbell is not rung yet
@@ -661,6 +677,10 @@ class ShmClientConnection(SocketClientConnection):
         sock = self._open_sock()
         hdr = self._slots_now().resp_q
         want = self._counter
+        rt = self._rt_seen
+        if rt is not None:  # the last wait's round trip, folded in here: off its response's path
+            self._rt_seen = None
+            self._rtt = 0.75 * self._rtt + 0.25 * rt
         now = _monotonic()
         spin = self.spin_s
         if self.max_spin_s > spin and _cores_to_spin():
@@ -669,7 +689,7 @@ class ShmClientConnection(SocketClientConnection):
         while now < spin_end:
             if hdr[0] == want:
                 # the round trip, for the next spin window (only waits measure it)
-                self._rtt = 0.75 * self._rtt + 0.25 * (now - self._sent_at)
+                self._rt_seen = now - self._sent_at
                 return
             _yield()
             now = _monotonic()
@@ -682,7 +702,7 @@ class ShmClientConnection(SocketClientConnection):
                 if hdr[0] != want:
                     self._drain()  # PeerDeadError on EOF
                 if hdr[0] == want:  # (again after the drain: a doorbell it consumed is no loss)
-                    self._rtt = 0.75 * self._rtt + 0.25 * (_monotonic() - self._sent_at)
+                    self._rt_seen = _monotonic() - self._sent_at
                     return
                 remaining = deadline - _monotonic()
                 if remaining <= 0:
@@ -699,14 +719,14 @@ class ShmClientConnection(SocketClientConnection):
 
 
 class _ServerConn(ServerConn):
-    __slots__ = ("slots", "last_seen", "frame")
+    __slots__ = ("slots", "last_seen", "owner")
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, owner: ShmServerListener):
         super().__init__(sock)
+        # the mapped slots (and their RequestFrames, refilled per frame); None once dropped
         self.slots: _Slots | None = None
         self.last_seen = 0
-        # the connection's RequestFrame, refilled for every frame (one in flight at a time)
-        self.frame: RequestFrame | None = None
+        self.owner = owner  # the listener that accepted it: respond checks it is the caller
 
 
 class ShmServerListener(SocketServerListener[_ServerConn]):
@@ -742,6 +762,8 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
         self.spin_s = spin_us * 1e-6
         # moving average of how long poll waited for the next frame, seconds (adaptive spin)
         self._gap = 0.0
+        # the last poll's wait, not yet in ``_gap``: the next poll adds it before it spins
+        self._wait_seen: float | None = None
         self.path = self._socket_path(endpoint)
         self._remove_stale(self.path)
         d = os.path.dirname(self.path)
@@ -782,11 +804,10 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
 
     # -- connections --------------------------------------------------------------------
     def _new_conn(self, sock: socket.socket) -> _ServerConn:
-        return _ServerConn(sock)
+        return _ServerConn(sock, self)
 
     def _release(self, conn: _ServerConn) -> None:
-        conn.frame = None  # its views alias the slot
-        if conn.slots is not None:
+        if conn.slots is not None:  # (its frames' views alias the slot: released with it)
             conn.slots.release()
             conn.slots = None
 
@@ -878,8 +899,8 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
             conn.last_seen = c
             conn.in_flight = True
             _, layer, version, n, k, client_id, seq, _ = hdr.tolist()  # one read of the header
-            v = s._req_views.get((n, k))  # a hit: a size this slot has served before
-            if v is None:
+            f = s._req_frames.get((n, k))  # a hit: a size this slot has served before
+            if f is None:
                 if not (0 <= n <= s.cap_tokens and 0 <= k <= s.cap_k):
                     self.respond(
                         conn,
@@ -888,13 +909,9 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
                         ),
                     )
                     continue
-                v = s.req_views(n, k)
-            f = conn.frame
-            if f is None:
-                f = conn.frame = RequestFrame(client_id, layer, version, seq, v[0], v[1], v[2])
-            else:  # refill the connection's frame: no allocation per frame
-                f.client_id, f.layer, f.table_version, f.seq = client_id, layer, version, seq
-                f.hidden, f.experts, f.weights = v
+                f = s.req_frame(n, k)
+            # refill the size's frame (its views are set): no allocation per frame
+            f.client_id, f.layer, f.table_version, f.seq = client_id, layer, version, seq
             out.append((conn, f))
         return out
 
@@ -908,13 +925,17 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
         read whenever ``poll`` blocks and at least every ``SOCKET_SERVICE_S`` while frames keep
         coming, so a busy server never starves a connecting or remapping client.
         """
+        w = self._wait_seen
+        if w is not None:  # the last poll's wait, folded in here: off the last frame's path
+            self._wait_seen = None
+            self._note_wait(w)
         now = start = _monotonic()
         if now >= self._service_due:
             self._service_sockets(now)
         frames = self._collect()
         if frames:
             if timeout != 0:
-                self._note_wait(0.0)  # a frame was waiting
+                self._wait_seen = 0.0  # a frame was waiting
             return frames
         deadline = None if timeout is None else now + timeout
         spin = _server_spin_s(self.spin_s, self._gap)
@@ -927,7 +948,7 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
                 if q[0] != last:
                     frames = self._collect()
                     if frames:
-                        self._note_wait(now - start)
+                        self._wait_seen = now - start
                         return frames
                     watch = self._watch_list()  # (a bad frame, answered at once)
                     break
@@ -956,12 +977,15 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
         finally:
             self._set_waiting(0)
         if timeout != 0:  # (the wait for the next frame, or a timeout with none: long)
-            self._note_wait(_monotonic() - start)
+            self._wait_seen = _monotonic() - start
         return frames
 
     def _note_wait(self, seconds: float) -> None:
         """One ``poll``'s wait for a frame into the moving average the spin follows
-        (:func:`_server_spin_s`); batch-gathering polls (``timeout=0``) are not waits."""
+        (:func:`_server_spin_s`); batch-gathering polls (``timeout=0``) are not waits. A poll
+        leaves its wait in ``_wait_seen`` and the next poll adds it here before it computes its
+        spin: the same average when it is used, and no call between a frame's arrival and its
+        return to the caller."""
         self._gap = 0.75 * self._gap + 0.25 * seconds
 
     def _watch_list(self) -> list[tuple[memoryview, int]]:
@@ -1012,8 +1036,8 @@ class ShmServerListener(SocketServerListener[_ServerConn]):
         answers ``STATUS_BAD_FRAME`` instead."""
         c = conn if isinstance(conn, _ServerConn) else self._own(conn)
         s = c.slots
-        if s is None or self._conns.get(c.fileno) is not c:
-            return  # dropped (dead client) or not ours
+        if s is None or c.owner is not self:
+            return  # dropped (a dead client's slots are released) or another listener's
         n = output.shape[0]
         if n:
             v = s._resp_views.get(n)

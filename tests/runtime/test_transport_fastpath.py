@@ -217,6 +217,37 @@ def test_respond_ok_answers_as_respond_does(kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", SHM_KINDS)
+def test_an_answer_through_another_listener_or_after_a_drop_writes_nothing(kind, tmp_path):
+    """``respond_ok`` / ``respond`` with a connection of another listener write nothing into its
+    response slot (the done counter stays); the owner's answer then arrives; a connection the
+    listener dropped (its slots released) is ignored, not an error."""
+    a = listen(f"{kind}:{tmp_path}/a.sock", hidden_size=HIDDEN, dtype=torch.float32)
+    b = listen(f"{kind}:{tmp_path}/b.sock", hidden_size=HIDDEN, dtype=torch.float32)
+    c = _connect_while_polling(a, max_tokens=2)
+    try:
+        f0 = _frame(2, 1, seq=5)
+        c.send(f0)
+        (conn, f), *_ = a.poll(10)
+        done = conn.slots.resp_q[0]
+        b.respond_ok(conn, f, f.hidden * 2)
+        b.respond(conn, ResponseFrame(f.seq, f.layer, STATUS_OK, f.hidden * 2))
+        assert conn.slots.resp_q[0] == done  # nothing answered through b
+        a.respond_ok(conn, f, f.hidden * 2)
+        r = c.recv(time.monotonic() + 10)
+        assert (r.status, r.seq) == (STATUS_OK, 5)
+        torch.testing.assert_close(r.output, f0.hidden * 2)
+        c.send(_frame(1, 1, seq=6))
+        (conn, f), *_ = a.poll(10)
+        a._drop(conn)  # as for a client that died with its frame in flight
+        assert conn.slots is None
+        a.respond_ok(conn, f, torch.zeros(1, HIDDEN))  # ignored
+    finally:
+        c.close()
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("kind", SHM_KINDS)
 def test_error_status_carries_its_message_and_the_next_frame_is_ok(kind, tmp_path):
     """An error response (STATUS_NOT_HOSTED) reaches the client with its status, seq and utf-8
     message (a message longer than the slot's 1024 bytes is cut there) and no output; the frames
