@@ -425,11 +425,11 @@ class CudaIpcClientConnection(ShmClientConnection):
         dispatcher then keeps hidden states on the GPU, :mod:`eaas.runtime.gpu.staging`)."""
         return self.payload_kind == PAYLOAD_CUDA
 
-    def send(self, frame: RequestFrame, deadline: float | None = None) -> None:
-        """shm's ``send``; with a CUDA payload a frame's ``rows`` are gathered on the host first
-        for host hidden states (``index_select`` cannot write across devices), and moved to the
-        device for device hidden states (device-to-device gather straight into the IPC
-        buffer). Raises FrameError / PeerDeadError."""
+    def _send(self, frame: RequestFrame, ring: bool) -> None:
+        """shm's ``send`` / ``send_deferred``; with a CUDA payload a frame's ``rows`` are
+        gathered on the host first for host hidden states (``index_select`` cannot write across
+        devices), and moved to the device for device hidden states (device-to-device gather
+        straight into the IPC buffer). Raises FrameError / PeerDeadError."""
         rows = frame.rows
         if rows is not None and self.payload_kind == PAYLOAD_CUDA:
             dev = frame.hidden.device
@@ -439,7 +439,7 @@ class CudaIpcClientConnection(ShmClientConnection):
                 )
             elif rows.device != dev:
                 frame = dataclasses.replace(frame, rows=rows.to(dev))
-        super().send(frame, deadline)
+        super()._send(frame, ring)
 
 
 class CudaIpcServerListener(ShmServerListener):
