@@ -68,11 +68,12 @@ from eaas.runtime import metrics
 from eaas.runtime.gpu.staging import FrameStaging, staging_device
 from eaas.runtime.routing import RoutingTable, RoutingTableError
 from eaas.runtime.transport.base import (
+    MAX_K_HARD,
+    MAX_TOKENS_HARD,
     STATUS_NOT_HOSTED,
     STATUS_OK,
     ClientConnection,
     PeerDeadError,
-    RequestFrame,
 )
 
 log = logging.getLogger("eaas.client.dispatch")
@@ -140,6 +141,40 @@ def reconnect_delay(consecutive: int, ever_connected: bool, retry_down_s: float)
     if not ever_connected:
         return min(retry_down_s, FIRST_CONNECT_RETRY_S)
     return min(retry_down_s * 2 ** (consecutive - 1), max(30.0, retry_down_s))
+
+
+def check_call(
+    hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, hidden_size: int
+) -> None:
+    """Validate one MoE layer call's tensors once, before any frame: every frame is then built
+    to its shapes (``[n, k]`` expert ids / weights, rows of ``[T, H]`` hidden states) and sent
+    with :meth:`~eaas.runtime.transport.base.ClientConnection.send_parts`, which does not
+    validate each frame again. A wrong call is the caller's error, never a server marked down.
+
+    Args:
+        hidden: ``[T, H]``, ``H == hidden_size``.
+        top_k_index: ``[T, k]``.
+        top_k_weights: ``[T, k]``.
+
+    Raises:
+        ValueError: other shapes, or ``T`` / ``k`` above the frame limits
+            (``MAX_TOKENS_HARD`` / ``MAX_K_HARD``).
+    """
+    if hidden.dim() != 2 or hidden.shape[1] != hidden_size:
+        raise ValueError(f"hidden must be [T, {hidden_size}], got {tuple(hidden.shape)}")
+    T = hidden.shape[0]
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != T:
+        raise ValueError(f"top_k_index must be [{T}, k], got {tuple(top_k_index.shape)}")
+    if top_k_weights.shape != top_k_index.shape:
+        raise ValueError(
+            f"top_k_weights {tuple(top_k_weights.shape)} must match top_k_index "
+            f"{tuple(top_k_index.shape)}"
+        )
+    if T > MAX_TOKENS_HARD or top_k_index.shape[1] > MAX_K_HARD:
+        raise ValueError(
+            f"a call of {T} tokens x k={top_k_index.shape[1]} exceeds the frame limit "
+            f"{MAX_TOKENS_HARD} x {MAX_K_HARD}"
+        )
 
 
 def _default_connect(endpoint: str, server_id: str, **kw) -> ClientConnection:
@@ -867,6 +902,7 @@ class Dispatcher:
         """
         t0 = time.perf_counter()
         in_dtype, device = hidden.dtype, hidden.device
+        check_call(hidden, top_k_index, top_k_weights, self.hidden_size)
         T, H = hidden.shape
         # frames travel from host memory, or stay on the GPU when some connection's payload is
         # there (cudaipc with a CUDA payload, nvshmem): (T, H) in the wire dtype, contiguous
@@ -910,6 +946,8 @@ class Dispatcher:
         sent: list[tuple[_Server, int, torch.Tensor | None, int]] = []
         graph_out: dict[int, tuple] = {}  # server index -> (graph, output view) (--cuda-graphs)
         idx32 = idx64.to(torch.int32)  # (T, k) the wire's expert ids
+        k = int(idx32.shape[1])
+        ring = not self.ring_after_all  # else woken below, once every frame is written
         for si in used:  # loop over servers, tensor ops inside
             s = servers[si]
             m = assign == si  # (T, k)
@@ -926,16 +964,6 @@ class Dispatcher:
             s.seq += 1
             conn = s.conn
             h = staging.hidden_for(conn)  # (T, H) where this connection reads frames
-            frame = RequestFrame(
-                client_id=self.client_id,
-                layer=layer,
-                table_version=table.version,
-                seq=s.seq,
-                hidden=h,
-                experts=ex,
-                weights=w,
-                rows=rows,
-            )
             try:
                 if conn is None:
                     raise PeerDeadError("connection closed")
@@ -945,12 +973,12 @@ class Dispatcher:
                     g = self.graphs.for_connection(conn, n, int(ex.shape[1]))
                 if g is not None:
                     hs = h if rows is None else h.index_select(0, staging.rows_on(rows, h))
-                    graph_out[si] = (g, g.run(hs, frame.experts, w, layer=layer,
+                    graph_out[si] = (g, g.run(hs, ex, w, layer=layer,
                                               table_version=table.version))  # fmt: skip
-                elif self.ring_after_all:
-                    conn.send_deferred(frame)  # woken below, once every frame is written
-                else:
-                    conn.send(frame)
+                else:  # (n, k) and the tensors' shapes agree by construction (check_call)
+                    conn.send_parts(
+                        self.client_id, layer, table.version, s.seq, h, ex, w, rows, n, k, ring
+                    )
             except Exception as exc:  # noqa: BLE001  (PeerDeadError, FrameError, OSError, ...)
                 self._failed(s, f"send: {type(exc).__name__}: {exc}")
                 failed.append(si)

@@ -205,6 +205,39 @@ class ClientConnection(abc.ABC):
         none, or when the transport's send already woke it). Raises :class:`PeerDeadError`."""
         return None
 
+    def send_parts(
+        self,
+        client_id: int,
+        layer: int,
+        table_version: int,
+        seq: int,
+        hidden: torch.Tensor,
+        experts: torch.Tensor,
+        weights: torch.Tensor,
+        rows: torch.Tensor | None,
+        n: int,
+        k: int,
+        ring: bool = True,
+    ) -> None:
+        """:meth:`send` (``ring``) or :meth:`send_deferred` of the frame with these fields (as
+        :class:`RequestFrame`), for a caller that built them to the frame's shapes: ``n``
+        tokens (``rows.shape[0]``, or ``hidden.shape[0]`` when ``rows`` is None) x ``k``
+        (``experts.shape[1]``). A transport may skip per-frame work with them (the shared-memory
+        transport finds the frame's plan by ``(n, k)`` and builds no frame object). Default:
+        build the frame, check ``(n, k)`` against it and send it, validated.
+
+        Raises: as :meth:`send`; FrameError also when ``(n, k)`` disagree with the tensors
+        (checked for every frame here, for the first frame of each ``(n, k)`` where a
+        transport skips the per-frame work)."""
+        frame = RequestFrame(client_id, layer, table_version, seq, hidden, experts, weights, rows)
+        fk = int(experts.shape[1]) if experts.dim() == 2 else 1
+        if frame.num_tokens != n or fk != k:
+            raise FrameError(f"n={n}, k={k} do not match the frame's tensors")
+        if ring:
+            self.send(frame)
+        else:
+            self.send_deferred(frame)
+
     @abc.abstractmethod
     def recv(self, deadline: float) -> ResponseFrame:
         """Wait for the next response until ``deadline`` (``time.monotonic()`` seconds).

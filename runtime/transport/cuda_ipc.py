@@ -441,6 +441,30 @@ class CudaIpcClientConnection(ShmClientConnection):
                 frame = dataclasses.replace(frame, rows=rows.to(dev))
         super()._send(frame, ring)
 
+    def send_parts(
+        self,
+        client_id: int,
+        layer: int,
+        table_version: int,
+        seq: int,
+        hidden: torch.Tensor,
+        experts: torch.Tensor,
+        weights: torch.Tensor,
+        rows: torch.Tensor | None,
+        n: int,
+        k: int,
+        ring: bool = True,
+    ) -> None:
+        """shm's ``send_parts``; a CUDA payload takes the frame path (see :meth:`_send`), whose
+        tensors may be on either device."""
+        if self.payload_kind == PAYLOAD_CUDA:
+            f = RequestFrame(client_id, layer, table_version, seq, hidden, experts, weights, rows)
+            self._send(f, ring)
+        else:
+            super().send_parts(
+                client_id, layer, table_version, seq, hidden, experts, weights, rows, n, k, ring
+            )
+
 
 class CudaIpcServerListener(ShmServerListener):
     """Server end of ``cudaipc:``: :class:`ShmServerListener` mapping cudaipc hellos; accepts

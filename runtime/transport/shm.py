@@ -523,6 +523,46 @@ class ShmClientConnection(SocketClientConnection):
                 raise PeerDeadError(f"connection to {self.server_id} is closed")
             self._doorbell(self._sent[1])
 
+    def send_parts(
+        self,
+        client_id: int,
+        layer: int,
+        table_version: int,
+        seq: int,
+        hidden: torch.Tensor,
+        experts: torch.Tensor,
+        weights: torch.Tensor,
+        rows: torch.Tensor | None,
+        n: int,
+        k: int,
+        ring: bool = True,
+    ) -> None:
+        """:meth:`send` (``ring``) or :meth:`send_deferred` of a frame given as its fields, for
+        a caller that built the tensors to the frame's shapes (the dispatcher): the frame's
+        plan is found by ``(n, k)`` (two ints, instead of three tensor shapes), and no
+        :class:`RequestFrame` is built. The first frame of each ``(n, k)`` on a slot is
+        validated as :meth:`send` validates every new shape; later ones are not.
+
+        Args: as :class:`RequestFrame`, plus ``n`` (tokens: ``rows.shape[0]``, or
+        ``hidden.shape[0]`` when ``rows`` is None) and ``k`` (``experts.shape[1]``). The caller
+        guarantees ``hidden`` ``[T, H]`` in the connection's dtype, ``rows`` ``[n]`` int64 or
+        None, ``experts`` ``[n, k]`` int32 and ``weights`` ``[n, k]`` float32, all on the CPU;
+        other tensors may raise ``RuntimeError`` or be converted by the copies.
+
+        Raises: as :meth:`send` (FrameError also when ``n`` / ``k`` do not match the tensors of
+        a shape's first frame).
+        """
+        if self._outstanding or self._sock is None:
+            self._sock_for_send()  # raises FrameError (in flight) / PeerDeadError (closed)
+        plan = self._plans.get((n, k, rows is None))
+        if plan is None or plan[0] is not self._slots:
+            f = RequestFrame(client_id, layer, table_version, seq, hidden, experts, weights, rows)
+            plan = self._plan(f, (n, k, rows is None))
+            if plan[3] != n or plan[4] != k:
+                del self._plans[(n, k, rows is None)]
+                raise FrameError(f"n={n}, k={k} do not match the frame's tensors")
+        self._write(plan, hidden, experts, weights, rows, layer, table_version, seq, ring)
+
     def _send(self, frame: RequestFrame, ring: bool) -> None:
         """:meth:`send` (``ring``) / :meth:`send_deferred`."""
         if self._outstanding or self._sock is None:
@@ -539,6 +579,22 @@ class ShmClientConnection(SocketClientConnection):
         plan = self._plans.get(key)
         if plan is None or plan[0] is not self._slots:
             plan = self._plan(frame, key)
+        self._write(plan, h, ex, w, rows, frame.layer, frame.table_version, frame.seq, ring)
+
+    def _write(
+        self,
+        plan: tuple,
+        h: torch.Tensor,
+        ex: torch.Tensor,
+        w: torch.Tensor,
+        rows: torch.Tensor | None,
+        layer: int,
+        table_version: int,
+        seq: int,
+        ring: bool,
+    ) -> None:
+        """Write a frame by its plan (see :meth:`_plan`): the copies, the header, the counter
+        store; then the bookkeeping and (``ring``) the doorbell."""
         _, hdr, _, n, k, vh, copy_ex, copy_w, sync, _, cid = plan
         if n:
             # the one copy of the hidden states: straight from the caller's tensor into the slot
@@ -551,7 +607,7 @@ class ShmClientConnection(SocketClientConnection):
             if sync is not None:
                 sync()  # payload before flag (a device payload; host memory needs nothing)
         # header fields [1..6] in one store (one cache-line transfer to the polling server)
-        _pack_req(hdr, 8, frame.layer, frame.table_version, n, k, cid, frame.seq)
+        _pack_req(hdr, 8, layer, table_version, n, k, cid, seq)
         self._counter = c = self._counter + 1
         hdr[0] = c  # written last: the ready flag
         # -- the server may run from here on: bookkeeping below is off the critical path --

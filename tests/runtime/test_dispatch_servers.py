@@ -246,3 +246,27 @@ def test_a_decode_call_sends_only_to_the_servers_its_pairs_reach(two_servers):
             assert not any(s.busy for s in d._servers.values())
     finally:
         d.close()
+
+
+def test_a_call_with_wrong_shapes_is_the_callers_error_and_no_server_goes_down(two_servers):
+    """The call's tensors are checked once, before any frame (frames are then sent without a
+    check of their own): wrong shapes raise ValueError naming the tensor, no server is marked
+    down, nothing stays busy, and the next call is answered."""
+    d = Dispatcher(4, HIDDEN, torch.float32, make_table(two_servers), timeout=30.0)
+    try:
+        wait_all_connected(d.health)
+        hidden, idx, w = batch(T=4, seed=2)
+        for bad, match in (
+            ((hidden[:, :-1], idx, w), "hidden must be"),
+            ((hidden, idx[:3], w[:3]), "top_k_index must be"),
+            ((hidden, idx, w[:, :1]), "top_k_weights"),
+            ((hidden.unsqueeze(0), idx, w), "hidden must be"),
+        ):
+            with pytest.raises(ValueError, match=match):
+                d.dispatch(LAYER, *bad)
+        assert all(s["state"] == "connected" for s in d.health()["servers"].values())
+        assert not any(s.busy for s in d._servers.values())
+        out = d.dispatch(LAYER, hidden, idx, w)
+        torch.testing.assert_close(out, reference(LAYER, hidden, idx, w))
+    finally:
+        d.close()

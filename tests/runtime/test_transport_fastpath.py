@@ -103,6 +103,42 @@ def test_every_new_frame_shape_is_validated_after_cached_ones(kind, tmp_path):
         srv.stop()
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_send_parts_answers_as_send_and_checks_each_new_shape(kind, tmp_path):
+    """``send_parts`` (the dispatcher's send: the frame's fields and its ``(n, k)``) gives the
+    answers ``send`` gives: whole batches and ``rows`` gathers, rung at once or deferred until
+    ``ring``, shapes alternating; the first frame of an ``(n, k)`` whose tensors disagree with
+    it raises FrameError, sends nothing, and the connection goes on."""
+    srv = start_server(_endpoint(kind, tmp_path))
+    try:
+        c = connect(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
+        g = torch.Generator().manual_seed(9)
+        hb = torch.randn(5, HIDDEN, generator=g)
+        rows = torch.tensor([4, 1], dtype=torch.int64)
+        frames = [_frame(3, 2, seq=0), _frame(1, 2, seq=0), _frame(2, 2, seq=0)]
+        frames[2] = RequestFrame(1, 1, 3, 0, hb, frames[2].experts, frames[2].weights, rows=rows)
+        with pytest.raises(FrameError):  # n says 3 tokens, the tensors hold 2 (rows)
+            f = frames[2]
+            c.send_parts(1, 1, 3, 0, f.hidden, f.experts, f.weights, f.rows, 3, 2)
+        assert not c.in_flight
+        for seq in range(1, 10):
+            f = frames[seq % 3]
+            n = f.num_tokens
+            c.send_parts(1, 1, 3, seq, f.hidden, f.experts, f.weights, f.rows, n, 2, seq % 2 == 0)
+            if seq % 2:
+                c.ring()  # a deferred frame waits for its doorbell (recv would ring it too)
+            r = c.recv(time.monotonic() + 10)
+            assert (r.status, r.seq) == (STATUS_OK, seq), r.message
+            ref = reference(1, f.token_hidden(), f.experts, f.weights)
+            torch.testing.assert_close(r.output, ref, rtol=1e-5, atol=1e-6)
+            c.send(f)  # and send, with the same answer
+            r2 = c.recv(time.monotonic() + 10)
+            torch.testing.assert_close(r2.output, ref, rtol=1e-5, atol=1e-6)
+        c.close()
+    finally:
+        srv.stop()
+
+
 def _busy_client(endpoint, started, stop, result):
     """Round trips back to back (the server never idles long enough to block) until ``stop``;
     puts ``(round trips, all ok)`` in ``result``."""
