@@ -20,16 +20,19 @@ and a round trip then costs context switches, which swamps what is measured here
   response header and counter, the client reads that header and copies the rows out; each copy
   a ``Tensor.copy_`` as in shm. Nothing else: no validation, no frame objects, no liveness
   checks.
-* ``shm``: :mod:`eaas.runtime.transport.shm` through its public interface (a new
-  :class:`RequestFrame` per ``send``, ``recv``, the echo server's ``poll`` / ``respond_ok``, as
-  the expert server answers; output copied out).
-* ``ref`` (``--ref-shm FILE``): the same for another copy of ``shm.py`` (an older version), in
-  the same run.
+* ``shm``: :mod:`eaas.runtime.transport.shm` through its public interface as the attention
+  client's dispatcher uses it (``send_parts`` with the frame's fields and ``(n, k)``, ``recv``,
+  the echo server's ``poll`` / ``respond_ok``, as the expert server answers; output copied out).
+* ``shm-frame``: the same connection through ``send`` with a new :class:`RequestFrame` per
+  round trip (whose three tensor shapes ``send`` reads to find the frame's plan).
+* ``ref`` (``--ref-shm FILE``): another copy of ``shm.py`` (an older version) in the same run,
+  through ``send_parts`` where it has one, else ``send``.
 * ``tcp``: :mod:`eaas.runtime.transport.tcp` over loopback (``--tcp``).
 
 Reports p50 / p99 / mean in microseconds, each transport's ratio to ``proto``, the spread
 (quartiles) of the per-block p50 and p99 ratios, and a verdict: the median of the per-block p50
-ratios against ``--target`` (1.2, issue 8 item 4, at 1 and 64 tokens). ``--profile ROUNDS``
+ratios of ``shm`` against ``--target`` (1.2, issue 8 item 4, at 1 and 64 tokens), with
+``shm-frame``'s beside it. ``--profile ROUNDS``
 instead times each step of a round trip in one process (where the time goes).
 
     python bench/transport_bench.py                         # 1x7168 and 64x7168 bf16
@@ -313,16 +316,24 @@ def _start(
 
 
 def measure_transport(
-    conn, h: torch.Tensor, ex: torch.Tensor, w: torch.Tensor, iters: int, bar
+    conn, h: torch.Tensor, ex: torch.Tensor, w: torch.Tensor, iters: int, bar, parts: bool = False
 ) -> list[float]:
-    """``iters`` round trips through a transport's public interface; latencies in seconds."""
+    """``iters`` round trips through a transport's public interface; latencies in seconds.
+
+    ``parts``: send as the dispatcher does, ``send_parts`` with the frame's fields and its
+    ``(n, k)``; else ``send`` with a new :class:`RequestFrame` per round trip (each new shape
+    validated)."""
     from eaas.runtime.transport.base import RequestFrame
 
     out = torch.empty_like(h)
     lat = []
+    n, k = ex.shape
     for i in range(iters):
         t0 = time.perf_counter()
-        conn.send(RequestFrame(1, 0, 1, i, h, ex, w))
+        if parts:
+            conn.send_parts(1, 0, 1, i, h, ex, w, None, n, k)
+        else:
+            conn.send(RequestFrame(1, 0, 1, i, h, ex, w))
         r = conn.recv(time.monotonic() + 10)
         out.copy_(r.output)  # a real client copies out of the transport buffer
         lat.append(time.perf_counter() - t0)
@@ -332,10 +343,14 @@ def measure_transport(
 
 
 def _run(proto, conns, h, ex, w, bar, kind: str, iters: int) -> list[float]:
-    """``iters`` round trips of ``kind`` ("proto" or a transport in ``conns``)."""
+    """``iters`` round trips of ``kind`` ("proto", "shm-frame" (the shm connection through
+    ``send``) or a transport in ``conns`` (through ``send_parts`` where it has one))."""
     if kind == "proto":
         return proto.round_trips(h, ex, w, iters, bar)
-    return measure_transport(conns[kind], h, ex, w, iters, bar)
+    if kind == "shm-frame":
+        return measure_transport(conns["shm"], h, ex, w, iters, bar)
+    conn = conns[kind]
+    return measure_transport(conn, h, ex, w, iters, bar, parts=hasattr(conn, "send_parts"))
 
 
 SEGMENTS = ("frame", "send", "poll", "resp frame", "respond", "recv", "copy out")
@@ -347,7 +362,9 @@ def profile_segments(
     """Where a round trip's time goes, in one process (no waiting, no cross-CPU traffic): each
     step of a round trip timed with ``perf_counter_ns`` around it, for the prototype's steps
     (its three copies and counter store as "send", the server's copy and stores as "respond",
-    the copy out) and shm's (the caller's ``RequestFrame``, ``send``, ``poll(0)``, "resp frame"
+    the copy out) and shm's (the caller's ``RequestFrame``: none where the connection has
+    ``send_parts``, which is then timed as "send", as the dispatcher sends; ``send``,
+    ``poll(0)``, "resp frame"
     (nothing since the echo answers with ``respond_ok``, as the expert server; kept so older
     tables compare), ``respond_ok``, ``recv``, the copy out); ``rounds`` rounds of 100 round
     trips, the kinds interleaved round by round.
@@ -416,11 +433,15 @@ def profile_segments(
 
     def run_shm(c, lst, acc: dict[str, list[int]], iters: int) -> None:
         mono = time.monotonic
+        parts = hasattr(c, "send_parts")  # as the dispatcher sends (no frame object)
         for i in range(iters):
             t0 = pc()
-            f = RequestFrame(1, 0, 1, i, h, ex, w)
+            f = None if parts else RequestFrame(1, 0, 1, i, h, ex, w)
             t1 = pc()
-            c.send(f)
+            if f is None:
+                c.send_parts(1, 0, 1, i, h, ex, w, None, n, k)
+            else:
+                c.send(f)
             t2 = pc()
             ((conn, g),) = lst.poll(0)
             t3 = pc()
@@ -604,7 +625,7 @@ def main() -> None:
             _print_profile(res, f"{n}x{hdim} {dt}, k={a.k}, {a.profile * 100} round trips")
         print(f"load average {os.getloadavg()[0]:.1f}")
         return
-    kinds = ["proto", "shm"] + (["ref"] if ref else []) + (["tcp"] if a.tcp else [])
+    kinds = ["proto", "shm", "shm-frame"] + (["ref"] if ref else []) + (["tcp"] if a.tcp else [])
     per_block = max(1, a.iters // a.blocks)
     # (payload, kind) -> one list of latencies (seconds) per block
     results: dict[tuple, list[list[float]]] = {}
@@ -619,7 +640,7 @@ def main() -> None:
             procs, conns = [], {}
             proto = ProtoClient(n, hdim, a.k, dtype, a.spin_us * 1e-6, server_cpu)
             try:
-                for kind in kinds[1:]:
+                for kind in [k for k in kinds[1:] if k != "shm-frame"]:  # (shm's connection)
                     ep = f"unix:{tmp}/{kind}.sock" if kind != "tcp" else "tcp://127.0.0.1:0"
                     module = a.ref_shm if kind == "ref" else None
                     p, ep = _start(ep, hdim, dt, a.spin_us, server_cpu, module)
@@ -652,33 +673,38 @@ def main() -> None:
         f"k={a.k}, spin {a.spin_us:g} us, load average {os.getloadavg()[0]:.1f}, "
         f"CPUs client/server {client_cpu}/{server_cpu}"
     )
-    print(f"{'payload':<20}{'MB/way':>8}{'kind':>7}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}")
+    print(f"{'payload':<20}{'MB/way':>8}{'kind':>10}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}")
     verdicts = []
     for n, hdim, dt in payloads:
         mb = n * hdim * torch.empty((), dtype=DTYPES[dt]).element_size() / 1e6
         for kind in kinds:
             lat = [x for blk in results[(n, hdim, dt, kind)] for x in blk]
             print(
-                f"{f'{n}x{hdim} {dt}':<20}{mb:>8.3f}{kind:>7}{_pct(lat, 0.5) * 1e6:>10.1f}"
+                f"{f'{n}x{hdim} {dt}':<20}{mb:>8.3f}{kind:>10}{_pct(lat, 0.5) * 1e6:>10.1f}"
                 f"{_pct(lat, 0.99) * 1e6:>10.1f}{sum(lat) / len(lat) * 1e6:>10.1f}"
             )
         base_blocks = results[(n, hdim, dt, "proto")]
+        ratios = {}
         for kind in kinds[1:]:
-            r = ratio_summary(results[(n, hdim, dt, kind)], base_blocks)
+            r = ratios[kind] = ratio_summary(results[(n, hdim, dt, kind)], base_blocks)
             print(
-                f"{'':<20}{'':>8}{kind + '/proto':>13} {r['p50']:>4.2f}x p50"
+                f"{'':<20}{'':>8}{kind + '/proto':>16} {r['p50']:>4.2f}x p50"
                 f"{r['p99']:>7.2f}x p99{r['mean']:>7.2f}x mean   per-block p50 ratio "
                 f"{r['blk_p50_lo']:.2f}-{r['blk_p50_hi']:.2f}, p99 ratio "
                 f"{r['blk_p99_lo']:.2f}-{r['blk_p99_hi']:.2f} (quartiles)"
             )
-            if kind == "shm":
-                ok = r["blk_p50_med"] <= a.target
-                verdicts.append(
-                    f"{n}x{hdim} {dt}: shm/proto p50 {r['blk_p50_med']:.2f}x (median of "
-                    f"{a.blocks} blocks, quartiles {r['blk_p50_lo']:.2f}-{r['blk_p50_hi']:.2f}) "
-                    f"{'<=' if ok else '>'} {a.target:g}x: {'met' if ok else 'missed'}"
-                )
-    print("\nverdict (target: shm p50 within the limit of the prototype's)")
+        r, rf = ratios["shm"], ratios["shm-frame"]
+        ok = r["blk_p50_med"] <= a.target
+        verdicts.append(
+            f"{n}x{hdim} {dt}: shm/proto p50 {r['blk_p50_med']:.2f}x (median of "
+            f"{a.blocks} blocks, quartiles {r['blk_p50_lo']:.2f}-{r['blk_p50_hi']:.2f}) "
+            f"{'<=' if ok else '>'} {a.target:g}x: {'met' if ok else 'missed'}; through "
+            f"send(RequestFrame) {rf['blk_p50_med']:.2f}x"
+        )
+    print(
+        "\nverdict (target: shm p50 within the limit of the prototype's, sent as the "
+        "dispatcher sends)"
+    )
     for v in verdicts:
         print("  " + v)
 
