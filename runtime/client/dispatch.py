@@ -69,7 +69,6 @@ from eaas.runtime.gpu.staging import FrameStaging, staging_device
 from eaas.runtime.routing import RoutingTable, RoutingTableError
 from eaas.runtime.transport.base import (
     MAX_K_HARD,
-    MAX_TOKENS_HARD,
     STATUS_NOT_HOSTED,
     STATUS_OK,
     ClientConnection,
@@ -157,8 +156,9 @@ def check_call(
         top_k_weights: ``[T, k]``.
 
     Raises:
-        ValueError: other shapes, or ``T`` / ``k`` above the frame limits
-            (``MAX_TOKENS_HARD`` / ``MAX_K_HARD``).
+        ValueError: other shapes, or ``k`` above the frame limit ``MAX_K_HARD`` (``T`` is not
+            limited here: a call's tokens are split over servers; a frame above
+            ``MAX_TOKENS_HARD`` is refused by the transport).
     """
     if hidden.dim() != 2 or hidden.shape[1] != hidden_size:
         raise ValueError(f"hidden must be [T, {hidden_size}], got {tuple(hidden.shape)}")
@@ -170,11 +170,8 @@ def check_call(
             f"top_k_weights {tuple(top_k_weights.shape)} must match top_k_index "
             f"{tuple(top_k_index.shape)}"
         )
-    if T > MAX_TOKENS_HARD or top_k_index.shape[1] > MAX_K_HARD:
-        raise ValueError(
-            f"a call of {T} tokens x k={top_k_index.shape[1]} exceeds the frame limit "
-            f"{MAX_TOKENS_HARD} x {MAX_K_HARD}"
-        )
+    if top_k_index.shape[1] > MAX_K_HARD:
+        raise ValueError(f"k={top_k_index.shape[1]} exceeds the frame limit {MAX_K_HARD}")
 
 
 def _default_connect(endpoint: str, server_id: str, **kw) -> ClientConnection:

@@ -169,6 +169,36 @@ def check_request(
     return h, rows, ex, w
 
 
+def parts_frame(
+    client_id: int,
+    layer: int,
+    table_version: int,
+    seq: int,
+    hidden: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    rows: torch.Tensor | None,
+    n: int,
+    k: int,
+) -> RequestFrame:
+    """The :class:`RequestFrame` of :meth:`ClientConnection.send_parts`'s arguments, checked
+    against its ``(n, k)``: ``experts`` and ``weights`` 2-D with ``k`` columns, ``n`` tokens.
+    The frame's own checks (:func:`check_request`) are the transport's ``send``'s.
+
+    Raises:
+        FrameError: the tensors disagree with ``(n, k)``.
+    """
+    frame = RequestFrame(client_id, layer, table_version, seq, hidden, experts, weights, rows)
+    if experts.dim() != 2 or weights.dim() != 2:
+        raise FrameError(
+            f"send_parts takes experts / weights [n, k], got {tuple(experts.shape)} / "
+            f"{tuple(weights.shape)}"
+        )
+    if frame.num_tokens != n or experts.shape[1] != k:
+        raise FrameError(f"n={n}, k={k} do not match the frame's tensors")
+    return frame
+
+
 class ClientConnection(abc.ABC):
     """Client end of one connection to one expert server."""
 
@@ -221,18 +251,18 @@ class ClientConnection(abc.ABC):
     ) -> None:
         """:meth:`send` (``ring``) or :meth:`send_deferred` of the frame with these fields (as
         :class:`RequestFrame`), for a caller that built them to the frame's shapes: ``n``
-        tokens (``rows.shape[0]``, or ``hidden.shape[0]`` when ``rows`` is None) x ``k``
-        (``experts.shape[1]``). A transport may skip per-frame work with them (the shared-memory
-        transport finds the frame's plan by ``(n, k)`` and builds no frame object). Default:
-        build the frame, check ``(n, k)`` against it and send it, validated.
+        tokens (``rows.shape[0]``, or ``hidden.shape[0]`` when ``rows`` is None) x ``k``, with
+        ``experts`` / ``weights`` ``[n, k]`` (2-D, also for k = 1). A transport may skip
+        per-frame work with them (the shared-memory transport finds the frame's plan by
+        ``(n, k)`` and builds no frame object). Default: build the frame, check it against
+        ``(n, k)`` (:func:`parts_frame`) and send it, validated.
 
-        Raises: as :meth:`send`; FrameError also when ``(n, k)`` disagree with the tensors
+        Raises: as :meth:`send`; FrameError also when the tensors disagree with ``(n, k)``
         (checked for every frame here, for the first frame of each ``(n, k)`` where a
         transport skips the per-frame work)."""
-        frame = RequestFrame(client_id, layer, table_version, seq, hidden, experts, weights, rows)
-        fk = int(experts.shape[1]) if experts.dim() == 2 else 1
-        if frame.num_tokens != n or fk != k:
-            raise FrameError(f"n={n}, k={k} do not match the frame's tensors")
+        frame = parts_frame(
+            client_id, layer, table_version, seq, hidden, experts, weights, rows, n, k
+        )
         if ring:
             self.send(frame)
         else:

@@ -64,6 +64,7 @@ from eaas.runtime.transport.base import (
     FrameError,
     PeerDeadError,
     RequestFrame,
+    parts_frame,
 )
 from eaas.runtime.transport.shm import (
     _HDR_BYTES,
@@ -458,7 +459,9 @@ class CudaIpcClientConnection(ShmClientConnection):
         """shm's ``send_parts``; a CUDA payload takes the frame path (see :meth:`_send`), whose
         tensors may be on either device."""
         if self.payload_kind == PAYLOAD_CUDA:
-            f = RequestFrame(client_id, layer, table_version, seq, hidden, experts, weights, rows)
+            f = parts_frame(
+                client_id, layer, table_version, seq, hidden, experts, weights, rows, n, k
+            )
             self._send(f, ring)
         else:
             super().send_parts(

@@ -95,6 +95,7 @@ from eaas.runtime.transport.base import (
     RequestFrame,
     ResponseFrame,
     check_request,
+    parts_frame,
 )
 from eaas.runtime.transport.sockets import ServerConn, SocketClientConnection, SocketServerListener
 
@@ -547,20 +548,24 @@ class ShmClientConnection(SocketClientConnection):
         ``hidden.shape[0]`` when ``rows`` is None) and ``k`` (``experts.shape[1]``). The caller
         guarantees ``hidden`` ``[T, H]`` in the connection's dtype, ``rows`` ``[n]`` int64 or
         None, ``experts`` ``[n, k]`` int32 and ``weights`` ``[n, k]`` float32, all on the CPU;
-        other tensors may raise ``RuntimeError`` or be converted by the copies.
+        other tensors may raise ``RuntimeError`` or be converted (or broadcast) by the copies.
+        Checked for every frame: a ``rows`` frame's ``hidden`` width (a gather of another width
+        would reshape the slot's cached view).
 
-        Raises: as :meth:`send` (FrameError also when ``n`` / ``k`` do not match the tensors of
-        a shape's first frame).
+        Raises: as :meth:`send` (FrameError also when the tensors of an ``(n, k)``'s first frame
+        disagree with it, see :func:`~eaas.runtime.transport.base.parts_frame`).
         """
         if self._outstanding or self._sock is None:
             self._sock_for_send()  # raises FrameError (in flight) / PeerDeadError (closed)
         plan = self._plans.get((n, k, rows is None))
         if plan is None or plan[0] is not self._slots:
-            f = RequestFrame(client_id, layer, table_version, seq, hidden, experts, weights, rows)
+            f = parts_frame(
+                client_id, layer, table_version, seq, hidden, experts, weights, rows, n, k
+            )
             plan = self._plan(f, (n, k, rows is None))
-            if plan[3] != n or plan[4] != k:
-                del self._plans[(n, k, rows is None)]
-                raise FrameError(f"n={n}, k={k} do not match the frame's tensors")
+        elif rows is not None and hidden.shape[1] != self.hidden_size:
+            # (a gather into the slot's view would reshape that view for every later frame)
+            raise FrameError(f"hidden must be [T, {self.hidden_size}], got {tuple(hidden.shape)}")
         self._write(plan, hidden, experts, weights, rows, layer, table_version, seq, ring)
 
     def _send(self, frame: RequestFrame, ring: bool) -> None:

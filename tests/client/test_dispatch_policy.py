@@ -19,6 +19,7 @@ from eaas.runtime.client.dispatch import (
     NoLiveReplicaError,
     PhaseTables,
     ReplicaMap,
+    check_call,
     choose_replicas,
     reconnect_delay,
 )
@@ -362,3 +363,24 @@ def test_a_moe_layer_missing_from_the_table_is_uncovered():
     # a dispatcher that does not know the model's layers reports what the table says
     d2 = Dispatcher(0, 8, torch.float32, t, connect_in_background=False)
     assert d2.uncovered() == []
+
+
+def test_a_call_is_checked_by_its_shapes_and_k_not_by_its_token_count():
+    """check_call: hidden [T, H], top-k ids / weights [T, k] alike, k within the frame limit;
+    T itself is not limited (a call's tokens are split into frames; each frame's limit is the
+    transport's)."""
+    from eaas.runtime.transport.base import MAX_K_HARD, MAX_TOKENS_HARD
+
+    T = MAX_TOKENS_HARD + 10
+    check_call(torch.empty(T, 4), torch.zeros(T, 2, dtype=torch.long), torch.zeros(T, 2), 4)
+    h, idx, w = torch.empty(3, 4), torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 2)
+    for args, match in (
+        ((h[:, :3], idx, w), r"hidden must be \[T, 4\]"),
+        ((h[0], idx, w), "hidden must be"),
+        ((h, idx[:2], w[:2]), r"top_k_index must be \[3, k\]"),
+        ((h, idx[:, 0], w[:, 0]), "top_k_index must be"),
+        ((h, idx, w[:, :1]), "top_k_weights"),
+        ((h, torch.zeros(3, MAX_K_HARD + 1), torch.zeros(3, MAX_K_HARD + 1)), "frame limit"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            check_call(*args, 4)

@@ -86,3 +86,21 @@ def test_profile_times_every_step_of_every_kind(tmp_path):
             assert len(res[kind][seg]) == 200 and min(res[kind][seg]) > 0, (kind, seg)
     # the prototype has no frame objects: only its copies and stores are timed
     assert res["proto"]["frame"] == [] and len(res["proto"]["send"]) == 200
+
+
+def test_send_parts_is_measured_only_where_the_class_has_its_own():
+    """``shm`` through its own ``send_parts`` (as the dispatcher sends); tcp, and an older
+    ``shm.py`` whose class only inherits the base default (which builds a frame and calls
+    ``send``), through ``send``."""
+    from eaas.runtime.transport.shm import ShmClientConnection
+    from eaas.runtime.transport.tcp import TcpClientConnection
+
+    assert transport_bench._own_send_parts(object.__new__(ShmClientConnection))
+    assert not transport_bench._own_send_parts(object.__new__(TcpClientConnection))
+
+    class OldShm(ShmClientConnection):  # as a shm.py before send_parts: the base default
+        from eaas.runtime.transport.base import ClientConnection
+
+        send_parts = ClientConnection.send_parts
+
+    assert not transport_bench._own_send_parts(object.__new__(OldShm))

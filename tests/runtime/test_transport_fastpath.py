@@ -134,6 +134,25 @@ def test_send_parts_answers_as_send_and_checks_each_new_shape(kind, tmp_path):
             c.send(f)  # and send, with the same answer
             r2 = c.recv(time.monotonic() + 10)
             torch.testing.assert_close(r2.output, ref, rtol=1e-5, atol=1e-6)
+        # experts / weights must be [n, k] (2-D also for k = 1) on a key's first frame
+        h1, e1, w1 = hb[:3], torch.tensor([0, 1, 2], dtype=torch.int32), torch.rand(3)
+        with pytest.raises(FrameError, match=r"\[n, k\]"):
+            c.send_parts(1, 1, 3, 20, h1, e1, w1, None, 3, 1)
+        # a rows frame's hidden of another width, after its key's plan exists: refused, and the
+        # key's next frames (send_parts and send) are still right
+        f = frames[2]
+        with pytest.raises(FrameError, match="hidden must be"):
+            c.send_parts(1, 1, 3, 21, hb[:, :-4], f.experts, f.weights, f.rows, 2, 2)
+        assert not c.in_flight
+        for seq, parts in ((22, True), (23, False)):
+            if parts:
+                c.send_parts(1, 1, 3, seq, f.hidden, f.experts, f.weights, f.rows, 2, 2)
+            else:
+                c.send(RequestFrame(1, 1, 3, seq, f.hidden, f.experts, f.weights, f.rows))
+            r = c.recv(time.monotonic() + 10)
+            assert (r.status, r.seq) == (STATUS_OK, seq), r.message
+            ref = reference(1, f.token_hidden(), f.experts, f.weights)
+            torch.testing.assert_close(r.output, ref, rtol=1e-5, atol=1e-6)
         c.close()
     finally:
         srv.stop()
