@@ -26,8 +26,8 @@ and a round trip then costs context switches, which swamps what is measured here
 * ``shm-frame``: the same connection through ``send`` with a new :class:`RequestFrame` per
   round trip (whose three tensor shapes ``send`` reads to find the frame's plan).
 * ``ref`` (``--ref-shm FILE``): another copy of ``shm.py`` (an older version) in the same run,
-  through ``send_parts`` where it has one, else ``send``.
-* ``tcp``: :mod:`eaas.runtime.transport.tcp` over loopback (``--tcp``).
+  through its own ``send_parts`` where it has one, else ``send``.
+* ``tcp``: :mod:`eaas.runtime.transport.tcp` over loopback (``--tcp``), through ``send``.
 
 Reports p50 / p99 / mean in microseconds, each transport's ratio to ``proto``, the spread
 (quartiles) of the per-block p50 and p99 ratios, and a verdict: the median of the per-block p50
@@ -50,6 +50,8 @@ copies and stores, and even a copy of shm stripped of its guards, liveness and f
 there needs fewer frames or a compiled data path, not more trimming of per-frame Python.
 At 17:55 UTC (load 1.2-1.6), with the adaptive server spin in both kinds: one token 1.25-1.26x,
 64 tokens 1.02-1.03x (shm 203-213 us, 494 us before the adaptive spin).
+At 23:35 UTC (load 1.1), shm as the dispatcher sends (``send_parts``: no frame object, the plan
+found by ``(n, k)``): one token 1.12x (``shm-frame`` 1.19x), 64 tokens 1.09x (1.13x).
 """
 
 from __future__ import annotations
@@ -342,15 +344,26 @@ def measure_transport(
     return lat
 
 
+def _own_send_parts(conn) -> bool:
+    """Whether ``conn``'s class has a ``send_parts`` of its own, not the base class's default
+    (which builds a frame and calls ``send``: tcp, or an older ``shm.py`` given as
+    ``--ref-shm``)."""
+    from eaas.runtime.transport.base import ClientConnection
+
+    default = ClientConnection.send_parts
+    return getattr(type(conn), "send_parts", default) is not default
+
+
 def _run(proto, conns, h, ex, w, bar, kind: str, iters: int) -> list[float]:
     """``iters`` round trips of ``kind`` ("proto", "shm-frame" (the shm connection through
-    ``send``) or a transport in ``conns`` (through ``send_parts`` where it has one))."""
+    ``send``) or a transport in ``conns`` (through ``send_parts`` where its class has one of
+    its own, else ``send``))."""
     if kind == "proto":
         return proto.round_trips(h, ex, w, iters, bar)
     if kind == "shm-frame":
         return measure_transport(conns["shm"], h, ex, w, iters, bar)
     conn = conns[kind]
-    return measure_transport(conn, h, ex, w, iters, bar, parts=hasattr(conn, "send_parts"))
+    return measure_transport(conn, h, ex, w, iters, bar, parts=_own_send_parts(conn))
 
 
 SEGMENTS = ("frame", "send", "poll", "resp frame", "respond", "recv", "copy out")
@@ -433,7 +446,7 @@ def profile_segments(
 
     def run_shm(c, lst, acc: dict[str, list[int]], iters: int) -> None:
         mono = time.monotonic
-        parts = hasattr(c, "send_parts")  # as the dispatcher sends (no frame object)
+        parts = _own_send_parts(c)  # as the dispatcher sends (no frame object)
         for i in range(iters):
             t0 = pc()
             f = None if parts else RequestFrame(1, 0, 1, i, h, ex, w)
