@@ -966,8 +966,7 @@ class Dispatcher:
                     raise PeerDeadError("connection closed")
                 g = None
                 if self.graphs is not None:  # --cuda-graphs: replay the captured round trip
-                    n = T if rows is None else int(rows.shape[0])
-                    g = self.graphs.for_connection(conn, n, int(ex.shape[1]))
+                    g = self.graphs.for_connection(conn, n, k)
                 if g is not None:
                     hs = h if rows is None else h.index_select(0, staging.rows_on(rows, h))
                     graph_out[si] = (g, g.run(hs, ex, w, layer=layer,
