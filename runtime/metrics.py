@@ -72,7 +72,11 @@ SERVER_DOWN = Counter(
 )
 TTFT_SECONDS = Histogram("eaas_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS)
 ITL_SECONDS = Histogram("eaas_itl_seconds", "Inter-token latency", buckets=_LATENCY_BUCKETS)
-REQUESTS = Counter("eaas_requests", "Completed API requests", ["client_id", "status"])
+REQUESTS = Counter(
+    "eaas_requests",
+    "Completion and chat requests by outcome: HTTP status (200, 400, 404, 500, 503) or cancelled",
+    ["client_id", "status"],
+)
 RUNNING_SEQS = Gauge(
     "eaas_running_sequences",
     "Sequences in the decode batch",

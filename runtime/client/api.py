@@ -23,7 +23,7 @@ Endpoints:
   ``DISCONNECT_POLL_S`` while decoding.
 * ``POST /tokenize`` (``{"model", "prompt"}`` or ``{"model", "messages"}``), ``POST /detokenize``
   (``{"model", "tokens"}``), ``GET /version`` -- vLLM's shapes.
-* ``GET /v1/models``, ``GET /health`` (JSON: model, client id, routing table version in use =
+* ``GET /v1/models``, ``GET /health`` (also ``HEAD``; JSON: model, client id, routing table version in use =
   acknowledgement, running/waiting sequences, per-expert-server state, ``uncovered_experts``;
   503 with ``status: "degraded"`` while some (layer, expert) has no live replica, so readiness
   probes route elsewhere), ``GET /metrics`` (Prometheus; merged over all processes under
@@ -37,11 +37,14 @@ Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 4
 unknown fields (``unrecognized_parameter``), known but unsupported fields such as ``tools``,
 ``response_format``, ``suffix``, ``best_of`` != ``n`` (``unsupported_parameter``),
 ``stream_options`` without ``stream``, token ids outside the model's vocabulary (also when the
-tokenizer produced them), context overflow (``context_length_exceeded``); 404
+tokenizer produced them), context overflow (``context_length_exceeded``), a string or field name holding a lone UTF-16
+surrogate escape (``param`` its path), an integer of more than 4300 digits (``invalid_json``); 404
 ``model_not_found`` for a model name this server does not serve; 413 ``request_too_large`` for
 a body over ``OpenAIServer.max_request_body`` (``--max-request-body``); 503
 ``service_unavailable`` when an expert has no live replica (``no_live_replica``) or the client is
-shutting down (``server_shutting_down``), both retryable; 500 otherwise. Body parsing and
+shutting down (``server_shutting_down``), both retryable; 500 ``internal_error`` (same JSON
+shape) for anything unexpected. ``eaas_requests_total{client_id, status}`` counts completions and
+chats refused by these handlers beside the ones :class:`OpenAIServer` answers. Body parsing and
 tokenization run in worker threads (a huge prompt does not stall ``/health``).
 """
 
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -62,7 +66,17 @@ from eaas.runtime.client.protocol import APIError, bad
 from eaas.runtime.client.serving import DISCONNECT_POLL_S, OpenAIServer
 from eaas.runtime.client.table_push import router as table_push_router
 
-__all__ = ["APIError", "DISCONNECT_POLL_S", "OpenAIServer", "create_app", "error_response"]
+__all__ = [
+    "APIError",
+    "DISCONNECT_POLL_S",
+    "OpenAIServer",
+    "check_no_lone_surrogates",
+    "create_app",
+    "error_response",
+]
+
+# the routes whose answers eaas_requests_total counts
+_GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
 def error_response(
@@ -86,6 +100,45 @@ def _too_large(size: int, limit: int) -> APIError:
     )
 
 
+# a JSON escape of a UTF-16 surrogate (\uD800-\uDFFF): a pair is an astral character, a lone
+# one decodes to a Python str that cannot be encoded (tokenizers and JSON responses fail on it)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def check_no_lone_surrogates(body: Any, path: str | None = None) -> None:
+    """400 naming the first string (value or field name) of a parsed JSON body that holds a lone
+    UTF-16 surrogate (``"\\ud800"``): valid JSON, but not Unicode text.
+
+    Raises:
+        APIError: 400 ``invalid_request_error``, code ``invalid_value``, ``param`` the field's
+            path (``messages[0].content``; for a field name, the object that holds it).
+    """
+    if isinstance(body, str):
+        try:
+            body.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad(
+                f"'{path}' is not valid Unicode text: it holds a lone UTF-16 surrogate "
+                "(a \\uD800-\\uDFFF escape without its pair)",
+                path,
+            ) from None
+    elif isinstance(body, dict):
+        for key, value in body.items():
+            try:
+                key.encode("utf-8")
+            except UnicodeEncodeError:
+                where = f"'{path}'" if path else "the request body"
+                raise bad(
+                    f"a field name of {where} holds a lone UTF-16 surrogate "
+                    "(a \\uD800-\\uDFFF escape without its pair)",
+                    path,
+                ) from None
+            check_no_lone_surrogates(value, key if path is None else f"{path}.{key}")
+    elif isinstance(body, list):
+        for i, item in enumerate(body):
+            check_no_lone_surrogates(item, f"{path}[{i}]")
+
+
 def _version() -> str:
     try:
         return version("eaas")
@@ -98,17 +151,37 @@ def create_app(server: OpenAIServer) -> FastAPI:
     app = FastAPI(title="EaaS attention client", docs_url=None, redoc_url=None)
     app.state.eaas = server
 
+    def count(req: Request, status: int) -> None:
+        # a refused completion counts as a request too (generate counts the ones it answers)
+        if req.url.path in _GENERATION_ROUTES:
+            metrics.REQUESTS.labels(client_id=server.client_id, status=str(status)).inc()
+
     @app.exception_handler(APIError)
-    async def _api_error(_req: Request, exc: APIError):
+    async def _api_error(req: Request, exc: APIError):
+        count(req, exc.status)
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_req: Request, exc: RequestValidationError):
+    async def _validation(req: Request, exc: RequestValidationError):
         errs = exc.errors()
         first = errs[0] if errs else {}
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+        count(req, 400)
         return error_response(
             400, f"invalid request: {first.get('msg', str(exc))}", param=loc, code="invalid_value"
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(req: Request, exc: Exception):
+        # a bug: still OpenAI's JSON shape (a plain-text 500 breaks clients' error parsing);
+        # Starlette re-raises it after this answer, so the server's log gets the traceback
+        count(req, 500)
+        return error_response(
+            500,
+            f"internal error ({type(exc).__name__}); the server keeps serving",
+            "internal_error",
+            None,
+            "internal_error",
         )
 
     @app.exception_handler(StarletteHTTPException)
@@ -132,12 +205,17 @@ def create_app(server: OpenAIServer) -> FastAPI:
         try:
             # off the event loop: parsing a body of many MiB would stall /health and every stream
             body = await asyncio.to_thread(json.loads, raw) if size > 1 << 20 else json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise bad(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
         except RecursionError:  # Python's json recurses per nesting level (was a 500)
             raise bad("request body is nested too deeply", None, "invalid_json") from None
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int of > 4300 digits
+            raise bad(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
         if not isinstance(body, dict):
             raise bad("request body must be a JSON object", None, "invalid_json")
+        if _SURROGATE_ESCAPE.search(raw):  # only an escape can put one in (raw bytes are UTF-8)
+            try:
+                check_no_lone_surrogates(body)
+            except RecursionError:
+                raise bad("request body is nested too deeply", None, "invalid_json") from None
         return body
 
     app.include_router(table_push_router)  # PUT/GET /routing-table: push and acknowledge
@@ -161,7 +239,7 @@ def create_app(server: OpenAIServer) -> FastAPI:
     async def version_endpoint():
         return {"version": _version()}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         out: dict[str, Any] = {
             "status": "ok",

@@ -223,7 +223,12 @@ class TextPart(_Strict):
 
 
 class ChatMessage(BaseModel):
-    """One message; ``content`` is checked by the server (null allowed only for assistant)."""
+    """One message; ``content`` is checked by the server (null allowed only for assistant).
+
+    ``refusal``, ``annotations``, ``audio`` and ``function_call`` are accepted only empty: they
+    are what an assistant message of the ``openai`` client carries after ``.model_dump()`` (a
+    reply sent back as history); a refusal, audio or a function call is not supported.
+    """
 
     model_config = ConfigDict(strict=True, extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"]
@@ -231,6 +236,10 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict] | None = None
+    refusal: None = None
+    annotations: Annotated[list[Any], Field(max_length=0)] | None = None
+    audio: None = None
+    function_call: None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -441,6 +450,12 @@ def parse(model: type[M], body: dict) -> M:
         inp = err.get("input")
         if kind == "missing":
             raise bad(f"'{param}' is required", param, "missing_required_parameter") from None
+        if kind == "none_required":  # a field accepted only as null (ChatMessage.refusal, ...)
+            raise bad(
+                f"'{param}' is not supported by this server (got {inp!r})"[:500],
+                param,
+                "unsupported_parameter",
+            ) from None
         if kind == "extra_forbidden":
             raise bad(
                 f"Unrecognized request argument supplied: {param}", param, "unrecognized_parameter"

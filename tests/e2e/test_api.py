@@ -84,6 +84,8 @@ def test_models_and_health(deployment, model_dir):
     assert [m["id"] for m in models["data"]] == [model_dir.rstrip("/").split("/")[-1]]
     h = httpx.get(f"{deployment.base_url}/health", timeout=10).json()
     assert h["status"] == "ok" and h["mode"] == "disaggregated"
+    head = httpx.head(f"{deployment.base_url}/health", timeout=10)  # probes that send HEAD
+    assert head.status_code == 200 and head.content == b""
     assert h["routing_table_version"] == 1
     assert sorted(h["servers"]) == [f"expert-{i}" for i in range(4)]
 
@@ -287,6 +289,24 @@ BAD = {
         {"messages": [{"role": "user", "content": "x"}], "top_p": float("-inf")},
         "top_p",
     ),
+    # a lone UTF-16 surrogate escape is valid JSON but not text: tokenizers and JSON answers
+    # fail on it (was a plain-text 500 that closed the keep-alive connection)
+    "lone_surrogate_prompt": ("/v1/completions", {"prompt": "Hi \ud800"}, "prompt"),
+    "lone_surrogate_model": ("/v1/completions", {"model": "m\udfff", "prompt": "Hi"}, "model"),
+    "lone_surrogate_stop": (
+        "/v1/completions",
+        {"prompt": "Hi", "stop": ["a", "\udc00"]},
+        "stop[1]",
+    ),
+    "lone_surrogate_chat_content": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]},
+        "messages[0].content[0].text",
+    ),
+    "lone_surrogate_field_name": ("/v1/completions", {"prompt": "Hi", "\ud800": 1}, None),
+    "lone_surrogate_tokenize": ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    # Python's json refuses ints of more than 4300 digits with a ValueError (was a plain 500)
+    "int_of_5000_digits": ("/v1/completions", '{"prompt": "Hi", "seed": ' + "1" * 5000 + "}", None),
     # system/user messages need content (OpenAI allows null only for assistant tool calls)
     "user_content_missing": (
         "/v1/chat/completions",
@@ -319,6 +339,7 @@ BAD = {
 BAD_CODES = {
     "beyond_context": "context_length_exceeded",
     "deeply_nested_json": "invalid_json",
+    "int_of_5000_digits": "invalid_json",
     **{
         c: "invalid_value"
         for c in BAD
@@ -381,6 +402,49 @@ def test_assistant_message_without_content_is_accepted(deployment, model_name):
         timeout=60,
     )
     assert r.status_code == 200, r.text
+
+
+def test_assistant_reply_sent_back_with_model_dump_is_accepted(deployment, model_name):
+    """The common chat loop: append ``reply.choices[0].message.model_dump()`` to the history. It
+    carries ``refusal``, ``annotations``, ``audio``, ``function_call`` and ``tool_calls`` as null
+    (was a 400 on ``refusal``); a non-null refusal is refused by name."""
+    c = client(deployment)
+    user = {"role": "user", "content": "Hi"}
+    reply = c.chat.completions.create(model=model_name, messages=[user], max_tokens=2)
+    dumped = reply.choices[0].message.model_dump()
+    assert {"refusal", "annotations", "audio", "function_call"} <= set(dumped)
+    again = c.chat.completions.create(
+        model=model_name,
+        messages=[user, dumped, {"role": "user", "content": "Again"}],
+        max_tokens=2,
+    )
+    assert again.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as ei:
+        c.chat.completions.create(
+            model=model_name, messages=[user, {**dumped, "refusal": "no"}, user], max_tokens=2
+        )
+    err = ei.value.body
+    assert err["param"] == "messages[1].refusal" and err["code"] == "unsupported_parameter"
+
+
+def test_refused_requests_are_counted_by_status(deployment, model_name):
+    """``eaas_requests_total{status}`` counts completions refused before generation (400, 404)
+    beside the answered ones."""
+    base = deployment.base_url
+    before = metric_values(base)
+    bad = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 0}, timeout=30)
+    unknown = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]},
+        timeout=30,
+    )
+    assert (bad.status_code, unknown.status_code) == (400, 404)
+    after = metric_values(base)
+    for status in ("400", "404"):
+        grew = metric_sum(after, "eaas_requests_total", status=status) - metric_sum(
+            before, "eaas_requests_total", status=status
+        )
+        assert grew == 1, (status, grew)
 
 
 def test_openai_client_raises_bad_request(deployment, model_name):
