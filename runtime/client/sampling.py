@@ -12,7 +12,8 @@ a stage pass through unchanged. The order follows vLLM's v1 sampler
 3. Penalties: ``repetition_penalty`` over prompt and output tokens (CTRL, Keskar et al. 2019:
    positive logits divided, negative multiplied), then ``frequency_penalty`` (times the count of
    the token in the output) and ``presence_penalty`` (once if present), both as in OpenAI's API.
-4. Greedy rows (``temperature == 0``): ``argmax``.
+4. Greedy rows (``temperature == 0``; the API maps any temperature below :data:`SAMPLING_EPS`
+   to 0, as vLLM does): ``argmax``.
 5. Random rows: divide by ``temperature``; ``min_p`` (drop tokens whose probability is below
    ``min_p`` times the top probability); ``top_k``; ``top_p`` (smallest prefix of the sorted
    distribution whose mass reaches ``top_p``); draw with the exponential-race trick
@@ -27,6 +28,10 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+# temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``): dividing float32 logits by a
+# temperature of ~1e-38 overflows them to inf/nan and the draw degenerates to token 0
+SAMPLING_EPS = 1e-5
 
 
 @dataclass

@@ -54,7 +54,7 @@ from eaas.runtime.client.protocol import (
     check_unsupported,
     parse,
 )
-from eaas.runtime.client.sampling import SamplingParams
+from eaas.runtime.client.sampling import SAMPLING_EPS, SamplingParams
 
 log = logging.getLogger("eaas.client.api")
 
@@ -172,6 +172,14 @@ class _Choice:
     stop_reason: str | int | None = None
 
 
+def _temperature(value: float | None) -> float:
+    """The request's temperature for :class:`SamplingParams`: 1 when not given (OpenAI's
+    default), 0 (greedy) below :data:`SAMPLING_EPS` (vLLM)."""
+    if value is None:
+        return 1.0
+    return 0.0 if value < SAMPLING_EPS else float(value)
+
+
 class OpenAIServer:
     """State shared by the handlers.
 
@@ -283,7 +291,7 @@ class OpenAIServer:
         self.check_ids(stop_ids, "stop_token_ids")
         base = SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else float(req.temperature),
+            temperature=_temperature(req.temperature),
             top_p=1.0 if req.top_p is None else float(req.top_p),
             top_k=req.top_k or 0,
             min_p=req.min_p or 0.0,
@@ -655,10 +663,11 @@ class OpenAIServer:
                     left -= 1
         except BaseException as exc:
             cancel_all()
-            metrics.REQUESTS.labels(client_id=label, status="cancelled").inc()
+            if isinstance(exc, (_ClientGone, asyncio.CancelledError)):
+                metrics.REQUESTS.labels(client_id=label, status="cancelled").inc()
             if isinstance(exc, _ClientGone):
                 return Response(status_code=499)
-            raise
+            raise  # anything else is a bug: the app's handler answers (and counts) a JSON 500
         finally:
             watcher.cancel()
         metrics.REQUESTS.labels(client_id=label, status="200").inc()
@@ -728,10 +737,14 @@ class OpenAIServer:
         def data(obj: dict) -> str:
             return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
-        def dump(chunk: ChatCompletionChunk | CompletionChunk) -> dict:
+        def dump(chunk: ChatCompletionChunk | CompletionChunk, ch: _Choice) -> dict:
             d = chunk.model_dump()
             if prep.continuous_usage:
-                d["usage"] = usage().model_dump()
+                # as vLLM: this choice's prompt and the tokens it has streamed so far
+                pt, ct = len(prep.prompts[ch.prompt]), len(ch.events)
+                d["usage"] = UsageInfo(
+                    prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct
+                ).model_dump()
             elif prep.include_usage:
                 d["usage"] = None
             else:
@@ -754,7 +767,8 @@ class OpenAIServer:
                                         delta=DeltaMessage(role="assistant", content=""),
                                     )
                                 ],
-                            )
+                            ),
+                            ch,
                         )
                     )
             left = len(choices)
@@ -824,7 +838,7 @@ class OpenAIServer:
                         ],
                     )
                 first.discard(ch.index)
-                yield data(dump(chunk))
+                yield data(dump(chunk, ch))
             if prep.include_usage:
                 cls = ChatCompletionChunk if prep.chat else CompletionChunk
                 final = cls(id=rid, created=created, model=self.model_name, choices=[])

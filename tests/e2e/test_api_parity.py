@@ -580,9 +580,51 @@ def test_streamed_n_choices_with_usage(oai, model_name, prompt_ids, ref):
         ids[ch.index].extend(ch.model_extra["token_ids"])
         if ch.finish_reason is not None:
             finishes[ch.index] = ch.finish_reason
-        assert c.usage is not None  # continuous usage stats: usage on every chunk
+        # continuous usage stats, as vLLM: on every chunk, this choice's tokens so far
+        assert c.usage is not None
+        assert (c.usage.prompt_tokens, c.usage.completion_tokens) == (
+            len(prompt_ids),
+            len(ids[ch.index]),
+        )
     assert ids == {0: ref, 1: ref} and set(finishes) == {0, 1}
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2 * len(ref)
+
+
+def test_streamed_chat_continuous_usage_starts_at_zero(oai, model_name):
+    """The role chunk carries no token yet: ``completion_tokens`` 0 there (vLLM), then each
+    choice's own count."""
+    chunks = list(
+        oai.chat.completions.create(
+            model=model_name,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=4,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    seen: dict[int, int] = {0: 0, 1: 0}
+    roles = 0
+    for c in chunks[:-1]:
+        (ch,) = c.choices
+        if ch.delta.role == "assistant":
+            roles += 1
+            assert c.usage.completion_tokens == 0
+        else:
+            seen[ch.index] += len(ch.model_extra["token_ids"])
+            assert c.usage.completion_tokens == seen[ch.index]
+    assert roles == 2 and seen == {0: 4, 1: 4}
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_temperature_below_sampling_eps_is_greedy(oai, model_name, prompt_ids, ref):
+    """A temperature of 1e-40 overflowed the logits and drew token 0 every step; below vLLM's
+    ``_SAMPLING_EPS`` (1e-5) it now means greedy, as in vLLM."""
+    for t in (1e-40, 1e-6):
+        r = oai.completions.create(
+            model=model_name, prompt=prompt_ids, max_tokens=12, temperature=t, seed=7
+        )
+        assert r.choices[0].model_extra["token_ids"] == ref, t
 
 
 # ---- many clients give up at once: the running and waiting gauges return to 0 -----------------
