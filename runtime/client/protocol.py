@@ -216,6 +216,20 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_prompt_kind(cls, data: Any) -> Any:
+        # a list mixing kinds (["hi", [5, 6]]) would get the union's error for one member only
+        p = data.get("prompt") if isinstance(data, dict) else None
+        if isinstance(p, list) and len({type(x) for x in p}) > 1:
+            kinds = sorted({type(x).__name__ for x in p})
+            raise _FieldError(
+                "prompt",
+                "'prompt' must be a string, a list of token ids, a list of strings or a list of "
+                f"token-id lists; this list mixes {', '.join(kinds)}",
+            )
+        return data
+
 
 class TextPart(_Strict):
     type: Literal["text"]

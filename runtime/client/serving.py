@@ -348,8 +348,9 @@ class OpenAIServer:
             echo_texts.append(text if req.echo else "")
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         params: list[SamplingParams] = []
-        for ids in prompts:
-            ps, _ = self._params(req, len(ids), max_tokens, "max_tokens", "prompt")
+        for i, ids in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            ps, _ = self._params(req, len(ids), max_tokens, "max_tokens", param)
             params = ps  # identical per prompt apart from the length checks
         for sp in params:
             sp.logprobs = req.logprobs

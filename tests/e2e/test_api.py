@@ -222,6 +222,14 @@ BAD = {
         {"prompt": "Hello world", "max_tokens": 2048},
         "max_tokens",
     ),
+    # a list mixing strings and token-id lists: named as such (was "prompt[0]: not an int")
+    "mixed_prompt_kinds": ("/v1/completions", {"prompt": ["Hi", [5, 6]]}, "prompt"),
+    # the second of a batch of prompts is longer than the context: named by its index
+    "batched_prompt_beyond_context": (
+        "/v1/completions",
+        {"prompt": [[5, 6], [5] * 2049], "max_tokens": 1},
+        "prompt[1]",
+    ),
     "max_tokens_zero": ("/v1/completions", {"prompt": "Hello", "max_tokens": 0}, "max_tokens"),
     "max_tokens_negative": (
         "/v1/chat/completions",
@@ -340,6 +348,7 @@ BAD_CODES = {
     "beyond_context": "context_length_exceeded",
     "deeply_nested_json": "invalid_json",
     "int_of_5000_digits": "invalid_json",
+    "batched_prompt_beyond_context": "context_length_exceeded",
     **{
         c: "invalid_value"
         for c in BAD
