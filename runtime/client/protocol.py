@@ -97,10 +97,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "structured_outputs": (None,),
     "truncate_prompt_tokens": (None,),
     "spaces_between_special_tokens": (None, True),
-    "add_generation_prompt": (None, True),
-    "continue_final_message": (None, False),
     "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
     "documents": (None,),
 }
 
@@ -256,7 +253,33 @@ class ChatMessage(BaseModel):
     function_call: None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatTemplateFields(_Strict):
+    """How messages are rendered by the chat template (vLLM's chat extensions).
+
+    Attributes:
+        add_generation_prompt: end with the template's opening of an assistant turn.
+        continue_final_message: end inside the last message (an assistant turn the model
+            continues: prefill); needs ``add_generation_prompt: false``.
+        chat_template_kwargs: extra variables for the template (Qwen3's ``enable_thinking``);
+            each must be a variable the model's template uses.
+    """
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _template_fields(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise _FieldError(
+                "continue_final_message",
+                "'continue_final_message' needs 'add_generation_prompt': false (it continues "
+                "the last message instead of opening a new assistant turn)",
+            )
+        return self
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     """``POST /v1/chat/completions``."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -281,14 +304,14 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
 
-class TokenizeRequest(_Strict):
-    """``POST /tokenize`` (vLLM): ``{"model", "prompt"}`` or ``{"model", "messages"}``."""
+class TokenizeRequest(_ChatTemplateFields):
+    """``POST /tokenize`` (vLLM): ``{"model", "prompt"}`` or ``{"model", "messages"}`` (with the
+    chat template fields)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
     @model_validator(mode="after")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import json
 import logging
 import threading
@@ -19,8 +20,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import jinja2
+import jinja2.meta
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from jinja2 import TemplateError
 
 from eaas.runtime import metrics
 from eaas.runtime.client.engine import Engine, ErrorEvent, GenerationRequest, TokenEvent
@@ -172,6 +176,16 @@ class _Choice:
     stop_reason: str | int | None = None
 
 
+def _template_variables(template: str) -> set[str] | None:
+    """Names a Jinja chat template reads from its context (``None``: it does not parse here, so
+    no key can be checked)."""
+    try:
+        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+        return set(jinja2.meta.find_undeclared_variables(env.parse(template)))
+    except jinja2.TemplateError:
+        return None
+
+
 def _temperature(value: float | None) -> float:
     """The request's temperature for :class:`SamplingParams`: 1 when not given (OpenAI's
     default), 0 (greedy) below :data:`SAMPLING_EPS` (vLLM)."""
@@ -215,6 +229,7 @@ class OpenAIServer:
         self.max_request_body = int(max_request_body)
         self.created = int(time.time())
         self._token_strs: dict[int, str] = {}
+        self._template_vars: tuple[str, set[str] | None] | None = None  # (template, variables)
         self.shutting_down = False
         self._queues: set[asyncio.Queue] = set()  # event queues of the running requests
         self._mailbox: EventMailbox | None = None  # engine events -> the loop (per loop)
@@ -402,7 +417,12 @@ class OpenAIServer:
         body = check_unsupported(body)
         req = parse(ChatCompletionRequest, body)
         self.check_model(req.model)
-        ids = self.render_chat(self._messages(req.messages))
+        ids = self.render_chat(
+            self._messages(req.messages),
+            req.add_generation_prompt,
+            req.continue_final_message,
+            req.chat_template_kwargs,
+        )
         self.check_ids(ids, "messages")
         key = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -422,20 +442,89 @@ class OpenAIServer:
             lp,
         )
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of ``messages`` under the tokenizer's chat template (or a plain fallback)."""
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of ``messages`` under the tokenizer's chat template (or a plain fallback).
+
+        Args:
+            messages: ``[{"role", "content"[, "name"]}]`` (:meth:`_messages`).
+            add_generation_prompt: end with the opening of an assistant turn.
+            continue_final_message: end inside the last message, which the model continues
+                (transformers' ``apply_chat_template`` option of that name).
+            template_kwargs: extra template variables (``chat_template_kwargs``).
+
+        Raises:
+            APIError: 400 naming ``chat_template_kwargs.<key>`` for a key the template does not
+                use or that names one of ``apply_chat_template``'s own arguments; 400 naming
+                ``messages`` when the template refuses the messages (its ``raise_exception``,
+                e.g. roles that do not alternate) or cannot continue the final message.
+        """
         tok = self.tokenizer
-        if getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
-            )
-        else:  # plain fallback
+        template = getattr(tok, "chat_template", None)
+        kwargs = dict(template_kwargs or {})
+        if kwargs:
+            self._check_template_kwargs(template, kwargs)
+        if not template:  # plain fallback
             text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
-            if add_generation_prompt:
+            if continue_final_message:
+                text = text[:-1]  # no newline closing the last message
+            elif add_generation_prompt:
                 text += "<|assistant|>\n"
             if getattr(tok, "bos_token", None):
                 text = tok.bos_token + text
+            return list(tok(text, add_special_tokens=False)["input_ids"])
+        try:
+            text = tok.apply_chat_template(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **kwargs,
+            )
+        except (TemplateError, ValueError, TypeError) as exc:
+            raise bad(
+                f"the model's chat template refused these messages: {exc}", "messages"
+            ) from None
         return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    def _check_template_kwargs(self, template: str | None, kwargs: dict[str, Any]) -> None:
+        """``chat_template_kwargs`` must act: each key a variable the template reads, none of
+        ``apply_chat_template``'s own arguments (those have request fields or are ours)."""
+        if not template:
+            key = next(iter(kwargs))
+            raise bad(
+                "'chat_template_kwargs' needs a chat template; this model has none",
+                f"chat_template_kwargs.{key}",
+                "unsupported_parameter",
+            )
+        if self._template_vars is None or self._template_vars[0] != template:
+            self._template_vars = (template, _template_variables(template))
+        used = self._template_vars[1]
+        own = set(inspect.signature(self.tokenizer.apply_chat_template).parameters) | {"messages"}
+        for key in kwargs:
+            if key in own:
+                raise bad(
+                    f"'chat_template_kwargs.{key}' is an argument of the template call, not a "
+                    "template variable"
+                    + (
+                        f"; use the request field '{key}'"
+                        if key in ("add_generation_prompt", "continue_final_message")
+                        else ""
+                    ),
+                    f"chat_template_kwargs.{key}",
+                )
+            if used is not None and key not in used:
+                raise bad(
+                    f"'chat_template_kwargs.{key}' is not used by this model's chat template "
+                    f"(it reads: {', '.join(sorted(used)) or 'no extra variables'})",
+                    f"chat_template_kwargs.{key}",
+                    "unsupported_parameter",
+                )
 
     # ---- tokenize / detokenize --------------------------------------------------------
     def tokenize(self, body: dict) -> TokenizeResponse:
@@ -443,7 +532,12 @@ class OpenAIServer:
         req = parse(TokenizeRequest, body)
         self.check_model(req.model)
         if req.messages is not None:
-            ids = self.render_chat(self._messages(req.messages), req.add_generation_prompt)
+            ids = self.render_chat(
+                self._messages(req.messages),
+                req.add_generation_prompt,
+                req.continue_final_message,
+                req.chat_template_kwargs,
+            )
             if req.add_special_tokens:
                 raise bad(
                     "'add_special_tokens' with 'messages' is not supported (the chat template "
@@ -452,6 +546,9 @@ class OpenAIServer:
                     "unsupported_parameter",
                 )
         else:
+            for key in ("continue_final_message", "chat_template_kwargs"):
+                if key in req.model_fields_set:
+                    raise bad(f"'{key}' applies to 'messages' only, not 'prompt'", key)
             add = True if req.add_special_tokens is None else req.add_special_tokens
             ids = list(self.tokenizer(req.prompt, add_special_tokens=add)["input_ids"])
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None

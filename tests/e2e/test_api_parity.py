@@ -346,6 +346,56 @@ def test_tokenize_detokenize_version(deployment, model_name, tokenizer):
     assert v["version"] and v["version"] != "unknown"
 
 
+def test_chat_template_fields(deployment, model_name, tokenizer, oai):
+    """vLLM's chat extensions reach the template as transformers' ``apply_chat_template`` takes
+    them: ``add_generation_prompt``, ``continue_final_message`` (prefill an assistant turn) and
+    ``chat_template_kwargs`` (template variables; the tiny model's template reads ``bos_token``).
+    A key the template does not read, or an argument of the call itself, is a 400 naming it."""
+    user = {"role": "user", "content": "Hi"}
+    prefill = [user, {"role": "assistant", "content": "The answer is"}]
+    cases = [
+        (
+            {"messages": [user], "add_generation_prompt": False},
+            [user],
+            {"add_generation_prompt": False},
+        ),
+        (
+            {"messages": prefill, "add_generation_prompt": False, "continue_final_message": True},
+            prefill,
+            {"add_generation_prompt": False, "continue_final_message": True},
+        ),
+        (
+            {"messages": [user], "chat_template_kwargs": {"bos_token": "<|user|>"}},
+            [user],
+            {"add_generation_prompt": True, "bos_token": "<|user|>"},
+        ),
+    ]
+    for body, msgs, kw in cases:
+        got = _post(deployment, "/tokenize", {"model": model_name, **body}).json()["tokens"]
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, **kw)
+        assert got == tokenizer(text, add_special_tokens=False)["input_ids"], body
+        # the same rendering is what a chat request generates from
+        r = _post(
+            deployment, "/v1/chat/completions", {"model": model_name, "max_tokens": 2, **body}
+        )
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(got), r.text
+    assert text.startswith("<|user|>")  # the last case's variable acted
+    for extra, param in (
+        (
+            {"chat_template_kwargs": {"enable_thinking": False}},
+            "chat_template_kwargs.enable_thinking",
+        ),
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
+        ({"continue_final_message": True}, "continue_final_message"),  # with the default True
+    ):
+        with pytest.raises(openai.BadRequestError) as ei:
+            oai.chat.completions.create(
+                model=model_name, messages=prefill, max_tokens=2, extra_body=extra
+            )
+        assert ei.value.body["param"] == param, ei.value.body
+    _ok(deployment, model_name)
+
+
 # ---- bad input: 400/404 naming the field, then a request that succeeds ---------------------------
 BAD = {
     "tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", 400),
@@ -415,8 +465,6 @@ NO_OP = {
         ("store", False),
         ("service_tier", "auto"),
         ("modalities", ["text"]),
-        ("add_generation_prompt", True),
-        ("chat_template_kwargs", {}),
         ("use_beam_search", False),
         ("length_penalty", 1.0),
         ("spaces_between_special_tokens", True),
@@ -539,6 +587,21 @@ def test_tokenizer_json_wins_over_qwen_class(qwen3_clients):
         f"{c.base}/v1/completions", json={"prompt": "1 2 3 4 5", "max_tokens": 2}, timeout=120
     )
     assert g.status_code == 200 and g.json()["usage"]["prompt_tokens"] == 6
+
+
+def test_chat_template_kwargs_without_a_template_is_400(qwen3_clients):
+    """A checkpoint with only tokenizer.json has no chat template (the plain fallback renders
+    chats): template variables cannot act there."""
+    c = qwen3_clients[0]["only_file"]
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    r = httpx.post(
+        f"{c.base}/v1/chat/completions",
+        json={**body, "chat_template_kwargs": {"enable_thinking": False}},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "chat_template_kwargs.enable_thinking"
+    assert httpx.post(f"{c.base}/v1/chat/completions", json=body, timeout=120).status_code == 200
 
 
 def test_tokenizer_id_beyond_vocab_is_400(qwen3_clients):
