@@ -15,9 +15,9 @@ Endpoints:
   ``stop``, ``stop_token_ids``, ``include_stop_str_in_output``, ``min_tokens``,
   ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``,
   ``ignore_eos``, ``skip_special_tokens``, ``stream``, ``stream_options`` (``include_usage``,
-  ``continuous_usage_stats``); completions: ``echo``, ``logprobs`` (int); chat: ``logprobs``
-  (bool), ``top_logprobs``, ``add_generation_prompt``, ``continue_final_message``,
-  ``chat_template_kwargs``.
+  ``continuous_usage_stats``), ``return_tokens_as_token_ids`` (with logprobs); completions:
+  ``echo``, ``logprobs`` (int); chat: ``logprobs`` (bool), ``top_logprobs``,
+  ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``.
 * ``stream: true`` answers Server-Sent Events in OpenAI's chunk format ending with
   ``data: [DONE]``. A client that disconnects cancels its sequences (they leave the decode batch
   at the next engine step); non-streaming requests poll for the disconnect every

@@ -173,6 +173,7 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM)
 
     @model_validator(mode="after")
     def _cross_field(self):
@@ -184,6 +185,12 @@ class _SamplingFields(_Strict):
         if self.stream_options is not None and not self.stream:
             raise _FieldError(
                 "stream_options", "'stream_options' is only allowed when 'stream' is true"
+            )
+        lp = getattr(self, "logprobs", None)  # completions: int k (0 counts); chat: bool
+        if self.return_tokens_as_token_ids and (lp is None or lp is False):
+            raise _FieldError(
+                "return_tokens_as_token_ids",
+                "'return_tokens_as_token_ids' names the tokens of logprobs: it needs 'logprobs'",
             )
         if self.best_of is not None and self.best_of != self.n:
             raise _FieldError(

@@ -111,6 +111,7 @@ class Prepared:
         stream, include_usage, continuous_usage: the streaming options.
         chat: chat completion (else text completion).
         logprobs: ``None`` or the number of top logprobs per token.
+        tokens_as_ids: logprobs name tokens ``"token_id:<id>"`` (``return_tokens_as_token_ids``).
     """
 
     prompts: list[list[int]]
@@ -121,6 +122,7 @@ class Prepared:
     continuous_usage: bool
     chat: bool
     logprobs: int | None
+    tokens_as_ids: bool = False
 
 
 class EventMailbox:
@@ -381,6 +383,7 @@ class OpenAIServer:
             bool(so and so.include_usage and so.continuous_usage_stats),
             False,
             req.logprobs,
+            req.return_tokens_as_token_ids,
         )
 
     def _messages(self, msgs: list, param: str = "messages") -> list[dict]:
@@ -440,6 +443,7 @@ class OpenAIServer:
             bool(so and so.include_usage and so.continuous_usage_stats),
             True,
             lp,
+            req.return_tokens_as_token_ids,
         )
 
     def render_chat(
@@ -572,12 +576,17 @@ class OpenAIServer:
                 self._token_strs[token_id] = s
         return s
 
+    def token_name(self, token_id: int, as_id: bool) -> str:
+        """How logprobs name a token: its text, or ``"token_id:<id>"`` (vLLM's
+        ``return_tokens_as_token_ids``: unique, where texts collide, e.g. partial UTF-8 bytes)."""
+        return f"token_id:{token_id}" if as_id else self.token_str(token_id)
+
     def completion_logprobs(
-        self, events: list[TokenEvent], offset: int, k: int
+        self, events: list[TokenEvent], offset: int, k: int, as_ids: bool = False
     ) -> CompletionLogProbs:
         out = CompletionLogProbs()
         for ev in events:
-            s = self.token_str(ev.token_id)
+            s = self.token_name(ev.token_id, as_ids)
             out.text_offset.append(offset)
             offset += len(s)
             out.tokens.append(s)
@@ -587,7 +596,7 @@ class OpenAIServer:
                 top[s] = ev.logprob
             for t, lp in (ev.top_logprobs or [])[:k]:
                 # tokens that decode alike (e.g. partial UTF-8 bytes) share a key: keep the first
-                top.setdefault(self.token_str(t), lp)
+                top.setdefault(self.token_name(t, as_ids), lp)
             out.top_logprobs.append(top)
         return out
 
@@ -596,6 +605,7 @@ class OpenAIServer:
         prompt_ids: list[int],
         rows: list[tuple[float, list[tuple[int, float]]] | None] | None,
         k: int,
+        as_ids: bool = False,
     ) -> CompletionLogProbs:
         """Completions ``logprobs`` of the echoed prompt tokens (as vLLM's ``echo`` with
         ``logprobs``): the first token's logprob and top logprobs are ``null``; offsets from 0.
@@ -608,7 +618,7 @@ class OpenAIServer:
         out = CompletionLogProbs()
         offset = 0
         for i, t in enumerate(prompt_ids):
-            s = self.token_str(t)
+            s = self.token_name(t, as_ids)
             out.text_offset.append(offset)
             offset += len(s)
             out.tokens.append(s)
@@ -621,7 +631,7 @@ class OpenAIServer:
             out.token_logprobs.append(lp)
             top = {s: lp}
             for tt, tlp in tops[:k]:
-                top.setdefault(self.token_str(tt), tlp)
+                top.setdefault(self.token_name(tt, as_ids), tlp)
             out.top_logprobs.append(top)
         return out
 
@@ -635,13 +645,16 @@ class OpenAIServer:
         if not (
             first and prep.echo_texts[ch.prompt] and prep.params[0].prompt_logprobs is not None
         ):
-            gen = self.completion_logprobs(events, offset, prep.logprobs)
+            gen = self.completion_logprobs(events, offset, prep.logprobs, prep.tokens_as_ids)
             return gen, offset + sum(len(t) for t in gen.tokens)
         head = self.echo_logprobs(
-            prep.prompts[ch.prompt], events[0].prompt_logprobs if events else None, prep.logprobs
+            prep.prompts[ch.prompt],
+            events[0].prompt_logprobs if events else None,
+            prep.logprobs,
+            prep.tokens_as_ids,
         )
         offset = sum(len(t) for t in head.tokens)
-        gen = self.completion_logprobs(events, offset, prep.logprobs)
+        gen = self.completion_logprobs(events, offset, prep.logprobs, prep.tokens_as_ids)
         return CompletionLogProbs(
             text_offset=head.text_offset + gen.text_offset,
             token_logprobs=head.token_logprobs + gen.token_logprobs,
@@ -649,15 +662,17 @@ class OpenAIServer:
             top_logprobs=head.top_logprobs + gen.top_logprobs,
         ), offset + sum(len(t) for t in gen.tokens)
 
-    def chat_logprobs(self, events: list[TokenEvent]) -> ChatLogProbs:
+    def chat_logprobs(self, events: list[TokenEvent], as_ids: bool = False) -> ChatLogProbs:
         content = []
         for ev in events:
             if ev.logprob is None:  # the engine gives every token one when logprobs were asked
                 raise RuntimeError(f"token {ev.token_id} came without the requested logprob")
-            s = self.token_str(ev.token_id)
+            s = self.token_name(ev.token_id, as_ids)
             tops = [
                 TopLogprob(
-                    token=self.token_str(t), logprob=lp, bytes=list(self.token_str(t).encode())
+                    token=(name := self.token_name(t, as_ids)),
+                    logprob=lp,
+                    bytes=list(name.encode()),
                 )
                 for t, lp in ev.top_logprobs or []
             ]
@@ -778,7 +793,7 @@ class OpenAIServer:
                     ChatChoice(
                         index=ch.index,
                         message=ChatMessageOut(content=ch.req.text),
-                        logprobs=self.chat_logprobs(ch.events)
+                        logprobs=self.chat_logprobs(ch.events, prep.tokens_as_ids)
                         if prep.logprobs is not None
                         else None,
                         finish_reason=ch.finish,
@@ -902,7 +917,7 @@ class OpenAIServer:
                             ChatChunkChoice(
                                 index=ch.index,
                                 delta=DeltaMessage(content=ev.text),
-                                logprobs=self.chat_logprobs([ev])
+                                logprobs=self.chat_logprobs([ev], prep.tokens_as_ids)
                                 if prep.logprobs is not None
                                 else None,
                                 finish_reason=ev.finish_reason,

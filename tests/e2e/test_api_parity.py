@@ -140,6 +140,43 @@ def test_completion_logprobs_equal_the_reference(
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
+def test_tokens_as_token_ids_keep_every_top_logprob(oai, model_name, prompt_ids, ref):
+    """``return_tokens_as_token_ids`` (vLLM): logprobs name tokens ``token_id:<id>``, so the
+    completions ``top_logprobs`` dict keeps all k entries even where texts collide (byte-level
+    tokens that each decode to U+FFFD overwrote each other: 16-19 of 20 keys)."""
+    k = 20
+    r = oai.completions.create(
+        model=model_name,
+        prompt=prompt_ids,
+        max_tokens=6,
+        temperature=0,
+        logprobs=k,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [f"token_id:{t}" for t in ref[:6]]
+    for top in lp.top_logprobs:
+        assert len(top) == k and all(key.startswith("token_id:") for key in top)
+    c = oai.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    content, ids = c.choices[0].logprobs.content, c.choices[0].model_extra["token_ids"]
+    assert len(content) == len(ids) == 3
+    for tok, tid in zip(content, ids, strict=True):
+        assert tok.token == f"token_id:{tid}" and tok.bytes == list(tok.token.encode())
+    with pytest.raises(openai.BadRequestError) as ei:  # nothing to name without logprobs
+        oai.completions.create(
+            model=model_name, prompt="Hi", extra_body={"return_tokens_as_token_ids": True}
+        )
+    assert ei.value.body["param"] == "return_tokens_as_token_ids"
+
+
 def test_echo_with_logprobs_gives_prompt_logprobs(
     oai, model_name, model_dir, prompt_ids, ref, tokenizer
 ):
