@@ -82,7 +82,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "reasoning_effort": (None,),
     "service_tier": (None, "auto", "default"),
     "store": (None, False),
-    "metadata": (None,),
+    "metadata": (None, {}),
     "web_search_options": (None,),
     "user": (None,),
     "prompt_logprobs": (None,),

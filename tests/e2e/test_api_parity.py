@@ -500,6 +500,7 @@ NO_OP = {
         ("tool_choice", "none"),
         ("response_format", {"type": "text"}),
         ("store", False),
+        ("metadata", {}),
         ("service_tier", "auto"),
         ("modalities", ["text"]),
         ("use_beam_search", False),
