@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -67,12 +68,15 @@ from eaas.runtime.client.protocol import APIError, bad
 from eaas.runtime.client.serving import DISCONNECT_POLL_S, OpenAIServer
 from eaas.runtime.client.table_push import router as table_push_router
 
+log = logging.getLogger("eaas.client.api")
+
 __all__ = [
     "APIError",
     "DISCONNECT_POLL_S",
     "OpenAIServer",
     "check_no_lone_surrogates",
     "create_app",
+    "parse_json_body",
     "error_response",
 ]
 
@@ -103,7 +107,38 @@ def _too_large(size: int, limit: int) -> APIError:
 
 # a JSON escape of a UTF-16 surrogate (\uD800-\uDFFF): a pair is an astral character, a lone
 # one decodes to a Python str that cannot be encoded (tokenizers and JSON responses fail on it)
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """The JSON value of a request body, which must be UTF-8 (RFC 8259 section 8.1).
+
+    ``json.loads`` on bytes would also take UTF-16/32 and decode with ``surrogatepass``, so an
+    encoded lone surrogate (bytes ``ED A0 80``) would reach the tokenizer as text it cannot
+    encode. Strict UTF-8 refuses those bytes; an escaped one (``"\\ud800"``) is found by
+    :func:`check_no_lone_surrogates`.
+
+    Raises:
+        APIError: 400 ``invalid_json``: not UTF-8, not JSON, an integer of more than 4300 digits
+            (Python's limit), nested deeper than Python's recursion limit; a lone surrogate as
+            in :func:`check_no_lone_surrogates`.
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad(f"request body is not UTF-8 text: {exc}", None, "invalid_json") from None
+    try:
+        body = json.loads(text)
+    except RecursionError:  # Python's json recurses per nesting level (was a 500)
+        raise bad("request body is nested too deeply", None, "invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError, an int of > 4300 digits
+        raise bad(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
+    if _SURROGATE_ESCAPE.search(text):  # only an escape can put one in now
+        try:
+            check_no_lone_surrogates(body)
+        except RecursionError:
+            raise bad("request body is nested too deeply", None, "invalid_json") from None
+    return body
 
 
 def check_no_lone_surrogates(body: Any, path: str | None = None) -> None:
@@ -140,6 +175,50 @@ def check_no_lone_surrogates(body: Any, path: str | None = None) -> None:
             check_no_lone_surrogates(item, f"{path}[{i}]")
 
 
+class _JSONServerErrors:
+    """ASGI middleware: an exception no handler answered (a bug) becomes a 500 in OpenAI's JSON
+    shape, code ``internal_error``, and the connection stays open.
+
+    Starlette's own last resort answers plain text and re-raises, and uvicorn then closes the
+    keep-alive connection, so the client's next request on it fails too. Here the traceback is
+    logged and nothing is re-raised. A response already started (a stream) cannot be replaced:
+    that exception propagates.
+    """
+
+    def __init__(self, app, count):
+        self.app = app
+        self.count = count
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_started(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_started)
+        except Exception as exc:
+            if started:
+                raise
+            req = Request(scope)
+            log.error("%s %s failed", req.method, req.url.path, exc_info=exc)
+            self.count(req, 500)
+            response = error_response(
+                500,
+                f"internal error ({type(exc).__name__}); the server keeps serving",
+                "internal_error",
+                None,
+                "internal_error",
+            )
+            await response(scope, receive, send)
+
+
 def _version() -> str:
     try:
         return version("eaas")
@@ -172,18 +251,7 @@ def create_app(server: OpenAIServer) -> FastAPI:
             400, f"invalid request: {first.get('msg', str(exc))}", param=loc, code="invalid_value"
         )
 
-    @app.exception_handler(Exception)
-    async def _unexpected(req: Request, exc: Exception):
-        # a bug: still OpenAI's JSON shape (a plain-text 500 breaks clients' error parsing);
-        # Starlette re-raises it after this answer, so the server's log gets the traceback
-        count(req, 500)
-        return error_response(
-            500,
-            f"internal error ({type(exc).__name__}); the server keeps serving",
-            "internal_error",
-            None,
-            "internal_error",
-        )
+    app.add_middleware(_JSONServerErrors, count=count)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req: Request, exc: StarletteHTTPException):
@@ -203,20 +271,14 @@ def create_app(server: OpenAIServer) -> FastAPI:
                 raise _too_large(size, limit)
             chunks.append(chunk)
         raw = b"".join(chunks)
-        try:
-            # off the event loop: parsing a body of many MiB would stall /health and every stream
-            body = await asyncio.to_thread(json.loads, raw) if size > 1 << 20 else json.loads(raw)
-        except RecursionError:  # Python's json recurses per nesting level (was a 500)
-            raise bad("request body is nested too deeply", None, "invalid_json") from None
-        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int of > 4300 digits
-            raise bad(f"request body is not valid JSON: {exc}", None, "invalid_json") from None
+        # off the event loop: parsing a body of many MiB would stall /health and every stream
+        body = (
+            await asyncio.to_thread(parse_json_body, raw)
+            if size > 1 << 20
+            else parse_json_body(raw)
+        )
         if not isinstance(body, dict):
             raise bad("request body must be a JSON object", None, "invalid_json")
-        if _SURROGATE_ESCAPE.search(raw):  # only an escape can put one in (raw bytes are UTF-8)
-            try:
-                check_no_lone_surrogates(body)
-            except RecursionError:
-                raise bad("request body is nested too deeply", None, "invalid_json") from None
         return body
 
     app.include_router(table_push_router)  # PUT/GET /routing-table: push and acknowledge
