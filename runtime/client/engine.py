@@ -388,7 +388,11 @@ class EngineBase:
             finish = "length"
         req.text += delta
         req.finish_reason = finish
-        plp = req.prompt_logprobs if len(req.output_ids) == 1 else None
+        plp = None
+        if len(req.output_ids) == 1 and req.params.prompt_logprobs is not None:
+            # a one-token prompt has no position that predicts a prompt token: no forward
+            # recorded rows for it, and its only row is the first token's None
+            plp = req.prompt_logprobs or [None] * len(req.prompt_ids)
         try:
             req.on_event(TokenEvent(tok, delta, finish, logprob, top_logprobs, stop_reason, plp))
         except Exception:  # noqa: BLE001

@@ -243,9 +243,10 @@ class TextPart(_Strict):
 class ChatMessage(BaseModel):
     """One message; ``content`` is checked by the server (null allowed only for assistant).
 
-    ``refusal``, ``annotations``, ``audio`` and ``function_call`` are accepted only empty: they
-    are what an assistant message of the ``openai`` client carries after ``.model_dump()`` (a
-    reply sent back as history); a refusal, audio or a function call is not supported.
+    ``refusal``, ``audio`` and ``function_call`` are accepted only as null, ``annotations`` as
+    null or ``[]``: what an assistant message of the ``openai`` client carries after
+    ``.model_dump()`` (a reply sent back as history); a refusal, audio, a function call or
+    annotations are not supported (400 ``unsupported_parameter`` naming the field).
     """
 
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -255,9 +256,16 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     tool_calls: list[dict] | None = None
     refusal: None = None
-    annotations: Annotated[list[Any], Field(max_length=0)] | None = None
+    annotations: None = None
     audio: None = None
     function_call: None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_annotations(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("annotations") == []:
+            return {k: v for k, v in data.items() if k != "annotations"}
+        return data
 
 
 class _ChatTemplateFields(_Strict):

@@ -96,7 +96,11 @@ def exc_error(exc: BaseException) -> APIError:
     if isinstance(exc, NoLiveReplicaError):
         return APIError(503, f"{exc}; retry later", "service_unavailable", None, "no_live_replica")
     return APIError(
-        500, f"internal error: {type(exc).__name__}: {exc}", "internal_error", None, None
+        500,
+        f"internal error: {type(exc).__name__}: {exc}",
+        "internal_error",
+        None,
+        "internal_error",
     )
 
 
@@ -310,7 +314,9 @@ class OpenAIServer:
             max_tokens=max_tokens,
             temperature=_temperature(req.temperature),
             top_p=1.0 if req.top_p is None else float(req.top_p),
-            top_k=req.top_k or 0,
+            # top_k >= the vocabulary keeps every token, as 0 does (and a huge one would
+            # overflow the batch's int64 tensor, failing every request in the step)
+            top_k=0 if not req.top_k or req.top_k >= self.vocab_size else req.top_k,
             min_p=req.min_p or 0.0,
             stop=req.stop_list(),
             stop_token_ids=stop_ids,
@@ -490,6 +496,10 @@ class OpenAIServer:
                 tokenize=False,
                 **kwargs,
             )
+        except RecursionError:  # transformers copies the variables recursively
+            raise bad(
+                "'chat_template_kwargs' values are nested too deeply", "chat_template_kwargs"
+            ) from None
         except (TemplateError, ValueError, TypeError) as exc:
             raise bad(
                 f"the model's chat template refused these messages: {exc}", "messages"
@@ -550,9 +560,17 @@ class OpenAIServer:
                     "unsupported_parameter",
                 )
         else:
-            for key in ("continue_final_message", "chat_template_kwargs"):
-                if key in req.model_fields_set:
-                    raise bad(f"'{key}' applies to 'messages' only, not 'prompt'", key)
+            set_ = [
+                key
+                for key, on in (
+                    ("add_generation_prompt", req.add_generation_prompt is not True),
+                    ("continue_final_message", req.continue_final_message),
+                    ("chat_template_kwargs", bool(req.chat_template_kwargs)),
+                )
+                if on
+            ]
+            if set_:  # they shape a chat rendering: with a prompt they could not act
+                raise bad(f"'{set_[0]}' applies to 'messages' only, not 'prompt'", set_[0])
             add = True if req.add_special_tokens is None else req.add_special_tokens
             ids = list(self.tokenizer(req.prompt, add_special_tokens=add)["input_ids"])
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
@@ -667,18 +685,22 @@ class OpenAIServer:
         for ev in events:
             if ev.logprob is None:  # the engine gives every token one when logprobs were asked
                 raise RuntimeError(f"token {ev.token_id} came without the requested logprob")
-            s = self.token_name(ev.token_id, as_ids)
+            # ``bytes`` stay the UTF-8 of the token's text (OpenAI: the token's bytes) when
+            # ``token`` names it by id
             tops = [
                 TopLogprob(
-                    token=(name := self.token_name(t, as_ids)),
+                    token=self.token_name(t, as_ids),
                     logprob=lp,
-                    bytes=list(name.encode()),
+                    bytes=list(self.token_str(t).encode()),
                 )
                 for t, lp in ev.top_logprobs or []
             ]
             content.append(
                 ChatTokenLogprob(
-                    token=s, logprob=ev.logprob, bytes=list(s.encode()), top_logprobs=tops
+                    token=self.token_name(ev.token_id, as_ids),
+                    logprob=ev.logprob,
+                    bytes=list(self.token_str(ev.token_id).encode()),
+                    top_logprobs=tops,
                 )
             )
         return ChatLogProbs(content=content)
@@ -960,6 +982,11 @@ class OpenAIServer:
                 yield data(d)
             yield "data: [DONE]\n\n"
             status = "200"
+        except Exception as exc:  # a bug while building a chunk: end the stream with an error
+            log.exception("stream %s failed", rid)
+            status = "500"
+            yield data(exc_error(exc).body())
+            yield "data: [DONE]\n\n"
         finally:
             self._queues.discard(q)
             cancel_all()

@@ -434,6 +434,16 @@ def test_assistant_reply_sent_back_with_model_dump_is_accepted(deployment, model
         )
     err = ei.value.body
     assert err["param"] == "messages[1].refusal" and err["code"] == "unsupported_parameter"
+    ok = {**dumped, "annotations": []}  # an empty list is no annotation
+    c.chat.completions.create(model=model_name, messages=[user, ok, user], max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as ei:
+        c.chat.completions.create(
+            model=model_name,
+            messages=[user, {**dumped, "annotations": [{"type": "url_citation"}]}, user],
+            max_tokens=2,
+        )
+    err = ei.value.body
+    assert err["param"] == "messages[1].annotations" and err["code"] == "unsupported_parameter"
 
 
 def test_refused_requests_are_counted_by_status(deployment, model_name):

@@ -140,7 +140,7 @@ def test_completion_logprobs_equal_the_reference(
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
-def test_tokens_as_token_ids_keep_every_top_logprob(oai, model_name, prompt_ids, ref):
+def test_tokens_as_token_ids_keep_every_top_logprob(oai, model_name, prompt_ids, ref, tokenizer):
     """``return_tokens_as_token_ids`` (vLLM): logprobs name tokens ``token_id:<id>``, so the
     completions ``top_logprobs`` dict keeps all k entries even where texts collide (byte-level
     tokens that each decode to U+FFFD overwrote each other: 16-19 of 20 keys)."""
@@ -169,7 +169,12 @@ def test_tokens_as_token_ids_keep_every_top_logprob(oai, model_name, prompt_ids,
     content, ids = c.choices[0].logprobs.content, c.choices[0].model_extra["token_ids"]
     assert len(content) == len(ids) == 3
     for tok, tid in zip(content, ids, strict=True):
-        assert tok.token == f"token_id:{tid}" and tok.bytes == list(tok.token.encode())
+        # the token is named by id; its bytes stay those of its text
+        assert tok.token == f"token_id:{tid}"
+        assert tok.bytes == list(tokenizer.decode([tid]).encode())
+        for top in tok.top_logprobs:
+            tid_top = int(top.token.removeprefix("token_id:"))
+            assert top.bytes == list(tokenizer.decode([tid_top]).encode())
     with pytest.raises(openai.BadRequestError) as ei:  # nothing to name without logprobs
         oai.completions.create(
             model=model_name, prompt="Hi", extra_body={"return_tokens_as_token_ids": True}
@@ -217,6 +222,40 @@ def test_echo_with_logprobs_gives_prompt_logprobs(
     assert lps[0] is None and lps[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
     _ok_text = oai.completions.create(model=model_name, prompt="Hi", max_tokens=2, echo=True)
     assert _ok_text.choices[0].text.startswith("Hi")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_of_a_one_token_prompt(deployment, model_name, tokenizer, stream):
+    """A one-token prompt has no prompt logprob to compute: its row is null, as the first token's
+    of any prompt (was a 500, and a stream that ended without an event or [DONE])."""
+    body = {
+        "model": model_name,
+        "prompt": [[5], [6, 7]],
+        "max_tokens": 2,
+        "temperature": 0,
+        "echo": True,
+        "logprobs": 1,
+        "stream": stream,
+    }
+    if not stream:
+        r = _post(deployment, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        lps = [c["logprobs"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+    else:
+        with httpx.stream(
+            "POST", f"{deployment.base_url}/v1/completions", json=body, timeout=120
+        ) as r:
+            assert r.status_code == 200
+            events = [e for e in r.iter_lines() if e]
+        assert events[-1] == "data: [DONE]"
+        lps = [None, None]
+        for e in events[:-1]:
+            (ch,) = json.loads(e[len("data: ") :])["choices"]
+            if lps[ch["index"]] is None:  # the first chunk carries the echoed prompt
+                lps[ch["index"]] = ch["logprobs"]
+    assert lps[0]["tokens"][0] == tokenizer.decode([5]) and lps[0]["token_logprobs"][0] is None
+    assert lps[0]["top_logprobs"][0] is None
+    assert lps[1]["token_logprobs"][0] is None and lps[1]["token_logprobs"][1] is not None
 
 
 def test_chat_logprobs_and_top_logprobs(oai, model_name):
@@ -627,6 +666,35 @@ def test_tokenizer_json_wins_over_qwen_class(qwen3_clients):
     assert g.status_code == 200 and g.json()["usage"]["prompt_tokens"] == 6
 
 
+def test_chat_template_field_edges(deployment, model_name):
+    """With ``prompt``, /tokenize refuses a chat template field set to a value that would act
+    (its default is accepted); kwargs nested deeper than transformers can copy are a 400."""
+    tok = f"{deployment.base_url}/tokenize"
+    base = {"model": model_name, "prompt": "Hi"}
+    for field, value in (("add_generation_prompt", True), ("continue_final_message", False)):
+        assert httpx.post(tok, json={**base, field: value}, timeout=60).status_code == 200
+    for field, value in (
+        ("add_generation_prompt", False),
+        ("continue_final_message", True),
+        ("chat_template_kwargs", {"bos_token": "x"}),
+    ):
+        r = httpx.post(tok, json={**base, field: value}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    deep = "[" * 600 + "]" * 600
+    head = json.dumps({"model": model_name, "messages": [{"role": "user", "content": "Hi"}]})
+    raw = head[:-1] + ', "chat_template_kwargs": {"bos_token": ' + deep + "}}"
+    for path in ("/tokenize", "/v1/chat/completions"):
+        r = httpx.post(
+            f"{deployment.base_url}{path}",
+            content=raw,
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "chat_template_kwargs"
+    _ok(deployment, model_name)
+
+
 def test_chat_template_kwargs_without_a_template_is_400(qwen3_clients):
     """A checkpoint with only tokenizer.json has no chat template (the plain fallback renders
     chats): template variables cannot act there."""
@@ -716,6 +784,17 @@ def test_streamed_chat_continuous_usage_starts_at_zero(oai, model_name):
             assert c.usage.completion_tokens == seen[ch.index]
     assert roles == 2 and seen == {0: 4, 1: 4}
     assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_top_k_beyond_the_vocabulary_keeps_every_token(deployment, model_name):
+    """``top_k`` >= the vocabulary size is the same as 0 (all tokens). A top_k of 2**63 or more
+    overflowed the batch's int64 tensor and failed every request in that engine step."""
+    body = {"model": model_name, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": 3}
+    want = _post(deployment, "/v1/completions", {**body, "top_k": 0}).json()["choices"][0]
+    for k in (10**6, 2**63, 10**40):
+        r = _post(deployment, "/v1/completions", {**body, "top_k": k})
+        assert r.status_code == 200, (k, r.text)
+        assert r.json()["choices"][0]["token_ids"] == want["token_ids"], k
 
 
 def test_temperature_below_sampling_eps_is_greedy(oai, model_name, prompt_ids, ref):
