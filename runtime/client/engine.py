@@ -373,7 +373,11 @@ class EngineBase:
         req.output_ids.append(tok)
         stop_reason: str | int | None = None
         stop_token = False
-        if tok in p.stop_token_ids:
+        if len(req.output_ids) <= p.min_tokens:
+            # sampling masked these ids; a token drawn anyway (every candidate masked, e.g.
+            # stop_token_ids covering the vocabulary) still cannot end the sequence yet
+            pass
+        elif tok in p.stop_token_ids:
             stop_token, stop_reason = True, tok
         elif not p.ignore_eos and tok in self.eos_token_ids:
             stop_token = True

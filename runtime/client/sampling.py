@@ -72,7 +72,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     stop: Sequence[str] = ()
-    stop_token_ids: Sequence[int] = ()
+    stop_token_ids: Collection[int] = ()
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -83,6 +83,28 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # per request, built once: (logit_bias ids, values) and the ids min_tokens masks (per eos set)
+    _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    _min_mask: tuple[frozenset[int], torch.Tensor] | None = field(
+        default=None, repr=False, compare=False
+    )
+
+    def bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logit_bias`` as ``(ids int64 [n], values float32 [n])``, built on first use."""
+        if self._bias is None:
+            ids = torch.tensor([int(t) for t in self.logit_bias], dtype=torch.int64)
+            vals = torch.tensor([float(b) for b in self.logit_bias.values()], dtype=torch.float32)
+            self._bias = (ids, vals)
+        return self._bias
+
+    def min_tokens_mask(self, eos_token_ids: Collection[int], vocab_size: int) -> torch.Tensor:
+        """Token ids masked while fewer than ``min_tokens`` were generated (int64 ``[m]``): the
+        stop token ids, and the EOS ids unless ``ignore_eos``; built once per EOS set."""
+        eos = frozenset() if self.ignore_eos else frozenset(eos_token_ids)
+        if self._min_mask is None or self._min_mask[0] != eos:
+            ids = sorted(t for t in set(self.stop_token_ids) | eos if 0 <= t < vocab_size)
+            self._min_mask = (eos, torch.tensor(ids, dtype=torch.int64))
+        return self._min_mask[1]
 
 
 @dataclass
@@ -154,30 +176,16 @@ def _apply_bias_and_min_tokens(
     eos_token_ids: Collection[int],
 ) -> torch.Tensor:
     V = logits.shape[1]
-    rows: list[int] = []
-    cols: list[int] = []
-    vals: list[float] = []
-    mask_rows: list[int] = []
-    mask_cols: list[int] = []
+    # one tensor op per row that uses a stage, with the request's ids built once (a request may
+    # carry the whole vocabulary in logit_bias or stop_token_ids)
     for b, (p, n) in enumerate(zip(params, output_lens, strict=True)):
-        for t, bias in p.logit_bias.items():
-            rows.append(b)
-            cols.append(int(t))
-            vals.append(float(bias))
+        if p.logit_bias:
+            ids, vals = p.bias_tensors()
+            logits[b].index_add_(0, ids, vals.to(logits.dtype))
         if n < p.min_tokens:
-            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            for t in stops:
-                if 0 <= t < V:
-                    mask_rows.append(b)
-                    mask_cols.append(int(t))
-    if rows:
-        logits.index_put_(
-            (torch.tensor(rows), torch.tensor(cols)),
-            torch.tensor(vals, dtype=logits.dtype),
-            accumulate=True,
-        )
-    if mask_rows:
-        logits[torch.tensor(mask_rows), torch.tensor(mask_cols)] = float("-inf")
+            masked = p.min_tokens_mask(eos_token_ids, V)
+            if masked.numel():
+                logits[b, masked] = float("-inf")
     return logits
 
 
