@@ -65,7 +65,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eaas.runtime import metrics
 from eaas.runtime.client.protocol import APIError, bad
-from eaas.runtime.client.serving import DISCONNECT_POLL_S, OpenAIServer
+from eaas.runtime.client.serving import (
+    DISCONNECT_POLL_S,
+    OpenAIServer,
+    json_bytes,
+    json_bytes_with_array,
+)
 from eaas.runtime.client.table_push import router as table_push_router
 
 log = logging.getLogger("eaas.client.api")
@@ -338,13 +343,24 @@ def create_app(server: OpenAIServer) -> FastAPI:
         prep = await asyncio.to_thread(server.prepare_chat, await _json_body(request))
         return await server.generate(request, prep)
 
+    # encoded in the worker thread too: a 30 MB prompt's token list stalled the event loop
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        return (await asyncio.to_thread(server.tokenize, await _json_body(request))).model_dump()
+        body = await _json_body(request)
+
+        def encode() -> bytes:  # the token list in runs: one json.dumps holds the GIL
+            d = server.tokenize(body).model_dump()
+            toks, run = d["tokens"], 1 << 16
+            parts = (json_bytes(toks[i : i + run])[1:-1] for i in range(0, len(toks), run))
+            return json_bytes_with_array(d, "tokens", parts)
+
+        out = await asyncio.to_thread(encode)
+        return Response(content=out, media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         body = await _json_body(request)
-        return (await asyncio.to_thread(server.detokenize, body)).model_dump()
+        out = await asyncio.to_thread(lambda: json_bytes(server.detokenize(body).model_dump()))
+        return Response(content=out, media_type="application/json")
 
     return app

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_LOGPROBS = 20  # OpenAI: top_logprobs <= 20 (chat); completions logprobs <= 5, vLLM 20
 MAX_N = 128  # OpenAI's limit of n
+MAX_CHOICES = 4096  # prompts x n of one completions request (each choice is an engine request)
 
 
 class APIError(Exception):

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ from jinja2 import TemplateError
 from eaas.runtime import metrics
 from eaas.runtime.client.engine import Engine, ErrorEvent, GenerationRequest, TokenEvent
 from eaas.runtime.client.protocol import (
+    MAX_CHOICES,
     SEED_MAX,
     SEED_MIN,
     UNSUPPORTED,
@@ -182,6 +183,29 @@ class _Choice:
     stop_reason: str | int | None = None
 
 
+def json_bytes(content: Any) -> bytes:
+    """``content`` as Starlette's ``JSONResponse`` encodes it (UTF-8, compact, no NaN)."""
+    return json.dumps(
+        content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+    ).encode("utf-8")
+
+
+_ARRAY_MARK = "\x00eaas-array\x00"  # JSON-encoded as "\u0000eaas-array\u0000": no real value
+
+
+def json_bytes_with_array(head: dict, key: str, parts: Iterable[bytes]) -> bytes:
+    """``head`` encoded as :func:`json_bytes`, with ``head[key]`` the JSON array whose elements
+    are ``parts`` (each already encoded; a part may be several elements joined by commas).
+
+    Encoding a large array in parts lets other threads (the event loop) run between them: one
+    ``json.dumps`` call holds the GIL until it returns.
+    """
+    enc = json_bytes({**head, key: _ARRAY_MARK})
+    mark = json_bytes(_ARRAY_MARK)
+    i = enc.index(mark)
+    return b"".join((enc[:i], b"[", b",".join(parts), b"]", enc[i + len(mark) :]))
+
+
 def _template_variables(template: str) -> set[str] | None:
     """Names a Jinja chat template reads from its context (``None``: it does not parse here, so
     no key can be checked)."""
@@ -236,6 +260,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self._token_strs: dict[int, str] = {}
         self._template_vars: tuple[str, set[str] | None] | None = None  # (template, variables)
+        self._max_token_chars: int | None = None  # longest vocabulary entry (check_text_length)
         self.shutting_down = False
         self._queues: set[asyncio.Queue] = set()  # event queues of the running requests
         self._mailbox: EventMailbox | None = None  # engine events -> the loop (per loop)
@@ -261,6 +286,28 @@ class OpenAIServer:
                 "invalid_request_error",
                 "model",
                 "model_not_found",
+            )
+
+    def check_text_length(self, chars: int, param: str) -> None:
+        """400 ``context_length_exceeded`` before tokenizing a text that cannot fit: no token is
+        longer than the vocabulary's longest entry, so ``chars`` characters are at least ``chars /
+        longest`` tokens (a factor 4 of slack for normalizers that merge characters). A 30 MB
+        prompt took ~20 s and ~4 GB to tokenize only to be refused.
+
+        Raises:
+            APIError: 400 naming ``param``.
+        """
+        if self._max_token_chars is None:
+            vocab = self.tokenizer.get_vocab()
+            self._max_token_chars = max((len(t) for t in vocab), default=1) or 1
+        limit = 4 * self.max_context * self._max_token_chars
+        if chars > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_context} tokens; '{param}' has "
+                f"{chars} characters, more than any text of that many tokens (at most {limit})",
+                param=param,
+                code="context_length_exceeded",
             )
 
     def check_ids(self, ids: list[int], param: str) -> None:
@@ -302,14 +349,17 @@ class OpenAIServer:
             )
         bias: dict[int, float] = {}
         for k, v in (req.logit_bias or {}).items():
-            try:
-                t = int(k)
-            except ValueError:
-                raise bad(f"'logit_bias' keys must be token ids, got {k!r}", "logit_bias") from None
+            # a token id in plain decimal: int() would also take " 5", "+5", "05", "5_0" and
+            # other digits, so several keys could name (and bias) one token
+            if not (k.isascii() and k.isdigit() and (k == "0" or k[0] != "0")):
+                raise bad(
+                    f"'logit_bias' keys must be token ids in plain decimal, got {k!r}", "logit_bias"
+                )
+            t = int(k)
             self.check_ids([t], "logit_bias")
             bias[t] = float(v)
-        stop_ids = list(req.stop_token_ids or [])
-        self.check_ids(stop_ids, "stop_token_ids")
+        stop_ids = frozenset(req.stop_token_ids or ())  # the engine tests every token against it
+        self.check_ids(sorted(stop_ids), "stop_token_ids")
         base = SamplingParams(
             max_tokens=max_tokens,
             temperature=_temperature(req.temperature),
@@ -348,6 +398,12 @@ class OpenAIServer:
         raw: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
         if not raw:
             raise bad("'prompt' must not be empty", "prompt")
+        if len(raw) * req.n > MAX_CHOICES:
+            raise bad(
+                f"{len(raw)} prompts x n={req.n} is {len(raw) * req.n} choices; one request may "
+                f"have at most {MAX_CHOICES}",
+                "n",
+            )
         prompts: list[list[int]] = []
         echo_texts: list[str] = []
         for i, item in enumerate(raw):
@@ -355,6 +411,7 @@ class OpenAIServer:
             if isinstance(item, str):
                 if not item:
                     raise bad(f"'{param}' must not be empty", param)
+                self.check_text_length(len(item), param)
                 ids = list(self.tokenizer(item)["input_ids"])
                 text = item
             else:
@@ -426,8 +483,10 @@ class OpenAIServer:
         body = check_unsupported(body)
         req = parse(ChatCompletionRequest, body)
         self.check_model(req.model)
+        messages = self._messages(req.messages)
+        self.check_text_length(sum(len(m["content"]) for m in messages), "messages")
         ids = self.render_chat(
-            self._messages(req.messages),
+            messages,
             req.add_generation_prompt,
             req.continue_final_message,
             req.chat_template_kwargs,
@@ -806,16 +865,39 @@ class OpenAIServer:
         finally:
             watcher.cancel()
         metrics.REQUESTS.labels(client_id=label, status="200").inc()
-        if prep.chat:
-            return ChatCompletionResponse(
+
+        def build() -> ChatCompletionResponse | CompletionResponse:
+            if prep.chat:
+                return ChatCompletionResponse(
+                    id=rid,
+                    created=created,
+                    model=self.model_name,
+                    choices=[
+                        ChatChoice(
+                            index=ch.index,
+                            message=ChatMessageOut(content=ch.req.text),
+                            logprobs=self.chat_logprobs(ch.events, prep.tokens_as_ids)
+                            if prep.logprobs is not None
+                            else None,
+                            finish_reason=ch.finish,
+                            stop_reason=ch.stop_reason,
+                            token_ids=list(ch.req.output_ids),
+                        )
+                        for ch in choices
+                    ],
+                    usage=usage(),
+                )
+            return CompletionResponse(
                 id=rid,
                 created=created,
                 model=self.model_name,
                 choices=[
-                    ChatChoice(
+                    CompletionChoice(
                         index=ch.index,
-                        message=ChatMessageOut(content=ch.req.text),
-                        logprobs=self.chat_logprobs(ch.events, prep.tokens_as_ids)
+                        text=prep.echo_texts[ch.prompt] + ch.req.text,
+                        logprobs=self._choice_logprobs(
+                            prep, ch, ch.events, len(prep.echo_texts[ch.prompt]), True
+                        )[0]
                         if prep.logprobs is not None
                         else None,
                         finish_reason=ch.finish,
@@ -825,28 +907,19 @@ class OpenAIServer:
                     for ch in choices
                 ],
                 usage=usage(),
-            ).model_dump()
-        return CompletionResponse(
-            id=rid,
-            created=created,
-            model=self.model_name,
-            choices=[
-                CompletionChoice(
-                    index=ch.index,
-                    text=prep.echo_texts[ch.prompt] + ch.req.text,
-                    logprobs=self._choice_logprobs(
-                        prep, ch, ch.events, len(prep.echo_texts[ch.prompt]), True
-                    )[0]
-                    if prep.logprobs is not None
-                    else None,
-                    finish_reason=ch.finish,
-                    stop_reason=ch.stop_reason,
-                    token_ids=list(ch.req.output_ids),
-                )
-                for ch in choices
-            ],
-            usage=usage(),
-        ).model_dump()
+            )
+
+        # built and encoded in a worker thread, one choice per encoder call: a response of n=128
+        # choices with 20 logprobs per token is tens of MB, and encoded on the event loop (or in
+        # one call, which holds the GIL throughout) it stalled every stream and /health
+        def encode() -> bytes:
+            resp = build()
+            rest = resp.model_dump(exclude={"choices"})
+            head = {k: rest.get(k) for k in type(resp).model_fields}  # OpenAI's key order
+            parts = (json_bytes(c.model_dump()) for c in resp.choices)
+            return json_bytes_with_array(head, "choices", parts)
+
+        return Response(content=await asyncio.to_thread(encode), media_type="application/json")
 
     @staticmethod
     async def _watch_disconnect(request: Request, cancel_all, q: asyncio.Queue) -> None:

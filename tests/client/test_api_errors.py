@@ -139,3 +139,18 @@ def test_bodies_that_are_not_utf8_json_are_400(raw):
     with pytest.raises(APIError) as ei:
         parse_json_body(raw)
     assert (ei.value.status, ei.value.code, ei.value.param) == (400, "invalid_json", None)
+
+
+@pytest.mark.parametrize("n", [0, 1, 5])
+def test_array_encoded_in_parts_equals_one_encoding(n):
+    """Large answers are encoded one array element (or run) per ``json.dumps`` call, so the event
+    loop runs in between; the bytes equal one call's, key order included."""
+    from eaas.runtime.client.serving import json_bytes, json_bytes_with_array
+
+    items = [{"index": i, "text": 'é\u0000"x', "lp": [-0.5, None]} for i in range(n)]
+    full = {"id": "c", "choices": items, "usage": {"total_tokens": 3}, "model": "m\u2028"}
+    parts = (json_bytes(x) for x in items)
+    assert json_bytes_with_array(full, "choices", parts) == json_bytes(full)
+    toks = list(range(10))
+    runs = (json_bytes(toks[i : i + 3])[1:-1] for i in range(0, len(toks), 3))
+    assert json_bytes_with_array({"tokens": toks}, "tokens", runs) == json_bytes({"tokens": toks})

@@ -497,6 +497,18 @@ BAD = {
     "top_logprobs_without_logprobs": ({"top_logprobs": 2}, "top_logprobs", 400),
     "logit_bias_out_of_vocab": ({"logit_bias": {"100000": 1}}, "logit_bias", 400),
     "logit_bias_too_big": ({"logit_bias": {"5": 101}}, "logit_bias.5", 400),
+    # int() would read these as token 5 (or 50): several keys could bias one token past 100
+    **{
+        f"logit_bias_key_{name}": ({"logit_bias": {key: 1}}, "logit_bias", 400)
+        for name, key in (("plus", "+5"), ("space", " 5"), ("zero", "05"), ("underscore", "5_0"))
+    },
+    "logit_bias_key_arabic_digit": ({"logit_bias": {"\u0665": 1}}, "logit_bias", 400),
+    # more characters than any chat of 2048 tokens can have: refused before tokenizing
+    "messages_longer_than_any_context": (
+        {"messages": [{"role": "user", "content": "Hi " * 100_000}]},
+        "messages",
+        400,
+    ),
     "stop_token_ids_out_of_vocab": ({"stop_token_ids": [100000]}, "stop_token_ids", 400),
     "min_tokens_above_max": ({"min_tokens": 9, "max_tokens": 4}, "min_tokens", 400),
     "top_k_below_minus_one": ({"top_k": -2}, "top_k", 400),
@@ -528,7 +540,40 @@ def test_completion_only_bad_fields(deployment, model_name, oai):
     with pytest.raises(openai.BadRequestError) as ei:
         oai.completions.create(model=model_name, prompt="Hi", max_tokens=2, suffix="x")
     assert ei.value.body["param"] == "suffix"
+    # prompts x n is bounded: 1000 prompts x 128 was 128,000 engine requests from 10 KB
+    with pytest.raises(openai.BadRequestError) as ei:
+        oai.completions.create(model=model_name, prompt=[[5]] * 33, n=128, max_tokens=1)
+    assert ei.value.body["param"] == "n" and "4224" in ei.value.body["message"]
+    # a text far longer than any prompt of 2048 tokens is refused before it is tokenized
+    with pytest.raises(openai.BadRequestError) as ei:
+        oai.completions.create(model=model_name, prompt=["Hi", "Hi " * 100_000], max_tokens=1)
+    err = ei.value.body
+    assert (err["param"], err["code"]) == ("prompt[1]", "context_length_exceeded"), err
     _ok(deployment, model_name)
+
+
+def test_min_tokens_hold_when_every_token_is_a_stop_token(oai, model_name, tokenizer):
+    """With ``stop_token_ids`` covering the vocabulary, sampling masks every token while fewer
+    than ``min_tokens`` were generated; the token drawn anyway must not end the sequence (it
+    ended after 1 token). A stop list of 200,000 duplicates is taken as its set."""
+    ids = list(range(len(tokenizer))) * 2
+    r = oai.completions.create(
+        model=model_name,
+        prompt="Hi",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"stop_token_ids": ids, "min_tokens": 5},
+    )
+    ch = r.choices[0]
+    assert len(ch.model_extra["token_ids"]) == 6 and ch.finish_reason == "stop"
+    r = oai.completions.create(
+        model=model_name,
+        prompt="Hi",
+        max_tokens=4,
+        temperature=0,
+        extra_body={"stop_token_ids": [2] * 200_000, "ignore_eos": True},
+    )
+    assert r.choices[0].finish_reason in ("stop", "length")
 
 
 # A known-but-unsupported field sent with its no-op value (what some OpenAI clients and SDKs
