@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 import json
 import logging
@@ -206,12 +207,13 @@ def json_bytes_with_array(head: dict, key: str, parts: Iterable[bytes]) -> bytes
     return b"".join((enc[:i], b"[", b",".join(parts), b"]", enc[i + len(mark) :]))
 
 
-def _template_variables(template: str) -> set[str] | None:
+@functools.lru_cache(maxsize=8)
+def _template_variables(template: str) -> frozenset[str] | None:
     """Names a Jinja chat template reads from its context (``None``: it does not parse here, so
-    no key can be checked)."""
+    no key can be checked). Cached: a server renders with one template."""
     try:
         env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
-        return set(jinja2.meta.find_undeclared_variables(env.parse(template)))
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
     except jinja2.TemplateError:
         return None
 
@@ -259,7 +261,6 @@ class OpenAIServer:
         self.max_request_body = int(max_request_body)
         self.created = int(time.time())
         self._token_strs: dict[int, str] = {}
-        self._template_vars: tuple[str, set[str] | None] | None = None  # (template, variables)
         self._max_token_chars: int | None = None  # longest vocabulary entry (check_text_length)
         self.shutting_down = False
         self._queues: set[asyncio.Queue] = set()  # event queues of the running requests
@@ -575,9 +576,7 @@ class OpenAIServer:
                 f"chat_template_kwargs.{key}",
                 "unsupported_parameter",
             )
-        if self._template_vars is None or self._template_vars[0] != template:
-            self._template_vars = (template, _template_variables(template))
-        used = self._template_vars[1]
+        used = _template_variables(template)
         own = set(inspect.signature(self.tokenizer.apply_chat_template).parameters) | {"messages"}
         for key in kwargs:
             if key in own:
