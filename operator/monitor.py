@@ -1,4 +1,4 @@
-"""The operator as monitor (issue 6, item 3; DESIGN.md "Kubernetes shape", liveness).
+"""The operator as monitor of the expert servers' liveness.
 
 Attention clients report the expert servers they marked down
 (:mod:`eaas.runtime.client.failure_report`) with an authenticated POST to
@@ -18,13 +18,13 @@ advertised URL (:func:`forward_report`; header ``X-EAAS-Forwarded``, so a report
 most once) and answers with the leader's answer plus ``X-EAAS-Forwarded-To``; it answers ``503``
 only when no leader is known or the leader is unreachable (the client retries later).
 
-The pure parts (:func:`parse_report`, :func:`bearer_ok`, :func:`health_url`) decide; the
-aiohttp handler in :mod:`eaas.operator.handlers` does the I/O.
+The pure parts (:func:`parse_report`, ``bearer_ok`` (the one bearer check,
+:func:`eaas.runtime.tables.push.authorize`), :func:`health_url`) decide; the aiohttp handler in
+:mod:`eaas.operator.handlers` does the I/O.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import urllib.error
 import urllib.request
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eaas.operator.names import SERVER_ROLE
+from eaas.runtime.tables.push import authorize as bearer_ok  # noqa: F401  (the one bearer check)
 
 #: Timeout of the operator's own health probe of a reported server (s).
 PROBE_TIMEOUT_S = 1.0
@@ -95,17 +96,6 @@ def parse_report(raw: bytes) -> FailureReport:
         table_version=version,
         reason=str(body.get("reason", ""))[:500],
     )
-
-
-def bearer_ok(authorization: str | None, token: str) -> bool:
-    """Whether an ``Authorization`` header carries ``Bearer <token>`` (constant-time compare;
-    an empty ``token`` never matches)."""
-    if not token or not authorization:
-        return False
-    scheme, _, value = authorization.partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    return hmac.compare_digest(value.strip().encode(), token.encode())
 
 
 def health_url(pod: Mapping[str, Any]) -> str | None:

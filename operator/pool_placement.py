@@ -16,7 +16,7 @@ from eaas.runtime.placement import (
     balancedness,
     place_experts,
 )
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.tables.table import RoutingTable
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,18 +159,12 @@ def table_placement(
     """The placement in force over ``members`` (server ids, in placement order), read from the
     routing table (the single source of truth): member ``i`` hosts what ``table`` assigns it
     (nothing when absent)."""
-    hosting: dict[str, list[LayerExpert]] = {m: [] for m in members}
-    if table is not None:
-        for layer, experts in table.layers.items():
-            for e, reps in enumerate(experts):
-                for sid in reps:
-                    if sid in hosting:
-                        hosting[sid].append((int(layer), e))
+    hosting = table.assignment() if table is not None else {}
     return Placement(
         layers=tuple(spec.model.layers()),
         num_experts=spec.model.num_experts,
         redundancy=spec.redundancy,
-        servers=tuple(tuple(sorted(hosting[m])) for m in members),
+        servers=tuple(tuple(sorted(hosting.get(m, ()))) for m in members),
     )
 
 

@@ -1,11 +1,12 @@
-"""Push and acknowledge, operator side (issue 6, item 4; DESIGN.md "Routing-table life cycle").
+"""Push and acknowledge, operator side (the routing table's life cycle: push, then the ConfigMap
+watch converges whoever missed it).
 
 Each new routing-table version is PUT to every Ready attention-client pod of every fleet that
-uses the pool (``PUT /routing-table``, the protocol of :mod:`eaas.runtime.client.table_push`,
-bearer token from the fleet's Secret; :func:`put_table` speaks it with the standard library
-because that module imports fastapi, which the operator image does not carry). A client's answer is its acknowledgement: ``200`` names the version it applied;
-``409`` (stale) names the version it already holds (it got it from its ConfigMap watch). The
-operator keeps, per client pod uid, the newest version acknowledged; a pod below the current
+uses the pool (``PUT /routing-table``, the protocol of :mod:`eaas.runtime.tables.push`, bearer
+token from the fleet's Secret; :func:`put_table` is
+:func:`eaas.runtime.tables.http.push_routing_table`). A client's answer is its acknowledgement:
+``200`` names the version it applied; ``409`` (stale) names the version it already holds (it got
+it from its ConfigMap watch). The operator keeps, per client pod uid, the newest version acknowledged; a pod below the current
 version is pushed again on a later reconcile step, so a missed push is retried while the
 ConfigMap watch converges the client independently.
 
@@ -29,7 +30,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from eaas.operator.server_push import json_call
+from eaas.runtime.tables.http import PushResult, push_routing_table
 
 log = logging.getLogger("eaas.operator.push")
 
@@ -84,36 +85,17 @@ def after_push(retry: PushRetry | None, version: int, ok: bool, now: float) -> P
     return PushRetry(failures, version, now + push_retry_delay_s(failures))
 
 
-@dataclass(frozen=True)
-class PushResult:
-    """A client's answer to a push: HTTP ``status`` and the versions in the answer (the fields
-    of :class:`eaas.runtime.client.table_push.PushResult`)."""
-
-    status: int
-    acknowledged_version: int | None  # set on 200
-    applied_version: int | None  # set on 409: the version the client holds
-    message: str
-
-
 def put_table(base_url: str, table_json: str, token: str, timeout_s: float) -> PushResult:
-    """``PUT <base_url>/routing-table`` with the bearer token.
+    """``PUT <base_url>/routing-table`` with the bearer token
+    (:func:`~eaas.runtime.tables.http.push_routing_table`).
 
     Returns:
-        :class:`PushResult` for any HTTP answer.
+        :class:`~eaas.runtime.tables.http.PushResult` for any HTTP answer.
 
     Raises:
         OSError: the client is unreachable (refused, timed out).
     """
-    status, body, message = json_call(
-        "PUT", base_url.rstrip("/") + "/routing-table", table_json.encode(), token, timeout_s
-    )
-    return PushResult(
-        status,
-        body.get("acknowledged_version"),
-        body.get("applied_version"),
-        # an error that is not an object gives no message here (as before)
-        message if isinstance(body.get("error"), dict) else "",
-    )
+    return push_routing_table(base_url, table_json, token, timeout_s)
 
 
 @dataclass(frozen=True)

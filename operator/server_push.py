@@ -1,19 +1,19 @@
 """Operator side of the expert servers' routing table (``spec.placement.assignment:
-routing-table``; issue 7, item 3): push a version to a server, read which version's weights it
+routing-table``, make-before-break): push a version to a server, read which version's weights it
 holds, release old versions. The protocol is the server's
-(:class:`eaas.runtime.assignment.TableEndpoint` on its HTTP port): ``PUT /routing-table`` and
-``POST /routing-table/release`` with the pool's bearer token, ``GET /routing-table``.
+(:class:`eaas.runtime.server.assignment.TableEndpoint` on its HTTP port): ``PUT /routing-table``
+and ``POST /routing-table/release`` with the pool's bearer token, ``GET /routing-table``.
 
-Spoken with the standard library (the operator image carries neither torch nor fastapi).
+Spoken with :func:`eaas.runtime.tables.http.json_call` (standard library: the operator image
+carries neither torch nor fastapi).
 """
 
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
-from typing import Any
+
+from eaas.runtime.tables.http import json_call
 
 #: Connect + read timeout of one call to a server (s); the server answers at once (it loads
 #: in the background).
@@ -39,39 +39,6 @@ class ServerTableState:
     released_version: int = 0
     load_error: str = ""
     message: str = ""
-
-
-def json_call(
-    method: str, url: str, body: bytes | None, token: str | None, timeout_s: float
-) -> tuple[int, dict[str, Any], str]:
-    """One JSON request with an optional bearer token, standard library only (the operator's
-    pushes to attention clients and to expert servers).
-
-    Returns:
-        ``(HTTP status, JSON object of the answer ({} when it is none), the message of its
-        error object ("" without one))`` for any HTTP answer, error statuses included.
-
-    Raises:
-        OSError: unreachable (refused, timed out).
-    """
-    headers = {"Content-Type": "application/json"}
-    if token is not None:
-        headers["Authorization"] = f"Bearer {token}"
-    req = urllib.request.Request(url, data=body, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        status, raw = exc.code, exc.read()
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        doc = {}
-    if not isinstance(doc, dict):
-        doc = {}
-    err = doc.get("error")
-    message = str(err.get("message", "")) if isinstance(err, dict) else str(err or "")
-    return status, doc, message
 
 
 def _call(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +10,7 @@ from eaas.operator.crd import ANNOTATION_TABLE_VERSION, LABEL_POOL, ExpertPoolSp
 from eaas.operator.names import MANAGED_BY, TABLE_KEY, Owner, table_configmap_name
 from eaas.operator.pods import ObservedPod, server_endpoint
 from eaas.runtime.placement import LayerExpert
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.tables.table import RoutingTable
 
 
 # ---------------------------------------------------------------------------------------------
@@ -23,28 +22,15 @@ def build_routing_table(
     """Routing table over the ``live`` pods: each (layer, expert) of the model lists the live
     pods whose ``eaas.io/experts`` names it, in server-index order; endpoints ``tcp://IP:port``
     (``nvshmem:PE`` in an NVSHMEM world, :func:`eaas.operator.pods.server_endpoint`).
-    Experts outside the model's range (a pod from an older spec) are ignored."""
+    Experts outside the model's range (a pod from an older spec) are ignored
+    (:meth:`RoutingTable.from_assignment`)."""
     pods = sorted(live, key=lambda p: (p.index, p.name))
-    layers = spec.model.layers()
-    hosting: dict[LayerExpert, list[str]] = {}
-    for p in pods:
-        for pair in p.experts:
-            hosting.setdefault(pair, []).append(p.name)
-    return RoutingTable(
-        version=version,
-        num_experts=spec.model.num_experts,
-        servers={p.name: server_endpoint(spec, p.index, p.ip) for p in pods},
-        layers={
-            layer: tuple(tuple(hosting.get((layer, e), ())) for e in range(spec.model.num_experts))
-            for layer in layers
-        },
+    return table_from_assignment(
+        spec,
+        {p.name: p.experts for p in pods},
+        {p.name: server_endpoint(spec, p.index, p.ip) for p in pods},
+        version,
     )
-
-
-def _content(table: RoutingTable) -> dict[str, Any]:
-    d = table.to_dict()
-    d.pop("version")
-    return d
 
 
 def next_routing_table(
@@ -61,10 +47,10 @@ def next_routing_table(
     unchanged table is returned as ``previous`` itself.
     """
     candidate = build_routing_table(spec, live, 0)
-    if previous is not None and _content(previous) == _content(candidate):
+    if previous is not None and previous.same_replicas(candidate):
         return previous, False
     version = max(previous.version if previous else 0, floor_version) + 1
-    return dataclasses.replace(candidate, version=version), True
+    return candidate.with_version(version), True
 
 
 def routing_table_configmap(owner: Owner, table: RoutingTable) -> dict[str, Any]:
@@ -100,14 +86,9 @@ def configmap_too_large(manifest: dict[str, Any]) -> str:
 
 
 def coverage(table: RoutingTable, redundancy: int) -> tuple[int, int, int]:
-    """``(logical experts, below redundancy, uncovered)`` counted over ``table``."""
-    total = below = uncovered = 0
-    for experts in table.layers.values():
-        for reps in experts:
-            total += 1
-            below += len(set(reps)) < redundancy
-            uncovered += not reps
-    return total, below, uncovered
+    """``(logical experts, below redundancy, uncovered)`` counted over ``table``
+    (:meth:`RoutingTable.coverage`)."""
+    return table.coverage(redundancy)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,15 +96,8 @@ def coverage(table: RoutingTable, redundancy: int) -> tuple[int, int, int]:
 # ---------------------------------------------------------------------------------------------
 def assignment_of(table: RoutingTable | None) -> dict[str, frozenset[LayerExpert]]:
     """Server id -> the ``(layer, expert)`` pairs ``table`` assigns to it (every listed server,
-    also those hosting nothing)."""
-    if table is None:
-        return {}
-    out: dict[str, set[LayerExpert]] = {sid: set() for sid in table.servers}
-    for layer, experts in table.layers.items():
-        for e, reps in enumerate(experts):
-            for sid in reps:
-                out.setdefault(sid, set()).add((int(layer), e))
-    return {sid: frozenset(p) for sid, p in out.items()}
+    also those hosting nothing; :meth:`RoutingTable.assignment`)."""
+    return {} if table is None else table.assignment()
 
 
 def table_from_assignment(
@@ -133,20 +107,15 @@ def table_from_assignment(
     version: int,
 ) -> RoutingTable:
     """Routing table of ``assignment`` (server id -> pairs) over the servers of ``endpoints``
-    (server id -> ``tcp://IP:port`` or ``nvshmem:PE``; their order is the replica order). Pairs outside the
-    model are ignored; servers not in ``endpoints`` are left out."""
-    hosting: dict[LayerExpert, list[str]] = {}
-    for sid in endpoints:
-        for pair in sorted(assignment.get(sid, ())):
-            hosting.setdefault(pair, []).append(sid)
-    return RoutingTable(
-        version=version,
+    (server id -> ``tcp://IP:port`` or ``nvshmem:PE``; their order is the replica order). Pairs
+    outside the model are ignored; servers not in ``endpoints`` are left out
+    (:meth:`RoutingTable.from_assignment`)."""
+    return RoutingTable.from_assignment(
+        assignment,
+        endpoints,
+        version,
         num_experts=spec.model.num_experts,
-        servers=dict(endpoints),
-        layers={
-            layer: tuple(tuple(hosting.get((layer, e), ())) for e in range(spec.model.num_experts))
-            for layer in spec.model.layers()
-        },
+        layers=spec.model.layers(),
     )
 
 
@@ -181,8 +150,8 @@ def two_phase_step(
     client_acks: Sequence[int],
     floor_version: int = 0,
 ) -> TwoPhaseStep:
-    """Decide the next step of make-before-break publishing (pure; DESIGN.md "Routing-table
-    life cycle"; issue 7, item 3).
+    """Decide the next step of make-before-break publishing (pure): servers get a version
+    first, clients once every server of it holds its weights.
 
     Args:
         candidate: the table the operator wants in force (its version is ignored), over live
@@ -232,16 +201,15 @@ def two_phase_step(
                 reason=f"version {pending.version}: waiting for {len(waiting)} server(s)",
             )
         abandoned = True
-    if published is not None and _content(published) == _content(candidate):
+    if published is not None and published.same_replicas(candidate):
         return TwoPhaseStep(abandoned=abandoned, release=release, reason="unchanged")
     version = max(pub_v, staged.version if staged else 0, floor_version) + 1
-    table = dataclasses.replace(candidate, version=version)
+    table = candidate.with_version(version)
     if published is not None:
-        held = assignment_of(published)
+        held = published.assignment()
         if all(
-            published.servers.get(s) == ep and pairs <= held.get(s, frozenset())
-            for s, pairs in assignment_of(table).items()
-            for ep in (table.servers[s],)
+            published.servers.get(s) == table.servers[s] and pairs <= held.get(s, frozenset())
+            for s, pairs in table.assignment().items()
         ):
             return TwoPhaseStep(
                 abandoned=abandoned,

@@ -1,5 +1,5 @@
 """Failure reports: an attention client tells the monitor (the operator) which expert server it
-marked down (DESIGN.md "Kubernetes shape", liveness; issue 6, item 3).
+marked down (liveness in Kubernetes: the operator confirms with its own probe).
 
 When the :class:`~eaas.runtime.client.dispatch.Dispatcher` marks a server down (a send or receive
 failed, the deadline passed, an error status), :meth:`FailureReporter.report` is called under the
@@ -23,13 +23,12 @@ import logging
 import queue
 import threading
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 from prometheus_client import Counter
 
-from eaas.runtime.client.table_push import BearerToken
+from eaas.runtime.tables.http import json_call
+from eaas.runtime.tables.push import BearerToken
 
 log = logging.getLogger("eaas.client.report")
 
@@ -130,11 +129,10 @@ class FailureReporter:
                 )
 
     def _post(self, body: dict) -> None:
-        headers = {"Content-Type": "application/json"}
-        if self.token is not None:
-            headers["Authorization"] = f"Bearer {self.token.get()}"
-        req = urllib.request.Request(
-            self.url, data=json.dumps(body).encode(), headers=headers, method="POST"
+        """POST one report. Raises OSError: unreachable or an HTTP error status."""
+        token = self.token.get() if self.token is not None else None
+        status, _, message = json_call(
+            "POST", self.url, json.dumps(body).encode(), token, self.timeout_s
         )
-        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-            resp.read()
+        if status >= 400:
+            raise OSError(f"HTTP {status}: {message}")
