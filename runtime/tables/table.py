@@ -150,7 +150,7 @@ class RoutingTable:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> RoutingTable:
-        """Parse the plain or compact JSON form (:mod:`eaas.runtime.tables.wire`), parsed.
+        """Read the plain or compact form (:mod:`eaas.runtime.tables.wire`) from parsed JSON.
 
         Raises:
             RoutingTableError: malformed (the message names the field).
