@@ -36,17 +36,6 @@ class ExpertDispatch(Protocol):
 
     client_id: int
 
-    def dispatch(
-        self,
-        layer: int,
-        hidden: torch.Tensor,
-        top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
-    ) -> torch.Tensor:
-        """``hidden`` ``[T, H]``, ``top_k_index`` ``[T, k]`` int64 (-1 = none),
-        ``top_k_weights`` ``[T, k]`` -> ``[T, H]``: ``sum_j w[t, j] * E_{idx[t, j]}(hidden[t])``."""
-        ...
-
     def dispatch_begin(
         self,
         layer: int,
@@ -54,7 +43,9 @@ class ExpertDispatch(Protocol):
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
     ) -> PendingExperts:
-        """As :meth:`dispatch`, but returns once the frames are sent."""
+        """Send layer ``layer``'s frames: ``hidden`` ``[T, H]``, ``top_k_index`` ``[T, k]`` int64
+        (-1 = none), ``top_k_weights`` ``[T, k]``; the result's ``wait()`` gives ``[T, H]`` =
+        ``sum_j w[t, j] * E_{idx[t, j]}(hidden[t])``."""
         ...
 
 
@@ -73,7 +64,8 @@ class RemoteExperts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        return self.dispatcher.dispatch(self.layer_idx, hidden_states, top_k_index, top_k_weights)
+        d = self.dispatcher  # (the dispatcher's own dispatch() is this same begin + wait)
+        return d.dispatch_begin(self.layer_idx, hidden_states, top_k_index, top_k_weights).wait()
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, client_id={self.dispatcher.client_id}"
