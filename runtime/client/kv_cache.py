@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from eaas.runtime import metrics
+from eaas.runtime.models.attention import storage_dtype
 
 _UNITS = {
     "": 1,
@@ -91,8 +92,6 @@ def kv_cache_spec(model) -> KVCacheSpec:
     Raises:
         ValueError: an architecture without a known attention layout.
     """
-    from eaas.runtime.models.attention import storage_dtype
-
     return kv_cache_spec_from_config(model.config, storage_dtype(model))
 
 
@@ -126,6 +125,8 @@ def check_kv_cache_memory(model_dir: str, dtype: torch.dtype, kv_cache_memory: i
             ``max_position_embeddings`` tokens (message gives the minimum), or the model has no
             paged-attention layout.
     """
+    # lazy: importing transformers' AutoConfig takes seconds; the CLI's up-front check is the
+    # only caller and runs once
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model_dir)

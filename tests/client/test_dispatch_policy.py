@@ -22,7 +22,9 @@ from eaas.runtime.client.dispatch import (
     check_call,
     choose_replicas,
     reconnect_delay,
+    uncovered_experts,
 )
+from eaas.runtime.client.dispatch.frames import server_frame
 from eaas.runtime.placement import place_experts
 from eaas.runtime.routing import RoutingTable
 
@@ -384,3 +386,40 @@ def test_a_call_is_checked_by_its_shapes_and_k_not_by_its_token_count():
     ):
         with pytest.raises(ValueError, match=match):
             check_call(*args, 4)
+
+
+def test_uncovered_experts_is_a_function_of_the_table_and_the_down_servers():
+    """The pure half of ``Dispatcher.uncovered``: no dispatcher, no connection."""
+    t = table()
+    assert uncovered_experts(t, None, lambda sid: False) == []
+    a, b = t.replicas(2, 3)
+    down = uncovered_experts(t, (1, 2), lambda sid: sid in (a, b))
+    assert {"layer": 2, "expert": 3, "reason": "all replicas down", "replicas": [a, b]} in down
+    assert all(u["reason"] == "all replicas down" for u in down)
+    assert down == sorted(down, key=lambda u: (u["layer"], u["expert"]))
+    # every server down: every expert of every layer, in (layer, expert) order
+    every = uncovered_experts(t, None, lambda sid: True)
+    assert [(u["layer"], u["expert"]) for u in every] == [(L, e) for L in (1, 2) for e in range(4)]
+    # a MoE layer the table leaves out: all its experts, before the table's own layers
+    out = uncovered_experts(t, (0, 1, 2), lambda sid: False)
+    assert [(u["layer"], u["expert"]) for u in out] == [(0, e) for e in range(4)]
+    assert out[0]["reason"] == "layer 0 is not in routing table version 1"
+
+
+def test_server_frame_masks_the_pairs_of_other_servers():
+    """A server's frame: only the tokens with a pair of its own; other servers' pairs padded
+    with -1 / 0; ``rows`` None when every token is in the frame."""
+    assign = torch.tensor([[0, 1], [1, 1], [0, NO_SERVER]])  # (T=3, k=2) server per pair
+    idx32 = torch.tensor([[5, 6], [7, 8], [9, -1]], dtype=torch.int32)
+    w32 = torch.tensor([[0.5, 0.25], [0.75, 0.125], [1.0, 0.0]])
+    f0 = server_frame(assign, 0, idx32, w32)
+    assert f0 is not None and f0.n == 2 and f0.rows.tolist() == [0, 2]
+    assert f0.experts.tolist() == [[5, -1], [9, -1]]
+    assert f0.weights.tolist() == [[0.5, 0.0], [1.0, 0.0]]
+    f1 = server_frame(assign, 1, idx32, w32)
+    assert f1 is not None and f1.n == 2 and f1.rows.tolist() == [0, 1]
+    assert f1.experts.tolist() == [[-1, 6], [7, 8]] and f1.experts.dtype == torch.int32
+    assert server_frame(assign, 2, idx32, w32) is None  # reserved, but no pair of this call
+    every = server_frame(torch.zeros(3, 2, dtype=torch.int64), 0, idx32, w32)
+    assert every is not None and every.rows is None and every.n == 3
+    assert torch.equal(every.experts, idx32) and torch.equal(every.weights, w32)

@@ -20,7 +20,7 @@ from dispatch_health import wait_all_connected
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 from srv_helpers import HIDDEN, INTER, SEED, SPEC, reference, start_server  # noqa: E402
 
-import eaas.runtime.client.dispatch as dispatch_mod  # noqa: E402
+import eaas.runtime.client.dispatch.call as dispatch_mod  # noqa: E402
 from eaas.runtime.client.dispatch import Dispatcher  # noqa: E402
 from eaas.runtime.gpu.staging import FrameStaging, device_frames, staging_device  # noqa: E402
 from eaas.runtime.routing import RoutingTable  # noqa: E402
