@@ -14,6 +14,7 @@ import json
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -208,7 +209,7 @@ async def sse_body(
     fmt: LogprobFormatter,
     client_id: str,
     on_end: Callable[[], None],
-    head: tuple[int, object] | None = None,
+    head: tuple[int, Any] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE body; ``head`` is the first ``(choice index, event)``, already taken off ``q``.
 
