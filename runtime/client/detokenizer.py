@@ -52,6 +52,7 @@ class IncrementalDetokenizer:
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._stream = None
         if self._backend is not None:
+            # lazy: only a fast tokenizer has a backend, and then the tokenizers package is there
             from tokenizers.decoders import DecodeStream
 
             self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)

@@ -5,19 +5,25 @@ One scheduler thread owns the model, the paged KV cache and (through
 handlers talk to it only through :meth:`Engine.submit` (thread safe) and
 :meth:`GenerationRequest.cancel`.
 
-One iteration of the loop (a "step"):
+One iteration of the loop (a "step", :meth:`Engine._step`: schedule -> run -> postprocess, as
+nano-vllm's ``LLMEngine.step``):
 
-1. Take newly submitted requests into the waiting queue; drop cancelled requests (waiting or
-   running: a running one leaves within one step, i.e. within one prefill chunk).
-2. Plan the step (:class:`~eaas.runtime.client.scheduler.Scheduler`): every running sequence's
-   decode token, the next chunks of prompts being prefilled, and newly admitted prompts, under a
-   token budget (``max_num_batched_tokens``) and the free KV-cache blocks; preemption (recompute)
-   when a decode finds the cache full.
-3. Run ONE forward over all of them (:class:`~eaas.runtime.models.paged.PagedModelRunner`: varlen
-   batch over the paged cache, MLA decode in the weight-absorbed form), sample the next token of
-   every sequence whose chunk reached its end (one call: :meth:`EngineBase._sample`), deliver the
+1. Schedule (:meth:`Engine._schedule`): take newly submitted requests into the waiting queue
+   (sleeping on the admission queue only when nothing is waiting or running); drop cancelled
+   requests (waiting or running: a running one leaves within one step, i.e. within one prefill
+   chunk); plan the step (:class:`~eaas.runtime.client.scheduler.Scheduler`): every running
+   sequence's decode token, the next chunks of prompts being prefilled, and newly admitted
+   prompts, under a token budget (``max_num_batched_tokens``) and the free KV-cache blocks;
+   preemption (recompute) when a decode finds the cache full.
+2. Run (:meth:`Engine._run`): ONE forward over all of them
+   (:class:`~eaas.runtime.client.model_runner.PagedModelRunner`: varlen batch over the paged
+   cache, MLA decode in the weight-absorbed form), then sample the next token of every sequence
+   whose chunk reached its end (one call: :meth:`EngineBase._sample`).
+3. Postprocess (:meth:`Engine._postprocess`): advance the scheduler, count the step, deliver the
    events (:meth:`EngineBase._emit`: stops, detokenization).
-4. Sleep on the admission queue only when nothing is waiting or running.
+
+The request type and its events live in :mod:`eaas.runtime.client.request`; the cache and
+prefill budgets in :mod:`eaas.runtime.client.budgets`.
 
 Sampling: one call per forward into :func:`eaas.runtime.client.sampling.sample` over all rows
 (logits processors, penalties, greedy / seeded sampling, logprobs); a seeded request draws from
@@ -46,103 +52,32 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from eaas.runtime import metrics
+from eaas.runtime.client import budgets
 from eaas.runtime.client.detokenizer import IncrementalDetokenizer
-from eaas.runtime.client.sampling import SampleOutput, SamplingParams, make_generator, sample
+from eaas.runtime.client.kv_cache import PagedKVCache, kv_cache_spec, min_kv_cache_memory
+from eaas.runtime.client.request import ErrorEvent, Event, GenerationRequest, TokenEvent
+from eaas.runtime.client.sampling import (
+    SampleOutput,
+    SamplingParams,
+    make_generator,
+    prompt_logprobs,
+    sample,
+)
+from eaas.runtime.client.scheduler import Scheduler, StepCostModel, StepPlan
+from eaas.runtime.client.scheduler import Sequence as Seq
+from eaas.runtime.gpu.overlap import PagedOverlapRunner
+from eaas.runtime.models.paged import Chunk, PagedModelRunner
 
 log = logging.getLogger("eaas.client.engine")
 
 #: at most one "forward failed" log line per this many seconds; it counts the failures in
 #: between (with every replica of an expert down, each engine step fails: ~60 lines per second)
 FAIL_LOG_INTERVAL_S = 5.0
-
-
-@dataclass
-class TokenEvent:
-    """One generated token, delivered to the request's callback on the scheduler thread.
-
-    Attributes:
-        token_id: the sampled token id.
-        text: text delta to append (may be ``""`` while held back for detokenization/stops).
-        finish_reason: ``None`` while running; ``"stop"`` (EOS, stop token or stop string) or
-            ``"length"``.
-        logprob: raw logprob of ``token_id`` when the request asked for ``logprobs``.
-        top_logprobs: ``[(token_id, logprob)]`` of the ``logprobs`` most likely tokens.
-        stop_reason: the matched stop string or stop token id (``None`` for EOS / length).
-        prompt_logprobs: on a request's first event when it asked for ``prompt_logprobs``: per
-            prompt token ``None`` (the first) or ``(logprob, [(token_id, logprob)] top-k)``.
-    """
-
-    token_id: int
-    text: str
-    finish_reason: str | None = None
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-    stop_reason: str | int | None = None
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
-
-
-@dataclass
-class ErrorEvent:
-    """The request failed; ``error`` is the exception (e.g. ``NoLiveReplicaError``)."""
-
-    error: BaseException
-
-
-Event = TokenEvent | ErrorEvent
-
-_ids = itertools.count()
-
-
-@dataclass(eq=False)
-class GenerationRequest:
-    """A request inside the engine (created by :meth:`Engine.submit`).
-
-    Attributes:
-        prompt_ids: prompt token ids (non-empty).
-        params: sampling parameters.
-        on_event: callback ``(Event) -> None`` called on the scheduler thread; must not block.
-        output_ids: generated token ids so far.
-        text: generated text so far (what was delivered, stop strings cut).
-        finish_reason: final reason once finished, ``"cancelled"`` or ``"error"``.
-        prompt_logprobs: with ``params.prompt_logprobs``: per prompt token ``None`` (the first,
-            and any not computed yet) or ``(logprob, top-k)``, filled while the prompt prefills.
-    """
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    on_event: Callable[[Event], None]
-    request_id: int = field(default_factory=lambda: next(_ids))
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    submitted_at: float = field(default_factory=time.monotonic)
-    last_token_at: float | None = None
-    _cancelled: threading.Event = field(default_factory=threading.Event)
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
-    _generator: torch.Generator | None = None
-    _detok: IncrementalDetokenizer | None = None
-
-    def cancel(self) -> None:
-        """Abort (e.g. the HTTP client disconnected): the sequence leaves the batch next step."""
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def num_tokens(self) -> int:
-        """Current sequence length: prompt plus generated tokens."""
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
 
 
 class EngineBase:
@@ -404,64 +339,15 @@ class EngineBase:
         return finish is not None
 
 
-#: ``--prefill-tokens-while-decoding auto``: a step that decodes and prefills costs at most this
-#: many plain decode steps of the whole batch (issue 8's target, ITL p99 <= 3x ITL p50, with
-#: room for the noise of a shared machine: at 3 the mixed steps themselves sat at 3-5x)
-AUTO_PREFILL_RATIO = 2.0
-#: ``auto``: share of the live sequences' gaps between tokens that burst steps may stretch
-#: (the decodes held while a burst of prompts is prefilled at full speed); half of
-#: the 1% an ITL p99 allows
-AUTO_BURST_TAIL_SHARE = 0.005
-#: ``auto``: a mixed step at the decode steps' 90th-percentile noise costs about this many mean
-#: decode steps (the ratio goes from 2 down to 1.25 on a noisy machine; 3 x 0.85 margin)
-AUTO_NOISE_BUDGET = 2.55
-
-
-def parse_prefill_cap(value: int | str | None) -> int | str | None:
-    """``--prefill-tokens-while-decoding`` value: ``"auto"``, ``None`` (from ``"off"`` /
-    ``None``) or a token count >= 1.
-
-    Raises:
-        ValueError: anything else (the message names the option).
-    """
-    if value is None or value == "off":
-        return None
-    if value == "auto":
-        return "auto"
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        n = 0
-    if n < 1 or (isinstance(value, str) and not value.strip().isdigit()):
-        raise ValueError(
-            f"--prefill-tokens-while-decoding must be auto, off or a token count >= 1, "
-            f"got {value!r}"
-        )
-    return n
-
-
-DEFAULT_KV_CACHE_CAP = 4 * 2**30  # bytes: default cache budget at most (vLLM CPU's default space)
-
-
-def default_kv_cache_memory(bytes_per_token: int, max_model_len: int, max_num_seqs: int) -> int:
-    """Default KV-cache budget: ``max_num_seqs`` sequences of ``max_model_len`` tokens, capped at
-    :data:`DEFAULT_KV_CACHE_CAP` bytes but never below one sequence of ``max_model_len``."""
-    one = bytes_per_token * max_model_len
-    return max(one, min(one * max_num_seqs, DEFAULT_KV_CACHE_CAP))
-
-
 class Engine(EngineBase):
     """Continuous-batching engine over a paged KV cache (see the module docstring).
 
     Args:
         model: a transformers DeepSeek-V3 / Qwen3-MoE / Mixtral ``*ForCausalLM`` (local experts or
             with ``RemoteExperts``), eval mode, on its device (the cache goes there too).
-        tokenizer: its tokenizer (used for detokenization and EOS ids).
-        client_id: label of this client's metrics.
-        max_num_seqs: running sequences at most; further requests wait.
-        eos_token_ids: override of the stop token ids (default: tokenizer + generation config).
+        tokenizer, client_id, max_num_seqs, eos_token_ids: as :class:`EngineBase`.
         kv_cache_memory: KV-cache bytes (``--kv-cache-memory``); ``None``: see
-            :func:`default_kv_cache_memory`.
+            :func:`~eaas.runtime.client.budgets.default_kv_cache_memory`.
         max_num_batched_tokens: tokens per forward at most (decode tokens plus prefill chunks);
             longer prompts are prefilled in chunks.
         block_size: tokens per KV-cache block.
@@ -469,13 +355,14 @@ class Engine(EngineBase):
             ``max_position_embeddings``. The cache must hold one such sequence.
         double_batch_overlap: run decode steps as two micro-batches, one's attention while the
             other's MoE round trip is in flight
-            (:class:`~eaas.runtime.gpu.overlap.PagedOverlapRunner`); same greedy tokens.
+            (:class:`~eaas.runtime.client.overlap.PagedOverlapRunner`); same greedy tokens.
         prefill_tokens_while_decoding: prefill tokens at most in a step that also decodes
             (``--prefill-tokens-while-decoding``): an int (fixed cap), ``"auto"`` (a mixed step
-            costs at most :data:`AUTO_PREFILL_RATIO` decode steps, from measured step times:
-            :class:`~eaas.runtime.client.scheduler.StepCostModel`; burst steps over the cap within
-            :data:`AUTO_BURST_TAIL_SHARE` of the gaps between tokens) or ``None`` / ``"off"``
-            (only ``max_num_batched_tokens``).
+            costs at most :data:`~eaas.runtime.client.budgets.AUTO_PREFILL_RATIO` decode steps,
+            from measured step times: :class:`~eaas.runtime.client.scheduler.StepCostModel`;
+            burst steps over the cap within
+            :data:`~eaas.runtime.client.budgets.AUTO_BURST_TAIL_SHARE` of the gaps between
+            tokens) or ``None`` / ``"off"`` (only ``max_num_batched_tokens``).
 
     Raises:
         ValueError: a cache budget below one ``max_model_len`` sequence (the message names the
@@ -497,12 +384,7 @@ class Engine(EngineBase):
         double_batch_overlap: bool = False,
         prefill_tokens_while_decoding: int | str | None = "auto",
     ) -> None:
-        from eaas.runtime.client.kv_cache import PagedKVCache, kv_cache_spec, min_kv_cache_memory
-        from eaas.runtime.client.scheduler import Scheduler, StepCostModel
-
-        cap = parse_prefill_cap(prefill_tokens_while_decoding)
-        from eaas.runtime.models.paged import PagedModelRunner
-
+        cap = budgets.parse_prefill_cap(prefill_tokens_while_decoding)
         super().__init__(
             model,
             tokenizer,
@@ -513,7 +395,7 @@ class Engine(EngineBase):
         self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
         spec = kv_cache_spec(model)
         if kv_cache_memory is None:
-            kv_cache_memory = default_kv_cache_memory(
+            kv_cache_memory = budgets.default_kv_cache_memory(
                 spec.bytes_per_token, self.max_model_len, max_num_seqs
             )
         minimum = min_kv_cache_memory(spec, self.max_model_len, block_size)
@@ -528,8 +410,6 @@ class Engine(EngineBase):
         )
         self.runner: Any = PagedModelRunner(model, self.kv_cache)  # or PagedOverlapRunner
         if double_batch_overlap:
-            from eaas.runtime.gpu.overlap import PagedOverlapRunner
-
             self.runner = PagedOverlapRunner(self.runner)
         self.scheduler = Scheduler(
             self.kv_cache.allocator,
@@ -538,17 +418,17 @@ class Engine(EngineBase):
             max_num_batched_tokens=max_num_batched_tokens,
             watermark_blocks=max(1, self.kv_cache.num_blocks // 100),
             prefill_cap=cap if isinstance(cap, int) else None,
-            burst_tail_share=AUTO_BURST_TAIL_SHARE if cap == "auto" else 0.0,
+            burst_tail_share=budgets.AUTO_BURST_TAIL_SHARE if cap == "auto" else 0.0,
         )
         # "auto": the cap follows the measured step cost (set before every step)
         # (until a decode step and a prefill step were seen: an eighth of the budget)
         self.step_costs = (
             StepCostModel(
-                AUTO_PREFILL_RATIO,
+                budgets.AUTO_PREFILL_RATIO,
                 floor=block_size,
                 large_tokens=max(1, max_num_batched_tokens // 4),
                 probe=max(block_size, max_num_batched_tokens // 8),
-                noise_budget=AUTO_NOISE_BUDGET,
+                noise_budget=budgets.AUTO_NOISE_BUDGET,
             )
             if cap == "auto"
             else None
@@ -587,8 +467,6 @@ class Engine(EngineBase):
         return self.kv_cache.usage()
 
     def _enqueue(self, req: GenerationRequest) -> None:
-        from eaas.runtime.client.scheduler import Sequence as Seq
-
         gaps = max(0, req.params.max_tokens - 1)
         self.scheduler.add(Seq(req, req.num_tokens, next(self._arrivals), max_gaps=gaps))
 
@@ -602,8 +480,18 @@ class Engine(EngineBase):
         return req.prompt_ids[start:] + req.output_ids[: start + n - lp]
 
     def _step(self) -> None:
-        from eaas.runtime.models.paged import Chunk
+        """One step: schedule, run the forward and sample, postprocess (stats, events)."""
+        plan = self._schedule()
+        if plan.chunks:
+            chunks = self._chunks(plan)
+            t0 = time.perf_counter()
+            out = self._run(plan, chunks)
+            if out is not None:
+                self._postprocess(plan, out, t0)
+        self._publish()
 
+    def _schedule(self) -> StepPlan:
+        """Admit submitted requests, drop cancelled ones, plan the step (sets the auto cap)."""
         sched = self.scheduler
         self._admit(block=not sched.waiting and not sched.running)
         for seq in [s for s in (*sched.running, *sched.waiting) if s.request.cancelled]:
@@ -619,10 +507,11 @@ class Engine(EngineBase):
         if plan.preempted:
             self.stats["preemptions"] += len(plan.preempted)
             self._preempt_counter.inc(len(plan.preempted))
-        if not plan.chunks:
-            self._publish()
-            return
-        chunks = [
+        return plan
+
+    def _chunks(self, plan: StepPlan) -> list[Chunk]:
+        """The model runner's input: one :class:`Chunk` per scheduled chunk, in plan order."""
+        return [
             Chunk(
                 self._tokens(c.seq.request, c.start, c.n),
                 c.start,
@@ -634,20 +523,30 @@ class Engine(EngineBase):
             )
             for c in plan.chunks
         ]
-        sampling = [c for c in plan.chunks if c.samples]
-        reqs = [c.seq.request for c in sampling]
-        t0 = time.perf_counter()
+
+    def _run(self, plan: StepPlan, chunks: list[Chunk]) -> SampleOutput | None:
+        """ONE forward over ``chunks`` and the sampling of every chunk that reaches its end.
+
+        Returns ``None`` when the forward or the sampling raised: every request of the step
+        then got its error event and left the scheduler.
+        """
+        reqs = [c.seq.request for c in plan.chunks if c.samples]
         try:
-            logits, full = self.runner.forward_full(chunks)  # (len(sampling), V) float32
+            logits, full = self.runner.forward_full(chunks)  # (len(reqs), V) float32
             for i, pos_logits in full.items():
                 self._prompt_logprobs(plan.chunks[i].seq.request, plan.chunks[i].start, pos_logits)
-            out = self._sample(reqs, logits)
+            return self._sample(reqs, logits)
         except Exception as exc:  # noqa: BLE001
             for c in plan.chunks:
-                sched.remove(c.seq)
+                self.scheduler.remove(c.seq)
             self._fail([c.seq.request for c in plan.chunks], exc)
-            self._publish()
-            return
+            return None
+
+    def _postprocess(self, plan: StepPlan, out: SampleOutput, t0: float) -> None:
+        """Advance the scheduler, count the step, deliver the sampled tokens; ``t0``: the
+        ``time.perf_counter()`` the forward started at (the auto cap's step cost)."""
+        sampling = [c for c in plan.chunks if c.samples]  # the rows of ``out``, in order
+        sched = self.scheduler
         sched.advance(plan)
         st = self.stats
         st["decode_steps"] += any(c.n == 1 and c.start > 0 for c in plan.chunks)
@@ -671,14 +570,11 @@ class Engine(EngineBase):
         if self.step_costs is not None:  # the whole step: what a streaming client waits for
             self.step_costs.observe(decodes, plan.num_tokens - decodes, time.perf_counter() - t0)
         self.steps += 1
-        self._publish()
 
     @staticmethod
     def _prompt_logprobs(req: GenerationRequest, start: int, logits: torch.Tensor) -> None:
         """Record the prompt logprobs of one chunk: ``logits`` ``(n, V)`` after positions
         ``start .. start + n - 1``; position ``p`` predicts prompt token ``p + 1``."""
-        from eaas.runtime.client.sampling import prompt_logprobs
-
         prompt = req.prompt_ids
         k = req.params.prompt_logprobs
         assert k is not None
@@ -694,3 +590,7 @@ class Engine(EngineBase):
         self._running_gauge.set(len(self.scheduler.running))
         self._waiting_gauge.set(len(self.scheduler.waiting))
         self.kv_cache.report()
+
+
+# SHIM(issue17): moved to eaas.runtime.client.budgets; remove at merge
+from eaas.runtime.client.budgets import parse_prefill_cap  # noqa: E402, F401

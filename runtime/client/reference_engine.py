@@ -13,8 +13,10 @@ from __future__ import annotations
 import inspect
 
 import torch
+from transformers import DynamicCache
 
-from eaas.runtime.client.engine import EngineBase, GenerationRequest
+from eaas.runtime.client.engine import EngineBase
+from eaas.runtime.client.request import GenerationRequest
 
 
 class _DecodeBatch:
@@ -161,8 +163,6 @@ class ReferenceEngine(EngineBase):
         return out.logits[:, -1, :].float(), cache
 
     def _prefill(self, req: GenerationRequest) -> None:
-        from transformers import DynamicCache
-
         n = len(req.prompt_ids)
         self.stats["prefills"] += 1
         ids = torch.tensor([req.prompt_ids], dtype=torch.long)
@@ -184,8 +184,6 @@ class ReferenceEngine(EngineBase):
         self._batch.add(req, layers, n, tok)
 
     def _decode(self) -> None:
-        from transformers import DynamicCache
-
         b = self._batch
         self.stats["decode_steps"] += 1
         self.stats["max_batch"] = max(self.stats["max_batch"], len(b))

@@ -42,8 +42,8 @@ the decodes and give the whole budget to prefill (as vLLM V0's scheduler did, pr
 as long as the gaps that holding stretched among the live (running and waiting) sequences stay
 within ``burst_tail_share`` of all the gaps those sequences will have (``Sequence.max_gaps``:
 ``max_tokens - 1`` each; :func:`burst_step_allowed`). A sequence held over several steps in a
-row has ONE long gap, so it counts once; it is held ``burst_max_steps`` in a row at most. W1 of
-issue 8 (32 prompts of 220 tokens at once, 128 output tokens, budget 2048, share 0.005): step 1
+row has ONE long gap, so it counts once; it is held ``burst_max_steps`` in a row at most. A burst
+(32 prompts of 220 tokens at once, 128 output tokens, budget 2048, share 0.005): step 1
 prefills 9 prompts, step 2 holds those 9 (9 <= 0.005 * 32 * 127 = 20.3) and prefills 9 more,
 step 3 holds 18 (9 newly: 18 <= 20.3) and prefills 9 more, step 4 would hold 9 more (27 > 20.3)
 and is a capped mixed step instead: 27 of 4064 gaps (0.7%) are long, the rest of the burst is
@@ -63,8 +63,8 @@ from typing import TYPE_CHECKING
 
 from eaas.runtime.client.kv_cache import BlockAllocator
 
-if TYPE_CHECKING:  # the engine imports this module: no runtime import back
-    from eaas.runtime.client.engine import GenerationRequest
+if TYPE_CHECKING:  # annotations only: the scheduler never reads a request
+    from eaas.runtime.client.request import GenerationRequest
 
 
 @dataclass(eq=False)

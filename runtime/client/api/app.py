@@ -1,9 +1,12 @@
 """OpenAI-compatible HTTP API of one attention client (FastAPI): routes and error handling.
 
 The API is split by concern, as vLLM splits its server: :mod:`.protocol` (request and response
-bodies as pydantic models, validation into OpenAI-style 400s), :mod:`.serving` (completions,
-chat, streaming, tokenize/detokenize), :mod:`.sampling` (logits processors and sampling) and this
-module (routes, JSON parsing, error handlers).
+bodies as pydantic models, validation into OpenAI-style 400s), :mod:`.prepare` (request bodies
+to engine inputs, tokenize/detokenize), :mod:`.chat_template`, :mod:`.logprobs`,
+:mod:`.responses` (errors, non-streamed bodies), :mod:`.streaming` (SSE, disconnects),
+:mod:`.server` (:class:`OpenAIServer`: the state the handlers share, generation),
+:mod:`eaas.runtime.client.sampling` (logits processors and sampling) and this module (routes,
+JSON parsing, error handlers).
 
 Endpoints:
 
@@ -21,7 +24,7 @@ Endpoints:
 * ``stream: true`` answers Server-Sent Events in OpenAI's chunk format ending with
   ``data: [DONE]``. A client that disconnects cancels its sequences (they leave the decode batch
   at the next engine step); non-streaming requests poll for the disconnect every
-  ``DISCONNECT_POLL_S`` while decoding.
+  ``streaming.DISCONNECT_POLL_S`` while decoding.
 * ``POST /tokenize`` (``{"model", "prompt"}`` or ``{"model", "messages"}``), ``POST /detokenize``
   (``{"model", "tokens"}``), ``GET /version`` -- vLLM's shapes.
 * ``GET /v1/models``, ``GET /health`` (also ``HEAD``; JSON: model, client id, routing table version in use =
@@ -64,26 +67,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eaas.runtime import metrics
-from eaas.runtime.client.protocol import APIError, bad
-from eaas.runtime.client.serving import (
-    DISCONNECT_POLL_S,
-    OpenAIServer,
-    json_bytes,
-    json_bytes_with_array,
-)
+from eaas.runtime.client.api.protocol import APIError, bad
+from eaas.runtime.client.api.responses import json_bytes, json_bytes_with_array
+from eaas.runtime.client.api.server import OpenAIServer
 from eaas.runtime.client.table_push import router as table_push_router
 
 log = logging.getLogger("eaas.client.api")
-
-__all__ = [
-    "APIError",
-    "DISCONNECT_POLL_S",
-    "OpenAIServer",
-    "check_no_lone_surrogates",
-    "create_app",
-    "parse_json_body",
-    "error_response",
-]
 
 # the routes whose answers eaas_requests_total counts
 _GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")

@@ -1,0 +1,524 @@
+"""Request and response bodies of the OpenAI-compatible API, as pydantic models.
+
+Shapes follow OpenAI's API reference (``/v1/completions``, ``/v1/chat/completions``) and vLLM's
+server (``vllm/entrypoints/openai/protocol.py``) for its extensions (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
+``skip_special_tokens``, ``ignore_eos``, ``/tokenize``, ``/detokenize``).
+
+Validation is strict (no string-to-number coercion, ``NaN``/``Infinity`` rejected) and an
+unknown field is an error, so nothing a client sends is silently ignored. :func:`parse` turns a
+pydantic ``ValidationError`` into an :class:`APIError` (HTTP 400, OpenAI's error shape) whose
+``param`` names the field (``messages[0].content``). Fields that OpenAI or vLLM define but this
+server does not implement are listed in :data:`UNSUPPORTED` and rejected by name with a 400
+unless they carry their no-op value.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal, TypeVar
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+# torch.Generator.manual_seed takes signed or unsigned 64-bit seeds
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+MAX_LOGPROBS = 20  # OpenAI: top_logprobs <= 20 (chat); completions logprobs <= 5, vLLM 20
+MAX_N = 128  # OpenAI's limit of n
+MAX_CHOICES = 4096  # prompts x n of one completions request (each choice is an engine request)
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's JSON shape ``{"error": {message, type, param, code}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(status_code=self.status, content=self.body())
+
+
+def bad(message: str, param: str | None, code: str = "invalid_value") -> APIError:
+    """A 400 ``invalid_request_error`` naming ``param``."""
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+# ---- known but unsupported fields ----------------------------------------------------------
+# field -> values that mean "off" (accepted); any other value is a 400 naming the field.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "suffix": (None, ""),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "web_search_options": (None,),
+    "user": (None,),
+    "prompt_logprobs": (None,),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "spaces_between_special_tokens": (None, True),
+    "chat_template": (None,),
+    "documents": (None,),
+}
+
+
+def check_unsupported(body: dict, extra_ok: dict[str, tuple[Any, ...]] | None = None) -> dict:
+    """400 naming the first known-but-unsupported field that is set to a value that acts.
+
+    Returns:
+        ``body`` without the known-but-unsupported fields (all of them carry their no-op value
+        by then), ready for the request model, which does not declare them.
+
+    Raises:
+        APIError: 400, code ``unsupported_parameter``.
+    """
+    table = {**UNSUPPORTED, **(extra_ok or {})}
+    for key, off in table.items():
+        if key in body and not any(body[key] == v and type(body[key]) is type(v) for v in off):
+            if body[key] is None and None in off:
+                continue
+            raise bad(
+                f"'{key}' is not supported by this server (got {body[key]!r})",
+                key,
+                "unsupported_parameter",
+            )
+    return {k: v for k, v in body.items() if k not in table}
+
+
+# ---- field types -------------------------------------------------------------------------
+StrictInt = Annotated[int, Field(strict=True)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        # JSON null on a top-level field means "not given" (the field's default applies)
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by completions and chat (OpenAI + vLLM extensions)."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
+    temperature: Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(allow_inf_nan=False, gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(strict=True, ge=-1)] | None = None
+    min_p: Annotated[float, Field(allow_inf_nan=False, ge=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(strict=True, ge=1, le=MAX_N)] = 1
+    best_of: Annotated[int, Field(strict=True, ge=1)] | None = None
+    seed: Annotated[int, Field(strict=True, ge=SEED_MIN, le=SEED_MAX)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(strict=True, ge=0)]] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Annotated[float, Field(allow_inf_nan=False, ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(allow_inf_nan=False, ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(allow_inf_nan=False, gt=0.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False, ge=-100, le=100)]] | None = (
+        None
+    )
+    min_tokens: Annotated[int, Field(strict=True, ge=0)] = 0
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM)
+
+    @model_validator(mode="after")
+    def _cross_field(self):
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stop) > 4:
+            raise _FieldError("stop", "'stop' accepts at most 4 sequences")
+        if any(not s for s in stop):  # it would match everywhere; vLLM refuses it too
+            raise _FieldError("stop", "'stop' must not contain an empty string")
+        if self.stream_options is not None and not self.stream:
+            raise _FieldError(
+                "stream_options", "'stream_options' is only allowed when 'stream' is true"
+            )
+        lp = getattr(self, "logprobs", None)  # completions: int k (0 counts); chat: bool
+        if self.return_tokens_as_token_ids and (lp is None or lp is False):
+            raise _FieldError(
+                "return_tokens_as_token_ids",
+                "'return_tokens_as_token_ids' names the tokens of logprobs: it needs 'logprobs'",
+            )
+        if self.best_of is not None and self.best_of != self.n:
+            raise _FieldError(
+                "best_of",
+                f"'best_of' other than n is not supported (got best_of={self.best_of}, n={self.n})",
+            )
+        return self
+
+    def stop_list(self) -> list[str]:
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return list(stop)
+
+
+class _FieldError(ValueError):
+    """Raised in a model validator to name the offending field (pydantic would name the model)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a list of those."""
+
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: Annotated[int, Field(strict=True, ge=1)] | None = 16
+    echo: bool = False
+    logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_prompt_kind(cls, data: Any) -> Any:
+        # a list mixing kinds (["hi", [5, 6]]) would get the union's error for one member only
+        p = data.get("prompt") if isinstance(data, dict) else None
+        if isinstance(p, list) and len({type(x) for x in p}) > 1:
+            kinds = sorted({type(x).__name__ for x in p})
+            raise _FieldError(
+                "prompt",
+                "'prompt' must be a string, a list of token ids, a list of strings or a list of "
+                f"token-id lists; this list mixes {', '.join(kinds)}",
+            )
+        return data
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message; ``content`` is checked by the server (null allowed only for assistant).
+
+    ``refusal``, ``audio`` and ``function_call`` are accepted only as null, ``annotations`` as
+    null or ``[]``: what an assistant message of the ``openai`` client carries after
+    ``.model_dump()`` (a reply sent back as history); a refusal, audio, a function call or
+    annotations are not supported (400 ``unsupported_parameter`` naming the field).
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict] | None = None
+    refusal: None = None
+    annotations: None = None
+    audio: None = None
+    function_call: None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_annotations(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("annotations") == []:
+            return {k: v for k, v in data.items() if k != "annotations"}
+        return data
+
+
+class _ChatTemplateFields(_Strict):
+    """How messages are rendered by the chat template (vLLM's chat extensions).
+
+    Attributes:
+        add_generation_prompt: end with the template's opening of an assistant turn.
+        continue_final_message: end inside the last message (an assistant turn the model
+            continues: prefill); needs ``add_generation_prompt: false``.
+        chat_template_kwargs: extra variables for the template (Qwen3's ``enable_thinking``);
+            each must be a variable the model's template uses.
+    """
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _template_fields(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise _FieldError(
+                "continue_final_message",
+                "'continue_final_message' needs 'add_generation_prompt': false (it continues "
+                "the last message instead of opening a new assistant turn)",
+            )
+        return self
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _chat_fields(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _FieldError("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+        if (
+            self.max_tokens is not None
+            and self.max_completion_tokens is not None
+            and self.max_tokens != self.max_completion_tokens
+        ):
+            raise _FieldError(
+                "max_tokens",
+                f"'max_tokens' ({self.max_tokens}) and 'max_completion_tokens' "
+                f"({self.max_completion_tokens}) disagree; send one of them",
+            )
+        return self
+
+
+class TokenizeRequest(_ChatTemplateFields):
+    """``POST /tokenize`` (vLLM): ``{"model", "prompt"}`` or ``{"model", "messages"}`` (with the
+    chat template fields)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise _FieldError("prompt", "give exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM): ``{"model", "tokens"}``."""
+
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+# ---- responses -----------------------------------------------------------------------------
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int
+
+
+class CompletionLogProbs(BaseModel):
+    """Completions ``logprobs``: parallel lists, one entry per generated token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogProbs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] = Field(default_factory=list)
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] = Field(default_factory=list)
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] = Field(default_factory=list)
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+# ---- parsing -------------------------------------------------------------------------------
+def _loc(loc: tuple) -> str | None:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("body",) or not isinstance(part, str):
+            continue
+        elif (
+            "[" in part
+            or part in ("str", "int", "float", "bool", "dict")
+            or part.startswith(("function-", "constrained-"))
+        ):
+            continue  # pydantic's union-member labels
+        else:
+            out += ("." if out else "") + part
+    return out or None
+
+
+_TYPE_ERRORS = ("type", "parsing", "literal_error", "model_type", "dict_type", "list_type")
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse(model: type[M], body: dict) -> M:
+    """Validate ``body`` into ``model``.
+
+    Raises:
+        APIError: 400 naming the first offending field: code ``missing_required_parameter``,
+            ``invalid_type``, ``unrecognized_parameter`` or ``invalid_value``.
+    """
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        errs = exc.errors(include_url=False)
+        # a union reports one error per member: prefer the most specific (longest) location
+        err = max(errs, key=lambda e: len(e.get("loc", ())))
+        ctx_err = (err.get("ctx") or {}).get("error")
+        if isinstance(ctx_err, _FieldError):
+            raise bad(str(ctx_err), ctx_err.param) from None
+        param = _loc(tuple(err.get("loc", ())))
+        kind = err.get("type", "")
+        inp = err.get("input")
+        if kind == "missing":
+            raise bad(f"'{param}' is required", param, "missing_required_parameter") from None
+        if kind == "none_required":  # a field accepted only as null (ChatMessage.refusal, ...)
+            raise bad(
+                f"'{param}' is not supported by this server (got {inp!r})"[:500],
+                param,
+                "unsupported_parameter",
+            ) from None
+        if kind == "extra_forbidden":
+            raise bad(
+                f"Unrecognized request argument supplied: {param}", param, "unrecognized_parameter"
+            ) from None
+        if kind == "finite_number" or (isinstance(inp, float) and not math.isfinite(inp)):
+            raise bad(f"'{param}' must be a finite number, got {inp}", param) from None
+        if any(t in kind for t in _TYPE_ERRORS):
+            raise bad(
+                f"'{param}': {err.get('msg')}, got {type(inp).__name__} {inp!r}"[:500],
+                param,
+                "invalid_type",
+            ) from None
+        raise bad(f"'{param}': {err.get('msg')}, got {inp!r}"[:500], param) from None

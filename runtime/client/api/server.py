@@ -1,0 +1,200 @@
+"""The OpenAI-compatible API's state and generation: bodies in, engine requests, answers out.
+
+:class:`OpenAIServer` holds what the handlers (:mod:`.app`) share: the engine, the request
+preparation (:mod:`.prepare`), the logprob layout (:mod:`.logprobs`) and the running requests'
+event queues. :meth:`OpenAIServer.generate` submits the ``n`` choices per prompt of a prepared
+request (each its own engine request), then answers from their token events: a JSON body
+(:mod:`.responses`) or an SSE stream (:mod:`.streaming`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from eaas.runtime import metrics
+from eaas.runtime.client.api.logprobs import LogprobFormatter
+from eaas.runtime.client.api.prepare import Prepared, RequestPreparer
+from eaas.runtime.client.api.protocol import (
+    APIError,
+    DetokenizeResponse,
+    TokenizeResponse,
+)
+from eaas.runtime.client.api.responses import (
+    Choice,
+    Generation,
+    ServerShuttingDown,
+    build_response,
+    encode_response,
+    exc_error,
+)
+from eaas.runtime.client.api.streaming import (
+    GONE,
+    ClientGone,
+    EventMailbox,
+    stream_response,
+    watch_disconnect,
+)
+from eaas.runtime.client.engine import Engine
+from eaas.runtime.client.request import ErrorEvent
+
+#: Largest request body accepted (bytes); larger ones get 413 ``request_too_large``
+#: (``attention-client --max-request-body``). Generous: a full 128k-token prompt is ~1 MiB.
+DEFAULT_MAX_REQUEST_BODY = 32 * 2**20
+
+
+class OpenAIServer:
+    """State shared by the handlers.
+
+    Args:
+        engine: the running :class:`Engine`.
+        tokenizer: the model's tokenizer.
+        model_name: id served under ``/v1/models`` and accepted in ``model``.
+        max_context: ``max_position_embeddings`` (prompt + completion tokens limit).
+        vocab_size: valid token ids are ``[0, vocab_size)`` (the model's embedding rows).
+        client_id: label of this client (metrics, /health).
+        health_extra: callable returning extra /health fields (e.g. the dispatcher's view).
+        max_request_body: largest request body in bytes (larger: 413 ``request_too_large``).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        model_name: str,
+        max_context: int,
+        vocab_size: int,
+        client_id: str,
+        health_extra=None,
+        max_request_body: int = DEFAULT_MAX_REQUEST_BODY,
+    ):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_context = int(max_context)
+        self.vocab_size = int(vocab_size)
+        self.client_id = str(client_id)
+        self.health_extra = health_extra
+        self.max_request_body = int(max_request_body)
+        self.created = int(time.time())
+        self.requests = RequestPreparer(tokenizer, model_name, self.max_context, self.vocab_size)
+        self.logprobs = LogprobFormatter(tokenizer)
+        self.shutting_down = False
+        self._queues: set[asyncio.Queue] = set()  # event queues of the running requests
+        self._mailbox: EventMailbox | None = None  # engine events -> the loop (per loop)
+
+    def shut_down(self) -> int:
+        """End every running request with 503 ``server_shutting_down`` and refuse new ones.
+
+        Call on the event loop. Returns the number of requests ended.
+        """
+        self.shutting_down = True
+        err = ErrorEvent(ServerShuttingDown("the attention client is shutting down"))
+        for q in list(self._queues):
+            q.put_nowait((0, err))
+        return len(self._queues)
+
+    # ---- request bodies (worker threads) ---------------------------------------------------
+    def prepare_completion(self, body: dict) -> Prepared:
+        """Validate a ``/v1/completions`` body. Raises: APIError (400 / 404)."""
+        return self.requests.prepare_completion(body)
+
+    def prepare_chat(self, body: dict) -> Prepared:
+        """Validate a ``/v1/chat/completions`` body. Raises: APIError (400 / 404)."""
+        return self.requests.prepare_chat(body)
+
+    def tokenize(self, body: dict) -> TokenizeResponse:
+        """``POST /tokenize``. Raises: APIError (400 / 404)."""
+        return self.requests.tokenize(body)
+
+    def detokenize(self, body: dict) -> DetokenizeResponse:
+        """``POST /detokenize``. Raises: APIError (400 / 404)."""
+        return self.requests.detokenize(body)
+
+    # ---- generation (event loop) -----------------------------------------------------------
+    async def generate(self, request: Request, prep: Prepared):
+        """Run ``prep`` on the engine; a JSON response, an SSE stream, or an error response."""
+        if self.shutting_down:
+            raise APIError(
+                503,
+                "the attention client is shutting down; retry on another replica",
+                "service_unavailable",
+                None,
+                "server_shutting_down",
+            )
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues.add(q)
+        try:
+            resp = await self._generate(request, prep, loop, q)
+        except BaseException:
+            self._queues.discard(q)
+            raise
+        if not isinstance(resp, StreamingResponse):  # a stream drops q when it ends (sse_body)
+            self._queues.discard(q)
+        return resp
+
+    def _submit(self, prep: Prepared, loop, q: asyncio.Queue) -> Generation:
+        """Submit every choice of ``prep``; their events arrive on ``q`` as ``(index, event)``."""
+        n = len(prep.params)
+        choices: list[Choice] = []
+        box = self._mailbox
+        if box is None or box.loop is not loop:
+            box = self._mailbox = EventMailbox(loop)
+        for p in range(len(prep.prompts)):
+            for i in range(n):
+                idx = len(choices)
+
+                def on_event(ev, _idx=idx) -> None:
+                    box.post(q, (_idx, ev))
+
+                req = self.engine.submit(prep.prompts[p], prep.params[i], on_event)
+                choices.append(Choice(index=idx, prompt=p, req=req))
+        rid = ("chatcmpl-" if prep.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        return Generation(prep, choices, rid, int(time.time()), self.model_name)
+
+    async def _generate(self, request: Request, prep: Prepared, loop, q: asyncio.Queue):
+        gen = self._submit(prep, loop, q)
+        if prep.stream:
+            return await stream_response(
+                request, gen, q, self.logprobs, self.client_id, lambda: self._queues.discard(q)
+            )
+        return await self._answer(request, gen, q)
+
+    async def _answer(self, request: Request, gen: Generation, q: asyncio.Queue) -> Response:
+        """Wait for every choice's last event, then answer the whole body at once."""
+        label = self.client_id
+        watcher = asyncio.create_task(watch_disconnect(request, gen.cancel_all, q))
+        left = len(gen.choices)
+        try:
+            while left:
+                idx, ev = await q.get()
+                if ev is GONE:
+                    raise ClientGone()
+                ch = gen.choices[idx]
+                if isinstance(ev, ErrorEvent):
+                    gen.cancel_all()
+                    err = exc_error(ev.error)
+                    metrics.REQUESTS.labels(client_id=label, status=str(err.status)).inc()
+                    return err.response()
+                ch.events.append(ev)
+                if ev.finish_reason is not None:
+                    ch.finish, ch.stop_reason = ev.finish_reason, ev.stop_reason
+                    left -= 1
+        except BaseException as exc:
+            gen.cancel_all()
+            if isinstance(exc, (ClientGone, asyncio.CancelledError)):
+                metrics.REQUESTS.labels(client_id=label, status="cancelled").inc()
+            if isinstance(exc, ClientGone):
+                return Response(status_code=499)
+            raise  # anything else is a bug: the app's handler answers (and counts) a JSON 500
+        finally:
+            watcher.cancel()
+        metrics.REQUESTS.labels(client_id=label, status="200").inc()
+        # built and encoded in a worker thread (encode_response)
+        body = await asyncio.to_thread(lambda: encode_response(build_response(gen, self.logprobs)))
+        return Response(content=body, media_type="application/json")
