@@ -54,6 +54,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from eaas.runtime.cuda import GpuUnavailableError
+from eaas.runtime.cuda.device import CPU_SERVER_CUDA_PAYLOAD
 from eaas.runtime.transport.base import (
     CODE_DTYPES,
     DTYPE_CODES,
@@ -111,10 +113,8 @@ def payload_layout(hidden: int, dtype: torch.dtype, cap_tokens: int, cap_k: int)
 
 
 def _cudart():
-    from eaas.runtime.gpu import GpuUnavailableError
-
     try:
-        from cuda.bindings import runtime as cudart
+        from cuda.bindings import runtime as cudart  # optional (cuda-python): a CUDA payload
     except ImportError as e:
         raise GpuUnavailableError(f"cudaipc needs cuda-python ({e})") from None
     return cudart
@@ -291,8 +291,6 @@ def _resolve_payload(payload: str) -> int:
         raise ValueError(f"payload must be 'cuda' or 'host', got {payload!r}")
     kind = _PAYLOAD_NAMES[payload]
     if kind == PAYLOAD_CUDA and not torch.cuda.is_available():
-        from eaas.runtime.gpu import GpuUnavailableError
-
         raise GpuUnavailableError(
             "cudaipc with payload='cuda' needs a CUDA device (torch.cuda.is_available() is "
             "False); payload='host' is the host emulation of the same protocol"
@@ -480,7 +478,7 @@ class CudaIpcServerListener(ShmServerListener):
         spin_us: busy-poll time in ``poll`` before blocking.
         compute_device: where the expert server computes (``"cpu"``, ``"cuda"``, ``"cuda:N"``;
             default ``"cpu"``). A CUDA-payload hello is refused unless it is a CUDA device
-            (:data:`eaas.runtime.gpu.device.CPU_SERVER_CUDA_PAYLOAD`): frames would arrive as
+            (:data:`eaas.runtime.cuda.device.CPU_SERVER_CUDA_PAYLOAD`): frames would arrive as
             CUDA tensors that a CPU server cannot compute with.
 
     A CUDA-payload hello on a server without a GPU is refused ("no CUDA device").
@@ -522,8 +520,6 @@ class CudaIpcServerListener(ShmServerListener):
                     pl = _host_payload(fds[1], total, hidden, dtype, cap_t, cap_k)
                 elif pkind == PAYLOAD_CUDA:
                     if self.compute_device.type != "cuda":
-                        from eaas.runtime.gpu.device import CPU_SERVER_CUDA_PAYLOAD
-
                         raise FrameError(CPU_SERVER_CUDA_PAYLOAD)
                     if not torch.cuda.is_available():
                         raise FrameError("no CUDA device on this expert server for a cuda payload")
