@@ -252,7 +252,7 @@ class NvshmemClientConnection(ClientConnection):
         self._staging = torch.zeros(world.spec.request_bytes(), dtype=torch.uint8, device="cuda")
 
     #: frames are staged in GPU memory: the dispatcher keeps hidden states on the GPU
-    #: (:mod:`eaas.runtime.gpu.staging`)
+    #: (:mod:`eaas.runtime.client.dispatch.staging`)
     device_payload = True
 
     def send(self, frame: RequestFrame, deadline: float | None = None) -> None:
