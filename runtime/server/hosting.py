@@ -48,6 +48,9 @@ class LayerStack:
 
     @classmethod
     def build(cls, experts: Mapping[int, ExpertWeights]) -> LayerStack:
+        """Stack ``experts`` (``{expert id: ExpertWeights}``, at least one; gate/up ``[I, H]``,
+        down ``[H, I]``, one dtype and device) in ascending id order. Raises IndexError when
+        ``experts`` is empty."""
         ids = sorted(experts)
         n = int(experts[ids[0]].gate.shape[0])  # I
         gate_up = torch.stack([torch.cat([experts[e].gate, experts[e].up]) for e in ids])
@@ -110,6 +113,9 @@ class Hosting:
     def build(
         cls, pairs: Mapping[tuple[int, int], ExpertWeights], device: torch.device | None
     ) -> Hosting:
+        """The snapshot of ``pairs`` (``{(layer, expert): ExpertWeights}``) whose weights live on
+        ``device`` (None: the CPU). On the CPU, with a ``grouped_mm`` that takes every layer's
+        stack, the weights are rebound to views of one :class:`LayerStack` per layer."""
         by_layer: dict[int, dict[int, ExpertWeights]] = {}
         for (layer, e), w in pairs.items():
             by_layer.setdefault(layer, {})[e] = w

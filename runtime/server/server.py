@@ -371,4 +371,6 @@ class ExpertServer:
             self._hosting = Hosting.build(keep, self.device)
 
     def ready_line(self) -> str:
+        """``expert-server <id> ready on <endpoint> hosting <N> experts``: printed once the
+        loop has started (:func:`eaas.runtime.server.main.run`); tests and ``serve`` wait for it."""
         return f"expert-server {self.server_id} ready on {self.endpoint} hosting {self.num_experts} experts"
