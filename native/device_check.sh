@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-GPU check of the EaaS GPU data plane (issue 9). Runs in < 5 min on one H200:
+# One-GPU check of the EaaS GPU data plane. Runs in < 5 min on one H200:
 #   1. NVRTC build of every native/ kernel for this GPU's arch and for sm_90 + sm_100;
 #   2. pytest tests/gpu (the GPU-only gpu tests and the quick gpu_cpu ones; the CPU engine/serve
 #      tests of double-batch overlap and the CLI-error / spare subprocess tests run in CI, not
@@ -7,7 +7,7 @@
 #      `eaas expert-server --device cuda`, a cpu server refusing it), CUDA-graph round trips,
 #      device-aware dispatcher staging, one CUDA stream per overlap micro-batch (toy stack and
 #      the engine);
-#   3. python -m eaas.runtime.gpu.device_check: the table (kernel correctness, grouped GEMM
+#   3. python -m eaas.native.device_check: the table (kernel correctness, grouped GEMM
 #      time with 1/8/32 of 256 experts active, cudaipc round trip B=1/64/256 vs a device copy
 #      and DeepEP's published figures, CUDA-graph replay of a decode step's real MoE round trip
 #      over cudaipc vs eager send/recv).
@@ -23,7 +23,7 @@ export EAAS_CACHE_DIR=${EAAS_CACHE_DIR:-$OUT_DIR/cache}
 rc=0
 echo "== nvidia-smi"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
 echo "== 1. NVRTC build"
-timeout 60 "$PY" -m eaas.runtime.gpu.build sm_90 sm_100 2>&1 | tee "$OUT_DIR/build.txt" || rc=1
+timeout 60 "$PY" -m eaas.runtime.cuda.nvrtc sm_90 sm_100 2>&1 | tee "$OUT_DIR/build.txt" || rc=1
 echo "== 2. pytest tests/gpu"
 timeout 95 "$PY" -m pytest tests/gpu -q -p no:cacheprovider -m "gpu or gpu_cpu" -rs \
   --ignore=tests/gpu/test_overlap_engine.py --ignore=tests/gpu/test_overlap_serve.py \
@@ -31,6 +31,6 @@ timeout 95 "$PY" -m pytest tests/gpu -q -p no:cacheprovider -m "gpu or gpu_cpu" 
   2>&1 | tee "$OUT_DIR/pytest.txt" | tail -30
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 echo "== 3. device table"
-timeout 140 "$PY" -m eaas.runtime.gpu.device_check --out "$OUT_DIR/device_table.md" || rc=1
+timeout 140 "$PY" -m eaas.native.device_check --out "$OUT_DIR/device_table.md" || rc=1
 echo "== device_check.sh exit $rc (outputs in $OUT_DIR)"
 exit $rc

@@ -1,6 +1,6 @@
 // EaaS expert-server kernels: grouped SwiGLU expert GEMM with kernel shrinking.
 //
-// Compiled at first use by NVRTC (eaas.runtime.gpu.build), never by nvcc; no host code here.
+// Compiled at first use by NVRTC (eaas.runtime.cuda.nvrtc), never by nvcc; no host code here.
 // One MoE layer call on an expert server is four launches with a FIXED launch shape (grid sizes
 // depend only on the bucket size n_pairs = N * k and the number of hosted experts E, never on
 // how the tokens were routed), so the whole sequence is CUDA-graph capturable:
@@ -9,7 +9,7 @@
 //                           hosted expert (read on device), offsets, the COMPACT list of active
 //                           experts and of their row tiles, and each pair's row in the grouped
 //                           buffer. Experts that got no tokens get no tiles: kernel shrinking
-//                           (EaaS paper, "kernel shrinking"; DESIGN.md "Paper optimizations").
+//                           (Expert-as-a-Service, arXiv:2509.17863, "kernel shrinking").
 //   2. eaas_grouped_gate_up grid (max_tiles, ceil(I / BN)): act[row, i] = silu(x W_gate^T) *
 //                           (x W_up^T) for the rows of one active expert's tile; blocks past the
 //                           device-side tile count return at once.

@@ -6,7 +6,7 @@
 // client and the server process), so a kernel store is seen by the peer's host loop and a peer's
 // host store is seen by a kernel spinning here. Both kernels are single-thread launches with a
 // fixed shape: they can be captured in a CUDA graph (the decode MoE round trip,
-// eaas.runtime.gpu.graphs).
+// eaas.runtime.client.graphs).
 //
 // A dead peer never hangs a stream: eaas_wait_flag gives up after timeout_ns (read from the
 // %globaltimer nanosecond clock) and reports it in *status (1 = timed out), which the host

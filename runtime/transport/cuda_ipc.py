@@ -4,7 +4,7 @@ Endpoint: ``cudaipc:/path/to/server.sock``.
 
 :class:`CudaIpcClientConnection` and :class:`CudaIpcServerListener` subclass
 :class:`~eaas.runtime.transport.shm.ShmClientConnection` and
-:class:`~eaas.runtime.transport.shm.ShmServerListener`: the control plane (``SOCK_SEQPACKET``
+:class:`~eaas.runtime.transport.shm_server.ShmServerListener`: the control plane (``SOCK_SEQPACKET``
 Unix socket, hello/ack/remap packets, doorbells only when the peer sleeps, EOF = peer dead), the
 slot headers, the data path (spin then block, deadlines, adaptive spin, one request in flight)
 and the server's poll/respond loop are the shm code itself. Only the **payload mapping** differs:
@@ -13,7 +13,7 @@ and the server's poll/respond loop are the shm code itself. Only the **payload m
   the 1024-byte message at 128 (same fields as ``shm``). Host memory, so the server's host loop
   polls it without touching the GPU; the same words can be registered with
   ``cudaHostRegister`` for GPU-side signalling (``native/eaas_signal.cu``,
-  :mod:`eaas.runtime.gpu.graphs`).
+  :mod:`eaas.runtime.client.graphs`).
 * payload (``payload="cuda"``): one ``cudaMalloc`` buffer per mapping, allocated by the client
   and exported with ``cudaIpcGetMemHandle`` (64-byte handle in the hello / remap packet); the
   server opens it with ``cudaIpcOpenMemHandle``. Layout (:func:`payload_layout`): request hidden
@@ -29,7 +29,7 @@ A remap (frame larger than the slot) sends a new header page and a new payload, 
 new memfd.
 
 Ordering: the writer copies the payload on its CUDA stream and **synchronises that stream before
-writing the counter** (``_Slots.sync``: payload before flag); the reader sees the counter, then
+writing the counter** (``Slots.sync``: payload before flag); the reader sees the counter, then
 reads the payload with kernels issued after that.
 
 Deadlines: every wait is on the host exactly as ``shm`` (a dead or stopped server raises
@@ -50,71 +50,58 @@ import os
 import socket
 import struct
 from collections.abc import Callable
+from types import MethodType
 
 import numpy as np
 import torch
 
+from eaas.runtime.cuda import GpuUnavailableError
+from eaas.runtime.cuda.device import CPU_SERVER_CUDA_PAYLOAD
 from eaas.runtime.transport.base import (
-    CODE_DTYPES,
     DTYPE_CODES,
-    MAX_K_HARD,
-    MAX_TOKENS_HARD,
-    STATUS_BAD_FRAME,
-    STATUS_OK,
+    ClientConnection,
     FrameError,
     PeerDeadError,
     RequestFrame,
-    parts_frame,
 )
-from eaas.runtime.transport.shm import (
-    _HDR_BYTES,
-    _KIND_HELLO,
+from eaas.runtime.transport.shm import ShmClientConnection
+from eaas.runtime.transport.shm_server import ShmServerConn, ShmServerListener
+from eaas.runtime.transport.shm_slots import (
     DEFAULT_SPIN_US,
-    ShmClientConnection,
-    ShmServerListener,
-    _ServerConn,
-    _Slots,
+    HDR_BYTES,
+    KIND_HELLO,
+    MSG_BYTES,
+    Slots,
+    align,
+    check_hello,
+    endpoint_path,
 )
 
 PAYLOAD_HOST = 0
 PAYLOAD_CUDA = 1
 _PAYLOAD_NAMES = {"host": PAYLOAD_HOST, "cuda": PAYLOAD_CUDA}
 _HDR_PAGE = mmap.PAGESIZE
-_MSG_BYTES = 1024
-_ALIGN = 256
+_ALIGN = 256  # bytes: every payload region starts at a multiple of this
 # hello / remap: kind client_id hidden dtype cap_tokens cap_k payload device ipc_handle[64]
 _HELLO = struct.Struct("<cxxxqqiiiii64s")
 
 
-def _align(x: int, a: int = _ALIGN) -> int:
-    return (x + a - 1) // a * a
-
-
 def socket_path(endpoint: str) -> str:
     """``cudaipc:/a/b.sock`` -> ``/a/b.sock``. Raises ValueError on another scheme."""
-    if not endpoint.startswith("cudaipc:"):
-        raise ValueError(f"not a cudaipc endpoint: {endpoint!r}")
-    path = endpoint[len("cudaipc:") :]
-    if path.startswith("//"):
-        path = path[2:]
-    if not path:
-        raise ValueError(f"empty socket path in {endpoint!r}")
-    return path
+    return endpoint_path(endpoint, "cudaipc:")
 
 
 def payload_layout(hidden: int, dtype: torch.dtype, cap_tokens: int, cap_k: int) -> dict[str, int]:
     """Byte offsets of the payload regions and ``total`` bytes (all 256-byte aligned)."""
     esz = torch.empty((), dtype=dtype).element_size()
-    h = _align(cap_tokens * hidden * esz)
-    e = _align(cap_tokens * cap_k * 4)
+    h = align(cap_tokens * hidden * esz, _ALIGN)
+    e = align(cap_tokens * cap_k * 4, _ALIGN)
     return {"hidden": 0, "experts": h, "weights": h + e, "out": h + 2 * e, "total": 2 * h + 2 * e}
 
 
 def _cudart():
-    from eaas.runtime.gpu import GpuUnavailableError
-
     try:
-        from cuda.bindings import runtime as cudart
+        from cuda.bindings import runtime as cudart  # optional (cuda-python): a CUDA payload
     except ImportError as e:
         raise GpuUnavailableError(f"cudaipc needs cuda-python ({e})") from None
     return cudart
@@ -241,7 +228,7 @@ def _open_cuda_payload(handle: bytes, device: int, hidden, dtype, cap_t, cap_k) 
     return p
 
 
-class _IpcSlots(_Slots):
+class _IpcSlots(Slots):
     """shm's slot views over a header page (memfd) and a separate payload (host memfd or CUDA).
 
     Same attributes as :class:`~eaas.runtime.transport.shm._Slots` (``req_hdr``, ``resp_hdr``,
@@ -258,9 +245,9 @@ class _IpcSlots(_Slots):
         self.req_hdr = np.frombuffer(hdr_mm, dtype=np.int64, count=8, offset=0)
         self.resp_hdr = np.frombuffer(hdr_mm, dtype=np.int64, count=8, offset=64)
         self._mv = memoryview(hdr_mm)  # shm's data path uses these int64 views of the headers
-        self.req_q = self._mv[0:_HDR_BYTES].cast("q")
-        self.resp_q = self._mv[64 : 64 + _HDR_BYTES].cast("q")
-        self.resp_msg = np.frombuffer(hdr_mm, dtype=np.uint8, count=_MSG_BYTES, offset=128)
+        self.req_q = self._mv[0:HDR_BYTES].cast("q")
+        self.resp_q = self._mv[64 : 64 + HDR_BYTES].cast("q")
+        self.resp_msg = np.frombuffer(hdr_mm, dtype=np.uint8, count=MSG_BYTES, offset=128)
         self.req_hidden = payload.req_hidden  # (cap_tokens, H)
         self.req_experts = payload.req_experts  # (cap_tokens * cap_k,) int32
         self.req_weights = payload.req_weights  # (cap_tokens * cap_k,) float32
@@ -268,7 +255,7 @@ class _IpcSlots(_Slots):
         self.payload: _Payload | None = payload
         self.is_cuda = payload.is_cuda
         self.raw = payload.raw
-        self._new_caches()
+        self.reset_caches()
 
     def sync(self) -> None:
         if self.payload is not None:
@@ -291,8 +278,6 @@ def _resolve_payload(payload: str) -> int:
         raise ValueError(f"payload must be 'cuda' or 'host', got {payload!r}")
     kind = _PAYLOAD_NAMES[payload]
     if kind == PAYLOAD_CUDA and not torch.cuda.is_available():
-        from eaas.runtime.gpu import GpuUnavailableError
-
         raise GpuUnavailableError(
             "cudaipc with payload='cuda' needs a CUDA device (torch.cuda.is_available() is "
             "False); payload='host' is the host emulation of the same protocol"
@@ -324,7 +309,7 @@ class CudaIpcClientConnection(ShmClientConnection):
     """
 
     _socket_path = staticmethod(socket_path)
-    _slots: _Slots | None
+    _slots: Slots | None
 
     def __init__(
         self,
@@ -358,11 +343,16 @@ class CudaIpcClientConnection(ShmClientConnection):
             spin_us=spin_us,
             connect_timeout=connect_timeout,
         )
+        if self.payload_kind == PAYLOAD_CUDA:
+            # a CUDA payload takes the frame path, whose tensors may be on either device (see
+            # _send): the interface's send_parts builds the frame and sends it through _send;
+            # a host payload keeps shm's send_parts (the frame's plan by (n, k), no frame)
+            self.send_parts = MethodType(ClientConnection.send_parts, self)  # type: ignore[method-assign]
 
     @property
     def slots(self) -> _IpcSlots:
         """The current slots: headers (``req_hdr``, ``resp_hdr``) and payload views (for
-        GPU-side signalling, :mod:`eaas.runtime.gpu.graphs`).
+        GPU-side signalling, :mod:`eaas.runtime.client.graphs`).
 
         Raises:
             PeerDeadError: the connection is closed.
@@ -423,7 +413,7 @@ class CudaIpcClientConnection(ShmClientConnection):
     @property
     def device_payload(self) -> bool:
         """True with a CUDA payload: frames are taken from GPU memory as they are (the
-        dispatcher then keeps hidden states on the GPU, :mod:`eaas.runtime.gpu.staging`)."""
+        dispatcher then keeps hidden states on the GPU, :mod:`eaas.runtime.client.dispatch.staging`)."""
         return self.payload_kind == PAYLOAD_CUDA
 
     def _send(self, frame: RequestFrame, ring: bool) -> None:
@@ -442,32 +432,6 @@ class CudaIpcClientConnection(ShmClientConnection):
                 frame = dataclasses.replace(frame, rows=rows.to(dev))
         super()._send(frame, ring)
 
-    def send_parts(
-        self,
-        client_id: int,
-        layer: int,
-        table_version: int,
-        seq: int,
-        hidden: torch.Tensor,
-        experts: torch.Tensor,
-        weights: torch.Tensor,
-        rows: torch.Tensor | None,
-        n: int,
-        k: int,
-        ring: bool = True,
-    ) -> None:
-        """shm's ``send_parts``; a CUDA payload takes the frame path (see :meth:`_send`), whose
-        tensors may be on either device."""
-        if self.payload_kind == PAYLOAD_CUDA:
-            f = parts_frame(
-                client_id, layer, table_version, seq, hidden, experts, weights, rows, n, k
-            )
-            self._send(f, ring)
-        else:
-            super().send_parts(
-                client_id, layer, table_version, seq, hidden, experts, weights, rows, n, k, ring
-            )
-
 
 class CudaIpcServerListener(ShmServerListener):
     """Server end of ``cudaipc:``: :class:`ShmServerListener` mapping cudaipc hellos; accepts
@@ -480,7 +444,7 @@ class CudaIpcServerListener(ShmServerListener):
         spin_us: busy-poll time in ``poll`` before blocking.
         compute_device: where the expert server computes (``"cpu"``, ``"cuda"``, ``"cuda:N"``;
             default ``"cpu"``). A CUDA-payload hello is refused unless it is a CUDA device
-            (:data:`eaas.runtime.gpu.device.CPU_SERVER_CUDA_PAYLOAD`): frames would arrive as
+            (:data:`eaas.runtime.cuda.device.CPU_SERVER_CUDA_PAYLOAD`): frames would arrive as
             CUDA tensors that a CPU server cannot compute with.
 
     A CUDA-payload hello on a server without a GPU is refused ("no CUDA device").
@@ -492,8 +456,8 @@ class CudaIpcServerListener(ShmServerListener):
         self.compute_device = torch.device(compute_device or "cpu")
         super().__init__(endpoint, **kw)
 
-    def _on_map(self, conn: _ServerConn, data: bytes, fds: list[int]) -> None:
-        hello = data[:1] == _KIND_HELLO
+    def _on_map(self, conn: ShmServerConn, data: bytes, fds: list[int]) -> None:
+        hello = data[:1] == KIND_HELLO
         try:
             try:
                 if len(data) < _HELLO.size:
@@ -506,13 +470,9 @@ class CudaIpcServerListener(ShmServerListener):
                 want_fds = 1 + int(pkind == PAYLOAD_HOST)
                 if len(fds) != want_fds:
                     raise FrameError(f"expected {want_fds} fds, got {len(fds)}")
-                if hidden != self.hidden_size:
-                    raise FrameError(f"hidden size {hidden} != server's {self.hidden_size}")
-                dtype = CODE_DTYPES.get(dcode)
-                if dtype != self.dtype:
-                    raise FrameError(f"dtype {dtype} != server's {self.dtype}")
-                if not (0 < cap_t <= MAX_TOKENS_HARD and 0 < cap_k <= MAX_K_HARD):
-                    raise FrameError(f"bad slot capacity {cap_t} x {cap_k}")
+                dtype = check_hello(
+                    hidden, dcode, cap_t, cap_k, hidden_size=self.hidden_size, dtype=self.dtype
+                )
                 if os.fstat(fds[0]).st_size < _HDR_PAGE:
                     raise FrameError("header memfd smaller than one page")
                 total = payload_layout(hidden, dtype, cap_t, cap_k)["total"]
@@ -522,8 +482,6 @@ class CudaIpcServerListener(ShmServerListener):
                     pl = _host_payload(fds[1], total, hidden, dtype, cap_t, cap_k)
                 elif pkind == PAYLOAD_CUDA:
                     if self.compute_device.type != "cuda":
-                        from eaas.runtime.gpu.device import CPU_SERVER_CUDA_PAYLOAD
-
                         raise FrameError(CPU_SERVER_CUDA_PAYLOAD)
                     if not torch.cuda.is_available():
                         raise FrameError("no CUDA device on this expert server for a cuda payload")
@@ -535,19 +493,9 @@ class CudaIpcServerListener(ShmServerListener):
                 for fd in fds:
                     os.close(fd)  # the mappings hold their own references
         except (FrameError, OSError, ValueError, struct.error, RuntimeError) as e:
-            if not conn.ready:
-                self._ack(conn, STATUS_BAD_FRAME, str(e))
-            self._drop(conn)
+            self._refuse(conn, e)
             return
-        if conn.slots is not None:
-            conn.slots.release()
-        conn.slots = slots
-        conn.client_id = cid
-        conn.last_seen = 0  # a fresh header page reads 0 until the client's next frame in it
-        if kind == _KIND_HELLO:
-            conn.ready = True
-            if not self._ack(conn, STATUS_OK, ""):
-                self._drop(conn)
+        self._install(conn, slots, cid, kind)
 
 
 def connect(endpoint: str, server_id: str, **kw) -> CudaIpcClientConnection:

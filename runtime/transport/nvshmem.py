@@ -49,14 +49,17 @@ on the CPU. Importing the module needs neither nvshmem4py nor a GPU.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
+import numpy as np
 import torch
 
+from eaas.runtime.cuda import GpuUnavailableError
 from eaas.runtime.transport.base import (
     DTYPE_CODES,
     STATUS_OK,
@@ -86,8 +89,6 @@ from eaas.runtime.transport.nvshmem_world import (  # noqa: F401  (re-exported: 
 def nvshmem_unavailable_reason() -> str | None:
     """Why an NVSHMEM world cannot be created here (None when it can): nvshmem4py not
     installed, or no CUDA device. Imports nothing heavy beyond ``importlib.util``."""
-    import importlib.util
-
     try:
         found = importlib.util.find_spec("nvshmem.core") is not None
     except ModuleNotFoundError:
@@ -140,13 +141,9 @@ def open_world(config: WorldConfig, spec: WorldSpec) -> NvshmemWorld:
     """
     reason = nvshmem_unavailable_reason()
     if reason is not None:
-        from eaas.runtime.gpu import GpuUnavailableError
-
         raise GpuUnavailableError(reason)
     if spec.max_pes != config.world_size:
         raise MembershipError(f"spec.max_pes {spec.max_pes} != world size {config.world_size}")
-    import numpy as np
-
     nvs = _nvshmem()
     # nvshmem4py's UID example: get_unique_id() on one rank, get_unique_id(empty=True) on the
     # others, the bytes of ``uid._data`` moved by the launcher (here: the uid file)
@@ -185,10 +182,8 @@ class WorldSpec:
 
 
 def _nvshmem():
-    from eaas.runtime.gpu import GpuUnavailableError
-
     try:
-        import nvshmem.core as nvs
+        import nvshmem.core as nvs  # optional dependency (nvshmem4py): only an NVSHMEM world
     except ImportError as e:
         raise GpuUnavailableError(
             f"nvshmem transport needs nvshmem4py ({e}): pip install 'eaas[gpu]'"
@@ -212,7 +207,7 @@ class NvshmemWorld:
 
     def __init__(self, spec: WorldSpec, rank: int, nranks: int, uid) -> None:
         nvs = _nvshmem()
-        from cuda.core.experimental import Device
+        from cuda.core.experimental import Device  # optional (cuda-python): a GPU world only
 
         if nranks != spec.max_pes:
             raise MembershipError(f"nranks {nranks} != spec.max_pes {spec.max_pes}")
@@ -257,7 +252,7 @@ class NvshmemClientConnection(ClientConnection):
         self._staging = torch.zeros(world.spec.request_bytes(), dtype=torch.uint8, device="cuda")
 
     #: frames are staged in GPU memory: the dispatcher keeps hidden states on the GPU
-    #: (:mod:`eaas.runtime.gpu.staging`)
+    #: (:mod:`eaas.runtime.client.dispatch.staging`)
     device_payload = True
 
     def send(self, frame: RequestFrame, deadline: float | None = None) -> None:
