@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 def fix_domains(
@@ -47,17 +47,7 @@ def fix_domains(
                         after[dom_of[s]] = after.get(dom_of[s], 0) + 1
                         if len(after) < min(want, len(df)):
                             continue
-                        hold[s].discard(e)
-                        hold[s].add(f)
-                        hold[u].discard(f)
-                        hold[u].add(e)
-                        where[e].discard(s)
-                        where[e].add(u)
-                        where[f].discard(u)
-                        where[f].add(s)
-                        d = rep_load[e] - rep_load[f]
-                        load[s] -= d
-                        load[u] += d
+                        swap(hold, where, load, rep_load, s, e, u, f)
                         done = True
                         break
                     if done:
@@ -120,14 +110,29 @@ def refine(
         if best is None:
             return
         _, x, b, y = best
-        hold[a].discard(x)
-        hold[a].add(y)
-        hold[b].discard(y)
-        hold[b].add(x)
-        where[x].discard(a)
-        where[x].add(b)
-        where[y].discard(b)
-        where[y].add(a)
-        d = rep_load[x] - rep_load[y]
-        load[a] -= d
-        load[b] += d
+        swap(hold, where, load, rep_load, a, x, b, y)
+
+
+def swap(
+    hold: list[set[int]],
+    where: Mapping[int, set[int]],
+    load: list[float],
+    rep_load: Sequence[float],
+    a: int,
+    x: int,
+    b: int,
+    y: int,
+) -> None:
+    """Swap replica ``x`` of server ``a`` with replica ``y`` of server ``b``: ``hold`` (experts
+    per server), ``where`` (servers per expert) and ``load`` (per server) follow."""
+    hold[a].discard(x)
+    hold[a].add(y)
+    hold[b].discard(y)
+    hold[b].add(x)
+    where[x].discard(a)
+    where[x].add(b)
+    where[y].discard(b)
+    where[y].add(a)
+    d = rep_load[x] - rep_load[y]
+    load[a] -= d
+    load[b] += d
