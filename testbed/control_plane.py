@@ -4,6 +4,7 @@ under ``<state-dir>/logs/``), started in order and waited for, stopped in revers
 
 from __future__ import annotations
 
+import functools
 import http.client
 import ssl
 import time
@@ -258,4 +259,4 @@ def stop_components(tb: Testbed, timeout: float) -> None:
         pid = tb.pids.get(name)
         if not pid or not pid_alive(pid, name):
             continue
-        terminate(pid, lambda p, name=name: pid_alive(p, name), timeout)
+        terminate(pid, functools.partial(pid_alive, binary=name), timeout)
