@@ -7,18 +7,10 @@ Entry points: ``eaas testbed build|up|down|env|node`` (:mod:`.cli`, over :mod:`.
 ``testbed`` pytest fixtures in ``tests/k8s/conftest.py`` and ``tests/cluster/conftest.py``.
 """
 
+from .agents import node_start, node_stop
 from .binaries import BINARIES, BuildError, build, find_bin_dir
-from .cluster import (
-    Testbed,
-    TestbedError,
-    default_state_dir,
-    down,
-    env_lines,
-    load,
-    node_start,
-    node_stop,
-    up,
-)
+from .cluster import down, up
+from .record import Testbed, TestbedError, default_state_dir, env_lines, load
 
 __all__ = [
     "BINARIES",

@@ -36,6 +36,7 @@ def testbed_build(
     force: bool = typer.Option(False, "--force", help="Rebuild even if the binaries are cached."),
 ) -> None:
     """Build (or reuse) the testbed binaries in ~/.cache/eaas/testbed/; prints the bin dir."""
+    # lazy: every `eaas` command imports this module; the testbed loads only when used
     from eaas.testbed import BuildError, build
 
     try:
@@ -68,6 +69,7 @@ def testbed_up(
     timeout: float = typer.Option(300, "--timeout", help="Seconds to wait for readiness."),
 ) -> None:
     """Build (once, cached) and start the testbed control plane and its nodes."""
+    # lazy: every `eaas` command imports this module; the testbed loads only when used
     from eaas.testbed import BuildError, TestbedError, up
 
     try:
@@ -96,6 +98,7 @@ def testbed_down(
     state_dir: str | None = typer.Option(None, "--state-dir", help=_STATE_HELP),
 ) -> None:
     """Stop the testbed (node agents and their containers first) and remove its state."""
+    # lazy: every `eaas` command imports this module; the testbed loads only when used
     from eaas.testbed import down
 
     down(state_dir=_state_path(state_dir), echo=lambda m: typer.echo(m, err=True))
@@ -105,6 +108,7 @@ def testbed_env(
     state_dir: str | None = typer.Option(None, "--state-dir", help=_STATE_HELP),
 ) -> None:
     """Print shell exports to use the testbed: eval \"$(eaas testbed env)\"."""
+    # lazy: every `eaas` command imports this module; the testbed loads only when used
     from eaas.testbed import TestbedError, env_lines
 
     try:
@@ -120,15 +124,10 @@ def node_stop(
 ) -> None:
     """Power off a process node: its agent and containers stop, heartbeats stop, and the
     node-lifecycle controller marks it NotReady (about 20 s)."""
-    from eaas.testbed import TestbedError
+    # lazy: every `eaas` command imports this module; the testbed loads only when used
     from eaas.testbed import node_stop as _stop
 
-    try:
-        _stop(name, state_dir=_state_path(state_dir))
-    except TestbedError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1) from None
-    typer.echo(f"node {name} stopped", err=True)
+    _node_command(_stop, name, state_dir, "stopped")
 
 
 def node_start(
@@ -136,12 +135,21 @@ def node_start(
     state_dir: str | None = typer.Option(None, "--state-dir", help=_STATE_HELP),
 ) -> None:
     """Start a stopped process node's agent again (its pods' containers restart)."""
-    from eaas.testbed import TestbedError
+    # lazy: every `eaas` command imports this module; the testbed loads only when used
     from eaas.testbed import node_start as _start
 
+    _node_command(_start, name, state_dir, "started")
+
+
+def _node_command(action, name: str, state_dir: str | None, done: str) -> None:
+    """Run ``action(name, state_dir=...)`` (``node_stop``/``node_start``); a TestbedError
+    becomes ``error: ...`` and exit status 1."""
+    # lazy: as above
+    from eaas.testbed import TestbedError
+
     try:
-        _start(name, state_dir=_state_path(state_dir))
+        action(name, state_dir=_state_path(state_dir))
     except TestbedError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
-    typer.echo(f"node {name} started", err=True)
+    typer.echo(f"node {name} {done}", err=True)

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from . import pki as _pki
-from .cluster import Testbed, TestbedError, api
+from .record import Testbed, TestbedError, api
 
 SERVICE = "eaas-external-metrics"
 APISERVICE = "v1beta1.external.metrics.k8s.io"

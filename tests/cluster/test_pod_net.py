@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from eaas.testbed import cluster as C
+from eaas.testbed.pod_net import pod_net_dir
 
 pytestmark = pytest.mark.cluster
 
@@ -25,7 +26,7 @@ def test_claims_are_distinct_and_released(tmp_path):
     finally:
         for state, net in ((a, na), (b, nb)):
             C.release_pod_net(C.Testbed(state, tmp_path, tmp_path, "", pod_net=net))
-    assert not (C._pod_net_dir() / str(na)).exists()
+    assert not (pod_net_dir() / str(na)).exists()
 
 
 def test_a_dead_claimer_frees_its_net(tmp_path):
