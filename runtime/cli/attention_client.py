@@ -25,6 +25,10 @@ from eaas.runtime.transport.nvshmem_world import MembershipError, WorldConfig, c
 # and the operator's commands must start without torch.
 
 
+#: The flags' defaults are the options object's (one source of truth).
+DEFAULT = AttentionClientOptions
+
+
 def attention_client(
     model: str = typer.Option(
         None, "--model", help="Checkpoint directory (default: the built-in tiny model)."
@@ -35,38 +39,42 @@ def attention_client(
         help="Routing table JSON file; re-read when it changes (ConfigMap mount).",
     ),
     client_id: str = typer.Option(
-        "0",
+        DEFAULT.client_id,
         "--client-id",
         help="Id of this attention client (frames, metrics, failure reports): an integer, or a "
         "name such as the pod name (the operator passes $(EAAS_POD_NAME)), mapped to a stable "
         "63-bit integer, so every replica of a fleet has its own id.",
     ),
-    host: str = typer.Option("127.0.0.1", "--host", help="API listen address."),
-    port: int = typer.Option(8000, "--port", min=1, max=65535, help="API port."),
+    host: str = typer.Option(DEFAULT.host, "--host", help="API listen address."),
+    port: int = typer.Option(DEFAULT.port, "--port", min=1, max=65535, help="API port."),
     reuse_port: bool = typer.Option(
-        False,
+        DEFAULT.reuse_port,
         "--reuse-port",
         help="Bind the API port with SO_REUSEPORT so several clients share it (eaas serve sets it).",
     ),
     dispatch_timeout: float = typer.Option(
-        5.0,
+        DEFAULT.dispatch_timeout,
         "--dispatch-timeout",
         help="Seconds (> 0) to wait for expert servers per MoE layer round.",
     ),
     local_experts: bool = typer.Option(
-        False,
+        DEFAULT.local_experts,
         "--local-experts",
         help="No expert servers: run the untouched model in-process (single-process baseline).",
     ),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
-    cpu_bf16_compute: str = typer.Option("auto", "--cpu-bf16-compute", help=CPU_BF16_HELP),
+    dtype: str = typer.Option(DEFAULT.dtype, "--dtype", help="float32 or bfloat16."),
+    cpu_bf16_compute: str = typer.Option(
+        DEFAULT.cpu_bf16_compute, "--cpu-bf16-compute", help=CPU_BF16_HELP
+    ),
     threads: int = typer.Option(
-        1, "--threads", min=0, help="torch intra-op threads (0: torch default)."
+        DEFAULT.threads, "--threads", min=0, help="torch intra-op threads (0: torch default)."
     ),
     served_model_name: str = typer.Option(
         None, "--served-model-name", help="Model id in the API (default: directory name)."
     ),
-    max_num_seqs: int = typer.Option(64, "--max-num-seqs", help="Running sequences at most."),
+    max_num_seqs: int = typer.Option(
+        DEFAULT.max_num_seqs, "--max-num-seqs", help="Running sequences at most."
+    ),
     routing_table_configmap: str = typer.Option(
         None,
         "--routing-table-configmap",
@@ -87,7 +95,7 @@ def attention_client(
         "queue, dropped on overflow).",
     ),
     max_num_batched_tokens: int = typer.Option(
-        512,
+        DEFAULT.max_num_batched_tokens,
         "--max-num-batched-tokens",
         min=1,
         help="Tokens per forward (decode tokens + prefill chunks); longer prompts are chunked.",
@@ -98,27 +106,27 @@ def attention_client(
         help="Preallocated paged KV cache, e.g. 512MiB or 2GiB (default: max-num-seqs full-length "
         "sequences, at most 4GiB; at least one full-length sequence).",
     ),
-    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
+    device: str = typer.Option(DEFAULT.device, "--device", help=DEVICE_HELP),
     max_request_body: str = typer.Option(
-        "32MiB",
+        DEFAULT.max_request_body,
         "--max-request-body",
         help="Largest API request body; larger ones get 413 request_too_large.",
     ),
     prefill_tokens_while_decoding: str = typer.Option(
-        "auto",
+        DEFAULT.prefill_tokens_while_decoding,
         "--prefill-tokens-while-decoding",
         help="Prefill tokens at most in a step that also decodes: auto (a mixed step costs "
         "~2 decode steps, less on a noisy machine, from measured step times; a burst of prompts "
         "may hold the decodes within 0.5% of the gaps), off, or a token count.",
     ),
     double_batch_overlap: bool = typer.Option(
-        False,
+        DEFAULT.double_batch_overlap,
         "--double-batch-overlap",
         help="Decode steps of 2+ sequences run as two micro-batches: one's attention while the "
         "other's MoE round trip is in flight (same greedy tokens; docs/gpu.md).",
     ),
     cuda_graphs: bool = typer.Option(
-        False,
+        DEFAULT.cuda_graphs,
         "--cuda-graphs",
         help="Decode MoE round trips to cudaipc expert servers replay captured CUDA graphs "
         "(needs --device cuda and expert servers; docs/gpu.md).",

@@ -25,12 +25,16 @@ from eaas.runtime.placement import SCHED_POLICIES, parse_expert_spec
 # the operator's commands must start without torch.
 
 
+#: The flags' defaults are the options object's (one source of truth).
+DEFAULT = ExpertServerOptions
+
+
 def expert_server(
     model: str = typer.Option(
         None, "--model", help="Checkpoint directory (default: the built-in tiny model)."
     ),
     server_id: str = typer.Option(
-        "expert-server-0", "--server-id", help="Id of this server (routing table, logs)."
+        DEFAULT.server_id, "--server-id", help="Id of this server (routing table, logs)."
     ),
     experts: str = typer.Option(
         None,
@@ -41,26 +45,30 @@ def expert_server(
         ..., "--listen", help="unix:/path.sock (same host, shared memory) or tcp://host:port."
     ),
     metrics_port: int = typer.Option(
-        0, "--metrics-port", help="Serve Prometheus /metrics on this port (0: none)."
+        DEFAULT.metrics_port,
+        "--metrics-port",
+        help="Serve Prometheus /metrics on this port (0: none).",
     ),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
-    cpu_bf16_compute: str = typer.Option("auto", "--cpu-bf16-compute", help=CPU_BF16_HELP),
+    dtype: str = typer.Option(DEFAULT.dtype, "--dtype", help="float32 or bfloat16."),
+    cpu_bf16_compute: str = typer.Option(
+        DEFAULT.cpu_bf16_compute, "--cpu-bf16-compute", help=CPU_BF16_HELP
+    ),
     device: str = typer.Option(
-        "auto",
+        DEFAULT.device,
         "--device",
         help="Where the hosted experts' weights live and compute: " + DEVICE_HELP + " On cuda "
         "the native grouped kernels run (docs/gpu.md); nvshmem: and cudaipc CUDA-payload "
         "clients need cuda.",
     ),
     spare: bool = typer.Option(
-        False,
+        DEFAULT.spare,
         "--spare",
         help="Start as a spare: no experts, serving and ready (hosting 0 experts) until the "
         "routing table assigns some (needs --push-token-file or --routing-table-configmap; "
         "not with --experts). An NVSHMEM world's spare PEs run this (docs/gpu.md).",
     ),
     threads: int = typer.Option(
-        1, "--threads", min=0, help="torch intra-op threads (0: torch default)."
+        DEFAULT.threads, "--threads", min=0, help="torch intra-op threads (0: torch default)."
     ),
     cpus: str = typer.Option(
         None,
@@ -69,14 +77,14 @@ def expert_server(
         "this process may run on. Default: not pinned. (eaas serve --server-cpus auto sets it.)",
     ),
     sched_policy: str = typer.Option(
-        "other",
+        DEFAULT.sched_policy,
         "--sched-policy",
         help="Linux scheduling policy of this server's threads: other (SCHED_OTHER, the default "
         "policy) or batch (SCHED_BATCH: a woken server does not preempt the process running on "
         "its CPU, such as the attention client still writing its frames; eaas serve's default).",
     ),
     batch_window_us: float = typer.Option(
-        0.0, "--batch-window-us", help="Extra gather time per dynamic batch."
+        DEFAULT.batch_window_us, "--batch-window-us", help="Extra gather time per dynamic batch."
     ),
     http_port: int = typer.Option(
         None,
@@ -86,9 +94,11 @@ def expert_server(
         help="Serve GET /health (200 only when weights are loaded, the listener is bound and the "
         "serving loop ran within --health-stale-s) and GET /metrics on this port (default: none).",
     ),
-    http_host: str = typer.Option("0.0.0.0", "--http-host", help="Bind address of --http-port."),
+    http_host: str = typer.Option(
+        DEFAULT.http_host, "--http-host", help="Bind address of --http-port."
+    ),
     health_stale_s: float = typer.Option(
-        5.0,
+        DEFAULT.health_stale_s,
         "--health-stale-s",
         min=0.001,
         help="/health answers 503 when the serving loop's last iteration is older (s).",
