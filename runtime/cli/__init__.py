@@ -8,8 +8,8 @@ from __future__ import annotations
 import typer
 
 from eaas.runtime.cli import attention_client, expert_server, serve, tiny_model
+from eaas.runtime.cli.attention_client import client_id_of
 from eaas.runtime.cli.expert_server import parse_cpu_list
-from eaas.runtime.options import client_id_of
 
 __all__ = ["client_id_of", "parse_cpu_list", "register"]
 

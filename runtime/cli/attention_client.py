@@ -18,6 +18,7 @@ from eaas.runtime.cli.common import (
 )
 from eaas.runtime.client.table_watch import parse_configmap_ref
 from eaas.runtime.options import AttentionClientOptions
+from eaas.runtime.options import client_id_of as _client_id_of
 from eaas.runtime.routing import RoutingTable
 from eaas.runtime.transport.nvshmem_world import MembershipError, WorldConfig, claim_client_pe
 
@@ -197,6 +198,18 @@ def attention_client(
 
     run_attention_client(options, world_cfg)
     exit_now(f"attention-client {cid}")
+
+
+def client_id_of(value: str) -> int:
+    """:func:`eaas.runtime.options.client_id_of` with a bad value as a usage error.
+
+    Raises:
+        typer.BadParameter: ``value`` is empty or an integer outside ``[0, 2**63)`` (exit 2).
+    """
+    try:
+        return _client_id_of(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 def _check_environment(o: AttentionClientOptions) -> WorldConfig | None:
