@@ -4,6 +4,7 @@ flags, ``eaas serve`` and the operator's pod builders turn it into the child's c
 
 - :class:`~.client.AttentionClientOptions`: ``eaas attention-client``.
 - :class:`~.server.ExpertServerOptions`: ``eaas expert-server``.
+- :class:`~.serve.ServeOptions`: ``eaas serve`` (a whole deployment on one machine).
 """
 
 from eaas.runtime.options.argv import PROGRAM, format_value, to_argv
@@ -12,14 +13,17 @@ from eaas.runtime.options.client import (
     check_dispatch_timeout,
     client_id_of,
 )
+from eaas.runtime.options.serve import ServeOptions, parse_client_spin
 from eaas.runtime.options.server import ExpertServerOptions
 
 __all__ = [
     "PROGRAM",
     "AttentionClientOptions",
     "ExpertServerOptions",
+    "ServeOptions",
     "check_dispatch_timeout",
     "client_id_of",
     "format_value",
+    "parse_client_spin",
     "to_argv",
 ]

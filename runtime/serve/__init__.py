@@ -35,7 +35,6 @@ from eaas.runtime.serve.deployment import (
     Deployment,
     ServeError,
     ServeInterrupted,
-    parse_client_spin,
     serve,
     write_table,
 )
@@ -57,7 +56,6 @@ __all__ = [
     "ServeError",
     "ServeInterrupted",
     "create_run_dir",
-    "parse_client_spin",
     "proc_start_ticks",
     "remove_stale_run_dirs",
     "serve",
@@ -65,6 +63,7 @@ __all__ = [
     "write_table",
 ]
 
-# SHIM(issue17): moved to eaas.runtime.common.ports, eaas.runtime.serve.rundir; remove at merge
+# SHIM(issue17): moved to eaas.runtime.common.ports, eaas.runtime.options.serve, eaas.runtime.serve.rundir; remove at merge
 from eaas.runtime.common.ports import free_tcp_port  # noqa: E402, F401
+from eaas.runtime.options.serve import parse_client_spin  # noqa: E402, F401
 from eaas.runtime.serve.rundir import proc_start_ticks as _proc_start_ticks  # noqa: E402, F401

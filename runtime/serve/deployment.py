@@ -7,7 +7,6 @@ that republishes the table when a server exits, and the ordered stop. The packag
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import sys
@@ -17,12 +16,12 @@ from pathlib import Path
 from eaas.runtime.client.engine import parse_prefill_cap
 from eaas.runtime.client.kv_cache import check_kv_cache_memory, parse_memory_size
 from eaas.runtime.client.main import bind_listener, resolve_device
-from eaas.runtime.common.dtypes import check_serving_dtype, torch_dtype
+from eaas.runtime.common.dtypes import torch_dtype
 from eaas.runtime.common.ports import free_tcp_port
 from eaas.runtime.models.arch import read_model_info
 from eaas.runtime.models.compute import check_policy
 from eaas.runtime.models.tiny import default_model_dir
-from eaas.runtime.options import AttentionClientOptions, ExpertServerOptions
+from eaas.runtime.options import AttentionClientOptions, ExpertServerOptions, ServeOptions
 from eaas.runtime.placement import (
     SCHED_POLICIES,
     format_expert_spec,
@@ -61,22 +60,6 @@ def _check_port_free(host: str, port: int) -> None:
         ) from None
 
 
-def parse_client_spin(value: str | float | None) -> float | None:
-    """``--client-spin-us``: None / ``"default"`` (the transport's own busy-poll) or a number of
-    microseconds >= 0 (0: block at once). Raises ValueError naming the option."""
-    if value is None or (isinstance(value, str) and value.strip().lower() == "default"):
-        return None
-    try:
-        us = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"--client-spin-us must be default or microseconds >= 0, got {value!r}"
-        ) from None
-    if not us >= 0 or us == float("inf"):
-        raise ValueError(f"--client-spin-us must be default or microseconds >= 0, got {value!r}")
-    return us
-
-
 def write_table(path: Path, table: RoutingTable) -> None:
     """Atomically replace ``path`` with ``table`` (write a temp file, then rename)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -85,137 +68,68 @@ def write_table(path: Path, table: RoutingTable) -> None:
 
 
 class Deployment:
-    """All processes of one local deployment (see the module docstring).
+    """All processes of one local deployment (see :mod:`eaas.runtime.serve`).
 
     Args:
-        model_dir: checkpoint (None: the built-in tiny model, built on first use).
-        expert_servers: ``N`` (>= replicas).
-        replicas: ``R``, replicas per logical expert on distinct servers.
-        attention_clients: ``M``.
-        host, port: API address shared by all clients.
-        transport: ``"shm"`` (Unix socket + memfd shared memory) or ``"tcp"``.
-        dispatch_timeout: clients' per-round deadline in seconds.
-        dtype: activation/weight dtype of every process.
-        cpu_bf16_compute: every process's ``--cpu-bf16-compute`` (``auto``, ``native``,
-            ``fp32``; :mod:`eaas.runtime.models.compute`): each process decides for itself.
-        client_threads / server_threads: torch intra-op threads per process.
-        client_device: attention clients' ``--device`` (auto, cpu, cuda, cuda:N).
-        server_device: expert servers' ``--device`` (default cpu: the CPU path, unchanged).
-        kv_cache_memory: attention clients' ``--kv-cache-memory`` (e.g. ``"1GiB"``; None: default).
-        max_num_batched_tokens: attention clients' ``--max-num-batched-tokens``.
-        double_batch_overlap: attention clients' ``--double-batch-overlap``.
-        prefill_tokens_while_decoding: attention clients' ``--prefill-tokens-while-decoding``
-            (``"auto"``, ``"off"`` or a token count).
-        client_spin_us: attention clients' ``--spin-us`` (shm only): None / ``"default"``
-            (the transport's busy-poll) or microseconds >= 0 (0: block at once).
-        server_cpus: ``"auto"``: pin each expert server to one CPU of this process's CPU set
-            (its ``--cpus``), the servers one decode call reaches on different CPUs
-            (:func:`~eaas.runtime.placement.spread_over_cpus`), when there are at least 2
-            servers and 2 CPUs and ``server_threads`` is 1; ``"none"``: not pinned.
-            :attr:`server_cpu_list` holds the result (None: not pinned).
-        server_sched_policy: expert servers' ``--sched-policy``: ``"batch"`` (SCHED_BATCH: a
-            server woken by a client's doorbell does not preempt that client, which still rings
-            the other servers of the call and computes the shared expert) or ``"other"``.
+        options: the validated :class:`~eaas.runtime.options.ServeOptions`; here the checks
+            that need torch or this machine run, before any process starts: the CPU bf16
+            policy, the KV-cache size (also against one longest sequence), the client's and the
+            server's device, the prefill cap, the API port being free, the model and the
+            placement (``expert_servers >= replicas``).
+        ready_timeout: seconds :meth:`start` waits for every child's ready line.
+
+    With ``server_cpus == "auto"`` each expert server is pinned to one CPU of this process's
+    CPU set (its ``--cpus``), the servers one decode call reaches on different CPUs
+    (:func:`~eaas.runtime.placement.spread_over_cpus`), when there are at least 2 servers and 2
+    CPUs and ``server_threads`` is 1; :attr:`server_cpu_list` holds the result (None: not
+    pinned). ``server_sched_policy`` ``"batch"`` (SCHED_BATCH): a server woken by a client's
+    doorbell does not preempt that client, which still rings the other servers of the call and
+    computes the shared expert.
+
+    Raises:
+        ValueError, PlacementError, FileNotFoundError: an option this machine or the model
+            cannot serve (the message names the flag).
     """
 
-    def __init__(
-        self,
-        *,
-        model_dir: str | None = None,
-        expert_servers: int = 4,
-        replicas: int = 2,
-        attention_clients: int = 1,
-        host: str = "127.0.0.1",
-        port: int = 8000,
-        transport: str = "shm",
-        dispatch_timeout: float = 5.0,
-        dtype: str = "float32",
-        cpu_bf16_compute: str = "auto",
-        client_threads: int = 1,
-        server_threads: int = 1,
-        client_device: str = "auto",
-        server_device: str = "cpu",
-        kv_cache_memory: str | None = None,
-        max_num_batched_tokens: int = 512,
-        double_batch_overlap: bool = False,
-        prefill_tokens_while_decoding: str = "auto",
-        client_spin_us: str | float | None = None,
-        server_cpus: str = "auto",
-        server_sched_policy: str = "batch",
-        ready_timeout: float = 300.0,
-    ) -> None:
-        if transport not in ("shm", "tcp"):
-            raise ValueError(f"--transport must be shm or tcp, got {transport!r}")
-        if attention_clients < 1:
-            raise ValueError("--attention-clients must be >= 1")
-        if server_cpus not in ("auto", "none"):
-            raise ValueError(f"--server-cpus must be auto or none, got {server_cpus!r}")
-        if server_sched_policy not in SCHED_POLICIES:
+    def __init__(self, options: ServeOptions, *, ready_timeout: float = 300.0) -> None:
+        o = self.options = options
+        if o.server_sched_policy not in SCHED_POLICIES:
             raise ValueError(
-                f"--server-sched-policy must be batch or other, got {server_sched_policy!r}"
+                f"--server-sched-policy must be batch or other, got {o.server_sched_policy!r}"
             )
-        self.server_sched_policy = server_sched_policy
-        check_serving_dtype(dtype)
-        check_policy(cpu_bf16_compute)  # ValueError before any process starts
-        if not 1 <= port <= 65535:
-            raise ValueError(f"--port must be in 1..65535, got {port}")
+        check_policy(o.cpu_bf16_compute)  # ValueError before any process starts
         kv_bytes = None
-        if kv_cache_memory is not None:
-            kv_bytes = parse_memory_size(kv_cache_memory)  # ValueError before any process starts
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", client_device):
-            raise ValueError(
-                f"--client-device must be auto, cpu, cuda or cuda:N, got {client_device!r}"
-            )
+        if o.kv_cache_memory is not None:
+            kv_bytes = parse_memory_size(o.kv_cache_memory)
         try:  # the attention client's own check (a CUDA device that is not there), up front
-            resolve_device(client_device)
+            resolve_device(o.client_device)
         except ValueError as exc:
             raise ValueError(str(exc).replace("--device", "--client-device", 1)) from None
         try:  # the expert server's own check, up front
-            resolve_device(server_device)
+            resolve_device(o.server_device)
         except ValueError as exc:
             raise ValueError(str(exc).replace("--device", "--server-device", 1)) from None
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {max_num_batched_tokens}")
-        parse_prefill_cap(prefill_tokens_while_decoding)  # ValueError before any process starts
-        _check_port_free(host, port)
-        if model_dir is None:
-            model_dir = str(default_model_dir())
-        self.model_dir = str(model_dir)
+        parse_prefill_cap(o.prefill_tokens_while_decoding)
+        _check_port_free(o.host, o.port)
+        self.model_dir = str(o.model) if o.model is not None else str(default_model_dir())
         self.info = read_model_info(self.model_dir)
         if kv_bytes is not None:  # the engine's size check, before the clients load weights
-            check_kv_cache_memory(self.model_dir, torch_dtype(dtype), kv_bytes)
+            check_kv_cache_memory(self.model_dir, torch_dtype(o.dtype), kv_bytes)
         self.placement = place_experts(
-            self.info.moe_layers, self.info.num_experts, expert_servers, replicas
+            self.info.moe_layers, self.info.num_experts, o.expert_servers, o.replicas
         )
         cpus = sorted(os.sched_getaffinity(0))
         # the CPU of every expert server (--cpus), or None: not pinned
         self.server_cpu_list: tuple[int, ...] | None = None
-        self.server_cpus = server_cpus
         self.not_pinned_why = ""  # why auto did not pin, for the log line
-        if server_cpus == "auto":
-            if server_threads != 1:
+        if o.server_cpus == "auto":
+            if o.server_threads != 1:
                 self.not_pinned_why = ": --server-threads is not 1"
-            elif expert_servers < 2 or len(cpus) < 2:
-                self.not_pinned_why = f": {expert_servers} server(s), {len(cpus)} CPU(s)"
+            elif o.expert_servers < 2 or len(cpus) < 2:
+                self.not_pinned_why = f": {o.expert_servers} server(s), {len(cpus)} CPU(s)"
             else:
                 self.server_cpu_list = spread_over_cpus(self.placement, cpus)
-        self.n, self.r, self.m = expert_servers, replicas, attention_clients
-        self.host, self.port = host, port
-        self.transport = transport
-        self.dispatch_timeout = dispatch_timeout
-        self.dtype = dtype
-        self.cpu_bf16_compute = cpu_bf16_compute
-        self.client_threads, self.server_threads = client_threads, server_threads
-        self.client_device = client_device
-        self.server_device = server_device
-        self.kv_cache_memory = kv_cache_memory
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.double_batch_overlap = bool(double_batch_overlap)
-        self.prefill_tokens_while_decoding = str(prefill_tokens_while_decoding)
-        # ValueError before any process starts
-        self.client_spin_us = parse_client_spin(client_spin_us)
-        if transport != "shm" and self.client_spin_us is not None:
-            raise ValueError("--client-spin-us acts on --transport shm only")
+        self.n, self.r, self.m = o.expert_servers, o.replicas, o.attention_clients
         self.ready_timeout = ready_timeout
         self.children = Children()
         self.run_dir: Path | None = None
@@ -259,6 +173,7 @@ class Deployment:
             ServeError: a child exited during start-up or not all were ready in time (all
                 children are stopped and the run directory removed before raising).
         """
+        o = self.options
         if self._stop_signal is not None:
             raise ServeInterrupted(self._stop_signal)
         removed = remove_stale_run_dirs()
@@ -269,7 +184,7 @@ class Deployment:
             )
         run_dir = self.run_dir = create_run_dir()
         ids = [f"expert-{i}" for i in range(self.n)]
-        if self.transport == "shm":
+        if o.transport == "shm":
             endpoints = [f"unix:{run_dir / f'{sid}.sock'}" for sid in ids]
         else:
             endpoints = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in ids]
@@ -285,12 +200,12 @@ class Deployment:
                     server_id=sid,
                     experts=format_expert_spec(self.placement.servers[s]),
                     listen=ep,
-                    dtype=self.dtype,
-                    cpu_bf16_compute=self.cpu_bf16_compute,
-                    threads=self.server_threads,
-                    device=self.server_device,
+                    dtype=o.dtype,
+                    cpu_bf16_compute=o.cpu_bf16_compute,
+                    threads=o.server_threads,
+                    device=o.server_device,
                     cpus=None if self.server_cpu_list is None else str(self.server_cpu_list[s]),
-                    sched_policy=self.server_sched_policy,
+                    sched_policy=o.server_sched_policy,
                 )
                 self.children.spawn(
                     Child(sid, "expert-server", py + server.argv(), server_id=sid), env
@@ -300,19 +215,19 @@ class Deployment:
                     model=self.model_dir,
                     client_id=str(c),
                     routing_table=str(table_path),
-                    port=self.port,
-                    host=self.host,
+                    port=o.port,
+                    host=o.host,
                     reuse_port=True,
-                    dispatch_timeout=self.dispatch_timeout,
-                    dtype=self.dtype,
-                    cpu_bf16_compute=self.cpu_bf16_compute,
-                    threads=self.client_threads,
-                    device=self.client_device,
-                    max_num_batched_tokens=self.max_num_batched_tokens,
-                    kv_cache_memory=self.kv_cache_memory or None,
-                    prefill_tokens_while_decoding=self.prefill_tokens_while_decoding,
-                    double_batch_overlap=self.double_batch_overlap,
-                    spin_us=self.client_spin_us,  # None unless --transport shm
+                    dispatch_timeout=o.dispatch_timeout,
+                    dtype=o.dtype,
+                    cpu_bf16_compute=o.cpu_bf16_compute,
+                    threads=o.client_threads,
+                    device=o.client_device,
+                    max_num_batched_tokens=o.max_num_batched_tokens,
+                    kv_cache_memory=o.kv_cache_memory or None,
+                    prefill_tokens_while_decoding=o.prefill_tokens_while_decoding,
+                    double_batch_overlap=o.double_batch_overlap,
+                    spin_us=o.spin_us,  # None unless --transport shm
                 )
                 name = f"attention-client-{c}"
                 self.children.spawn(Child(name, "attention-client", py + client.argv()), env)
@@ -408,17 +323,16 @@ class Deployment:
             log(f"all processes stopped in {time.monotonic() - t0:.1f} s")
 
 
-def serve(**options) -> int:
+def serve(options: ServeOptions) -> int:
     """Run a deployment until SIGINT/SIGTERM; returns the exit code: 0 after a signal once
     serving, 1 when start-up failed or every client died, 128 + the signal's number (130
     SIGINT, 143 SIGTERM) when a signal interrupted start-up.
 
-    ``options`` are :class:`Deployment`'s keyword arguments.
-
     Raises:
-        ValueError, PlacementError: invalid options (before any process starts).
+        ValueError, PlacementError, FileNotFoundError: options this machine or the model cannot
+            serve (before any process starts; :class:`Deployment`).
     """
-    dep = Deployment(**options)
+    dep = Deployment(options)
     signal.signal(signal.SIGTERM, dep.request_stop)
     signal.signal(signal.SIGINT, dep.request_stop)
     log(
@@ -428,7 +342,9 @@ def serve(**options) -> int:
     if dep.server_cpu_list is not None:
         log(f"expert servers pinned to CPUs {list(dep.server_cpu_list)} (--server-cpus auto)")
     else:
-        log(f"expert servers not pinned (--server-cpus {dep.server_cpus}{dep.not_pinned_why})")
+        log(
+            f"expert servers not pinned (--server-cpus {dep.options.server_cpus}{dep.not_pinned_why})"
+        )
     try:
         dep.start()
     except ServeInterrupted as exc:
@@ -441,7 +357,7 @@ def serve(**options) -> int:
         name = Path(dep.model_dir).name
         log(f"routing table version {dep.routing_table.version}: {dep.table_path}")
         print(
-            f"serving {name} on http://{dep.host}:{dep.port} ({dep.n} expert server{'s' if dep.n != 1 else ''}, {dep.r} replicas, "
+            f"serving {name} on http://{dep.options.host}:{dep.options.port} ({dep.n} expert server{'s' if dep.n != 1 else ''}, {dep.r} replicas, "
             f"{dep.m} client{'s' if dep.m != 1 else ''})",
             flush=True,
         )

@@ -105,3 +105,19 @@ def test_options_and_common_import_without_torch():
         " eaas.runtime.common.process; assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_serve_options_are_validated_before_any_process_starts():
+    from eaas.runtime.options import ServeOptions
+
+    assert ServeOptions(client_spin_us="0").spin_us == 0.0
+    assert ServeOptions().spin_us is None
+    for kw, needle in [
+        ({"transport": "udp"}, "--transport must be shm or tcp"),
+        ({"transport": "tcp", "client_spin_us": "5"}, "acts on --transport shm only"),
+        ({"client_spin_us": "inf"}, "--client-spin-us must be default or microseconds"),
+        ({"client_device": "gpu"}, "--client-device must be auto, cpu, cuda or cuda:N"),
+        ({"dispatch_timeout": -1.0}, "--dispatch-timeout must be > 0"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            ServeOptions(**kw)
