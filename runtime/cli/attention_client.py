@@ -8,11 +8,14 @@ import socket
 import typer
 
 from eaas.runtime.cli.common import (
-    CPU_BF16_HELP,
     DEVICE_HELP,
+    CpuBf16Option,
+    DtypeOption,
+    ModelOption,
     NvshmemPeOption,
     NvshmemUidFileOption,
     NvshmemWorldOption,
+    ThreadsOption,
     exit_now,
     nvshmem_world_config,
 )
@@ -31,9 +34,7 @@ DEFAULT = AttentionClientOptions
 
 
 def attention_client(
-    model: str = typer.Option(
-        None, "--model", help="Checkpoint directory (default: the built-in tiny model)."
-    ),
+    model: ModelOption = None,
     routing_table: str = typer.Option(
         None,
         "--routing-table",
@@ -63,13 +64,9 @@ def attention_client(
         "--local-experts",
         help="No expert servers: run the untouched model in-process (single-process baseline).",
     ),
-    dtype: str = typer.Option(DEFAULT.dtype, "--dtype", help="float32 or bfloat16."),
-    cpu_bf16_compute: str = typer.Option(
-        DEFAULT.cpu_bf16_compute, "--cpu-bf16-compute", help=CPU_BF16_HELP
-    ),
-    threads: int = typer.Option(
-        DEFAULT.threads, "--threads", min=0, help="torch intra-op threads (0: torch default)."
-    ),
+    dtype: DtypeOption = DEFAULT.dtype,
+    cpu_bf16_compute: CpuBf16Option = DEFAULT.cpu_bf16_compute,
+    threads: ThreadsOption = DEFAULT.threads,
     served_model_name: str = typer.Option(
         None, "--served-model-name", help="Model id in the API (default: directory name)."
     ),

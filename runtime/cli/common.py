@@ -46,6 +46,17 @@ CPU_BF16_HELP = (
 
 DEVICE_HELP = "auto (cuda when available, else cpu), cpu, cuda or cuda:N."
 
+# The options both `eaas expert-server` and `eaas attention-client` take, declared once.
+ModelOption = Annotated[
+    str | None,
+    typer.Option("--model", help="Checkpoint directory (default: the built-in tiny model)."),
+]
+DtypeOption = Annotated[str, typer.Option("--dtype", help="float32 or bfloat16.")]
+CpuBf16Option = Annotated[str, typer.Option("--cpu-bf16-compute", help=CPU_BF16_HELP)]
+ThreadsOption = Annotated[
+    int, typer.Option("--threads", min=0, help="torch intra-op threads (0: torch default).")
+]
+
 
 def nvshmem_world_config(
     world_size: int | None, pe: int | None, uid_file: str | None, listen: str | None = None

@@ -9,11 +9,14 @@ from typing import Any
 import typer
 
 from eaas.runtime.cli.common import (
-    CPU_BF16_HELP,
     DEVICE_HELP,
+    CpuBf16Option,
+    DtypeOption,
+    ModelOption,
     NvshmemPeOption,
     NvshmemUidFileOption,
     NvshmemWorldOption,
+    ThreadsOption,
     exit_now,
     nvshmem_world_config,
 )
@@ -30,9 +33,7 @@ DEFAULT = ExpertServerOptions
 
 
 def expert_server(
-    model: str = typer.Option(
-        None, "--model", help="Checkpoint directory (default: the built-in tiny model)."
-    ),
+    model: ModelOption = None,
     server_id: str = typer.Option(
         DEFAULT.server_id, "--server-id", help="Id of this server (routing table, logs)."
     ),
@@ -49,10 +50,8 @@ def expert_server(
         "--metrics-port",
         help="Serve Prometheus /metrics on this port (0: none).",
     ),
-    dtype: str = typer.Option(DEFAULT.dtype, "--dtype", help="float32 or bfloat16."),
-    cpu_bf16_compute: str = typer.Option(
-        DEFAULT.cpu_bf16_compute, "--cpu-bf16-compute", help=CPU_BF16_HELP
-    ),
+    dtype: DtypeOption = DEFAULT.dtype,
+    cpu_bf16_compute: CpuBf16Option = DEFAULT.cpu_bf16_compute,
     device: str = typer.Option(
         DEFAULT.device,
         "--device",
@@ -67,9 +66,7 @@ def expert_server(
         "routing table assigns some (needs --push-token-file or --routing-table-configmap; "
         "not with --experts). An NVSHMEM world's spare PEs run this (docs/gpu.md).",
     ),
-    threads: int = typer.Option(
-        DEFAULT.threads, "--threads", min=0, help="torch intra-op threads (0: torch default)."
-    ),
+    threads: ThreadsOption = DEFAULT.threads,
     cpus: str = typer.Option(
         None,
         "--cpus",
