@@ -18,6 +18,7 @@ from eaas.runtime.cli.common import (
     ThreadsOption,
     exit_now,
     nvshmem_world_config,
+    options_from,
 )
 from eaas.runtime.client.table_watch import parse_configmap_ref
 from eaas.runtime.options import AttentionClientOptions
@@ -34,6 +35,7 @@ DEFAULT = AttentionClientOptions
 
 
 def attention_client(
+    ctx: typer.Context,
     model: ModelOption = None,
     routing_table: str = typer.Option(
         None,
@@ -154,43 +156,12 @@ def attention_client(
 
     Prints ``attention-client <id> ready on http://HOST:PORT ...`` once serving.
     """
-    try:
-        options = AttentionClientOptions(
-            model=model,
-            client_id=client_id,
-            routing_table=routing_table,
-            routing_table_configmap=routing_table_configmap,
-            push_token_file=push_token_file,
-            port=port,
-            host=host,
-            reuse_port=reuse_port,
-            failure_report_url=failure_report_url,
-            dispatch_timeout=dispatch_timeout,
-            local_experts=local_experts,
-            dtype=dtype,
-            cpu_bf16_compute=cpu_bf16_compute,
-            threads=threads,
-            device=device,
-            served_model_name=served_model_name,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            kv_cache_memory=kv_cache_memory,
-            max_request_body=max_request_body,
-            prefill_tokens_while_decoding=prefill_tokens_while_decoding,
-            double_batch_overlap=double_batch_overlap,
-            cuda_graphs=cuda_graphs,
-            spin_us=spin_us,
-            nvshmem_world=nvshmem_world,
-            nvshmem_pe=nvshmem_pe,
-            nvshmem_uid_file=nvshmem_uid_file,
-            nvshmem_client_pes=nvshmem_client_pes,
-        )
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
+    options = options_from(AttentionClientOptions, ctx)
     world_cfg = _check_environment(options)
     cid = options.numeric_client_id
-    if str(cid) != client_id.strip():
-        typer.echo(f"attention-client: --client-id {client_id!r} is client id {cid}", err=True)
+    if str(cid) != options.client_id.strip():
+        given = options.client_id
+        typer.echo(f"attention-client: --client-id {given!r} is client id {cid}", err=True)
     from eaas.runtime.client.main import run_attention_client
 
     run_attention_client(options, world_cfg)

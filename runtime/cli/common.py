@@ -3,9 +3,10 @@ configuration from those options, and the fast exit after a graceful stop."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 import typer
 
@@ -56,6 +57,23 @@ CpuBf16Option = Annotated[str, typer.Option("--cpu-bf16-compute", help=CPU_BF16_
 ThreadsOption = Annotated[
     int, typer.Option("--threads", min=0, help="torch intra-op threads (0: torch default).")
 ]
+
+T = TypeVar("T")
+
+
+def options_from(cls: type[T], ctx: typer.Context) -> T:
+    """The options dataclass ``cls`` built from the command's parsed flags (each field is the
+    parameter of the same name: ``--dispatch-timeout`` -> ``dispatch_timeout``).
+
+    Raises:
+        typer.BadParameter: the options' validation failed (the message names the flag).
+    """
+    values: dict[str, Any] = ctx.params
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    try:
+        return cls(**{n: values[n] for n in names})
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 def nvshmem_world_config(

@@ -19,6 +19,7 @@ from eaas.runtime.cli.common import (
     ThreadsOption,
     exit_now,
     nvshmem_world_config,
+    options_from,
 )
 from eaas.runtime.common.dtypes import torch_dtype
 from eaas.runtime.options import ExpertServerOptions
@@ -33,6 +34,7 @@ DEFAULT = ExpertServerOptions
 
 
 def expert_server(
+    ctx: typer.Context,
     model: ModelOption = None,
     server_id: str = typer.Option(
         DEFAULT.server_id, "--server-id", help="Id of this server (routing table, logs)."
@@ -125,32 +127,7 @@ def expert_server(
     In multiprocess metrics mode (``PROMETHEUS_MULTIPROC_DIR`` set) no port is opened: the
     process only writes its metric files.
     """
-    try:
-        options = ExpertServerOptions(
-            model=model,
-            server_id=server_id,
-            spare=spare,
-            push_token_file=push_token_file,
-            routing_table_configmap=routing_table_configmap,
-            experts=experts,
-            listen=listen,
-            dtype=dtype,
-            cpu_bf16_compute=cpu_bf16_compute,
-            threads=threads,
-            device=device,
-            cpus=cpus,
-            sched_policy=sched_policy,
-            batch_window_us=batch_window_us,
-            metrics_port=metrics_port,
-            http_port=http_port,
-            http_host=http_host,
-            health_stale_s=health_stale_s,
-            nvshmem_world=nvshmem_world,
-            nvshmem_pe=nvshmem_pe,
-            nvshmem_uid_file=nvshmem_uid_file,
-        )
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
+    options = options_from(ExpertServerOptions, ctx)
     run_expert_server(options)
 
 

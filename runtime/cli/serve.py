@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from eaas.runtime.cli.common import CPU_BF16_HELP
+from eaas.runtime.cli.common import CPU_BF16_HELP, options_from
 from eaas.runtime.options import ServeOptions
 from eaas.runtime.placement import PlacementError
 
@@ -20,6 +20,7 @@ DEFAULT = ServeOptions
 
 
 def serve(
+    ctx: typer.Context,
     expert_servers: int = typer.Option(
         DEFAULT.expert_servers,
         "--expert-servers",
@@ -119,32 +120,7 @@ def serve(
     ),
 ) -> None:
     """Start a whole deployment on this machine: expert servers + attention clients."""
-    try:
-        options = ServeOptions(
-            model=model,
-            expert_servers=expert_servers,
-            replicas=replicas,
-            attention_clients=attention_clients,
-            host=host,
-            port=port,
-            transport=transport,
-            dispatch_timeout=dispatch_timeout,
-            dtype=dtype,
-            cpu_bf16_compute=cpu_bf16_compute,
-            client_threads=client_threads,
-            server_threads=server_threads,
-            kv_cache_memory=kv_cache_memory,
-            max_num_batched_tokens=max_num_batched_tokens,
-            client_device=client_device,
-            double_batch_overlap=double_batch_overlap,
-            server_device=server_device,
-            prefill_tokens_while_decoding=prefill_tokens_while_decoding,
-            client_spin_us=client_spin_us,
-            server_sched_policy=server_sched_policy,
-            server_cpus=server_cpus,
-        )
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
+    options = options_from(ServeOptions, ctx)
     from eaas.runtime.serve import serve as run_serve
 
     try:
