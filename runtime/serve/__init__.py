@@ -63,7 +63,6 @@ __all__ = [
     "write_table",
 ]
 
-# SHIM(issue17): moved to eaas.runtime.common.ports, eaas.runtime.options.serve, eaas.runtime.serve.rundir; remove at merge
+# SHIM(issue17): moved to eaas.runtime.common.ports, eaas.runtime.options.serve; remove at merge
 from eaas.runtime.common.ports import free_tcp_port  # noqa: E402, F401
 from eaas.runtime.options.serve import parse_client_spin  # noqa: E402, F401
-from eaas.runtime.serve.rundir import proc_start_ticks as _proc_start_ticks  # noqa: E402, F401
