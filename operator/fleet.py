@@ -26,6 +26,7 @@ from eaas.operator.names import (
 from eaas.operator.overlay import apply_pod_template
 from eaas.operator.pods import nvshmem_uid_file, world_layout
 from eaas.operator.status import set_condition
+from eaas.runtime.options import PROGRAM, AttentionClientOptions
 from eaas.runtime.transport.nvshmem_world import client_env
 
 #: Env var of each attention-client container holding its pod name (downward API); the client's
@@ -52,31 +53,24 @@ def client_command(
     operator's monitor endpoint; None: no reports) and, with the pool known, uses its dispatch
     deadline (seconds).
     """
-    cmd = [
-        "eaas",
-        "attention-client",
-        "--model",
-        spec.model.model_path(),
+    extra: dict[str, Any] = {}
+    if pool is not None:
+        extra["dispatch_timeout"] = pool.failure_detection.dispatch_timeout_ms / 1000
+        if world_layout(pool) is not None:  # an NVSHMEM world member computes on the GPU
+            extra["device"] = "cuda"
+    options = AttentionClientOptions(
+        model=spec.model.model_path(),
         # every replica its own id (frames, metrics, failure reports): the pod name, from the
         # downward API (fleet_deployment sets the variable; the kubelet expands $(VAR))
-        "--client-id",
-        f"$({POD_NAME_ENV})",
-        "--routing-table-configmap",
-        f"{namespace}/{table_configmap_name(spec.expert_pool_ref.name)}",
-        "--push-token-file",
-        f"{PUSH_TOKEN_MOUNT_DIR}/{PUSH_TOKEN_KEY}",
-        "--port",
-        str(spec.port),
-        "--host",
-        "0.0.0.0",
-    ]
-    if failure_report_url:
-        cmd += ["--failure-report-url", failure_report_url]
-    if pool is not None:
-        cmd += ["--dispatch-timeout", f"{pool.failure_detection.dispatch_timeout_ms / 1000:g}"]
-        if world_layout(pool) is not None:  # an NVSHMEM world member computes on the GPU
-            cmd += ["--device", "cuda"]
-    return cmd
+        client_id=f"$({POD_NAME_ENV})",
+        routing_table_configmap=f"{namespace}/{table_configmap_name(spec.expert_pool_ref.name)}",
+        push_token_file=f"{PUSH_TOKEN_MOUNT_DIR}/{PUSH_TOKEN_KEY}",
+        port=spec.port,
+        host="0.0.0.0",
+        failure_report_url=failure_report_url or None,
+        **extra,
+    )
+    return [PROGRAM, *options.argv()]
 
 
 def _join_world(

@@ -26,6 +26,7 @@ from eaas.operator.names import (
     server_name,
 )
 from eaas.operator.overlay import apply_pod_template
+from eaas.runtime.options import PROGRAM, ExpertServerOptions
 from eaas.runtime.placement import (
     LayerExpert,
     Placement,
@@ -152,19 +153,23 @@ def server_command(
     (pod ``index``'s PE), the server computes on the GPU (``--device cuda``) and a spare pod
     (``index >= replicas``) starts with ``--spare``; the world itself comes from the env vars
     of :func:`nvshmem_env`."""
-    cmd = ["eaas", "expert-server", "--model", spec.model.model_path(), "--server-id", pod_name]
-    spare = world_layout(spec) is not None and server_role(spec, index)[0] == "spare"
-    if spare:
-        cmd += ["--spare"]
-    if table_assignment(spec) or spare:
-        cmd += ["--push-token-file", f"{SERVER_TOKEN_MOUNT_DIR}/{PUSH_TOKEN_KEY}"]
+    world = world_layout(spec) is not None
+    spare = world and server_role(spec, index)[0] == "spare"
+    from_table = table_assignment(spec) or spare
+    if world:  # a world member listens on its PE and computes on the GPU
+        where = {"listen": f"nvshmem:{server_pe(spec, index)}", "device": "cuda"}
     else:
-        cmd += ["--experts", format_expert_spec(experts)]
-    if world_layout(spec) is not None:
-        cmd += ["--listen", f"nvshmem:{server_pe(spec, index)}", "--device", "cuda"]
-    else:
-        cmd += ["--listen", f"tcp://0.0.0.0:{spec.port}"]
-    return cmd + ["--http-port", str(spec.health_port)]
+        where = {"listen": f"tcp://0.0.0.0:{spec.port}"}
+    options = ExpertServerOptions(
+        model=spec.model.model_path(),
+        server_id=pod_name,
+        spare=spare,
+        push_token_file=f"{SERVER_TOKEN_MOUNT_DIR}/{PUSH_TOKEN_KEY}" if from_table else None,
+        experts=None if from_table else format_expert_spec(experts),
+        http_port=spec.health_port,
+        **where,
+    )
+    return [PROGRAM, *options.argv()]
 
 
 def server_push_secret(owner: Owner, token: str) -> dict[str, Any]:

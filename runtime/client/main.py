@@ -18,11 +18,36 @@ spread. ``GET /health`` tells which client answered (``client_id``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import re
+import signal
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
+import typer
+import uvicorn
+
+from eaas.runtime.client.api import OpenAIServer, create_app
+from eaas.runtime.client.dispatch import Dispatcher, RoutingTableWatcher, experts_factory
+from eaas.runtime.client.engine import Engine
+from eaas.runtime.client.failure_report import FailureReporter
+from eaas.runtime.client.kv_cache import parse_memory_size
+from eaas.runtime.client.table_push import BearerToken, TablePush
+from eaas.runtime.client.table_watch import ConfigMapTableWatcher
+from eaas.runtime.common.dtypes import torch_dtype
+from eaas.runtime.gpu.graphs import GraphRoundTrips, check_cuda_graphs
+from eaas.runtime.models.arch import read_model_info
+from eaas.runtime.models.attention import load_attention_model
+from eaas.runtime.models.compute import choose_compute
+from eaas.runtime.models.tiny import default_model_dir
+from eaas.runtime.options import AttentionClientOptions
+from eaas.runtime.transport.factory import connect as transport_connect
+from eaas.runtime.transport.nvshmem import WorldConfig, WorldSpec, open_world
 
 #: Seconds a SIGTERM/SIGINT leaves running requests to finish before they end with
 #: 503 ``server_shutting_down``.
@@ -64,10 +89,6 @@ def resolve_device(name: str):
     Raises:
         ValueError: an unknown device string, or ``cuda`` asked for where none is available.
     """
-    import re
-
-    import torch
-
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
@@ -83,181 +104,123 @@ def resolve_device(name: str):
     return dev
 
 
-def run_attention_client(
-    *,
-    model_dir: str | None,
-    routing_table: str | None,
-    client_id: int,
-    host: str,
-    port: int,
-    dispatch_timeout: float,
-    local_experts: bool,
-    dtype: str,
-    threads: int,
-    served_model_name: str | None = None,
-    max_num_seqs: int = 64,
-    reuse_port: bool = False,
-    log_level: str = "warning",
-    routing_table_configmap: str | None = None,
-    push_token_file: str | None = None,
-    failure_report_url: str | None = None,
-    device: str = "auto",
-    kv_cache_memory: str | None = None,
-    max_num_batched_tokens: int = 512,
-    max_request_body: str | None = None,
-    double_batch_overlap: bool = False,
-    prefill_tokens_while_decoding: int | str | None = "auto",
-    cuda_graphs: bool = False,
-    nvshmem_world=None,
-    spin_us: float | None = None,
-    cpu_bf16_compute: str = "auto",
-) -> None:
-    """Run one attention client until SIGINT/SIGTERM.
-
-    Routing-table sources (any of them; newer versions win): ``routing_table`` (a JSON file,
-    polled), ``routing_table_configmap`` (``NAMESPACE/NAME``, watched through the API:
-    :mod:`.table_watch`) and pushes to ``PUT /routing-table`` authenticated with the token in
-    ``push_token_file`` (:mod:`.table_push`). ``failure_report_url``: where servers marked down
-    are reported (:mod:`.failure_report`, same token).
+def connect_with_options(
+    spin_us: float | None,
+    world: Any = None,
+    connect: Callable[..., Any] = transport_connect,
+) -> Callable[..., Any] | None:
+    """The :class:`~eaas.runtime.client.dispatch.Dispatcher`'s ``connect``: ``connect`` with the
+    client's per-transport options added, or None when there are none (the default connect).
 
     Args:
-        device: ``"auto"`` (cuda when available, else cpu), ``"cpu"``, ``"cuda"``, ``"cuda:N"``:
-            where the model and its KV cache live.
-        kv_cache_memory: KV-cache budget such as ``"2GiB"`` (``None``: the engine's default).
-        max_num_batched_tokens: tokens per forward (decode tokens + prefill chunks).
-        max_request_body: largest API request body, e.g. ``"32MiB"`` (``None``: 32 MiB); larger
-            bodies get 413 ``request_too_large``.
-        prefill_tokens_while_decoding: the engine's prefill cap in steps that also decode
-            (``"auto"``, ``"off"`` or a token count; :class:`~eaas.runtime.client.engine.Engine`).
-        double_batch_overlap: the engine's decode steps run as two overlapped micro-batches
-            (:class:`~eaas.runtime.gpu.overlap.PagedOverlapRunner`).
-        cuda_graphs: decode MoE round trips to ``cudaipc`` servers replay captured CUDA graphs
-            (:class:`~eaas.runtime.gpu.graphs.GraphRoundTrips`); needs a CUDA ``device`` and
-            expert servers (ValueError otherwise).
-        nvshmem_world: a :class:`~eaas.runtime.transport.nvshmem.WorldConfig`: join that
-            NVSHMEM world before connecting; ``nvshmem:PE`` endpoints use it.
-        cpu_bf16_compute: ``"auto"``, ``"native"`` or ``"fp32"``: what a bfloat16 model
-            computes in on CPU (:mod:`eaas.runtime.models.compute`; the KV cache and the frames
-            to expert servers stay bfloat16). Logged at start and in ``/health``'s ``compute``.
+        spin_us: ``--spin-us`` (microseconds; None: the transport's own busy-poll): given to
+            ``unix:`` and ``cudaipc:`` endpoints; 0 on ``unix:`` also turns the adaptive spin
+            off (``max_spin_us=0``: block at once).
+        world: the joined NVSHMEM world (:func:`~eaas.runtime.transport.nvshmem.open_world`):
+            given to ``nvshmem:`` endpoints.
+        connect: ``(endpoint, server_id, **kw) -> ClientConnection``.
+
+    Both apply together: a client in an NVSHMEM world still spins on its shm / cudaipc servers.
+    """
+    if spin_us is None and world is None:
+        return None
+
+    def connect_endpoint(endpoint: str, server_id: str, **kw: Any) -> Any:
+        if spin_us is not None and endpoint.startswith(("unix:", "cudaipc:")):
+            kw["spin_us"] = spin_us
+            if spin_us == 0 and endpoint.startswith("unix:"):
+                kw["max_spin_us"] = 0.0  # block at once: no adaptive spin either
+        if world is not None and endpoint.startswith("nvshmem:"):
+            kw["world"] = world
+        return connect(endpoint, server_id, **kw)
+
+    return connect_endpoint
+
+
+def run_attention_client(
+    options: AttentionClientOptions, world_config: WorldConfig | None = None
+) -> None:
+    """Run one attention client with ``options`` until SIGINT/SIGTERM.
+
+    Routing-table sources (any of them; newer versions win): ``options.routing_table`` (a JSON
+    file, polled), ``options.routing_table_configmap`` (``NAMESPACE/NAME``, watched through the
+    API: :mod:`.table_watch`) and pushes to ``PUT /routing-table`` authenticated with the token
+    in ``options.push_token_file`` (:mod:`.table_push`). ``options.failure_report_url``: where
+    servers marked down are reported (:mod:`.failure_report`, same token). The other options
+    (device, KV-cache budget, engine, ``spin_us``) are described on
+    :class:`~eaas.runtime.options.AttentionClientOptions` and by ``eaas attention-client --help``.
+
+    Args:
+        world_config: the NVSHMEM world to join before connecting (``nvshmem:PE`` endpoints use
+            it; the CLI builds it from the ``--nvshmem-*`` options, claiming a client PE).
 
     Raises:
-        ValueError: no routing-table source and not ``local_experts``, a bad ``dtype``,
-            ``device``, ``kv_cache_memory``, ``routing_table_configmap`` or
-            ``failure_report_url``, an empty token file.
+        ValueError: a bad ``device``, ``kv_cache_memory``, ``routing_table_configmap``, an empty
+            token file; ``cuda_graphs`` without a CUDA device or expert servers.
         typer.BadParameter: a KV cache smaller than one longest sequence (exit code 2 in the CLI).
         OSError / RoutingTableError: unreadable routing table or token file at start-up, port
             in use.
     """
-    import torch
-
-    from eaas.runtime.models.attention import load_attention_model
-
+    o = options
+    client_id = o.numeric_client_id
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s client-{client_id} %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    if dtype not in dtypes:
-        raise ValueError(f"--dtype must be one of {sorted(dtypes)}, got {dtype!r}")
-    torch_dtype = dtypes[dtype]
-    from eaas.runtime.client.kv_cache import parse_memory_size
-
-    dev = resolve_device(device)
-    if cuda_graphs:
-        from eaas.runtime.gpu.graphs import check_cuda_graphs
-
-        check_cuda_graphs(dev.type, local_experts)
-    kv_bytes = None if kv_cache_memory in (None, "", "auto") else parse_memory_size(kv_cache_memory)
-    if threads > 0:
-        torch.set_num_threads(threads)
-    if model_dir is None:
-        from eaas.runtime.models.tiny import default_model_dir
-
-        model_dir = str(default_model_dir())
-    from eaas.runtime.models.arch import read_model_info as _read_info
-    from eaas.runtime.models.compute import choose_compute
-
-    hidden = _read_info(model_dir).hidden_size
-    compute = choose_compute(torch_dtype, dev, cpu_bf16_compute, (32, hidden, hidden))
+    dtype = torch_dtype(o.dtype)
+    dev = resolve_device(o.device)
+    if o.cuda_graphs:
+        check_cuda_graphs(dev.type, o.local_experts)
+    kv_mem = o.kv_cache_memory
+    kv_bytes = None if kv_mem in (None, "", "auto") else parse_memory_size(kv_mem)
+    if o.threads > 0:
+        torch.set_num_threads(o.threads)
+    model_dir = o.model if o.model is not None else str(default_model_dir())
+    hidden = read_model_info(model_dir).hidden_size
+    compute = choose_compute(dtype, dev, o.cpu_bf16_compute, (32, hidden, hidden))
     log.info("%s", compute.log_line())
 
-    from eaas.runtime.client.failure_report import FailureReporter
-    from eaas.runtime.client.table_push import BearerToken, TablePush
-
     token = None
-    if push_token_file:
-        token = BearerToken(push_token_file)
+    if o.push_token_file:
+        token = BearerToken(o.push_token_file)
         token.get()  # a missing/empty Secret fails the start, loudly
     dispatcher = watcher = cm_watcher = reporter = None
-    if local_experts:
+    if o.local_experts:
         model, tokenizer, info = load_attention_model(
-            model_dir, torch_dtype, device=dev, compute_dtype=compute.compute_dtype
+            model_dir, dtype, device=dev, compute_dtype=compute.compute_dtype
         )
     else:
-        if not routing_table and not routing_table_configmap:
-            raise ValueError(
-                "--routing-table or --routing-table-configmap is required unless "
-                "--local-experts is given"
-            )
-        from eaas.runtime.client.dispatch import Dispatcher, RoutingTableWatcher, experts_factory
-        from eaas.runtime.models.arch import read_model_info
-
         info = read_model_info(model_dir)
         graphs = None
-        if cuda_graphs:
-            from eaas.runtime.gpu.graphs import GraphRoundTrips
-
-            graphs = GraphRoundTrips(max_num_seqs, timeout_s=dispatch_timeout)
-        connect_kw: dict[str, Any] = {}
-        if spin_us is not None:  # --spin-us: the shm / cudaipc wait for an answer
-            from eaas.runtime.client.dispatch import _default_connect
-
-            def connect_spin(endpoint: str, server_id: str, **kw):
-                if endpoint.startswith(("unix:", "cudaipc:")):
-                    kw["spin_us"] = spin_us
-                    if spin_us == 0 and endpoint.startswith("unix:"):
-                        kw["max_spin_us"] = 0.0  # block at once: no adaptive spin either
-                return _default_connect(endpoint, server_id, **kw)
-
-            connect_kw["connect"] = connect_spin
-        if nvshmem_world is not None:
-            from eaas.runtime.client.dispatch import _default_connect
-            from eaas.runtime.transport.nvshmem import WorldSpec, open_world
-
-            world = open_world(
-                nvshmem_world, WorldSpec(nvshmem_world.world_size, info.hidden_size, torch_dtype)
-            )
-
-            def connect_in_world(endpoint: str, server_id: str, **kw):
-                if endpoint.startswith("nvshmem:"):
-                    kw["world"] = world
-                return _default_connect(endpoint, server_id, **kw)
-
-            connect_kw["connect"] = connect_in_world
+        if o.cuda_graphs:
+            graphs = GraphRoundTrips(o.max_num_seqs, timeout_s=o.dispatch_timeout)
+        world = None
+        if world_config is not None:
+            spec = WorldSpec(world_config.world_size, info.hidden_size, dtype)
+            world = open_world(world_config, spec)
+        connect = connect_with_options(o.spin_us, world)
         dispatcher = Dispatcher(
             client_id,
             info.hidden_size,
-            torch_dtype,
-            timeout=dispatch_timeout,
+            dtype,
+            timeout=o.dispatch_timeout,
             graphs=graphs,
             moe_layers=info.moe_layers,
-            **connect_kw,
+            **({"connect": connect} if connect is not None else {}),
         )
-        if failure_report_url:
-            reporter = FailureReporter(failure_report_url, str(client_id), token).start()
+        if o.failure_report_url:
+            reporter = FailureReporter(o.failure_report_url, str(client_id), token).start()
             dispatcher.on_server_down = reporter.report
-        if routing_table:
-            watcher = RoutingTableWatcher(routing_table, dispatcher)
+        if o.routing_table:
+            watcher = RoutingTableWatcher(o.routing_table, dispatcher)
             watcher.load_now()
-        if routing_table_configmap:
-            from eaas.runtime.client.table_watch import ConfigMapTableWatcher
-
-            cm_watcher = ConfigMapTableWatcher(routing_table_configmap, dispatcher)
+        if o.routing_table_configmap:
+            cm_watcher = ConfigMapTableWatcher(o.routing_table_configmap, dispatcher)
             cm_watcher.load_now()
         model, tokenizer, info = load_attention_model(
             model_dir,
-            torch_dtype,
+            dtype,
             experts_factory=experts_factory(dispatcher),
             device=dev,
             compute_dtype=compute.compute_dtype,
@@ -267,23 +230,18 @@ def run_attention_client(
         if cm_watcher is not None:
             cm_watcher.start()
 
-    from eaas.runtime.client.api import OpenAIServer, create_app
-    from eaas.runtime.client.engine import Engine
-
     try:
         engine = Engine(
             model,
             tokenizer,
             client_id=str(client_id),
-            max_num_seqs=max_num_seqs,
+            max_num_seqs=o.max_num_seqs,
             kv_cache_memory=kv_bytes,
-            max_num_batched_tokens=max_num_batched_tokens,
-            double_batch_overlap=double_batch_overlap,
-            prefill_tokens_while_decoding=prefill_tokens_while_decoding,
+            max_num_batched_tokens=o.max_num_batched_tokens,
+            double_batch_overlap=o.double_batch_overlap,
+            prefill_tokens_while_decoding=o.prefill_tokens_while_decoding,
         )
     except ValueError as e:  # e.g. a KV cache smaller than one longest sequence: usage error
-        import typer
-
         raise typer.BadParameter(str(e)) from None
     engine.start()
     kv = engine.kv_cache_usage()
@@ -305,7 +263,7 @@ def run_attention_client(
     def health_extra() -> dict:
         extra = {"device": str(dev), "kv_cache": engine.kv_cache_usage()}
         extra["compute"] = {**compute.as_dict(), "weight_bytes": weight_bytes}
-        if double_batch_overlap:  # the runner's counters: overlapped steps, overlap achieved
+        if o.double_batch_overlap:  # the runner's counters: overlapped steps, overlap achieved
             extra["double_batch_overlap"] = dict(getattr(engine.runner, "stats", {}))
         if dispatcher is None:
             return {"mode": "local-experts", **extra}
@@ -315,7 +273,8 @@ def run_attention_client(
             out["reason"] = "no routing table yet"
         return out
 
-    name = served_model_name or Path(model_dir).name
+    name = o.served_model_name or Path(model_dir).name
+    body = {"max_request_body": parse_memory_size(o.max_request_body)} if o.max_request_body else {}
     server = OpenAIServer(
         engine,
         tokenizer,
@@ -324,17 +283,12 @@ def run_attention_client(
         info.vocab_size,
         str(client_id),
         health_extra,
-        **({"max_request_body": parse_memory_size(max_request_body)} if max_request_body else {}),
+        **body,
     )
     app = create_app(server)
     app.state.table_push = TablePush(
         dispatcher, token, str(client_id), info.num_experts, tuple(info.moe_layers)
     )
-
-    import contextlib
-    import signal
-
-    import uvicorn
 
     class _Server(uvicorn.Server):
         # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown (the process then dies by
@@ -343,10 +297,10 @@ def run_attention_client(
         def capture_signals(self):
             yield
 
-    sock = bind_listener(host, port, reuse_port)
+    sock = bind_listener(o.host, o.port, o.reuse_port)
     config = uvicorn.Config(
         app,
-        log_level=log_level,
+        log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S) + 2,
         lifespan="off",
@@ -376,7 +330,7 @@ def run_attention_client(
         if userver.started:
             mode = "local experts" if dispatcher is None else f"routing table v{dispatcher.version}"
             print(
-                f"attention-client {client_id} ready on http://{host}:{port} (model {name}, "
+                f"attention-client {client_id} ready on http://{o.host}:{o.port} (model {name}, "
                 f"{mode}, {dev})",
                 flush=True,
             )

@@ -23,15 +23,9 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+from eaas.runtime.common.dtypes import DTYPE_ALIASES, torch_dtype
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -90,9 +84,9 @@ def _dtype(cfg: dict, path: Path) -> torch.dtype:
     name = cfg.get("dtype", cfg.get("torch_dtype")) or "float32"
     if isinstance(name, str):
         name = name.removeprefix("torch.")
-    if name not in _DTYPES:
+    if name not in DTYPE_ALIASES:
         raise ValueError(f"{path}: config field 'dtype' has unsupported value {name!r}")
-    return _DTYPES[name]
+    return torch_dtype(name)
 
 
 def model_info_from_config(cfg: dict, path: Path | str = "config.json") -> ModelInfo:

@@ -45,7 +45,16 @@ from torch import nn
 
 from eaas.runtime.experts import ExpertWeights, weighted_expert_sum
 from eaas.runtime.models.arch import ModelInfo, read_model_info
-from eaas.runtime.models.weights import _Files, _read_matrix, checkpoint_weight_map
+from eaas.runtime.models.tokenizer import load_tokenizer
+from eaas.runtime.models.weights import (
+    _Files,
+    _read_matrix,
+    checkpoint_weight_map,
+    load_expert_weights,
+)
+
+# transformers is imported inside the function that builds the model: importing it costs
+# seconds, which the expert server (it reads weights through this package) never pays.
 
 ExpertsFactory = Callable[[int, ModelInfo], nn.Module]
 
@@ -85,7 +94,6 @@ def local_experts_factory(
     model_dir: str | Path, dtype: torch.dtype = torch.float32
 ) -> ExpertsFactory:
     """A factory that loads each layer's experts from ``model_dir`` into a :class:`LocalExperts`."""
-    from eaas.runtime.models.weights import load_expert_weights
 
     def factory(layer: int, info: ModelInfo) -> nn.Module:
         w = load_expert_weights(
@@ -163,8 +171,6 @@ def load_attention_model(
         RuntimeError: a tensor would be left on the meta device.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    from eaas.runtime.models.tokenizer import load_tokenizer
 
     model_dir = Path(model_dir)
     info = read_model_info(model_dir)

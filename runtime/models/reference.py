@@ -11,6 +11,9 @@ from pathlib import Path
 
 import torch
 
+# transformers is imported inside the loader: importing it costs seconds, paid only by the
+# callers of the reference model (tests, the tiny model's checks).
+
 
 @lru_cache(maxsize=4)
 def _load(model_dir: str):

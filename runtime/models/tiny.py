@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -31,6 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from eaas.runtime.models.reference import reference_logits
+
+# tokenizers, transformers and safetensors are imported inside the functions that write the
+# checkpoint: `eaas serve` with a built model reads it without paying their import.
 
 VERSION = "v1"
 NAME = f"tiny-deepseek-v3-{VERSION}"
@@ -324,11 +330,7 @@ def logit_gap(model_dir: str | Path, text: str | None = None) -> float:
 
     Measures how decisive greedy decoding is; the tiny model targets > 1.0.
     """
-    import statistics
-
     from transformers import AutoTokenizer
-
-    from eaas.runtime.models.reference import reference_logits
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = tok(text or CORPUS[:400])["input_ids"][:64]

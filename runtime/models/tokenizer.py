@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# transformers is imported inside load_tokenizer: importing it costs seconds, paid only by
+# the processes that tokenize (the attention client).
+
 
 def load_tokenizer(model_dir: str | Path):
     """The tokenizer of the checkpoint in ``model_dir``.

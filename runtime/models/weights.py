@@ -37,6 +37,8 @@ from safetensors import safe_open
 
 from eaas.runtime.experts import ExpertWeights
 
+# tqdm is imported inside load_expert_weights: only a load with a progress bar needs it.
+
 LayerExpert = tuple[int, int]
 
 _PER_EXPERT = (

@@ -241,12 +241,12 @@ def test_stale_run_dirs_are_those_whose_owner_is_gone(tmp_path):
     """Only run dirs whose owner file names a process that is gone are stale: a dead pid or a
     pid reused by another process (other start time); a live owner, a dir without an owner
     file (a serve that just created it) and other names are kept."""
-    from eaas.runtime.serve import _proc_start_ticks, remove_stale_run_dirs
+    from eaas.runtime.serve import proc_start_ticks, remove_stale_run_dirs
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     me = os.getpid()
-    ticks = _proc_start_ticks(me)
+    ticks = proc_start_ticks(me)
     assert ticks is not None
     owners = {
         "eaas-serve-dead": f"{gone.pid} 1\n",

@@ -1,0 +1,134 @@
+"""``eaas serve``: a whole deployment on this machine (expert servers + attention clients)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from eaas.runtime.cli.common import CPU_BF16_HELP, options_from
+from eaas.runtime.options import ServeOptions
+from eaas.runtime.placement import PlacementError
+
+# The deployment's module (it imports torch to check options up front) is imported inside the
+# command: `eaas --help` and the operator's commands must start without torch.
+
+
+#: The flags' defaults are the options object's (one source of truth).
+DEFAULT = ServeOptions
+
+
+def serve(
+    ctx: typer.Context,
+    expert_servers: int = typer.Option(
+        DEFAULT.expert_servers,
+        "--expert-servers",
+        help="Expert server processes (any count >= replicas).",
+    ),
+    replicas: int = typer.Option(
+        DEFAULT.replicas,
+        "--replicas",
+        help="Replicas of every logical expert, on distinct servers.",
+    ),
+    attention_clients: int = typer.Option(
+        DEFAULT.attention_clients,
+        "--attention-clients",
+        help="Attention client processes sharing the API port.",
+    ),
+    host: str = typer.Option(DEFAULT.host, "--host", help="API listen address."),
+    port: int = typer.Option(DEFAULT.port, "--port", min=1, max=65535, help="API port."),
+    model: str = typer.Option(
+        None,
+        "--model",
+        help="Checkpoint directory (default: built-in tiny model, built on first use).",
+    ),
+    transport: str = typer.Option(
+        DEFAULT.transport, "--transport", help="shm (same-host shared memory) or tcp."
+    ),
+    dispatch_timeout: float = typer.Option(
+        DEFAULT.dispatch_timeout,
+        "--dispatch-timeout",
+        help="Clients' deadline per MoE layer round (s, > 0).",
+    ),
+    dtype: str = typer.Option(DEFAULT.dtype, "--dtype", help="float32 or bfloat16."),
+    cpu_bf16_compute: str = typer.Option(
+        DEFAULT.cpu_bf16_compute,
+        "--cpu-bf16-compute",
+        help="Every process's --cpu-bf16-compute (auto, native, fp32): " + CPU_BF16_HELP,
+    ),
+    client_threads: int = typer.Option(
+        DEFAULT.client_threads,
+        "--client-threads",
+        min=0,
+        help="torch threads per attention client (0: torch default).",
+    ),
+    server_threads: int = typer.Option(
+        DEFAULT.server_threads,
+        "--server-threads",
+        min=0,
+        help="torch threads per expert server (0: torch default).",
+    ),
+    kv_cache_memory: str = typer.Option(
+        None, "--kv-cache-memory", help="Each attention client's KV cache, e.g. 512MiB."
+    ),
+    max_num_batched_tokens: int = typer.Option(
+        DEFAULT.max_num_batched_tokens,
+        "--max-num-batched-tokens",
+        min=1,
+        help="Each attention client's tokens per forward.",
+    ),
+    client_device: str = typer.Option(
+        DEFAULT.client_device,
+        "--client-device",
+        help="Attention clients' device: auto, cpu, cuda, cuda:N.",
+    ),
+    double_batch_overlap: bool = typer.Option(
+        DEFAULT.double_batch_overlap,
+        "--double-batch-overlap",
+        help="Attention clients' --double-batch-overlap (decode as two overlapped micro-batches).",
+    ),
+    server_device: str = typer.Option(
+        DEFAULT.server_device,
+        "--server-device",
+        help="Expert servers' --device: cpu (default), auto, cuda or cuda:N (cuda: the native "
+        "grouped kernels; frames still travel through host shared memory or TCP).",
+    ),
+    prefill_tokens_while_decoding: str = typer.Option(
+        DEFAULT.prefill_tokens_while_decoding,
+        "--prefill-tokens-while-decoding",
+        help="Attention clients' --prefill-tokens-while-decoding (auto, off or a token count).",
+    ),
+    client_spin_us: str = typer.Option(
+        DEFAULT.client_spin_us,
+        "--client-spin-us",
+        help="Attention clients' --spin-us (shm): default (the transport's busy-poll) or "
+        "microseconds; 0 blocks at once (docs/serving.md: better only under heavy load).",
+    ),
+    server_sched_policy: str = typer.Option(
+        DEFAULT.server_sched_policy,
+        "--server-sched-policy",
+        help="Expert servers' --sched-policy: batch (default: a woken server does not preempt "
+        "the attention client that woke it) or other.",
+    ),
+    server_cpus: str = typer.Option(
+        DEFAULT.server_cpus,
+        "--server-cpus",
+        help="auto: pin each expert server to one CPU (its --cpus), the servers one decode call "
+        "reaches on different CPUs (with >= 2 servers and CPUs and --server-threads 1); "
+        "none: not pinned.",
+    ),
+) -> None:
+    """Start a whole deployment on this machine: expert servers + attention clients."""
+    options = options_from(ServeOptions, ctx)
+    from eaas.runtime.serve import serve as run_serve
+
+    try:
+        code = run_serve(options)
+    except (PlacementError, ValueError, FileNotFoundError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    # Every child is stopped and the run directory removed: skip the seconds of interpreter
+    # teardown (serve imported torch to check the port), as the children do.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,68 @@
+"""``eaas serve``: a whole EaaS deployment on one machine, one OS process per role.
+
+What it does:
+
+1. Reads the model's :class:`~eaas.runtime.models.arch.ModelInfo`, computes the placement
+   ``place_experts(info.moe_layers, info.num_experts, N, R)`` and writes routing table version 1
+   (``routing-table.json``) into a fresh run directory.
+2. Starts ``N`` expert servers and ``M`` attention clients, each as its own process running the
+   SAME entry point a Kubernetes pod runs (``python -m eaas expert-server ...`` /
+   ``python -m eaas attention-client ...``), so ``ps`` shows every process's role. Clients start
+   in parallel with the servers (they connect lazily). All children share one fresh
+   ``PROMETHEUS_MULTIPROC_DIR``, so ``GET /metrics`` on the API port carries every process's
+   series. All ``M`` clients bind the same API port with ``SO_REUSEPORT``.
+3. Waits for every child's ready line, then prints
+   ``serving <model> on http://HOST:PORT (N expert servers, R replicas, M clients)``.
+4. Acts as the local *monitor*: when an expert server exits, it logs it and publishes a new
+   routing table version without that server (clients fail over on their own before that and
+   hot-reload the new table). A dead attention client is logged; when none is left, serve exits.
+5. SIGINT/SIGTERM: terminate the attention clients and wait until they exit (their running
+   requests end while the expert servers still answer), then the expert servers; SIGKILL after
+   a grace period (a second Ctrl-C: at once), remove the run directory (Unix sockets, routing
+   table, metrics files). A signal during start-up stops what started and exits with 128 + the
+   signal's number. The run directory holds an owner file (pid, start time): a later serve
+   removes the directories whose owner is gone (a SIGKILLed serve cannot). Children get
+   ``PR_SET_PDEATHSIG=SIGKILL`` (set between fork and exec), so they die with serve even if
+   serve is SIGKILLed. Shared memory of the shm transport is memfd-based: nothing in
+   ``/dev/shm``.
+
+Child output: each child's stdout lines are relayed to serve's stdout prefixed with its name;
+stderr is inherited.
+"""
+
+from eaas.runtime.serve.children import Child, Children
+from eaas.runtime.serve.deployment import (
+    Deployment,
+    ServeError,
+    ServeInterrupted,
+    serve,
+    write_table,
+)
+from eaas.runtime.serve.rundir import (
+    OWNER_FILE,
+    RUN_DIR_PREFIX,
+    create_run_dir,
+    proc_start_ticks,
+    remove_stale_run_dirs,
+    stale_run_dirs,
+)
+
+__all__ = [
+    "OWNER_FILE",
+    "RUN_DIR_PREFIX",
+    "Child",
+    "Children",
+    "Deployment",
+    "ServeError",
+    "ServeInterrupted",
+    "create_run_dir",
+    "proc_start_ticks",
+    "remove_stale_run_dirs",
+    "serve",
+    "stale_run_dirs",
+    "write_table",
+]
+
+# SHIM(issue17): moved to eaas.runtime.common.ports, eaas.runtime.options.serve; remove at merge
+from eaas.runtime.common.ports import free_tcp_port  # noqa: E402, F401
+from eaas.runtime.options.serve import parse_client_spin  # noqa: E402, F401

@@ -1,0 +1,366 @@
+"""``eaas serve``'s deployment: the placement, routing table version 1, the expert servers and
+attention clients it starts (their command lines from the options objects), the local monitor
+that republishes the table when a server exits, and the ordered stop. The package docstring
+(:mod:`eaas.runtime.serve`) tells the whole story.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+from eaas.runtime.client.engine import parse_prefill_cap
+from eaas.runtime.client.kv_cache import check_kv_cache_memory, parse_memory_size
+from eaas.runtime.client.main import bind_listener, resolve_device
+from eaas.runtime.common.dtypes import torch_dtype
+from eaas.runtime.common.ports import free_tcp_port
+from eaas.runtime.models.arch import read_model_info
+from eaas.runtime.models.compute import check_policy
+from eaas.runtime.models.tiny import default_model_dir
+from eaas.runtime.options import AttentionClientOptions, ExpertServerOptions, ServeOptions
+from eaas.runtime.placement import (
+    SCHED_POLICIES,
+    format_expert_spec,
+    place_experts,
+    spread_over_cpus,
+)
+from eaas.runtime.routing import RoutingTable
+from eaas.runtime.serve.children import Child, Children, log
+from eaas.runtime.serve.rundir import create_run_dir, remove_stale_run_dirs
+
+
+class ServeError(RuntimeError):
+    """A child failed to start (message names it and its exit code)."""
+
+
+class ServeInterrupted(ServeError):
+    """SIGINT/SIGTERM arrived during start-up; ``signum`` is the signal's number."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name} during start-up")
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail fast when ``host:port`` is taken (also by another ``eaas serve``: its clients bind with
+    ``SO_REUSEPORT``, so without this check a second deployment would silently share the port).
+
+    Raises:
+        ValueError: the port cannot be bound (message names it and the OS reason).
+    """
+    try:
+        bind_listener(host, port).close()
+    except OSError as exc:
+        raise ValueError(
+            f"--port {port}: cannot listen on {host}:{port}: {exc.strerror or exc}"
+        ) from None
+
+
+def write_table(path: Path, table: RoutingTable) -> None:
+    """Atomically replace ``path`` with ``table`` (write a temp file, then rename)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(table.to_json(), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class Deployment:
+    """All processes of one local deployment (see :mod:`eaas.runtime.serve`).
+
+    Args:
+        options: the validated :class:`~eaas.runtime.options.ServeOptions`; here the checks
+            that need torch or this machine run, before any process starts: the CPU bf16
+            policy, the KV-cache size (also against one longest sequence), the client's and the
+            server's device, the prefill cap, the API port being free, the model and the
+            placement (``expert_servers >= replicas``).
+        ready_timeout: seconds :meth:`start` waits for every child's ready line.
+
+    With ``server_cpus == "auto"`` each expert server is pinned to one CPU of this process's
+    CPU set (its ``--cpus``), the servers one decode call reaches on different CPUs
+    (:func:`~eaas.runtime.placement.spread_over_cpus`), when there are at least 2 servers and 2
+    CPUs and ``server_threads`` is 1; :attr:`server_cpu_list` holds the result (None: not
+    pinned). ``server_sched_policy`` ``"batch"`` (SCHED_BATCH): a server woken by a client's
+    doorbell does not preempt that client, which still rings the other servers of the call and
+    computes the shared expert.
+
+    Raises:
+        ValueError, PlacementError, FileNotFoundError: an option this machine or the model
+            cannot serve (the message names the flag).
+    """
+
+    def __init__(self, options: ServeOptions, *, ready_timeout: float = 300.0) -> None:
+        o = self.options = options
+        if o.server_sched_policy not in SCHED_POLICIES:
+            raise ValueError(
+                f"--server-sched-policy must be batch or other, got {o.server_sched_policy!r}"
+            )
+        check_policy(o.cpu_bf16_compute)  # ValueError before any process starts
+        kv_bytes = None
+        if o.kv_cache_memory is not None:
+            kv_bytes = parse_memory_size(o.kv_cache_memory)
+        try:  # the attention client's own check (a CUDA device that is not there), up front
+            resolve_device(o.client_device)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("--device", "--client-device", 1)) from None
+        try:  # the expert server's own check, up front
+            resolve_device(o.server_device)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("--device", "--server-device", 1)) from None
+        parse_prefill_cap(o.prefill_tokens_while_decoding)
+        _check_port_free(o.host, o.port)
+        self.model_dir = str(o.model) if o.model is not None else str(default_model_dir())
+        self.info = read_model_info(self.model_dir)
+        if kv_bytes is not None:  # the engine's size check, before the clients load weights
+            check_kv_cache_memory(self.model_dir, torch_dtype(o.dtype), kv_bytes)
+        self.placement = place_experts(
+            self.info.moe_layers, self.info.num_experts, o.expert_servers, o.replicas
+        )
+        cpus = sorted(os.sched_getaffinity(0))
+        # the CPU of every expert server (--cpus), or None: not pinned
+        self.server_cpu_list: tuple[int, ...] | None = None
+        self.not_pinned_why = ""  # why auto did not pin, for the log line
+        if o.server_cpus == "auto":
+            if o.server_threads != 1:
+                self.not_pinned_why = ": --server-threads is not 1"
+            elif o.expert_servers < 2 or len(cpus) < 2:
+                self.not_pinned_why = f": {o.expert_servers} server(s), {len(cpus)} CPU(s)"
+            else:
+                self.server_cpu_list = spread_over_cpus(self.placement, cpus)
+        self.n, self.r, self.m = o.expert_servers, o.replicas, o.attention_clients
+        self.ready_timeout = ready_timeout
+        self.children = Children()
+        self.run_dir: Path | None = None
+        self.table: RoutingTable | None = None
+        self.table_path: Path | None = None
+        self._stop = False
+        self._stop_signal: int | None = None  # the first SIGINT/SIGTERM's number
+        self._stopping = False
+
+    def _live_dir(self) -> Path:
+        """The run directory of a started deployment. Raises RuntimeError before ``start``."""
+        if self.run_dir is None:
+            raise RuntimeError("the deployment is not started")
+        return self.run_dir
+
+    @property
+    def routing_table(self) -> RoutingTable:
+        """The routing table last published. Raises RuntimeError before ``start``."""
+        if self.table is None:
+            raise RuntimeError("the deployment is not started")
+        return self.table
+
+    # ---- start ----------------------------------------------------------------------------
+    def _env(self) -> dict:
+        env = dict(os.environ)
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(self._live_dir() / "metrics")
+        env["PYTHONUNBUFFERED"] = "1"
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        return env
+
+    def start(self) -> None:
+        """Write the routing table, start all children, wait until all are ready.
+
+        Run directories that SIGKILLed serve processes left behind are removed first
+        (:func:`remove_stale_run_dirs`); this one records its owner (pid, start time).
+
+        Raises:
+            ServeInterrupted: SIGINT/SIGTERM arrived during start-up.
+            ServeError: a child exited during start-up or not all were ready in time (all
+                children are stopped and the run directory removed before raising).
+        """
+        o = self.options
+        if self._stop_signal is not None:
+            raise ServeInterrupted(self._stop_signal)
+        removed = remove_stale_run_dirs()
+        if removed:
+            log(
+                f"removed {len(removed)} run director{'ies' if len(removed) != 1 else 'y'} of "
+                f"serve processes that are gone: {', '.join(map(str, removed))}"
+            )
+        run_dir = self.run_dir = create_run_dir()
+        ids = [f"expert-{i}" for i in range(self.n)]
+        if o.transport == "shm":
+            endpoints = [f"unix:{run_dir / f'{sid}.sock'}" for sid in ids]
+        else:
+            endpoints = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in ids]
+        self.table = RoutingTable.from_placement(self.placement, ids, endpoints, version=1)
+        table_path = self.table_path = run_dir / "routing-table.json"
+        write_table(table_path, self.table)
+        env = self._env()
+        py = [sys.executable, "-m", "eaas"]
+        try:
+            for s, (sid, ep) in enumerate(zip(ids, endpoints, strict=False)):
+                server = ExpertServerOptions(
+                    model=self.model_dir,
+                    server_id=sid,
+                    experts=format_expert_spec(self.placement.servers[s]),
+                    listen=ep,
+                    dtype=o.dtype,
+                    cpu_bf16_compute=o.cpu_bf16_compute,
+                    threads=o.server_threads,
+                    device=o.server_device,
+                    cpus=None if self.server_cpu_list is None else str(self.server_cpu_list[s]),
+                    sched_policy=o.server_sched_policy,
+                )
+                self.children.spawn(
+                    Child(sid, "expert-server", py + server.argv(), server_id=sid), env
+                )
+            for c in range(self.m):
+                client = AttentionClientOptions(
+                    model=self.model_dir,
+                    client_id=str(c),
+                    routing_table=str(table_path),
+                    port=o.port,
+                    host=o.host,
+                    reuse_port=True,
+                    dispatch_timeout=o.dispatch_timeout,
+                    dtype=o.dtype,
+                    cpu_bf16_compute=o.cpu_bf16_compute,
+                    threads=o.client_threads,
+                    device=o.client_device,
+                    max_num_batched_tokens=o.max_num_batched_tokens,
+                    kv_cache_memory=o.kv_cache_memory or None,
+                    prefill_tokens_while_decoding=o.prefill_tokens_while_decoding,
+                    double_batch_overlap=o.double_batch_overlap,
+                    spin_us=o.spin_us,  # None unless --transport shm
+                )
+                name = f"attention-client-{c}"
+                self.children.spawn(Child(name, "attention-client", py + client.argv()), env)
+            deadline = time.monotonic() + self.ready_timeout
+            while not all(ch.ready for ch in self.children):
+                if self._stop_signal is not None:
+                    raise ServeInterrupted(self._stop_signal)
+                if self._stop:  # request_stop() called without a signal
+                    raise ServeError("stopped during start-up")
+                if time.monotonic() > deadline:
+                    late = [ch.name for ch in self.children if not ch.ready]
+                    raise ServeError(
+                        f"not ready after {self.ready_timeout:.0f} s: {', '.join(late)}"
+                    )
+                self.children.pump(0.2)
+                for ch in self.children:
+                    rc = ch.popen.poll()
+                    if rc is not None:
+                        raise ServeError(f"{ch.name} exited with code {rc} during start-up")
+        except BaseException:
+            self.stop()
+            raise
+
+    # ---- liveness -------------------------------------------------------------------------
+    def _check_children(self) -> None:
+        for ch in self.children:
+            rc = ch.popen.poll()
+            if rc is None or ch.exit_logged:
+                continue
+            ch.exit_logged = True
+            pid = ch.popen.pid
+            self._mark_dead_metrics(pid)
+            if ch.role == "expert-server" and self.table_path is not None:
+                log(
+                    f"expert server {ch.name} (pid {pid}) exited with code {rc}; clients fail over to other replicas"
+                )
+                table = self.table = self.routing_table.without_servers([ch.server_id or ch.name])
+                write_table(self.table_path, table)
+                unc = table.uncovered()
+                log(
+                    f"published routing table version {table.version} without {ch.name}"
+                    + (
+                        f" ({len(unc)} experts have no replica left: requests needing them fail with 503)"
+                        if unc
+                        else ""
+                    )
+                )
+            else:
+                log(f"attention client {ch.name} (pid {pid}) exited with code {rc}")
+
+    def _mark_dead_metrics(self, pid: int) -> None:
+        try:
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(pid, str(self._live_dir() / "metrics"))
+        except Exception:  # noqa: BLE001
+            pass
+
+    def serve_forever(self) -> int:
+        """Relay output and watch children until a stop signal or all clients are gone.
+
+        Returns the process exit code (0 on a signal, 1 when every attention client died).
+        """
+        while not self._stop:
+            self.children.pump(0.2)
+            self._check_children()
+            if all(
+                ch.popen.poll() is not None for ch in self.children if ch.role == "attention-client"
+            ):
+                log("no attention client left; shutting down")
+                return 1
+        return 0
+
+    def request_stop(self, signum: int | None = None, _frame: object = None) -> None:
+        """Signal handler: stop gracefully; a second Ctrl-C while stopping kills the children."""
+        if self._stopping and signum == signal.SIGINT:
+            log("second Ctrl-C: killing all processes now (SIGKILL)")
+            self.children.kill_all()
+        self._stop = True
+        if signum is not None and self._stop_signal is None:
+            self._stop_signal = signum
+
+    # ---- stop -----------------------------------------------------------------------------
+    def stop(self, grace: float = 15.0) -> None:
+        """Terminate the clients (SIGTERM) and wait for them, then the servers; SIGKILL what is
+        left after ``grace`` seconds (in all); remove the run dir."""
+        self._stopping = True
+        t0 = self.children.stop(grace)
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            self.run_dir = None
+        if t0 is not None:
+            log(f"all processes stopped in {time.monotonic() - t0:.1f} s")
+
+
+def serve(options: ServeOptions) -> int:
+    """Run a deployment until SIGINT/SIGTERM; returns the exit code: 0 after a signal once
+    serving, 1 when start-up failed or every client died, 128 + the signal's number (130
+    SIGINT, 143 SIGTERM) when a signal interrupted start-up.
+
+    Raises:
+        ValueError, PlacementError, FileNotFoundError: options this machine or the model cannot
+            serve (before any process starts; :class:`Deployment`).
+    """
+    dep = Deployment(options)
+    signal.signal(signal.SIGTERM, dep.request_stop)
+    signal.signal(signal.SIGINT, dep.request_stop)
+    log(
+        f"placement: {len(dep.info.moe_layers)} MoE layers x {dep.info.num_experts} experts, "
+        f"{dep.r} replicas on {dep.n} servers ({dep.placement.experts_per_server()} experts per server)"
+    )
+    if dep.server_cpu_list is not None:
+        log(f"expert servers pinned to CPUs {list(dep.server_cpu_list)} (--server-cpus auto)")
+    else:
+        log(
+            f"expert servers not pinned (--server-cpus {dep.options.server_cpus}{dep.not_pinned_why})"
+        )
+    try:
+        dep.start()
+    except ServeInterrupted as exc:
+        log(f"{exc}: stopped (nothing is serving)")
+        return 128 + exc.signum
+    except ServeError as exc:
+        log(f"start-up failed: {exc}")
+        return 1
+    try:
+        name = Path(dep.model_dir).name
+        log(f"routing table version {dep.routing_table.version}: {dep.table_path}")
+        print(
+            f"serving {name} on http://{dep.options.host}:{dep.options.port} ({dep.n} expert server{'s' if dep.n != 1 else ''}, {dep.r} replicas, "
+            f"{dep.m} client{'s' if dep.m != 1 else ''})",
+            flush=True,
+        )
+        return dep.serve_forever()
+    finally:
+        dep.stop()
