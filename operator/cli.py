@@ -53,7 +53,7 @@ def write_crds(
     ),
     root: str = typer.Option(".", "--root", help="Repository root for the default outputs."),
 ) -> None:
-    """Regenerate the ExpertPool and AttentionFleet CRD manifests from operator/crd.py."""
+    """Regenerate the ExpertPool and AttentionFleet CRD manifests from the models in operator/crd/."""
     from pathlib import Path
 
     from eaas.operator.crd import CRD_DIRS
