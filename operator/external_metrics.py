@@ -1,5 +1,4 @@
-"""Expert load through the aggregated external metrics API, and the HPA that uses it
-(issue 7, item 4).
+"""Expert load through the aggregated external metrics API, and the HPA that uses it.
 
 The operator serves ``external.metrics.k8s.io/v1beta1`` itself (no Prometheus needed): the
 kube-apiserver's aggregation layer proxies
