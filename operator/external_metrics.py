@@ -40,6 +40,8 @@ import ssl
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from aiohttp import web
+
 from eaas.operator.crd import API_VERSION, LABEL_POOL, ExpertPoolSpec
 from eaas.operator.names import Owner
 
@@ -322,8 +324,6 @@ async def start_server(
         ValueError: ``listen`` is not ``HOST:PORT``.
         ssl.SSLError, OSError: as :func:`server_ssl_context`; the port is taken.
     """
-    from aiohttp import web
-
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"EAAS_OPERATOR_METRICS_LISTEN must be HOST:PORT, got {listen!r}")

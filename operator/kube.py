@@ -143,12 +143,14 @@ def write_status(
 def apply(
     manifest: dict[str, Any],
     *,
-    read: Callable[[], Any],
-    create: Callable[[dict[str, Any]], Any],
-    patch: Callable[[dict[str, Any]], Any],
+    read: Any,
+    create: Any,
+    patch: Any,
 ) -> Any:
     """Create ``manifest`` or, if the live object's ``eaas.io/spec-hash`` differs, patch it.
-    Returns the live object (a kubernetes-client model).
+    Returns the live object (a kubernetes-client model). ``read()``, ``create(manifest)`` and
+    ``patch(manifest)`` call the object's kubernetes-client methods (typed ``Any``: the client
+    types their body as its model class, which accepts the dict too).
 
     Raises:
         ApiException: any API error but 404 on the first read and 409 on create (a racing

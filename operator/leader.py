@@ -38,6 +38,9 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
+from kubernetes import client as k8s
+from kubernetes.client.rest import ApiException
+
 from eaas.operator.settings import LeaseSettings
 
 log = logging.getLogger("eaas.operator.leader")
@@ -100,8 +103,6 @@ class LeaderElector:
         api: Any,
         on_change: Callable[[bool], None] | None = None,
     ) -> None:
-        from kubernetes import client as k8s
-
         self.settings = settings
         self.coord = k8s.CoordinationV1Api(api)
         self.on_change = on_change
@@ -141,8 +142,6 @@ class LeaderElector:
                     self.settings.name, self.settings.namespace
                 )
                 if lease.spec is not None and lease.spec.holder_identity == self.settings.identity:
-                    from kubernetes import client as k8s
-
                     self.coord.delete_namespaced_lease(
                         self.settings.name,
                         self.settings.namespace,
@@ -189,8 +188,6 @@ class LeaderElector:
         if not s.owner_deployment:
             return None
         if self._owner_refs is None:
-            from kubernetes import client as k8s
-
             dep = k8s.AppsV1Api(self.coord.api_client).read_namespaced_deployment(
                 s.owner_deployment, s.namespace
             )
@@ -209,9 +206,6 @@ class LeaderElector:
 
     def step(self) -> Decision:
         """Read the Lease, decide, write if needed. Returns the decision taken."""
-        from kubernetes import client as k8s
-        from kubernetes.client.rest import ApiException
-
         s = self.settings
         started = time.monotonic()
         try:
