@@ -151,32 +151,35 @@ def _ensure_rbac(state: OperatorState, owner: Owner, pool_name: str) -> None:
     core = k8s.CoreV1Api(state.api())
     rbac = k8s.RbacAuthorizationV1Api(state.api())
     ns = owner.namespace
+    methods: dict[str, tuple[Any, Any, Any]] = {  # kind -> (read, create, patch)
+        "ServiceAccount": (
+            core.read_namespaced_service_account,
+            core.create_namespaced_service_account,
+            core.patch_namespaced_service_account,
+        ),
+        "Role": (
+            rbac.read_namespaced_role,
+            rbac.create_namespaced_role,
+            rbac.patch_namespaced_role,
+        ),
+        "RoleBinding": (
+            rbac.read_namespaced_role_binding,
+            rbac.create_namespaced_role_binding,
+            rbac.patch_namespaced_role_binding,
+        ),
+    }
     for manifest in client_rbac(owner, pool_name):
         kind, n = manifest["kind"], manifest["metadata"]["name"]
         key = (ns, kind, n, manifest["metadata"]["annotations"][ANNOTATION_SPEC_HASH])
         if time.monotonic() - state.applied.get(key, -1e18) < RBAC_RECHECK_S:
             continue  # applied recently: save three GETs per fleet per resync
-        if kind == "ServiceAccount":
-            apply(
-                manifest,
-                read=lambda n=n: core.read_namespaced_service_account(n, ns),
-                create=lambda m: core.create_namespaced_service_account(ns, m),
-                patch=lambda m, n=n: core.patch_namespaced_service_account(n, ns, m),
-            )
-        elif kind == "Role":
-            apply(
-                manifest,
-                read=lambda n=n: rbac.read_namespaced_role(n, ns),
-                create=lambda m: rbac.create_namespaced_role(ns, m),
-                patch=lambda m, n=n: rbac.patch_namespaced_role(n, ns, m),
-            )
-        else:
-            apply(
-                manifest,
-                read=lambda n=n: rbac.read_namespaced_role_binding(n, ns),
-                create=lambda m: rbac.create_namespaced_role_binding(ns, m),
-                patch=lambda m, n=n: rbac.patch_namespaced_role_binding(n, ns, m),
-            )
+        read, create, patch = methods[kind]
+        apply(
+            manifest,
+            read=lambda read=read, n=n: read(n, ns),
+            create=lambda m, create=create: create(ns, m),
+            patch=lambda m, patch=patch, n=n: patch(n, ns, m),
+        )
         state.applied[key] = time.monotonic()
 
 
