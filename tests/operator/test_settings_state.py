@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from eaas.operator.reconcile.fleet import pool_table
 from eaas.operator.settings import LoadSettings, Settings
 from eaas.operator.state import OperatorState, PublishedTable
 from eaas.runtime.routing import RoutingTable
@@ -91,3 +92,16 @@ def test_a_pool_is_busy_while_suspects_a_staged_table_or_load_drive_it():
     assert memory.busy()
     memory.fleet_acks.update(f1=[1, 2], f2=[3])
     assert sorted(memory.client_acks()) == [1, 2, 3]
+
+
+class _NoApi:
+    """A CoreV1Api stand-in that fails on any call: the fleet must not read the ConfigMap."""
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"unexpected API call {name}")
+
+
+def test_a_fleet_takes_the_table_its_pool_handed_over_without_reading_the_configmap():
+    state = OperatorState()
+    state.pool("ns", "p").published = PublishedTable(resource_version="7", version=4, wire="W")
+    assert pool_table(state, _NoApi(), "ns", "p") == (4, "W")  # type: ignore[arg-type]
