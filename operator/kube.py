@@ -1,6 +1,6 @@
 """Kubernetes API I/O shared by the reconcilers: raw reads (JSON bodies without the client's
-model deserialization), the custom objects and their status, create-or-patch by spec hash,
-Events, the routing-table ConfigMap and the push-token Secrets.
+model deserialization), the custom objects and their status,
+server-side apply by spec hash, Events, the routing-table ConfigMap and the push-token Secrets.
 
 Every function raises the client's ``ApiException`` for API errors it does not name.
 """
@@ -26,6 +26,14 @@ from eaas.runtime.routing import RoutingTable, RoutingTableError
 #: Plurals of the custom resources.
 POOLS = "expertpools"
 FLEETS = "attentionfleets"
+#: Field manager of everything the operator applies (server-side apply).
+FIELD_MANAGER = "eaas-operator"
+#: Keyword arguments of a kubernetes-client ``patch_*`` call that make it a server-side apply.
+APPLY_OPTIONS: dict[str, Any] = {
+    "field_manager": FIELD_MANAGER,
+    "force": True,
+    "_content_type": "application/apply-patch+yaml",
+}
 #: RFC 3339 time as Kubernetes writes it (UTC, seconds).
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 
@@ -140,37 +148,29 @@ def write_status(
     return True
 
 
-def apply(
-    manifest: dict[str, Any],
-    *,
-    read: Any,
-    create: Any,
-    patch: Any,
-) -> Any:
-    """Create ``manifest`` or, if the live object's ``eaas.io/spec-hash`` differs, patch it.
-    Returns the live object (a kubernetes-client model). ``read()``, ``create(manifest)`` and
-    ``patch(manifest)`` call the object's kubernetes-client methods (typed ``Any``: the client
-    types their body as its model class, which accepts the dict too).
+def apply(manifest: dict[str, Any], *, read: Any, patch: Any) -> Any:
+    """Server-side apply of ``manifest`` under the field manager :data:`FIELD_MANAGER` (forced:
+    the operator owns the fields it sets) when the object is absent or its ``eaas.io/spec-hash``
+    differs; the API server creates or merges it. Returns the live object (a kubernetes-client
+    model).
+
+    ``read()`` reads the object; ``patch(manifest, **options)`` calls its kubernetes-client
+    ``patch_namespaced_*`` method with the apply options (typed ``Any``: the client types the
+    body as its model class, which accepts the dict too).
 
     Raises:
-        ApiException: any API error but 404 on the first read and 409 on create (a racing
-            create: the object is read back).
+        ApiException: any API error but 404 on the read.
     """
     try:
         live = read()
     except ApiException as exc:
         if exc.status != 404:
             raise
-        try:
-            return create(manifest)
-        except ApiException as exc2:
-            if exc2.status != 409:
-                raise
-            live = read()
+        live = None
     want = manifest["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
-    if (live.metadata.annotations or {}).get(ANNOTATION_SPEC_HASH) != want:
-        return patch(manifest)
-    return live
+    if live is not None and (live.metadata.annotations or {}).get(ANNOTATION_SPEC_HASH) == want:
+        return live
+    return patch(manifest, **APPLY_OPTIONS)
 
 
 def secret_token(secret: dict[str, Any]) -> str:

@@ -84,14 +84,12 @@ def reconcile_fleet(state: OperatorState, namespace: str, name: str, logger: kop
     dep = apply(
         deployment,
         read=lambda: apps.read_namespaced_deployment(name, namespace),
-        create=lambda m: apps.create_namespaced_deployment(namespace, m),
-        patch=lambda m: apps.patch_namespaced_deployment(name, namespace, m),
+        patch=lambda m, **o: apps.patch_namespaced_deployment(name, namespace, m, **o),
     )
     apply(
         fleet_service(owner, spec),
         read=lambda: core.read_namespaced_service(name, namespace),
-        create=lambda m: core.create_namespaced_service(namespace, m),
-        patch=lambda m: core.patch_namespaced_service(name, namespace, m),
+        patch=lambda m, **o: core.patch_namespaced_service(name, namespace, m, **o),
     )
     table_version, table_json = pool_table(state, core, namespace, pool_name)
     acked = _push(state, core, owner, spec, memory, token, table_version, table_json, logger)
@@ -151,34 +149,24 @@ def _ensure_rbac(state: OperatorState, owner: Owner, pool_name: str) -> None:
     core = k8s.CoreV1Api(state.api())
     rbac = k8s.RbacAuthorizationV1Api(state.api())
     ns = owner.namespace
-    methods: dict[str, tuple[Any, Any, Any]] = {  # kind -> (read, create, patch)
+    methods: dict[str, tuple[Any, Any]] = {  # kind -> (read, patch)
         "ServiceAccount": (
             core.read_namespaced_service_account,
-            core.create_namespaced_service_account,
             core.patch_namespaced_service_account,
         ),
-        "Role": (
-            rbac.read_namespaced_role,
-            rbac.create_namespaced_role,
-            rbac.patch_namespaced_role,
-        ),
-        "RoleBinding": (
-            rbac.read_namespaced_role_binding,
-            rbac.create_namespaced_role_binding,
-            rbac.patch_namespaced_role_binding,
-        ),
+        "Role": (rbac.read_namespaced_role, rbac.patch_namespaced_role),
+        "RoleBinding": (rbac.read_namespaced_role_binding, rbac.patch_namespaced_role_binding),
     }
     for manifest in client_rbac(owner, pool_name):
         kind, n = manifest["kind"], manifest["metadata"]["name"]
         key = (ns, kind, n, manifest["metadata"]["annotations"][ANNOTATION_SPEC_HASH])
         if time.monotonic() - state.applied.get(key, -1e18) < RBAC_RECHECK_S:
             continue  # applied recently: save three GETs per fleet per resync
-        read, create, patch = methods[kind]
+        read, patch = methods[kind]
         apply(
             manifest,
             read=lambda read=read, n=n: read(n, ns),
-            create=lambda m, create=create: create(ns, m),
-            patch=lambda m, patch=patch, n=n: patch(n, ns, m),
+            patch=lambda m, patch=patch, n=n, **o: patch(n, ns, m, **o),
         )
         state.applied[key] = time.monotonic()
 
