@@ -1,6 +1,6 @@
 """Pure desired-state builders and decisions of the operator (no I/O, no kopf).
 
-Everything the handlers do is decided from plain inputs: the parsed spec, the owner's identity,
+Everything the reconcilers (:mod:`eaas.operator.reconcile`) do is decided from plain inputs: the parsed spec, the owner's identity,
 and what the API server reports (pods, the routing-table ConfigMap, the Deployment). Each
 function returns manifests (plain dicts ready for the Kubernetes API) or small records.
 
