@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 
@@ -32,6 +34,8 @@ def run_operator(
     reports, ``EAAS_OPERATOR_REPORT_URL`` is that address as clients reach it. Same as
     ``kopf run -m eaas.operator.handlers --all-namespaces --standalone``.
     """
+    # lazy: kopf and the operator (kubernetes client, pydantic models) cost the start-up of every
+    # other `eaas` command
     import kopf
 
     import eaas.operator.handlers  # noqa: F401  (registers the handlers)
@@ -53,9 +57,8 @@ def write_crds(
     ),
     root: str = typer.Option(".", "--root", help="Repository root for the default outputs."),
 ) -> None:
-    """Regenerate the ExpertPool and AttentionFleet CRD manifests from operator/crd.py."""
-    from pathlib import Path
-
+    """Regenerate the ExpertPool and AttentionFleet CRD manifests from the models in operator/crd/."""
+    # lazy: the CRD models (pydantic) cost the start-up of every other `eaas` command
     from eaas.operator.crd import CRD_DIRS
     from eaas.operator.crd import write_crds as _write
 

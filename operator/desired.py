@@ -1,8 +1,8 @@
 """Pure desired-state builders and decisions of the operator (no I/O, no kopf).
 
-Everything the handlers do is decided from plain inputs: the parsed spec, the owner's identity,
-and what the API server reports (pods, the routing-table ConfigMap, the Deployment). Each
-function returns manifests (plain dicts ready for the Kubernetes API) or small records.
+Everything the reconcilers (:mod:`eaas.operator.reconcile`) do is decided from plain inputs: the
+parsed spec, the owner's identity, and what the API server reports (pods, the routing-table
+ConfigMap, the Deployment). Each function returns manifests (plain dicts ready for the Kubernetes API) or small records.
 
 Split by concern (this module re-exports them all):
 

@@ -1,5 +1,4 @@
-"""Expert load through the aggregated external metrics API, and the HPA that uses it
-(issue 7, item 4).
+"""Expert load through the aggregated external metrics API, and the HPA that uses it.
 
 The operator serves ``external.metrics.k8s.io/v1beta1`` itself (no Prometheus needed): the
 kube-apiserver's aggregation layer proxies
@@ -40,6 +39,8 @@ import logging
 import ssl
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from aiohttp import web
 
 from eaas.operator.crd import API_VERSION, LABEL_POOL, ExpertPoolSpec
 from eaas.operator.names import Owner
@@ -323,8 +324,6 @@ async def start_server(
         ValueError: ``listen`` is not ``HOST:PORT``.
         ssl.SSLError, OSError: as :func:`server_ssl_context`; the port is taken.
     """
-    from aiohttp import web
-
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"EAAS_OPERATOR_METRICS_LISTEN must be HOST:PORT, got {listen!r}")

@@ -1,5 +1,4 @@
-"""Exactly one operator acts: leader election on a ``coordination.k8s.io/v1`` Lease (issue 6,
-item 6, first bullet).
+"""Exactly one operator acts: leader election on a ``coordination.k8s.io/v1`` Lease.
 
 Several ``eaas operator`` processes (Helm's two replicas, or a second one started by mistake)
 may run; only the holder of the Lease ``eaas-operator`` reconciles, pushes tables, posts Events
@@ -34,98 +33,22 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
-import os
-import socket
 import threading
 import time
-import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Literal
+
+from kubernetes import client as k8s
+from kubernetes.client.rest import ApiException
+
+from eaas.operator.settings import LeaseSettings
 
 log = logging.getLogger("eaas.operator.leader")
 
-LEASE_NAME = "eaas-operator"
 #: Lease annotation: the holder's failure-report base URL (``http://IP:PORT``).
 ANNOTATION_LEADER_URL = "eaas.io/leader-url"
 
 Decision = Literal["renew", "acquire", "wait"]
-
-
-@dataclass(frozen=True)
-class LeaseSettings:
-    """Timing and identity of the election (all seconds).
-
-    Attributes:
-        namespace, name: the Lease object.
-        identity: this process (unique among candidates: pod name or host-pid-random).
-        lease_duration_s: how long a candidate waits after the last change it saw.
-        renew_deadline_s: how stale its own last renewal may get before a leader stops acting.
-        retry_s: period of renew / acquire attempts.
-        advertise_url: this process's failure-report base URL, written on the Lease while it
-            leads ("" : none).
-        owner_deployment: name of an ``apps/v1`` Deployment in ``namespace`` that owns the
-            Lease ("": none).
-    """
-
-    namespace: str
-    name: str = LEASE_NAME
-    identity: str = ""
-    lease_duration_s: float = 15.0
-    renew_deadline_s: float = 10.0
-    retry_s: float = 2.0
-    advertise_url: str = ""
-    owner_deployment: str = ""
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> LeaseSettings:
-        """From ``EAAS_OPERATOR_LEASE_NAMESPACE`` (else ``POD_NAMESPACE``, else ``default``),
-        ``EAAS_OPERATOR_LEASE_NAME``, ``EAAS_OPERATOR_ID`` (else ``POD_NAME``, else
-        host-pid-random), ``EAAS_OPERATOR_LEASE_DURATION_S`` (default 15; the renew deadline is
-        2/3 of it and the retry period 2/15 of it), the advertised report URL
-        ``EAAS_OPERATOR_ADVERTISE_URL`` (else :func:`advertise_url` of
-        ``EAAS_OPERATOR_REPORT_LISTEN`` and ``POD_IP``), the owning Deployment
-        ``EAAS_OPERATOR_LEASE_OWNER_DEPLOYMENT``.
-
-        Raises:
-            ValueError: a duration that is not a positive number.
-        """
-        duration = float(env.get("EAAS_OPERATOR_LEASE_DURATION_S", "15"))
-        if not duration > 0:
-            raise ValueError(f"EAAS_OPERATOR_LEASE_DURATION_S must be > 0, got {duration}")
-        identity = (
-            env.get("EAAS_OPERATOR_ID")
-            or env.get("POD_NAME")
-            or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        )
-        return cls(
-            namespace=env.get("EAAS_OPERATOR_LEASE_NAMESPACE")
-            or env.get("POD_NAMESPACE")
-            or "default",
-            name=env.get("EAAS_OPERATOR_LEASE_NAME", LEASE_NAME),
-            identity=identity,
-            lease_duration_s=duration,
-            renew_deadline_s=duration * 2 / 3,
-            retry_s=duration * 2 / 15,
-            advertise_url=env.get("EAAS_OPERATOR_ADVERTISE_URL")
-            or advertise_url(env.get("EAAS_OPERATOR_REPORT_LISTEN", ""), env.get("POD_IP", "")),
-            owner_deployment=env.get("EAAS_OPERATOR_LEASE_OWNER_DEPLOYMENT", ""),
-        )
-
-
-def advertise_url(listen: str, pod_ip: str) -> str:
-    """Base URL at which the other replicas reach this one's report listener ``HOST:PORT``:
-    a wildcard host (``0.0.0.0``, ``::``, empty) becomes ``pod_ip`` (else 127.0.0.1).
-    "" when ``listen`` is empty or has no port."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit():
-        return ""
-    host = host.strip("[]")
-    if host in ("", "0.0.0.0", "::"):
-        host = pod_ip or "127.0.0.1"
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{port}"
 
 
 def lease_decision(
@@ -180,8 +103,6 @@ class LeaderElector:
         api: Any,
         on_change: Callable[[bool], None] | None = None,
     ) -> None:
-        from kubernetes import client as k8s
-
         self.settings = settings
         self.coord = k8s.CoordinationV1Api(api)
         self.on_change = on_change
@@ -221,8 +142,6 @@ class LeaderElector:
                     self.settings.name, self.settings.namespace
                 )
                 if lease.spec is not None and lease.spec.holder_identity == self.settings.identity:
-                    from kubernetes import client as k8s
-
                     self.coord.delete_namespaced_lease(
                         self.settings.name,
                         self.settings.namespace,
@@ -269,8 +188,6 @@ class LeaderElector:
         if not s.owner_deployment:
             return None
         if self._owner_refs is None:
-            from kubernetes import client as k8s
-
             dep = k8s.AppsV1Api(self.coord.api_client).read_namespaced_deployment(
                 s.owner_deployment, s.namespace
             )
@@ -289,9 +206,6 @@ class LeaderElector:
 
     def step(self) -> Decision:
         """Read the Lease, decide, write if needed. Returns the decision taken."""
-        from kubernetes import client as k8s
-        from kubernetes.client.rest import ApiException
-
         s = self.settings
         started = time.monotonic()
         try:
@@ -342,3 +256,7 @@ class LeaderElector:
             raise
         self._renewed_at = started  # conservative: before the read
         return decision
+
+
+# SHIM(issue17): moved to eaas.operator.settings; remove at merge
+from eaas.operator.settings import LEASE_NAME, advertise_url  # noqa: E402, F401

@@ -1,5 +1,5 @@
 """Expert load as an input: the operator scrapes its expert servers' token counters and turns
-them into per-(layer, expert) token rates (issue 7, item 2).
+them into per-(layer, expert) token rates.
 
 Every expert server counts ``eaas_expert_tokens_total{layer,expert}`` (tokens it computed for
 that expert since its process started; :mod:`eaas.runtime.metrics`) and serves it on its
@@ -38,19 +38,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eaas.operator.monitor import health_url
+from eaas.operator.settings import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_INTERVAL_S,
+    DEFAULT_WINDOW_S,
+    LoadSettings,
+)
 from eaas.runtime.placement import LayerExpert
 
 log = logging.getLogger("eaas.operator.load")
 
 METRIC = "eaas_expert_tokens_total"
-#: Default scrape interval (s): env ``EAAS_OPERATOR_LOAD_SCRAPE_S``.
-DEFAULT_INTERVAL_S = 5.0
-#: Default rate window (s): env ``EAAS_OPERATOR_LOAD_WINDOW_S``.
-DEFAULT_WINDOW_S = 30.0
 #: Per-GET timeout of one scrape (s).
 DEFAULT_TIMEOUT_S = 2.0
-#: Concurrent scrapes at most (a 1024-server pool is scraped 32 at a time).
-DEFAULT_CONCURRENCY = 32
 #: Hottest experts listed in the pool's status.
 HOTTEST = 5
 
@@ -329,19 +329,26 @@ class LoadScraper:
         )
 
     @classmethod
+    def from_settings(cls, settings: LoadSettings) -> LoadScraper:
+        """A scraper with ``settings`` (:class:`eaas.operator.settings.LoadSettings`).
+
+        Raises:
+            ValueError: the constraints of the constructor.
+        """
+        return cls(
+            interval_s=settings.scrape_s,
+            window_s=settings.window_s,
+            max_concurrency=settings.concurrency,
+        )
+
+    @classmethod
     def from_env(cls, env: Mapping[str, str]) -> LoadScraper:
-        """Settings from ``EAAS_OPERATOR_LOAD_SCRAPE_S`` (interval, default 5),
-        ``EAAS_OPERATOR_LOAD_WINDOW_S`` (window, default 30) and
-        ``EAAS_OPERATOR_LOAD_CONCURRENCY`` (default 32).
+        """:meth:`from_settings` of :meth:`eaas.operator.settings.LoadSettings.from_env`.
 
         Raises:
             ValueError: a value that is not a number, or the constraints of the constructor.
         """
-        return cls(
-            interval_s=float(env.get("EAAS_OPERATOR_LOAD_SCRAPE_S", DEFAULT_INTERVAL_S)),
-            window_s=float(env.get("EAAS_OPERATOR_LOAD_WINDOW_S", DEFAULT_WINDOW_S)),
-            max_concurrency=int(env.get("EAAS_OPERATOR_LOAD_CONCURRENCY", DEFAULT_CONCURRENCY)),
-        )
+        return cls.from_settings(LoadSettings.from_env(env))
 
     def start(self) -> LoadScraper:
         """Start the background thread (idempotent)."""

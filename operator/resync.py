@@ -1,5 +1,5 @@
-"""When a pool's daemon runs a full reconcile step (issue 6, item 6: an idle operator with one
-1024-server pool must cost well under 1% of a core).
+"""When a pool's daemon runs a full reconcile step (an idle operator with one 1024-server pool
+must cost well under 1% of a core).
 
 A full step of a large pool is expensive (measured with ``bench/operator_idle.py``, 1024 servers:
 LIST of the pods and its JSON decode ~37%, the desired pod manifests ~26%, the next routing table
@@ -19,28 +19,6 @@ as in client-go's informer resync or controller-runtime's ``SyncPeriod``: a step
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
-
-#: Default period (s) of full steps of a pool nothing happened to.
-IDLE_RESYNC_S = 120.0
-
-
-def idle_resync_from_env(env: Mapping[str, str] = os.environ) -> float:
-    """``EAAS_OPERATOR_IDLE_RESYNC_S`` (s), default :data:`IDLE_RESYNC_S`.
-
-    Raises:
-        ValueError: not a number >= 0 (the message names the variable).
-    """
-    raw = env.get("EAAS_OPERATOR_IDLE_RESYNC_S", str(IDLE_RESYNC_S))
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"EAAS_OPERATOR_IDLE_RESYNC_S must be a number, got {raw!r}") from None
-    if not value >= 0:
-        raise ValueError(f"EAAS_OPERATOR_IDLE_RESYNC_S must be >= 0, got {raw!r}")
-    return value
-
 
 def step_due(
     woken: bool, failed: bool, busy: bool, since_last_step_s: float, idle_resync_s: float
@@ -51,8 +29,12 @@ def step_due(
         woken: an event woke the daemon since the last step (or this is the first one).
         failed: the last step raised (an API error): retry.
         busy: the object needs periodic steps (a pool with suspected servers, a staged table
-            or load-driven placement/autoscaling: ``handlers._pool_busy``).
+            or load-driven placement/autoscaling: :meth:`eaas.operator.state.PoolMemory.busy`).
         since_last_step_s: seconds since the last full step began.
         idle_resync_s: period of steps when nothing happens (0: every call).
     """
     return woken or failed or busy or since_last_step_s >= idle_resync_s
+
+
+# SHIM(issue17): moved to eaas.operator.settings; remove at merge
+from eaas.operator.settings import IDLE_RESYNC_S, idle_resync_from_env  # noqa: E402, F401

@@ -1,61 +1,22 @@
-"""CRDs ``ExpertPool`` and ``AttentionFleet`` (group ``eaas.io``, version ``v1alpha1``).
-
-One source of truth: the pydantic models below. They serve twice:
-
-* :func:`render_crds` turns them into CustomResourceDefinition manifests (structural OpenAPI v3
-  schemas with defaults, bounds, enums and CEL rules) — ``eaas crds --out deploy/crds`` writes them
-  to ``deploy/crds/*.yaml`` and into the Helm chart's ``crds/`` folder.
-* The operator parses ``spec`` with :meth:`ExpertPoolSpec.model_validate` (the API server has
-  already applied the defaults and validated the rules; parsing gives typed access).
+"""``spec`` models of ``ExpertPool`` and ``AttentionFleet``: the desired state a user writes.
 
 Per-field ``description`` texts become the CRD's ``description`` (shown by ``kubectl explain``).
 """
 
 from __future__ import annotations
 
-import copy
-import sys
-import types
-import typing
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
-from pydantic.json_schema import JsonDict, JsonValue
+from pydantic import ConfigDict, Field
+from pydantic.json_schema import JsonValue
 
-from eaas.runtime.placement import POLICIES
-
-PlacementPolicy = Literal["round-robin", "load-balanced"]
-ExpertAssignment = Literal["command-line", "routing-table"]
-assert set(typing.get_args(PlacementPolicy)) == set(POLICIES), (
-    "CRD enum out of sync with eaas.runtime.placement"
+from eaas.operator.crd.base import (
+    K8S_OBJECT,
+    RDMA_NODE_LABEL,
+    CrdModel,
+    ExpertAssignment,
+    PlacementPolicy,
 )
-
-GROUP = "eaas.io"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-
-#: Label/annotation keys the operator writes. Pods: all labels; ConfigMap: the annotation.
-LABEL_POOL = "eaas.io/pool"
-LABEL_FLEET = "eaas.io/fleet"
-LABEL_ROLE = "eaas.io/role"
-LABEL_SERVER_INDEX = "eaas.io/server-index"
-LABEL_PLACEMENT_REVISION = "eaas.io/placement-revision"
-ANNOTATION_EXPERTS = "eaas.io/experts"
-ANNOTATION_SPEC_HASH = "eaas.io/spec-hash"
-ANNOTATION_TABLE_VERSION = "eaas.io/routing-table-version"
-RDMA_NODE_LABEL = "eaas.io/rdma"
-
-_K8S_OBJECT: JsonDict = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-
-
-class _Model(BaseModel):
-    """Base: camelCase wire names, snake_case attributes; unknown fields ignored when parsing."""
-
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
-
 
 # ---------------------------------------------------------------------------------------------
 # ExpertPool
@@ -112,7 +73,7 @@ _MODEL_SOURCE_RULES: list[JsonValue] = [
 ]
 
 
-class ModelSource(_Model):
+class ModelSource(CrdModel):
     """Where the weights are: a directory on the node (``hostPath``), a PersistentVolumeClaim,
     or, with neither, baked into the container image. A volume is mounted read-only at
     ``/models`` and ``uri`` is the checkpoint's path inside it."""
@@ -181,7 +142,7 @@ class ModelSpec(ModelSource):
         return list(range(self.first_moe_layer, self.first_moe_layer + self.num_moe_layers))
 
 
-class PlacementSpec(_Model):
+class PlacementSpec(CrdModel):
     """How logical experts are spread over expert servers."""
 
     policy: PlacementPolicy = Field(
@@ -238,7 +199,7 @@ class PlacementSpec(_Model):
     )
 
 
-class FailureDetectionSpec(_Model):
+class FailureDetectionSpec(CrdModel):
     """Timing of the data plane's failure detection."""
 
     dispatch_timeout_ms: int = Field(
@@ -257,7 +218,7 @@ NVSHMEM_UID_VOLUME = "nvshmem-uid"
 TransportScheme = Literal["tcp", "nvshmem"]
 
 
-class NvshmemUidVolume(_Model):
+class NvshmemUidVolume(CrdModel):
     """Storage every member of the world mounts read-write at ``/var/run/eaas/nvshmem``: PE 0
     writes the world's unique id there and the other PEs read it (docs/gpu.md "nvshmem:PE").
     Give exactly one source."""
@@ -304,7 +265,7 @@ class NvshmemUidVolume(_Model):
         return {"name": NVSHMEM_UID_VOLUME, "mountPath": NVSHMEM_UID_MOUNT_DIR}
 
 
-class NvshmemSpec(_Model):
+class NvshmemSpec(CrdModel):
     """One NVSHMEM world per pool (docs/gpu.md "Elastic membership"): PEs ``0 .. clients-1``
     are the attention clients, ``clients .. clients+replicas-1`` the expert servers (pod index
     order), then ``spares`` spare expert servers (pods ``<pool>-<replicas>`` on, started with
@@ -334,7 +295,7 @@ class NvshmemSpec(_Model):
     )
 
 
-class TransportSpec(_Model):
+class TransportSpec(CrdModel):
     """The data plane between attention clients and expert servers."""
 
     model_config = ConfigDict(
@@ -362,7 +323,7 @@ class TransportSpec(_Model):
     )
 
 
-class AutoscalingSpec(_Model):
+class AutoscalingSpec(CrdModel):
     """Autoscaling on expert load: the operator owns an ``autoscaling/v2``
     HorizontalPodAutoscaler named like the pool that targets the pool's ``scale`` subresource
     with the External metric ``eaas_expert_load`` (the pool's expert load, tokens/s, served by
@@ -409,7 +370,7 @@ def _default_tolerations() -> list[dict[str, Any]]:
     return [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
 
 
-class ExpertPoolSpec(_Model):
+class ExpertPoolSpec(CrdModel):
     """Desired state of an ExpertPool: `replicas` stateless expert servers (one pod each) that
     together host every logical expert `redundancy` times, on distinct servers."""
 
@@ -469,7 +430,7 @@ class ExpertPoolSpec(_Model):
     )
     resources: dict[str, Any] | None = Field(
         default=None,
-        json_schema_extra=_K8S_OBJECT,
+        json_schema_extra=K8S_OBJECT,
         description="Extra container resources (core/v1 ResourceRequirements); the operator adds "
         "`nvidia.com/gpu: gpusPerServer` and `<rdmaResource>: 1` to requests and limits.",
     )
@@ -479,12 +440,12 @@ class ExpertPoolSpec(_Model):
     )
     affinity: dict[str, Any] | None = Field(
         default=None,
-        json_schema_extra=_K8S_OBJECT,
+        json_schema_extra=K8S_OBJECT,
         description="core/v1 Affinity of expert-server pods.",
     )
     tolerations: list[dict[str, Any]] = Field(
         default_factory=_default_tolerations,
-        json_schema_extra={"items": _K8S_OBJECT},
+        json_schema_extra={"items": K8S_OBJECT},
         description="core/v1 Tolerations of expert-server pods (default: tolerate the GPU taint).",
     )
     rdma_resource: str = Field(
@@ -518,7 +479,7 @@ class ExpertPoolSpec(_Model):
     )
     pod_template: dict[str, Any] | None = Field(
         default=None,
-        json_schema_extra=_K8S_OBJECT,
+        json_schema_extra=K8S_OBJECT,
         description="Pod template overlay (core/v1 PodTemplateSpec subset) merged into every "
         "generated pod the way LeaderWorkerSet/KServe merge theirs: `metadata.labels`/"
         "`annotations` added; `spec.containers[]` matched by name (the operator's container is "
@@ -530,129 +491,10 @@ class ExpertPoolSpec(_Model):
     )
 
 
-#: ``status`` of a Kubernetes condition.
-ConditionStatus = Literal["True", "False", "Unknown"]
-
-
-class Condition(_Model):
-    """A standard Kubernetes condition."""
-
-    type: str = Field(description="Ready, Progressing or Degraded.")
-    status: ConditionStatus = Field(description="Condition status.")
-    reason: str = Field(default="", description="CamelCase reason.")
-    message: str = Field(default="", description="Human-readable detail.")
-    last_transition_time: str | None = Field(
-        default=None, description="When status last changed (RFC 3339)."
-    )
-    observed_generation: int | None = Field(
-        default=None, description="Generation the condition is about."
-    )
-
-
-class PlacementSummary(_Model):
-    """Summary of the current placement and of live coverage."""
-
-    experts_per_server_min: int = Field(
-        default=0, description="Fewest (layer, expert) replicas on one server."
-    )
-    experts_per_server_max: int = Field(
-        default=0, description="Most (layer, expert) replicas on one server."
-    )
-    experts_below_redundancy: int = Field(
-        default=0,
-        description="Logical experts with fewer than `redundancy` live replicas in the routing table.",
-    )
-    uncovered_experts: int = Field(
-        default=0, description="Logical experts with no live replica at all."
-    )
-    logical_experts: int = Field(
-        default=0, description="Logical experts in total (MoE layers x experts)."
-    )
-
-
-class LoadSummary(_Model):
-    """Expert load measured from the servers' ``eaas_expert_tokens_total`` counters over a
-    sliding window (the operator scrapes each Ready server's /metrics)."""
-
-    servers: int = Field(default=0, description="Servers with a measured rate.")
-    window_seconds: float = Field(default=0, description="Rate window (seconds).")
-    total_tokens_per_second: float = Field(
-        default=0, description="Pool load: tokens/s summed over servers (the HPA's metric)."
-    )
-    server_max_tokens_per_second: float = Field(
-        default=0, description="Highest per-server load (tokens/s)."
-    )
-    server_mean_tokens_per_second: float = Field(
-        default=0, description="Mean per-server load (tokens/s)."
-    )
-    balancedness: float = Field(
-        default=1, description="Mean / max per-server load (1: perfectly balanced)."
-    )
-    hottest_experts: list[str] = Field(
-        default_factory=list,
-        description="Hottest logical experts pool-wide, as `L<layer>/E<expert>: <tokens/s>`.",
-    )
-
-
-class ExpertPoolStatus(_Model):
-    """Observed state of an ExpertPool."""
-
-    replicas: int = Field(default=0, description="Expert-server pods that exist (not terminating).")
-    ready_replicas: int = Field(
-        default=0, description="Expert-server pods that are Ready with a pod IP."
-    )
-    updated_replicas: int = Field(
-        default=0, description="Pods matching the current placement revision and spec."
-    )
-    selector: str = Field(
-        default="", description="Label selector of the pool's pods (string form, for `scale`)."
-    )
-    observed_generation: int = Field(default=0, description="metadata.generation last acted on.")
-    conditions: list[Condition] = Field(
-        default_factory=list, description="Ready, Progressing, Degraded."
-    )
-    routing_table_version: int = Field(
-        default=0, description="Version of the published routing table."
-    )
-    placement: PlacementSummary = Field(
-        default_factory=PlacementSummary, description="Placement summary."
-    )
-    placement_revision: str = Field(
-        default="", description="Hash of the current placement's inputs."
-    )
-    clients: int = Field(
-        default=0, description="Ready attention clients of the fleets that use this pool."
-    )
-    clients_acknowledged: int = Field(
-        default=0,
-        description="Of those, the clients that acknowledged routingTableVersion.",
-    )
-    acknowledged_version: int = Field(
-        default=0, description="Oldest routing-table version a Ready client has acknowledged."
-    )
-    staged_routing_table_version: int = Field(
-        default=0,
-        description="assignment routing-table: version pushed to the servers and not yet to the "
-        "clients (0: none pending).",
-    )
-    servers_confirmed: int = Field(
-        default=0,
-        description="assignment routing-table: servers of the newest version (staged, else "
-        "published) that confirmed holding its experts' weights.",
-    )
-    last_rebalance_time: str | None = Field(
-        default=None,
-        description="When the last load rebalance was staged (RFC 3339); absent until one was.",
-    )
-    load: LoadSummary | None = Field(
-        default=None, description="Measured expert load (absent until two scrapes)."
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # AttentionFleet
 # ---------------------------------------------------------------------------------------------
-class ExpertPoolRef(_Model):
+class ExpertPoolRef(CrdModel):
     """Reference to an ExpertPool in the fleet's namespace."""
 
     name: str = Field(min_length=1, max_length=253, description="Name of the ExpertPool.")
@@ -665,7 +507,7 @@ class FleetModelSpec(ModelSource):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _MODEL_SOURCE_RULES})
 
 
-class AttentionFleetSpec(_Model):
+class AttentionFleetSpec(CrdModel):
     """Desired state of an AttentionFleet: stateful attention clients (a Deployment and a Service)
     that use the routing table of one ExpertPool."""
 
@@ -682,7 +524,7 @@ class AttentionFleetSpec(_Model):
     )
     resources: dict[str, Any] | None = Field(
         default=None,
-        json_schema_extra=_K8S_OBJECT,
+        json_schema_extra=K8S_OBJECT,
         description="core/v1 ResourceRequirements of a client.",
     )
     node_selector: dict[str, str] = Field(
@@ -690,7 +532,7 @@ class AttentionFleetSpec(_Model):
     )
     tolerations: list[dict[str, Any]] = Field(
         default_factory=list,
-        json_schema_extra={"items": _K8S_OBJECT},
+        json_schema_extra={"items": K8S_OBJECT},
         description="Tolerations of client pods.",
     )
     port: int = Field(
@@ -701,7 +543,7 @@ class AttentionFleetSpec(_Model):
     )
     pod_template: dict[str, Any] | None = Field(
         default=None,
-        json_schema_extra=_K8S_OBJECT,
+        json_schema_extra=K8S_OBJECT,
         description="Pod template overlay (core/v1 PodTemplateSpec subset) merged into every "
         "generated pod the way LeaderWorkerSet/KServe merge theirs: `metadata.labels`/"
         "`annotations` added; `spec.containers[]` matched by name (the operator's container is "
@@ -711,327 +553,3 @@ class AttentionFleetSpec(_Model):
         "`affinity`, `serviceAccountName`, `priorityClassName` and `securityContext` set. Other "
         "keys are refused (status InvalidSpec).",
     )
-
-
-class AttentionFleetStatus(_Model):
-    """Observed state of an AttentionFleet."""
-
-    replicas: int = Field(default=0, description="Client pods (from the Deployment).")
-    ready_replicas: int = Field(default=0, description="Ready client pods.")
-    selector: str = Field(
-        default="", description="Label selector of the client pods (string form)."
-    )
-    observed_generation: int = Field(default=0, description="metadata.generation last acted on.")
-    conditions: list[Condition] = Field(
-        default_factory=list, description="Ready, Progressing, Degraded."
-    )
-    routing_table_version: int = Field(
-        default=0, description="Version of the pool's routing table (its ConfigMap)."
-    )
-    acknowledged_version: int = Field(
-        default=0,
-        description="Oldest routing-table version a Ready client has acknowledged (0: none yet).",
-    )
-    clients_acknowledged: int = Field(
-        default=0,
-        description="Ready clients that acknowledged routingTableVersion (push answer, or a "
-        "409 naming it: the client got it from the ConfigMap watch).",
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# pydantic JSON Schema -> structural OpenAPI v3 schema
-# ---------------------------------------------------------------------------------------------
-def _structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
-    """Rewrite one pydantic JSON-Schema node into a Kubernetes structural schema node.
-
-    Inlines ``$ref``, turns ``Optional[X]`` (``anyOf [X, null]``) into ``X``, drops ``title`` and
-    ``additionalProperties: false``, keeps defaults, bounds, enums, descriptions and ``x-`` keys.
-
-    Raises:
-        ValueError: a construct that has no structural form (a non-Optional union).
-    """
-    node = dict(schema)
-    if "$ref" in node:
-        target = defs[node.pop("$ref").split("/")[-1]]
-        merged = {**_structural(target, defs), **{k: v for k, v in node.items()}}
-        # a field-level description wins over the class docstring
-        return _structural_keys(merged, defs)
-    if "anyOf" in node:
-        options = [o for o in node.pop("anyOf") if o.get("type") != "null"]
-        if len(options) != 1:
-            raise ValueError(f"non-optional union has no structural schema: {schema}")
-        inner = _structural(options[0], defs)
-        if node.get("default", ...) is None:
-            node.pop("default")
-        return _structural_keys({**inner, **node}, defs)
-    return _structural_keys(node, defs)
-
-
-def _structural_keys(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in node.items():
-        if key in ("title", "$defs"):
-            continue
-        if key == "properties":
-            out[key] = {k: _structural(v, defs) for k, v in value.items()}
-        elif key == "items":
-            out[key] = _structural(value, defs)
-        elif key == "additionalProperties":
-            if isinstance(value, dict):
-                out[key] = _structural(value, defs)
-        else:
-            out[key] = value
-    if "x-kubernetes-preserve-unknown-fields" in out:
-        out.pop("additionalProperties", None)
-    if out.get("default", ...) is None:
-        out.pop("default")
-    if "enum" in out and "type" not in out:
-        out["type"] = "string"
-    return out
-
-
-def _model_type(annotation: Any) -> type[BaseModel] | None:
-    """The pydantic model class inside ``annotation`` (``X`` or ``Optional[X]``), else None."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        for arg in typing.get_args(annotation):
-            if isinstance(arg, type) and issubclass(arg, BaseModel):
-                return arg
-    return None
-
-
-def _finish(model: type[BaseModel], node: dict[str, Any]) -> None:
-    """Add what pydantic leaves out: defaults of ``default_factory`` fields (``{}`` for nested
-    models, so the API server then fills their own defaults) and one-line descriptions."""
-    if "description" in node:
-        node["description"] = " ".join(node["description"].split())
-    props = node.get("properties", {})
-    for name, field in model.model_fields.items():
-        prop = props[field.alias or name]
-        sub = _model_type(field.annotation)
-        if field.default_factory is not None:
-            value = field.default_factory()  # type: ignore[call-arg]
-            prop["default"] = {} if isinstance(value, BaseModel) else value
-        if sub is not None:
-            _finish(sub, prop)
-        elif typing.get_origin(field.annotation) is list:
-            item = _model_type(typing.get_args(field.annotation)[0])
-            if item is not None:
-                _finish(item, prop["items"])
-        if "description" in prop:
-            prop["description"] = " ".join(prop["description"].split())
-
-
-def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
-    """Structural OpenAPI v3 schema of ``model`` (camelCase property names)."""
-    raw = model.model_json_schema(by_alias=True, mode="serialization")
-    defs = raw.get("$defs", {})
-    out = _structural(raw, defs)
-    _finish(model, out)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# CRD manifests
-# ---------------------------------------------------------------------------------------------
-def _crd(
-    *,
-    kind: str,
-    plural: str,
-    singular: str,
-    short: list[str],
-    spec_model: type[BaseModel],
-    status_model: type[BaseModel],
-    description: str,
-    columns: list[dict[str, Any]],
-    scale: dict[str, str] | None,
-) -> dict[str, Any]:
-    spec_schema = openapi_schema(spec_model)
-    status_schema = openapi_schema(status_model)
-    root = {
-        "type": "object",
-        "description": description,
-        "required": ["spec"],
-        "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": spec_schema,
-            "status": status_schema,
-        },
-        "x-kubernetes-validations": [
-            {
-                "rule": "size(self.metadata.name) <= 52",
-                "message": "metadata.name must be at most 52 characters (pod and ConfigMap names derive from it)",
-            }
-        ],
-    }
-    subresources: dict[str, Any] = {"status": {}}
-    if scale:
-        subresources["scale"] = scale
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{plural}.{GROUP}"},
-        "spec": {
-            "group": GROUP,
-            "names": {
-                "kind": kind,
-                "listKind": f"{kind}List",
-                "plural": plural,
-                "singular": singular,
-                "shortNames": short,
-                "categories": ["eaas"],
-            },
-            "scope": "Namespaced",
-            "versions": [
-                {
-                    "name": VERSION,
-                    "served": True,
-                    "storage": True,
-                    "schema": {"openAPIV3Schema": root},
-                    "subresources": subresources,
-                    "additionalPrinterColumns": columns,
-                }
-            ],
-        },
-    }
-
-
-_READY_COL = {
-    "name": "Status",
-    "type": "string",
-    "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
-}
-_AGE_COL = {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}
-# scale subresource of both kinds (HPA/KEDA; selector written by the operator as a string)
-_SCALE = {
-    "specReplicasPath": ".spec.replicas",
-    "statusReplicasPath": ".status.replicas",
-    "labelSelectorPath": ".status.selector",
-}
-
-
-def expertpool_crd() -> dict[str, Any]:
-    """The ExpertPool CRD manifest."""
-    return _crd(
-        kind="ExpertPool",
-        plural="expertpools",
-        singular="expertpool",
-        # `ep` is also core Endpoints' short name, which kubectl prefers: `epool` is unambiguous
-        short=["ep", "epool"],
-        spec_model=ExpertPoolSpec,
-        status_model=ExpertPoolStatus,
-        description="A pool of stateless expert servers hosting every routed expert of one MoE model.",
-        columns=[
-            {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
-            {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
-            {"name": "Redundancy", "type": "integer", "jsonPath": ".spec.redundancy"},
-            {
-                "name": "Policy",
-                "type": "string",
-                "jsonPath": ".spec.placement.policy",
-                "priority": 1,
-            },
-            {
-                "name": "Table",
-                "type": "integer",
-                "jsonPath": ".status.routingTableVersion",
-                "description": "Routing table version",
-            },
-            {
-                "name": "Load",
-                "type": "number",
-                "jsonPath": ".status.load.totalTokensPerSecond",
-                "description": "Expert load, tokens/s",
-                "priority": 1,
-            },
-            {
-                "name": "Below-Redundancy",
-                "type": "integer",
-                "jsonPath": ".status.placement.expertsBelowRedundancy",
-                "priority": 1,
-            },
-            {
-                "name": "Revision",
-                "type": "string",
-                "jsonPath": ".status.placementRevision",
-                "priority": 1,
-            },
-            _READY_COL,
-            _AGE_COL,
-        ],
-        scale=_SCALE,
-    )
-
-
-def attentionfleet_crd() -> dict[str, Any]:
-    """The AttentionFleet CRD manifest."""
-    return _crd(
-        kind="AttentionFleet",
-        plural="attentionfleets",
-        singular="attentionfleet",
-        short=["af"],
-        spec_model=AttentionFleetSpec,
-        status_model=AttentionFleetStatus,
-        description="Stateful attention clients (Deployment + Service) using one ExpertPool's routing table.",
-        columns=[
-            {"name": "Pool", "type": "string", "jsonPath": ".spec.expertPoolRef.name"},
-            {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
-            {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
-            {
-                "name": "Table",
-                "type": "integer",
-                "jsonPath": ".status.routingTableVersion",
-                "description": "Routing table version",
-            },
-            _READY_COL,
-            _AGE_COL,
-        ],
-        scale=_SCALE,
-    )
-
-
-HEADER = "# Generated by `eaas crds` from operator/crd.py — do not edit by hand.\n"
-
-
-def render_crds() -> dict[str, str]:
-    """File name -> YAML text of every CRD (deterministic: same models, same bytes)."""
-    out = {}
-    for fname, crd in (
-        ("expertpool.yaml", expertpool_crd()),
-        ("attentionfleet.yaml", attentionfleet_crd()),
-    ):
-        out[fname] = HEADER + yaml.safe_dump(copy.deepcopy(crd), sort_keys=False, width=100)
-    return out
-
-
-def write_crds(out_dirs: list[Path]) -> list[Path]:
-    """Write :func:`render_crds` into each directory (created if needed); returns written paths."""
-    written = []
-    for d in out_dirs:
-        d.mkdir(parents=True, exist_ok=True)
-        for fname, text in render_crds().items():
-            p = d / fname
-            p.write_text(text)
-            written.append(p)
-    return written
-
-
-#: Where the committed copies live, relative to the repository root.
-CRD_DIRS = ("deploy/crds", "deploy/helm/eaas-operator/crds")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m eaas.operator.crd [REPO_ROOT]``: regenerate the committed CRD files."""
-    argv = sys.argv[1:] if argv is None else argv
-    root = Path(argv[0]) if argv else Path.cwd()
-    for p in write_crds([root / d for d in CRD_DIRS]):
-        print(p)
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""The per-object daemon loop (one reconcile step at a time per pool or fleet, on every wakeup
+and every ``resync_s``) and the operator's start-up and shutdown: kopf's settings, the
+election, the report and metrics listeners, the load scraper."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import kopf
+from kubernetes.client.rest import ApiException
+
+from eaas.operator.crd import LABEL_POOL
+from eaas.operator.leader import LeaderElector
+from eaas.operator.load import LoadScraper
+from eaas.operator.reconcile.load import start_external_metrics
+from eaas.operator.reconcile.reports import start_report_server
+from eaas.operator.resync import step_due
+from eaas.operator.state import OperatorState
+
+Step = Callable[[OperatorState, str, str, kopf.Logger], None]
+
+
+def _due(
+    state: OperatorState,
+    kind: str,
+    key: tuple[str, str],
+    woken: bool,
+    failed: bool,
+    since_last_step_s: float,
+) -> bool:
+    """Whether the daemon runs a full step now: fleets always; pools on events, else once per
+    idle resync (:mod:`eaas.operator.resync`)."""
+    if kind != "pool":
+        return True
+    memory = state.pools.get(key)
+    busy = memory is not None and memory.busy()
+    return step_due(woken, failed, busy, since_last_step_s, state.settings.resync.idle_resync_s)
+
+
+async def run_daemon(
+    state: OperatorState,
+    kind: str,
+    namespace: str,
+    name: str,
+    stopped: kopf.DaemonStopped,
+    step: Step,
+    logger: kopf.Logger,
+) -> None:
+    """Run ``step`` for the object until ``stopped``: now, on every wakeup and every
+    ``resync_s`` seconds (pools: see :func:`_due`), only while this operator leads. API errors
+    and bugs are logged and retried on the next step; they never end the daemon."""
+    event = state.wake_event(kind, namespace, name)
+    woken, failed, last_step = True, False, -1e18
+    try:
+        while not stopped:
+            due = _due(state, kind, (namespace, name), woken, failed, time.monotonic() - last_step)
+            try:
+                if state.is_leader() and due:  # a standby operator watches but never acts
+                    last_step, failed = time.monotonic(), True
+                    await asyncio.to_thread(step, state, namespace, name, logger)
+                    failed = False
+            except ApiException as exc:
+                if exc.status == 409:
+                    logger.debug("conflict during reconcile of %s/%s; retrying", namespace, name)
+                else:
+                    logger.warning(
+                        "API error during reconcile of %s/%s: %s %s",
+                        namespace,
+                        name,
+                        exc.status,
+                        exc.reason,
+                    )
+            except Exception:  # a bug must not kill the daemon: log it and retry on the next step
+                logger.exception("reconcile of %s/%s failed", namespace, name)
+            try:
+                await asyncio.wait_for(event.wait(), timeout=state.settings.resync.resync_s)
+            except asyncio.TimeoutError:
+                pass
+            woken = event.is_set()
+            event.clear()
+    finally:
+        state.wakeups.pop((kind, namespace, name), None)
+
+
+def configure_kopf(settings: kopf.OperatorSettings, state: OperatorState) -> None:
+    """kopf's settings: annotation-based persistence, standalone (our own Lease election; kopf
+    peering freezes equal-priority peers), quick watches of labelled pods and ConfigMaps."""
+    settings.peering.standalone = True
+    settings.posting.level = logging.INFO  # only explicit kopf.info/warn calls post Events
+    settings.watching.server_timeout = state.settings.resync.watch_timeout_s
+    settings.watching.client_timeout = settings.watching.server_timeout + 10
+    settings.watching.label_selectors["v1", "pods"] = LABEL_POOL
+    settings.watching.label_selectors["v1", "configmaps"] = LABEL_POOL
+    settings.persistence.finalizer = "eaas.io/operator"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="eaas.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="eaas.io", key="last-handled-configuration"
+    )
+    settings.execution.max_workers = 32
+    settings.background.cancellation_polling = 1
+
+
+async def start(state: OperatorState) -> None:
+    """Start what runs beside the daemons: the API client, the Lease election, the
+    failure-report listener (when configured), the load scraper, the external metrics API
+    (when configured).
+
+    Raises:
+        ValueError: a malformed listen address or missing certificate settings.
+    """
+    state.api()
+    state.loop = asyncio.get_running_loop()
+    state.elector = LeaderElector(
+        state.settings.lease, state.api(), state.leadership_changed
+    ).start()
+    if state.settings.reports.listen:
+        state.report_runner = await start_report_server(state)
+    state.scraper = LoadScraper.from_settings(state.settings.load).start()
+    if state.settings.metrics_api.listen:
+        state.metrics_runner = await start_external_metrics(state)
+
+
+async def stop(state: OperatorState) -> None:
+    """On shutdown: free the Lease (a standby takes over at once), stop the listeners and the
+    scraper."""
+    if state.elector is not None:
+        state.elector.stop(release=True)
+    if state.report_runner is not None:
+        await state.report_runner.cleanup()
+    if state.metrics_runner is not None:
+        await state.metrics_runner.cleanup()
+    if state.scraper is not None:
+        state.scraper.stop()

@@ -1,0 +1,178 @@
+"""The ExpertPool reconciler: a pool's spec announced, one reconcile step of a pool whose experts
+are on the servers' command lines (a ``routing-table`` pool goes on in
+:mod:`eaas.operator.reconcile.table_pool`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+from kubernetes import client as k8s
+from pydantic import ValidationError
+
+from eaas.operator.crd import ExpertPoolSpec
+from eaas.operator.kube import (
+    POOLS,
+    get_live,
+    now,
+    raw,
+    write_status,
+)
+from eaas.operator.names import Owner, selector_string, server_labels
+from eaas.operator.overlay import OverlayError
+from eaas.operator.pods import (
+    ObservedPod,
+    desired_server_pods,
+    plan_pods,
+    table_assignment,
+)
+from eaas.operator.pool_placement import placement_revision
+from eaas.operator.reconcile.load import placement_load, track_load
+from eaas.operator.reconcile.steps import (
+    apply_pod_plan,
+    finish_status,
+    read_pool_table,
+    take_reports,
+    write_table,
+)
+from eaas.operator.reconcile.table_pool import reconcile_table_pool
+from eaas.operator.state import OperatorState
+from eaas.operator.status import invalid_spec_status, pool_status
+from eaas.operator.table import next_routing_table
+from eaas.runtime.placement import PlacementError, auto_slots
+from eaas.runtime.routing import RoutingTable
+
+
+def invalid_spec(spec: dict[str, Any]) -> str | None:
+    """Why a pool's ``spec`` cannot be reconciled (its first line), or None when it parses and
+    its redundancy fits its servers."""
+    try:
+        parsed = ExpertPoolSpec.model_validate(spec)
+        if parsed.redundancy > parsed.replicas:
+            raise PlacementError(
+                f"redundancy ({parsed.redundancy}) cannot exceed the number of servers "
+                f"({parsed.replicas})"
+            )
+    except (ValidationError, PlacementError) as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
+def announce_spec(body: kopf.Body, reason: str, state: OperatorState) -> None:
+    """Post the placement inputs of a new pool spec as an Event (``PlacementComputed``), or why
+    it is invalid (``InvalidSpec``); the leader only. The placement itself is computed by the
+    pool's daemon, incrementally from the pods."""
+    if not state.is_leader():
+        return
+    problem = invalid_spec(dict(body["spec"]))
+    if problem is not None:
+        kopf.warn(body, reason="InvalidSpec", message=problem)
+        return
+    if reason == "resume":
+        return
+    spec = ExpertPoolSpec.model_validate(dict(body["spec"]))
+    slots = max(
+        spec.placement.slots_per_server,
+        auto_slots(spec.model.num_experts, spec.redundancy, spec.replicas),
+    )
+    kopf.info(
+        body,
+        reason="PlacementComputed",
+        message=f"revision {placement_revision(spec)}: {spec.replicas} servers, redundancy "
+        f"{spec.redundancy}, >= {slots} experts per server per layer "
+        f"({spec.placement.policy}, incremental)",
+    )
+
+
+def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf.Logger) -> None:
+    """One reconcile step of ExpertPool ``namespace/name``.
+
+    Reads the pool, its pods and its routing-table ConfigMap; creates/deletes/relabels pods as
+    :func:`plan_pods` decides; publishes a new routing table when the live set changed; writes
+    the status when it changed. Pools with ``spec.placement.assignment: routing-table`` go to
+    :func:`eaas.operator.reconcile.table_pool.reconcile_table_pool`.
+
+    Raises:
+        ApiException: any API error but 404/409 on create/delete (the daemon logs and retries).
+    """
+    custom = k8s.CustomObjectsApi(state.api())
+    core = k8s.CoreV1Api(state.api())
+    body = get_live(custom, namespace, POOLS, name)
+    if body is None:
+        return
+    owner = Owner.from_body(body)
+    memory = state.pool(namespace, name)
+    old_status = body.get("status") or {}
+    old_conditions = old_status.get("conditions") or []
+    pods = raw(
+        core.list_namespaced_pod, namespace, label_selector=selector_string(server_labels(name))
+    )["items"]
+    observed = [ObservedPod.from_pod(p, state.node_ready) for p in pods]
+    # a same-named older pool's pods: the garbage collector's job
+    observed = [p for p in observed if p.owner_uid == owner.uid]
+    try:
+        spec = ExpertPoolSpec.model_validate(body["spec"])
+        memory.load_driven = (
+            spec.autoscaling is not None or spec.placement.policy == "load-balanced"
+        )
+        track_load(state, namespace, name, pods, observed)
+        if table_assignment(spec):
+            reconcile_table_pool(state, core, custom, body, owner, spec, observed, pods, logger)
+            return
+        load = placement_load(state, core, body, spec, logger)
+        placement = state.placement(spec, observed, load)
+        revision = placement_revision(spec)
+        desired = desired_server_pods(owner, spec, placement, revision)
+    except (ValidationError, PlacementError, OverlayError) as exc:
+        status = invalid_spec_status(
+            owner, str(exc).splitlines()[0], old_conditions, now(), old_status
+        )
+        write_status(custom, namespace, name, old_status, status)
+        return
+    plan = plan_pods(desired, observed, max_unavailable=max(1, spec.redundancy - 1))
+    apply_pod_plan(state, core, body, plan, logger)
+
+    deleted = {n for n, _, _ in plan.delete}
+    down = take_reports(state, body, pods, logger)
+    live = [p for p in observed if p.live and p.name not in deleted and p.name not in down]
+    table, table_error = publish_table(state, core, body, owner, spec, live, old_status, logger)
+
+    status = pool_status(
+        owner=owner,
+        spec=spec,
+        placement=placement,
+        revision=revision,
+        observed=observed,
+        plan=plan,
+        table=table,
+        old_conditions=old_conditions,
+        now=now(),
+        table_error=table_error,
+        node_domains=state.node_domains(spec.placement.topology_key),
+    )
+    finish_status(state, custom, body, owner, spec, old_status, status, table.version, logger)
+
+
+def publish_table(
+    state: OperatorState,
+    core: k8s.CoreV1Api,
+    body: dict[str, Any],
+    owner: Owner,
+    spec: ExpertPoolSpec,
+    live: list[ObservedPod],
+    old_status: dict[str, Any],
+    logger: kopf.Logger,
+) -> tuple[RoutingTable, str]:
+    """Create or update the routing-table ConfigMap if the live set changed. Returns the table
+    in force and, when the new table cannot be stored (too large), why (a Warning event says it
+    too; the previous table stays in force).
+
+    Raises:
+        ApiException: as :func:`write_table`.
+    """
+    cm, previous, annotated = read_pool_table(state, core, owner, logger)
+    floor = max(int(old_status.get("routingTableVersion") or 0), annotated)
+    table, changed = next_routing_table(spec, live, previous, floor)
+    if not changed and cm is not None:
+        return table, ""
+    return write_table(state, core, body, owner, table, cm, previous)

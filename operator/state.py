@@ -1,0 +1,309 @@
+"""What the operator keeps in memory: one :class:`OperatorState` in kopf's root ``memo``, with a
+:class:`PoolMemory` per ExpertPool and a :class:`FleetMemory` per AttentionFleet.
+
+None of it is needed for correctness: every step lists pods by label and reads the
+routing-table ConfigMap, so a killed and restarted operator continues exactly where it was
+(names are deterministic; creations of an existing name fail with 409 and are ignored; the table
+version continues from ``max(ConfigMap, status)``). What is lost on a restart is re-learned:
+acknowledgements from the next push's 409, a staged table by staging again with a larger
+version, suspects from the next failure report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+
+from eaas.operator.crd import ExpertPoolSpec
+from eaas.operator.leader import LeaderElector
+from eaas.operator.load import LoadScraper
+from eaas.operator.names import table_configmap_name
+from eaas.operator.pods import ObservedPod
+from eaas.operator.pool_placement import compute_placement
+from eaas.operator.push import PushRetry
+from eaas.operator.server_push import ServerTableState
+from eaas.operator.settings import Settings
+from eaas.runtime.placement import LayerExpert, Placement
+from eaas.runtime.routing import RoutingTable
+
+#: Computed placements kept (a DeepSeek-V3 pool takes ~0.2 s of CPU per placement).
+PLACEMENT_CACHE = 64
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PublishedTable:
+    """A routing table as this operator wrote it into the pool's ConfigMap.
+
+    Attributes:
+        resource_version: the ConfigMap's ``metadata.resourceVersion`` after the write.
+        version: the table version (the ConfigMap's version annotation).
+        wire: the ConfigMap's table text (what clients are pushed).
+    """
+
+    resource_version: str
+    version: int
+    wire: str
+
+
+@dataclass
+class PoolMemory:
+    """One ExpertPool's memory (key ``(namespace, name)`` in :attr:`OperatorState.pools`).
+
+    Attributes:
+        suspects: pod name -> ``(pod uid, monotonic time of the confirming probe)`` of expert
+            servers a client reported and the operator's own probe confirmed down: left out of
+            the routing table until a probe answers again or the pod is replaced.
+        reported: messages of confirmed failure reports, posted as ``ServerUnreachable`` Warning
+            events by the pool's next reconcile step.
+        staged: routing table given to the servers and not yet to the clients
+            (``routing-table`` pools).
+        server_tables: ``(pod uid, restarts)`` -> the server's last answer (assigned / weights /
+            released versions).
+        last_rebalance: when the last load rebalance was staged (RFC 3339; "" : none).
+        placement_load: ``(monotonic time, measured load)`` given to load-balanced placement,
+            refreshed at most once per load window (a new load is a new placement input).
+        load_driven: the pool's outcome follows the measured load (``spec.autoscaling`` or the
+            ``load-balanced`` policy): it keeps the ``resync_s`` steps.
+        fleet_acks: fleet name -> acknowledged table versions of its Ready clients.
+        published: the table this operator last wrote into the ConfigMap, handed to the
+            fleets that use the pool (None: read the ConfigMap; dropped when the ConfigMap
+            watch shows a version this operator did not write, and on leadership changes).
+    """
+
+    suspects: dict[str, tuple[str, float]] = field(default_factory=dict)
+    reported: list[str] = field(default_factory=list)
+    staged: RoutingTable | None = None
+    server_tables: dict[tuple[str, int], ServerTableState] = field(default_factory=dict)
+    last_rebalance: str = ""
+    placement_load: tuple[float, dict[LayerExpert, float]] | None = None
+    load_driven: bool = False
+    fleet_acks: dict[str, list[int]] = field(default_factory=dict)
+    published: PublishedTable | None = None
+
+    def busy(self) -> bool:
+        """Whether the pool needs a full step every ``resync_s`` rather than once per idle
+        resync: servers under suspicion (re-probed), a staged table (the servers' weight
+        confirmations are polled), or an outcome that follows the measured load."""
+        return bool(self.suspects) or self.staged is not None or self.load_driven
+
+    def client_acks(self) -> list[int]:
+        """Acknowledged table versions of the Ready clients of every fleet using the pool."""
+        return [v for acks in self.fleet_acks.values() for v in acks]
+
+
+@dataclass
+class FleetMemory:
+    """One AttentionFleet's memory (key ``(namespace, name)`` in :attr:`OperatorState.fleets`).
+
+    Attributes:
+        pool: the ExpertPool its spec references (None: not reconciled yet).
+        acks: client pod uid -> newest routing-table version it acknowledged (lost on restart:
+            the next push's 409 tells it again).
+        push_retries: client pod uid -> push back-off state
+            (:func:`eaas.operator.push.push_retry_delay_s`).
+        report_token: its push token, checking its clients' failure reports (None: not read).
+    """
+
+    pool: str | None = None
+    acks: dict[str, int] = field(default_factory=dict)
+    push_retries: dict[str, PushRetry] = field(default_factory=dict)
+    report_token: str | None = None
+
+
+@dataclass
+class OperatorState:
+    """Everything the operator keeps in memory; rebuilt from the cluster after a restart.
+
+    Attributes:
+        settings: read once from the environment at start-up (:mod:`eaas.operator.settings`).
+        wakeups: ``(kind, namespace, name)`` -> the event that wakes that object's daemon
+            (kind ``"pool"`` or ``"fleet"``).
+        tables: ``(namespace, ConfigMap name)`` -> ``(resourceVersion, parsed table)``.
+        node_ready: node name -> its Ready condition is True (from the node watch).
+        node_labels: node name -> its labels (from the node watch; failure domains).
+        placements: bounded cache of computed placements and assignments.
+        tokens: ``(namespace, Secret name, owner uid)`` -> push token (a fleet's or a pool's
+            server push token, from its Secret).
+        applied: ``(namespace, kind, name, spec hash)`` -> when that object (the clients'
+            RBAC, an HPA) was last applied (re-checked every ``RBAC_RECHECK_S``).
+        pools: ``(namespace, name)`` -> :class:`PoolMemory`.
+        fleets: ``(namespace, name)`` -> :class:`FleetMemory`.
+        elector: the Lease election (:mod:`eaas.operator.leader`); None: act unconditionally
+            (only for tests of single steps).
+        report_runner: the failure-report listener (aiohttp ``AppRunner``; None: not served).
+        loop: kopf's event loop (to wake daemons from other threads).
+        scraper: the expert-load scraper (:mod:`eaas.operator.load`), keyed by
+            ``(namespace, pool)``.
+        metrics_runner: the external metrics API listener (None: not served).
+    """
+
+    settings: Settings = field(default_factory=Settings)
+    wakeups: dict[tuple[str, str, str], asyncio.Event] = field(default_factory=dict)
+    tables: dict[tuple[str, str], tuple[str, RoutingTable]] = field(default_factory=dict)
+    node_ready: dict[str, bool] = field(default_factory=dict)
+    node_labels: dict[str, dict[str, str]] = field(default_factory=dict)
+    placements: collections.OrderedDict[Hashable, Any] = field(
+        default_factory=collections.OrderedDict
+    )
+    tokens: dict[tuple[str, str, str], str] = field(default_factory=dict)
+    applied: dict[tuple[str, str, str, str], float] = field(default_factory=dict)
+    pools: dict[tuple[str, str], PoolMemory] = field(default_factory=dict)
+    fleets: dict[tuple[str, str], FleetMemory] = field(default_factory=dict)
+    elector: LeaderElector | None = None
+    report_runner: Any = None
+    loop: asyncio.AbstractEventLoop | None = None
+    scraper: LoadScraper | None = None
+    metrics_runner: Any = None
+    _api: k8s.ApiClient | None = None
+    _pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @classmethod
+    def from_env(cls) -> OperatorState:
+        """State with :meth:`Settings.from_env` (the process's environment, read once).
+
+        Raises:
+            ValueError: a malformed setting.
+        """
+        return cls(settings=Settings.from_env())
+
+    def pool(self, namespace: str, name: str) -> PoolMemory:
+        """The memory of pool ``namespace/name`` (made empty on first use)."""
+        return self.pools.setdefault((namespace, name), PoolMemory())
+
+    def fleet(self, namespace: str, name: str) -> FleetMemory:
+        """The memory of fleet ``namespace/name`` (made empty on first use)."""
+        return self.fleets.setdefault((namespace, name), FleetMemory())
+
+    def api(self) -> k8s.ApiClient:
+        """Kubernetes ApiClient from the in-cluster config or the current kubeconfig (built on
+        first use: importing the operator must not need a cluster)."""
+        if self._api is None:
+            try:
+                k8s_config.load_incluster_config()
+            except k8s_config.ConfigException:
+                k8s_config.load_kube_config()
+            self._api = k8s.ApiClient()
+        return self._api
+
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """Threads for concurrent pod creations and server calls (a 40-server pool: 40 POSTs)."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=8, thread_name_prefix="eaas-create"
+            )
+        return self._pool
+
+    def is_leader(self) -> bool:
+        """Whether this process may act (holds the Lease, or runs without an election)."""
+        return self.elector is None or self.elector.is_leader()
+
+    def leadership_changed(self, leader: bool) -> None:
+        """Called by the election (from its thread): forget the tables handed to fleets (another
+        operator may have written since) and, on becoming the leader, wake every daemon."""
+        for memory in list(self.pools.values()):
+            memory.published = None
+        if leader:
+            self.wake_all()
+
+    def wake_all(self) -> None:
+        """Wake every daemon (from any thread): e.g. on becoming the leader."""
+        if self.loop is None:
+            return
+        for key in list(self.wakeups):
+            self.loop.call_soon_threadsafe(self.wake, *key)
+
+    def wake_event(self, kind: str, namespace: str, name: str) -> asyncio.Event:
+        """The event that wakes the daemon of that object (made on first use)."""
+        return self.wakeups.setdefault((kind, namespace, name), asyncio.Event())
+
+    def wake(self, kind: str, namespace: str, name: str) -> None:
+        """Make the daemon of that object reconcile now (from the event loop's thread)."""
+        self.wake_event(kind, namespace, name).set()
+
+    def wake_pools(self) -> None:
+        """Wake every pool's daemon (a node's readiness flipped)."""
+        for kind, namespace, name in list(self.wakeups):
+            if kind == "pool":
+                self.wake(kind, namespace, name)
+
+    def wake_fleets_of(self, namespace: str, pool: str) -> None:
+        """Wake the daemons of the fleets whose spec references pool ``namespace/pool`` (and of
+        those not reconciled yet, whose reference is not known)."""
+        for kind, ns, name in list(self.wakeups):
+            if kind != "fleet" or ns != namespace:
+                continue
+            ref = self.fleets.get((ns, name))
+            if ref is None or ref.pool is None or ref.pool == pool:
+                self.wake(kind, ns, name)
+
+    def note_node(self, name: str, ready: bool, labels: dict[str, str] | None) -> None:
+        """Record a node's readiness and labels (``labels`` None: deleted); a readiness flip
+        wakes every pool (its servers on that node leave or rejoin the routing tables)."""
+        if labels is None:
+            self.node_labels.pop(name, None)
+        else:
+            self.node_labels[name] = labels
+        if self.node_ready.get(name) != ready:
+            self.node_ready[name] = ready
+            self.wake_pools()
+
+    def note_configmap(
+        self, namespace: str, pool: str, name: str, resource_version: str, deleted: bool
+    ) -> None:
+        """A ConfigMap of pool ``namespace/pool`` changed (from the ConfigMap watch): when it is
+        the routing-table ConfigMap and not as the pool's reconciler last wrote or read it, the
+        fleets read the ConfigMap again until the pool's next step (which the change wakes)."""
+        memory = self.pools.get((namespace, pool))
+        if memory is None or memory.published is None or name != table_configmap_name(pool):
+            return
+        if deleted or resource_version != memory.published.resource_version:
+            memory.published = None
+
+    def node_domains(self, topology_key: str) -> dict[str, str]:
+        """Node name -> its value of label ``topology_key`` (nodes without it are left out)."""
+        return {
+            node: value
+            for node, labels in self.node_labels.items()
+            if (value := labels.get(topology_key))
+        }
+
+    def memoized(self, key: Hashable, compute: Callable[[], T]) -> T:
+        """``compute()``, memoized on ``key`` in :attr:`placements` (the newest
+        :data:`PLACEMENT_CACHE` entries)."""
+        if key in self.placements:
+            self.placements.move_to_end(key)
+            return self.placements[key]
+        value = compute()
+        self.placements[key] = value
+        while len(self.placements) > PLACEMENT_CACHE:
+            self.placements.popitem(last=False)
+        return value
+
+    def placement(
+        self,
+        spec: ExpertPoolSpec,
+        observed: list[ObservedPod],
+        load: dict[LayerExpert, float] | None,
+    ) -> Placement:
+        """:func:`compute_placement`, memoized on its inputs (every reconcile step needs it).
+
+        Raises:
+            PlacementError: as :func:`compute_placement`.
+        """
+        key = (
+            spec.model_dump_json(include={"model", "replicas", "redundancy", "placement"}),
+            tuple(
+                sorted((p.index, p.experts) for p in observed if not (p.terminating or p.finished))
+            ),
+            tuple(sorted(load.items())) if load else None,
+        )
+        return self.memoized(key, lambda: compute_placement(spec, load, observed))
