@@ -8,11 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
 from eaas.testbed import cluster as C
-
-pytestmark = pytest.mark.cluster
 
 
 def test_claims_are_distinct_and_released(tmp_path):

@@ -20,13 +20,12 @@ import time
 
 import httpx
 import pytest
-from dispatch_health import wait_all_connected
-from e2e_helpers import metric_sum, metric_values, start_serve
 
 from eaas.runtime.models.reference import reference_generate
 from eaas.runtime.routing import RoutingTable
 
-pytestmark = pytest.mark.e2e
+from helpers.dispatch import wait_all_connected
+from helpers.e2e import metric_sum, metric_values, serve_fixture, served_model_name
 
 TEXTS = [
     "The expert server hosts a set of experts and",
@@ -37,20 +36,14 @@ TEXTS = [
 MAX_TOKENS = 40
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    sp = start_serve(
-        tmp_path_factory,
-        "serve-fault",
-        ["--expert-servers", "4", "--replicas", "2", "--dispatch-timeout", "5"],
-    )
-    yield sp
-    sp.stop(check=True)  # no-op when test_sigterm_cleans_up already stopped it
+deployment = serve_fixture(
+    "serve-fault", ["--expert-servers", "4", "--replicas", "2", "--dispatch-timeout", "5"]
+)
 
 
 @pytest.fixture(scope="module")
 def model_name(deployment):
-    return httpx.get(f"{deployment.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+    return served_model_name(deployment.base_url)
 
 
 def _stream(base_url, model_name, prompt_ids, out: dict, started: threading.Event):

@@ -14,15 +14,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-from srv_helpers import HIDDEN, INTER, SEED, SPEC, reference, start_server  # noqa: E402
-
-from eaas.runtime.transport.base import (  # noqa: E402
+from eaas.runtime.transport.base import (
     STATUS_NOT_HOSTED,
     STATUS_OK,
     DeadlineExceeded,
@@ -30,7 +26,9 @@ from eaas.runtime.transport.base import (  # noqa: E402
     PeerDeadError,
     RequestFrame,
 )
-from eaas.runtime.transport.factory import connect  # noqa: E402
+from eaas.runtime.transport.factory import connect
+
+from helpers.server import HIDDEN, INTER, SEED, SPEC, reference, start_server
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_runs import generate_greedy
 
 from eaas.runtime.client.engine import Engine
 from eaas.runtime.models.attention import load_attention_model
 from eaas.runtime.models.tiny import default_model_dir
+
+from helpers.engine import generate_greedy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 

@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_models import small_qwen3
-from engine_runs import generate_greedy
 
 from eaas.runtime.client.dispatch import Dispatcher, experts_factory
 from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams
@@ -29,7 +27,8 @@ from eaas.runtime.models.tiny import default_model_dir
 from eaas.runtime.placement import format_expert_spec, place_experts
 from eaas.runtime.routing import RoutingTable
 
-pytestmark = pytest.mark.gpu_cpu
+from helpers.checkpoints import small_qwen3
+from helpers.engine import generate_greedy
 
 TEXTS = [
     "Hello world",

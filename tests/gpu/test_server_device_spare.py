@@ -1,4 +1,4 @@
-"""``eaas expert-server --device`` and ``--spare`` (issue 9: the CLI side of the GPU data plane).
+"""``eaas expert-server --device`` and ``--spare`` (the CLI side of the GPU data plane).
 
 * ``--device`` errors (exit 2, the flag named, no traceback) and the pure listen/world checks;
 * a spare (``--spare``, real process on the ``shm`` transport, the tiny checkpoint) starts with
@@ -21,20 +21,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runs import run_eaas_all
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-from srv_helpers import free_port, wait_until  # noqa: E402
+from eaas.runtime.client.dispatch import Dispatcher
+from eaas.runtime.experts import weighted_expert_sum
+from eaas.runtime.gpu.device import check_listen_device, check_world_device
+from eaas.runtime.models.arch import read_model_info
+from eaas.runtime.models.tiny import default_model_dir
+from eaas.runtime.models.weights import load_expert_weights
+from eaas.runtime.routing import RoutingTable
+from eaas.runtime.transport.base import STATUS_NOT_HOSTED, RequestFrame
+from eaas.runtime.transport.factory import connect
 
-from eaas.runtime.client.dispatch import Dispatcher  # noqa: E402
-from eaas.runtime.experts import weighted_expert_sum  # noqa: E402
-from eaas.runtime.gpu.device import check_listen_device, check_world_device  # noqa: E402
-from eaas.runtime.models.arch import read_model_info  # noqa: E402
-from eaas.runtime.models.tiny import default_model_dir  # noqa: E402
-from eaas.runtime.models.weights import load_expert_weights  # noqa: E402
-from eaas.runtime.routing import RoutingTable  # noqa: E402
-from eaas.runtime.transport.base import STATUS_NOT_HOSTED, RequestFrame  # noqa: E402
-from eaas.runtime.transport.factory import connect  # noqa: E402
+from helpers.cli import run_eaas_all
+from helpers.server import free_port, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 TOKEN = "spare-token"

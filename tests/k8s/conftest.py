@@ -8,7 +8,7 @@ of the session (the components get PR_SET_PDEATHSIG, so even a SIGKILLed pytest 
 nothing running). It sets ``KUBECONFIG`` and prepends the testbed bin dir to ``PATH`` in
 ``os.environ`` for the whole session, so ``kubectl``, ``helm`` and the kubernetes Python client
 in tests and in subprocesses talk to the testbed. Start, stop and log keeping are
-:func:`k8s_helpers.running_testbed`'s, shared with ``tests/cluster``.
+:func:`helpers.k8s.running_testbed`'s, shared with ``tests/cluster``.
 
 The binaries come from ``KUBEBUILDER_ASSETS`` or the build cache (``eaas testbed build``; CI
 runs that first, because a cold build takes longer than one test's timeout). With neither the
@@ -19,7 +19,8 @@ must mean the operator was tested against a real API server).
 from __future__ import annotations
 
 import pytest
-from k8s_helpers import running_testbed
+
+from helpers.k8s import running_testbed
 
 
 @pytest.fixture(scope="session")

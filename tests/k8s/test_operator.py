@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from k8s_helpers import Operator, apply_crds, get, get_json, kubectl, wait_for
 
 from eaas.runtime.placement import parse_expert_spec
 from eaas.runtime.routing import RoutingTable
 
-pytestmark = pytest.mark.k8s
+from helpers.k8s import Operator, apply_crds, get, get_json, kubectl, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = yaml.safe_load((ROOT / "deploy/examples/tiny-pool.yaml").read_text())

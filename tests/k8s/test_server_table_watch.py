@@ -1,5 +1,5 @@
 """An expert server learns its experts from the routing-table ConfigMap through the API server
-(``eaas expert-server --routing-table-configmap NS/NAME``, no ``--experts``; issue 7, item 3),
+(``eaas expert-server --routing-table-configmap NS/NAME``, no ``--experts``),
 against the testbed's real kube-apiserver.
 
 The server starts empty; version 1 assigns it layer-1 experts 0-3 (it loads them while serving
@@ -18,13 +18,14 @@ import sys
 
 import httpx
 import pytest
-from k8s_helpers import kubectl, wait_for
 
 from eaas.runtime.models.arch import read_model_info
 from eaas.runtime.models.tiny import default_model_dir
 from eaas.runtime.routing import RoutingTable
 
-pytestmark = [pytest.mark.k8s, pytest.mark.elastic]
+from helpers.k8s import kubectl, wait_for
+
+pytestmark = pytest.mark.elastic
 
 NS, NAME = "default", "srv-table-watch"
 

@@ -1,5 +1,5 @@
 """An attention client converges from the routing-table ConfigMap through the API server
-(``--routing-table-configmap``; issue 6, item 4), against the testbed's real kube-apiserver.
+(``--routing-table-configmap``), against the testbed's real kube-apiserver.
 
 One client, started before the ConfigMap exists (``/health`` 503 "no routing table yet"), picks
 up version 1 when it is created, then a higher version, skips a malformed one, and -- frozen with
@@ -24,13 +24,14 @@ import time
 import httpx
 import openai
 import pytest
-from k8s_helpers import kubectl, wait_for
 
 from eaas.runtime.models.arch import read_model_info
 from eaas.runtime.models.tiny import default_model_dir
 from eaas.runtime.routing import RoutingTable
 
-pytestmark = [pytest.mark.k8s, pytest.mark.cluster]
+from helpers.k8s import kubectl, wait_for
+
+pytestmark = pytest.mark.cluster
 
 BOUND_S = 30.0
 NS, NAME = "default", "rt-watch"

@@ -13,16 +13,6 @@ import urllib.request
 
 import pytest
 import torch
-from srv_helpers import (
-    HIDDEN,
-    INTER,
-    SEED,
-    cpu_seconds,
-    free_port,
-    reference,
-    start_server,
-    wait_until,
-)
 
 from eaas.runtime.expert_server import ExpertServer, grouped_expert_sum, random_experts
 from eaas.runtime.experts import weighted_expert_sum
@@ -34,6 +24,17 @@ from eaas.runtime.transport.base import (
     ServerListener,
 )
 from eaas.runtime.transport.factory import connect
+
+from helpers.server import (
+    HIDDEN,
+    INTER,
+    SEED,
+    cpu_seconds,
+    free_port,
+    reference,
+    start_server,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-from srv_helpers import HIDDEN, reference, shm_entries, start_server, wait_until
 
 from eaas.runtime.transport.base import (
     STATUS_OK,
@@ -20,6 +19,8 @@ from eaas.runtime.transport.base import (
     RequestFrame,
 )
 from eaas.runtime.transport.factory import connect as factory_connect
+
+from helpers.server import HIDDEN, reference, shm_entries, start_server, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

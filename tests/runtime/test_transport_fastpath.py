@@ -1,4 +1,4 @@
-"""The shared-memory transport's per-frame fast path (issue 8 item 4) keeps the protocol's rules:
+"""The shared-memory transport's per-frame fast path keeps the protocol's rules:
 frame shapes validated once per shape are still validated for every new shape, a server busy
 with one client still accepts and remaps others, and a server answer that does not fit the
 response slot is an error response, never a hang. Real server processes and sockets; shm and the
@@ -13,7 +13,6 @@ import time
 
 import pytest
 import torch
-from srv_helpers import HIDDEN, reference, start_server
 from test_transport import KINDS, _endpoint, _frame, connect
 
 from eaas.runtime.transport.base import (
@@ -25,6 +24,8 @@ from eaas.runtime.transport.base import (
     ResponseFrame,
 )
 from eaas.runtime.transport.factory import listen
+
+from helpers.server import HIDDEN, reference, start_server
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 
 def free_port() -> int:
@@ -181,6 +182,26 @@ def start_serve(tmp_path_factory, name: str, args: list[str]) -> ServeProcess:
     sp = ServeProcess(args, log, free_port())
     sp.start()
     return sp
+
+
+def serve_fixture(name: str, args: list[str]):
+    """A module-scoped fixture: one ``eaas serve ARGS`` (:func:`start_serve`, logs under a temp
+    directory named ``name``) shared by a module's tests, stopped after its last test with
+    ``stop(check=True)`` (a no-op when a test already stopped it). Use as
+    ``deployment = serve_fixture("serve-api", ["--expert-servers", "4"])``."""
+
+    @pytest.fixture(scope="module")
+    def deployment(tmp_path_factory):
+        sp = start_serve(tmp_path_factory, name, args)
+        yield sp
+        sp.stop(check=True)
+
+    return deployment
+
+
+def served_model_name(base_url: str) -> str:
+    """The model id the server at ``base_url`` serves (the first of ``GET /v1/models``)."""
+    return httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
 def metric_values(base_url: str) -> dict[tuple[str, tuple], float]:

@@ -11,7 +11,6 @@ import multiprocessing as mp
 import os
 import signal
 import socket
-import time
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +18,8 @@ import torch
 from eaas.runtime.expert_server import ExpertServer, random_experts
 from eaas.runtime.experts import weighted_expert_sum
 from eaas.runtime.placement import parse_expert_spec
+
+from helpers.polling import wait_until  # noqa: F401  (the servers' tests wait with it)
 
 HIDDEN = 32
 INTER = 48
@@ -163,12 +164,3 @@ def shm_entries() -> set[str]:
         return set(os.listdir("/dev/shm"))
     except FileNotFoundError:
         return set()
-
-
-def wait_until(cond, timeout: float = 5.0, step: float = 0.01) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(step)
-    return cond()
