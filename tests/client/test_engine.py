@@ -15,7 +15,7 @@ from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams, Token
 from eaas.runtime.models.attention import load_attention_model
 from eaas.runtime.models.reference import reference_generate
 
-from helpers.polling import wait_until
+from helpers.common import wait_until
 
 pytestmark = pytest.mark.engine
 

@@ -26,8 +26,8 @@ from eaas.runtime.models.attention import load_attention_model
 from eaas.runtime.models.paged import Chunk, PagedModelRunner
 from eaas.runtime.models.reference import reference_generate, reference_logits
 
+from helpers.common import wait_until
 from helpers.engine import run_requests
-from helpers.polling import wait_until
 
 pytestmark = pytest.mark.engine
 

@@ -15,12 +15,19 @@ import time
 
 import httpx
 import pytest
-from test_fault import MAX_TOKENS, TEXTS, _stream
 
 from eaas.runtime.models.reference import reference_generate
 
 from helpers.dispatch import wait_all_connected
-from helpers.e2e import metric_sum, metric_values, serve_fixture, served_model_name
+from helpers.e2e import FAILOVER_MAX_TOKENS as MAX_TOKENS
+from helpers.e2e import FAILOVER_TEXTS as TEXTS
+from helpers.e2e import (
+    metric_sum,
+    metric_values,
+    serve_fixture,
+    served_model_name,
+    stream_completion,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -44,7 +51,7 @@ def test_health_answers_while_a_server_is_hung_and_streams_fail_over(
     # one only when an expert has no connected replica at all
     wait_all_connected(lambda: httpx.get(f"{base}/health", timeout=10).json())
     threads = [
-        threading.Thread(target=_stream, args=(base, model, p, o, s), daemon=True)
+        threading.Thread(target=stream_completion, args=(base, model, p, o, s), daemon=True)
         for p, o, s in zip(prompts, outs, starts, strict=True)
     ]
     for t in threads:

@@ -1,6 +1,7 @@
 """Test helpers shared across the test tiers (``tests/`` is on pytest's ``pythonpath``,
 pyproject.toml; import them as ``from helpers.e2e import start_serve``).
 
+* :mod:`helpers.common`: poll until a condition holds (``wait_until``), a free TCP port.
 * :mod:`helpers.checkpoints`: tiny Qwen3-MoE and Mixtral checkpoints (random weights).
 * :mod:`helpers.cli`: several ``eaas`` command lines run side by side.
 * :mod:`helpers.dispatch`: wait until a dispatcher is connected to every expert server.

@@ -18,9 +18,11 @@ must mean the operator was tested against a real API server).
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
-from helpers.k8s import running_testbed
+from helpers.k8s import Operator, apply_crds, kubectl, running_testbed
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +31,27 @@ def testbed(tmp_path_factory):
         tmp_path_factory, "testbed", gpu_nodes=4, cpu_nodes=1, process_nodes="none"
     ) as tb:
         yield tb
+
+
+@pytest.fixture(scope="module")
+def crds(testbed):
+    """The EaaS CRDs applied to the testbed (once per module)."""
+    apply_crds()
+
+
+@pytest.fixture(scope="module")
+def operator(crds, tmp_path_factory):
+    """``eaas operator`` as a child process for the module's tests."""
+    op = Operator(tmp_path_factory.mktemp("operator") / "operator.log")
+    op.start()
+    yield op
+    op.stop()
+
+
+@pytest.fixture
+def ns(operator):
+    """A fresh namespace per test, deleted (with everything in it) while the operator still runs."""
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    kubectl("create", "namespace", name)
+    yield name
+    kubectl("delete", "namespace", name, "--wait=false", check=False)

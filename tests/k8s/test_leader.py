@@ -14,9 +14,8 @@ import uuid
 from collections import Counter
 
 import pytest
-from test_operator import apply, converged, crds, pool_manifest  # noqa: F401
 
-from helpers.k8s import Operator, get, kubectl, wait_for
+from helpers.k8s import Operator, apply, converged, get, kubectl, pool_manifest, wait_for
 
 LEASE_NS = "default"
 

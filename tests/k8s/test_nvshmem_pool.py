@@ -9,18 +9,8 @@ runs). Spares are extra pods started with ``--spare``.
 from __future__ import annotations
 
 import pytest
-from test_operator import (  # noqa: F401  (fixtures: crds, operator, ns)
-    apply,
-    crds,
-    get,
-    ns,
-    operator,
-    pods,
-    pool_manifest,
-    table,
-)
 
-from helpers.k8s import wait_for
+from helpers.k8s import ROOT, apply, get, pods, pool_manifest, table, wait_for
 
 pytestmark = pytest.mark.gpu_cpu
 
@@ -181,7 +171,6 @@ def test_fleet_of_an_nvshmem_pool_joins_its_world(ns, operator):  # noqa: F811
 
 def test_nvshmem_example_is_valid(ns, operator):  # noqa: F811
     """``deploy/examples/tiny-pool-nvshmem.yaml`` passes the API server's validation."""
-    from test_operator import ROOT
 
     from helpers.k8s import kubectl
 

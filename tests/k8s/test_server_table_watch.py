@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -23,17 +22,12 @@ from eaas.runtime.models.arch import read_model_info
 from eaas.runtime.models.tiny import default_model_dir
 from eaas.runtime.routing import RoutingTable
 
+from helpers.common import free_port
 from helpers.k8s import kubectl, wait_for
 
 pytestmark = pytest.mark.elastic
 
 NS, NAME = "default", "srv-table-watch"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write(info, version: int, experts: list[int], endpoint: str) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,18 +28,13 @@ from eaas.runtime.models.arch import read_model_info
 from eaas.runtime.models.tiny import default_model_dir
 from eaas.runtime.routing import RoutingTable
 
+from helpers.common import free_port
 from helpers.k8s import kubectl, wait_for
 
 pytestmark = pytest.mark.cluster
 
 BOUND_S = 30.0
 NS, NAME = "default", "rt-watch"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_configmap(text: str) -> None:
