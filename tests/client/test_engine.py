@@ -16,16 +16,9 @@ from eaas.runtime.models.attention import load_attention_model
 from eaas.runtime.models.reference import reference_generate
 
 from helpers.common import wait_until
+from helpers.engine import ENGINE_TEXTS as TEXTS
 
 pytestmark = pytest.mark.engine
-
-TEXTS = [
-    "Hello world",
-    "The expert server hosts a set of experts and",
-    "Kubernetes",
-    "def main(): print",
-    "A routing table maps every logical expert to its live replicas, so the client",
-]
 
 
 @pytest.fixture(scope="module")

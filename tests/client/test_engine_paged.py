@@ -27,17 +27,11 @@ from eaas.runtime.models.paged import Chunk, PagedModelRunner
 from eaas.runtime.models.reference import reference_generate, reference_logits
 
 from helpers.common import wait_until
+from helpers.engine import ENGINE_TEXTS as TEXTS
 from helpers.engine import run_requests
 
 pytestmark = pytest.mark.engine
 
-TEXTS = [
-    "Hello world",
-    "The expert server hosts a set of experts and",
-    "Kubernetes",
-    "def main(): print",
-    "A routing table maps every logical expert to its live replicas, so the client",
-]
 WAIT = 300  # s: generous, the machine is shared
 
 

@@ -27,7 +27,16 @@ from eaas.runtime.transport.base import (
 )
 from eaas.runtime.transport.factory import connect
 
-from helpers.server import HIDDEN, INTER, SEED, SPEC, reference, request_frame, start_server
+from helpers.server import (
+    HIDDEN,
+    INTER,
+    SEED,
+    SPEC,
+    assert_misuse_raises_frame_error,
+    reference,
+    request_frame,
+    start_server,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -132,14 +141,7 @@ def test_protocol_misuse_raises_frame_error(kind, tmp_path):
                 **({"payload": kind.split("-")[1]} if "-" in kind else {}),
             )
         c = _connect(kind, srv)
-        with pytest.raises(FrameError, match="dtype"):
-            c.send(request_frame(2, 1, dtype=torch.bfloat16))
-        with pytest.raises(FrameError, match="recv without"):
-            c.recv(time.monotonic() + 1)
-        c.send(request_frame(2, 1))
-        with pytest.raises(FrameError, match="in flight"):
-            c.send(request_frame(2, 1))
-        assert c.recv(time.monotonic() + 30).status == STATUS_OK
+        assert_misuse_raises_frame_error(c, 30)
         c.close()
     finally:
         srv.stop()

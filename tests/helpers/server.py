@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 from eaas.runtime.expert_server import ExpertServer, random_experts
 from eaas.runtime.experts import weighted_expert_sum
 from eaas.runtime.placement import parse_expert_spec
-from eaas.runtime.transport.base import RequestFrame
+from eaas.runtime.transport.base import STATUS_OK, FrameError, RequestFrame
 from eaas.runtime.transport.factory import connect as factory_connect
 
 from helpers.common import free_port, wait_until  # noqa: F401  (the servers' tests use them)
@@ -197,3 +198,17 @@ def listen_endpoint(kind: str, tmp_path) -> str:
     if kind in ("unix", "cudaipc"):
         return f"{kind}:{tmp_path}/es.sock"
     return "tcp://127.0.0.1:0"
+
+
+def assert_misuse_raises_frame_error(c, reply_timeout_s: float) -> None:
+    """On a fresh float32 connection ``c``: a bfloat16 frame, a ``recv`` with nothing sent, and a
+    second ``send`` while one is in flight each raise ``FrameError``; the frame in flight is still
+    answered ``STATUS_OK`` within ``reply_timeout_s`` seconds."""
+    with pytest.raises(FrameError, match="dtype"):
+        c.send(request_frame(2, 1, dtype=torch.bfloat16))
+    with pytest.raises(FrameError, match="recv without"):
+        c.recv(time.monotonic() + 1)
+    c.send(request_frame(2, 1))
+    with pytest.raises(FrameError, match="in flight"):
+        c.send(request_frame(2, 1))
+    assert c.recv(time.monotonic() + reply_timeout_s).status == STATUS_OK

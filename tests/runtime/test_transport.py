@@ -22,6 +22,7 @@ from eaas.runtime.transport.base import (
 from helpers.server import (
     HIDDEN,
     TRANSPORT_KINDS,
+    assert_misuse_raises_frame_error,
     connect_emulated,
     listen_endpoint,
     reference,
@@ -77,14 +78,7 @@ def test_protocol_misuse_raises_frame_error(kind, tmp_path):
         with pytest.raises(FrameError, match="hidden size"):
             connect_emulated(srv.endpoint, "s-test", hidden_size=HIDDEN + 1, dtype=torch.float32)
         c = connect_emulated(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
-        with pytest.raises(FrameError, match="dtype"):
-            c.send(request_frame(2, 1, dtype=torch.bfloat16))
-        with pytest.raises(FrameError, match="recv without"):
-            c.recv(time.monotonic() + 1)
-        c.send(request_frame(2, 1))
-        with pytest.raises(FrameError, match="in flight"):
-            c.send(request_frame(2, 1))
-        assert c.recv(time.monotonic() + 5).status == STATUS_OK
+        assert_misuse_raises_frame_error(c, 5)
         c.close()
     finally:
         srv.stop()
