@@ -26,7 +26,6 @@ from eaas.runtime.client.dispatch import Dispatcher
 from eaas.runtime.experts import weighted_expert_sum
 from eaas.runtime.gpu.device import check_listen_device, check_world_device
 from eaas.runtime.models.arch import read_model_info
-from eaas.runtime.models.tiny import default_model_dir
 from eaas.runtime.models.weights import load_expert_weights
 from eaas.runtime.routing import RoutingTable
 from eaas.runtime.transport.base import STATUS_NOT_HOSTED, RequestFrame
@@ -96,8 +95,8 @@ def _http(method: str, port: int, path: str, body: str | None = None):
 
 @pytest.mark.gpu_cpu
 @pytest.mark.elastic
-def test_spare_starts_empty_then_serves_experts_from_a_pushed_table(tmp_path):
-    model = str(default_model_dir())
+def test_spare_starts_empty_then_serves_experts_from_a_pushed_table(tmp_path, model_dir):
+    model = model_dir
     info = read_model_info(model)
     layer = info.moe_layers[0]
     tok = tmp_path / "tok"
@@ -203,10 +202,10 @@ def test_serve_server_device_is_checked_up_front():
 
 
 @pytest.mark.gpu
-def test_cli_expert_server_on_cuda_serves_cudaipc_cuda_payload(tmp_path):
+def test_cli_expert_server_on_cuda_serves_cudaipc_cuda_payload(tmp_path, model_dir):
     """``eaas expert-server --device cuda``: checkpoint weights on the GPU (native grouped
     kernels), a CUDA-payload ``cudaipc`` client gets CUDA outputs equal to the CPU reference."""
-    model = str(default_model_dir())
+    model = model_dir
     info = read_model_info(model)
     layer = info.moe_layers[0]
     sock = f"cudaipc:{tmp_path}/g.sock"

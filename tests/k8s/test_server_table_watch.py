@@ -19,7 +19,6 @@ import httpx
 import pytest
 
 from eaas.runtime.models.arch import read_model_info
-from eaas.runtime.models.tiny import default_model_dir
 from eaas.runtime.routing import RoutingTable
 
 from helpers.common import free_port
@@ -55,8 +54,7 @@ def state(url: str) -> dict:
         return {}
 
 
-def test_server_follows_configmap_and_keeps_two_versions(testbed, tmp_path):
-    model_dir = str(default_model_dir())
+def test_server_follows_configmap_and_keeps_two_versions(testbed, tmp_path, model_dir):
     info = read_model_info(model_dir)
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     ep = f"tcp://127.0.0.1:{free_port()}"

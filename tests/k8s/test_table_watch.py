@@ -25,7 +25,6 @@ import openai
 import pytest
 
 from eaas.runtime.models.arch import read_model_info
-from eaas.runtime.models.tiny import default_model_dir
 from eaas.runtime.routing import RoutingTable
 
 from helpers.common import free_port
@@ -65,8 +64,7 @@ def complete(url: str) -> list[int]:
     return r.choices[0].model_extra["token_ids"]
 
 
-def test_client_follows_configmap_through_the_api(testbed, tmp_path):
-    model_dir = str(default_model_dir())
+def test_client_follows_configmap_through_the_api(testbed, tmp_path, model_dir):
     info = read_model_info(model_dir)
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     ep = f"tcp://127.0.0.1:{free_port()}"

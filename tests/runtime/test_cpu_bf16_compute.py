@@ -27,7 +27,6 @@ from eaas.runtime.experts import ExpertWeights, weighted_expert_sum
 from eaas.runtime.models.attention import load_attention_model
 from eaas.runtime.models.compute import calibrate_linear, choose_compute, decide_compute
 from eaas.runtime.models.paged import Chunk, PagedModelRunner
-from eaas.runtime.models.tiny import default_model_dir
 from eaas.runtime.models.tokenizer import load_tokenizer
 from eaas.runtime.transport.base import STATUS_OK, RequestFrame
 from eaas.runtime.transport.factory import connect
@@ -136,13 +135,13 @@ def _env() -> dict:
 
 
 @pytest.mark.e2e
-def test_expert_servers_fp32_compute_answer_bf16_frames_like_native(tmp_path):
+def test_expert_servers_fp32_compute_answer_bf16_frames_like_native(tmp_path, model_dir):
     """Two ``eaas expert-server --dtype bfloat16`` processes, ``--cpu-bf16-compute native`` and
     ``fp32``, get the same bfloat16 frame; answers within bfloat16 tolerance of each other and of
     the float32 math on the bf16-rounded weights; ``/health`` and the log say what each runs."""
     from eaas.runtime.models import arch, weights
 
-    model = default_model_dir()
+    model = model_dir
     info = arch.read_model_info(model)
     layer, H = info.moe_layers[0], info.hidden_size
     procs, socks, ports = {}, {}, {}

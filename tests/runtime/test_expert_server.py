@@ -260,11 +260,11 @@ def test_sigterm_is_graceful(tmp_path):
     assert not os.path.exists(path)
 
 
-def test_cli_expert_server_with_tiny_model(tmp_path):
+def test_cli_expert_server_with_tiny_model(tmp_path, model_dir):
     """``eaas expert-server`` on the built-in tiny model: ready line, exact results, metrics, SIGTERM."""
-    from eaas.runtime.models import arch, tiny, weights
+    from eaas.runtime.models import arch, weights
 
-    model = tiny.default_model_dir()
+    model = model_dir
     info = arch.read_model_info(model)
     layer = info.moe_layers[0]
     sock = f"{tmp_path}/cli.sock"
