@@ -1,4 +1,4 @@
-"""Autoscaling on expert load, end to end on the testbed with process nodes (issue 7, item 4).
+"""Autoscaling on expert load, end to end on the testbed with process nodes.
 
 What runs: the testbed (real kube-apiserver with the aggregation layer, kube-controller-manager
 with the real HPA controller, process nodes), the operator as a local process serving

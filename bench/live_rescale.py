@@ -1,6 +1,5 @@
 """What a rescale costs in running servers: ``placement.assignment: command-line`` (experts on
-each pod's command line) against ``routing-table`` (experts from the pushed table; issue 7,
-item 3), on the DeepSeek-V3 shape (58 MoE layers x 256 experts, redundancy 2).
+each pod's command line) against ``routing-table`` (experts from the pushed table), on the DeepSeek-V3 shape (58 MoE layers x 256 experts, redundancy 2).
 
 For each rescale ``N -> N'`` it runs the operator's own pure code on both sides:
 

@@ -1,4 +1,4 @@
-"""Operator CPU while idle with one large pool (issue 6, item 6, last bullet; target: well
+"""Operator CPU while idle with one large pool (target: well
 under 1% of a core).
 
 Starts a private kwok-node testbed (``--up``; pods turn Ready without running), adds kwok GPU

@@ -47,7 +47,7 @@ the first token / (tokens - 1)); ratios vs vLLM (or the peer) and eaas/single. M
 ``/proc/PID/smaps_rollup``, i.e. shared pages split among the processes that map them) of every
 process of the system (the launched process and all its descendants), at idle (after a warm-up,
 before the load) and under load (the largest total seen while the workloads ran, sampled every
-``--pss-interval`` s). Targets (issue 8): eaas >= 0.5x vLLM tok/s; ITL p99 <= 3x ITL p50;
+``--pss-interval`` s). Targets: eaas >= 0.5x vLLM tok/s; ITL p99 <= 3x ITL p50;
 TTFT p50 <= 2x vLLM's; eaas >= 0.85x single. Writes ``bench/results/peer-<time>.json``,
 ``.md`` (the tables) and ``.png``; a tqdm bar per load run (loadgen's).
 

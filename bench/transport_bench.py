@@ -31,7 +31,7 @@ and a round trip then costs context switches, which swamps what is measured here
 
 Reports p50 / p99 / mean in microseconds, each transport's ratio to ``proto``, the spread
 (quartiles) of the per-block p50 and p99 ratios, and a verdict: the median of the per-block p50
-ratios of ``shm`` against ``--target`` (1.2, issue 8 item 4, at 1 and 64 tokens), with
+ratios of ``shm`` against ``--target`` (1.2, at 1 and 64 tokens), with
 ``shm-frame``'s beside it. ``--profile ROUNDS``
 instead times each step of a round trip in one process (where the time goes).
 

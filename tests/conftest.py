@@ -1,6 +1,15 @@
-"""Suite-wide settings: which tests share one pytest-xdist worker.
+"""Suite-wide settings: each test's tier marker, the checkpoint fixtures, and which tests share
+one pytest-xdist worker.
 
-The README's test command runs the suite on two pytest-xdist workers (``-n 2`` in
+**Tiers.** A test's tier is its top folder under ``tests/`` (:data:`TIERS`); the hook
+:func:`pytest_collection_modifyitems` adds that marker, so ``pytest -m unit`` (or ``e2e``, ``k8s``,
+``cluster``, ``gpu_cpu``) selects a tier. Feature markers (``engine``, ``elastic``) and ``gpu`` (the
+tests that need a CUDA GPU) are set on the tests themselves.
+
+**Checkpoints.** The tiny checkpoints are built once per session (:func:`model_dir`,
+:func:`tokenizer`, :func:`checkpoints`).
+
+**Workers.** The README's test command runs the suite on two pytest-xdist workers (``-n 2`` in
 pyproject.toml's ``addopts``): most tests wait on processes and control-plane state, not on the
 CPU, so two workers cut the wall time on a 2-core machine. :class:`ModuleScheduling` decides who
 runs what:
@@ -19,9 +28,40 @@ does not reach the scheduler, so the units are defined here instead.)
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 from xdist.scheduler import LoadScopeScheduling
 
+from eaas.runtime.models.tiny import default_model_dir
+
+from helpers.checkpoints import small_mixtral, small_qwen3
+
 _CONTROL_PLANE = ("tests/k8s/", "tests/cluster/")
+
+TESTS = Path(__file__).resolve().parent
+#: top folder under tests/ -> the tier marker its tests get (declared in pyproject.toml)
+TIERS = {
+    "runtime": "unit",
+    "client": "unit",
+    "operator": "unit",
+    "cli": "unit",
+    "e2e": "e2e",
+    "k8s": "k8s",
+    "cluster": "cluster",
+    "gpu": "gpu_cpu",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Add the tier marker of each test's top folder (:data:`TIERS`)."""
+    for item in items:
+        path = Path(item.path).resolve()
+        if TESTS not in path.parents:
+            continue
+        tier = TIERS.get(path.relative_to(TESTS).parts[0])
+        if tier is not None:
+            item.add_marker(tier)
 
 
 class ModuleScheduling(LoadScopeScheduling):
@@ -36,3 +76,34 @@ class ModuleScheduling(LoadScopeScheduling):
 
 def pytest_xdist_make_scheduler(config, log):
     return ModuleScheduling(config, log)
+
+
+# ---- checkpoints (built once per session) ------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    """The built-in tiny DeepSeek-V3 checkpoint (``eaas tiny-model``'s, built once and cached)."""
+    return str(default_model_dir())
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    """The tiny checkpoint's tokenizer (transformers ``AutoTokenizer``)."""
+    # lazy: transformers takes seconds to import, and only the tests that use it pay for it
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory, model_dir) -> dict[str, str]:
+    """One tiny checkpoint per supported architecture: ``{model_type: directory}``
+    (``deepseek_v3``: the built-in tiny model; ``qwen3_moe`` and ``mixtral``:
+    :mod:`helpers.checkpoints`' with its tokenizer)."""
+    tiny = Path(model_dir)
+    return {
+        "deepseek_v3": model_dir,
+        "qwen3_moe": str(small_qwen3(tmp_path_factory.mktemp("qwen3"), tiny)),
+        "mixtral": str(small_mixtral(tmp_path_factory.mktemp("mixtral"), tiny)),
+    }

@@ -9,10 +9,11 @@ import subprocess
 import sys
 
 import pytest
-from cli_runs import run_eaas_all
 
 from eaas import __version__
 from eaas.text import printable
+
+from helpers.cli import run_eaas_all
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -7,7 +7,6 @@ cancellation. The disaggregated path is covered in tests/e2e.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -15,22 +14,11 @@ import torch
 from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams, TokenEvent
 from eaas.runtime.models.attention import load_attention_model
 from eaas.runtime.models.reference import reference_generate
-from eaas.runtime.models.tiny import default_model_dir
+
+from helpers.common import wait_until
+from helpers.engine import ENGINE_TEXTS as TEXTS
 
 pytestmark = pytest.mark.engine
-
-TEXTS = [
-    "Hello world",
-    "The expert server hosts a set of experts and",
-    "Kubernetes",
-    "def main(): print",
-    "A routing table maps every logical expert to its live replicas, so the client",
-]
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return str(default_model_dir())
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +86,7 @@ def test_late_arrival_joins_running_batch(engine, loaded, model_dir):
     refs = reference_generate(model_dir, [prompts[4], prompts[2]], 16)
     engine.start()
     r1, _, d1 = _collect(engine, prompts[4], SamplingParams(max_tokens=48, ignore_eos=True))
-    assert _wait(lambda: len(r1.output_ids) >= 5)
+    assert wait_until(lambda: len(r1.output_ids) >= 5, 120.0, 0.005)
     n1_at_submit = len(r1.output_ids)
     r2, ev2, d2 = _collect(engine, prompts[2], SamplingParams(max_tokens=16, temperature=0.0))
     assert d2.wait(120)
@@ -145,16 +133,6 @@ def test_seeded_sampling_is_reproducible(engine, loaded):
     assert a != greedy  # temperature 1.5 over 12 tokens: sampling really happened
 
 
-def _wait(cond, timeout: float = 120.0) -> bool:
-    """Poll ``cond`` until true or ``timeout`` seconds passed; returns its last value."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return bool(cond())
-        time.sleep(0.005)
-    return True
-
-
 def test_cancel_leaves_batch_quickly(engine, loaded):
     _, tok, _ = loaded
     engine.start()
@@ -162,17 +140,19 @@ def test_cancel_leaves_batch_quickly(engine, loaded):
     long = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
     r1, ev1, _ = _collect(engine, prompts[0], long)
     r2, ev2, _ = _collect(engine, prompts[1], long)
-    assert _wait(lambda: len(ev1) >= 3 and len(ev2) >= 3)
+    assert wait_until(lambda: len(ev1) >= 3 and len(ev2) >= 3, 120.0, 0.005)
     assert engine.num_running == 2
     r1.cancel()
-    assert _wait(lambda: engine.num_running == 1)
+    assert wait_until(lambda: engine.num_running == 1, 120.0, 0.005)
     n1 = len(r1.output_ids)
     assert r1.finish_reason == "cancelled"
     n2 = len(r2.output_ids)
-    assert _wait(lambda: len(r2.output_ids) >= n2 + 3)  # the other sequence keeps decoding
+    assert wait_until(
+        lambda: len(r2.output_ids) >= n2 + 3, 120.0, 0.005
+    )  # the other sequence keeps decoding
     assert len(r1.output_ids) == n1  # ... and the cancelled one got nothing more meanwhile
     r2.cancel()
-    assert _wait(lambda: engine.num_running == 0)
+    assert wait_until(lambda: engine.num_running == 0, 120.0, 0.005)
     assert all(isinstance(e, TokenEvent) and e.finish_reason is None for e in ev1)
     assert engine.kv_cache_usage()["blocks_used"] == 0
 

@@ -12,8 +12,6 @@ import threading
 
 import pytest
 import torch
-from engine_models import small_mixtral, small_qwen3
-from engine_runs import run_requests
 
 from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams
 from eaas.runtime.client.kv_cache import (
@@ -27,34 +25,20 @@ from eaas.runtime.client.scheduler import Scheduler, Sequence
 from eaas.runtime.models.attention import load_attention_model
 from eaas.runtime.models.paged import Chunk, PagedModelRunner
 from eaas.runtime.models.reference import reference_generate, reference_logits
-from eaas.runtime.models.tiny import default_model_dir
+
+from helpers.common import wait_until
+from helpers.engine import ENGINE_TEXTS as TEXTS
+from helpers.engine import run_requests
 
 pytestmark = pytest.mark.engine
 
-TEXTS = [
-    "Hello world",
-    "The expert server hosts a set of experts and",
-    "Kubernetes",
-    "def main(): print",
-    "A routing table maps every logical expert to its live replicas, so the client",
-]
 WAIT = 300  # s: generous, the machine is shared
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    tiny = default_model_dir()
-    return {
-        "deepseek_v3": str(tiny),
-        "qwen3_moe": str(small_qwen3(tmp_path_factory.mktemp("qwen3"), tiny)),
-        "mixtral": str(small_mixtral(tmp_path_factory.mktemp("mixtral"), tiny)),
-    }
-
-
-@pytest.fixture(scope="module")
-def loaded(models):
+def loaded(checkpoints):
     torch.set_num_threads(1)
-    return {k: load_attention_model(d, torch.float32) for k, d in models.items()}
+    return {k: load_attention_model(d, torch.float32) for k, d in checkpoints.items()}
 
 
 def _run_all(eng, prompts, params_list):
@@ -66,13 +50,13 @@ ARCHS = ["deepseek_v3", "qwen3_moe", "mixtral"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_runner_logits_match_transformers(arch, models, loaded):
+def test_runner_logits_match_transformers(arch, checkpoints, loaded):
     """Chunked prefill, batched prefills, and decode (MLA: absorbed) give transformers' logits."""
     model, _, _ = loaded[arch]
     cache = PagedKVCache(kv_cache_spec(model), 1 << 20, block_size=4)
     runner = PagedModelRunner(model, cache)
     toks = [list(range(5, 28)), list(range(100, 109))]  # 23 and 9 tokens
-    ref = [reference_logits(models[arch], t) for t in toks]  # (T, V) each
+    ref = [reference_logits(checkpoints[arch], t) for t in toks]  # (T, V) each
     bt = [cache.allocator.allocate(cache.blocks_for(len(t))) for t in toks]
     # step 1: first chunk of seq 0 (10 tokens) + first 8 tokens of seq 1
     got = runner.forward([Chunk(toks[0][:10], 0, bt[0]), Chunk(toks[1][:8], 0, bt[1])])
@@ -88,12 +72,13 @@ def test_runner_logits_match_transformers(arch, models, loaded):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_equals_generate_chunked_and_batched_prefill(arch, models, loaded):
+def test_greedy_equals_generate_chunked_and_batched_prefill(arch, checkpoints, loaded):
     model, tok, _ = loaded[arch]
     prompts = [tok(t)["input_ids"] for t in TEXTS]
     max_new = [12, 7, 12, 3, 10]
     refs = [
-        reference_generate(models[arch], [p], n)[0] for p, n in zip(prompts, max_new, strict=True)
+        reference_generate(checkpoints[arch], [p], n)[0]
+        for p, n in zip(prompts, max_new, strict=True)
     ]
     # budget of 8 tokens per step: prompts longer than that are chunked, several short prompts
     # are prefilled in one step, and prefill chunks share forwards with decode tokens
@@ -109,7 +94,7 @@ def test_greedy_equals_generate_chunked_and_batched_prefill(arch, models, loaded
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
-def test_prompt_logprobs_equal_transformers_with_chunked_prefill(arch, models, loaded):
+def test_prompt_logprobs_equal_transformers_with_chunked_prefill(arch, checkpoints, loaded):
     """``prompt_logprobs`` (echo with logprobs): every prompt token after the first gets the
     logprob transformers' forward gives it, also when the prompt is prefilled in chunks of 4
     beside another request's decode."""
@@ -134,7 +119,7 @@ def test_prompt_logprobs_equal_transformers_with_chunked_prefill(arch, models, l
         eng.stop()
     p = prompts[0]
     assert len(p) > 8 and eng.stats["prefill_chunks"] > eng.stats["prefills"]  # really chunked
-    want = torch.log_softmax(reference_logits(models[arch], p)[:-1], -1)  # (L - 1, V)
+    want = torch.log_softmax(reference_logits(checkpoints[arch], p)[:-1], -1)  # (L - 1, V)
     rows = first[0].prompt_logprobs
     assert rows is req.prompt_logprobs and len(rows) == len(p) and rows[0] is None
     for i in range(1, len(p)):
@@ -145,12 +130,12 @@ def test_prompt_logprobs_equal_transformers_with_chunked_prefill(arch, models, l
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_equals_generate_with_preemption(arch, models, loaded):
+def test_greedy_equals_generate_with_preemption(arch, checkpoints, loaded):
     """A cache of exactly one longest sequence: running sequences are preempted and recomputed."""
     model, tok, _ = loaded[arch]
     prompts = [tok(t)["input_ids"] for t in TEXTS]
     n = 20
-    refs = reference_generate(models[arch], prompts, n)
+    refs = reference_generate(checkpoints[arch], prompts, n)
     spec = kv_cache_spec(model)
     max_len = 48
     eng = Engine(
@@ -170,12 +155,12 @@ def test_greedy_equals_generate_with_preemption(arch, models, loaded):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_never_written_cache_slots_do_not_poison_decode(arch, models, loaded):
+def test_never_written_cache_slots_do_not_poison_decode(arch, checkpoints, loaded):
     """Cache memory comes from ``torch.empty`` and may hold NaN; a decode batch reads whole
     blocks (and padding blocks) past each sequence's end, and masked positions must add nothing."""
     model, tok, _ = loaded[arch]
     prompts = [tok(t)["input_ids"] for t in TEXTS[:3]]
-    refs = reference_generate(models[arch], prompts, 6)
+    refs = reference_generate(checkpoints[arch], prompts, 6)
     eng = Engine(model, tok, client_id=f"nan-{arch}", block_size=4)
     for t in eng.kv_cache.latent + eng.kv_cache.keys + eng.kv_cache.values:
         t.fill_(float("nan"))
@@ -351,11 +336,11 @@ def test_scheduler_preempts_latest_and_readmits_first():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("arch", ARCHS)
-def test_engine_on_cuda_equals_generate(arch, models):
+def test_engine_on_cuda_equals_generate(arch, checkpoints):
     """--device cuda: model and KV cache on the GPU, same greedy tokens as the CPU reference."""
-    model, tok, _ = load_attention_model(models[arch], torch.float32, device="cuda")
+    model, tok, _ = load_attention_model(checkpoints[arch], torch.float32, device="cuda")
     prompts = [tok(t)["input_ids"] for t in TEXTS]
-    refs = reference_generate(models[arch], prompts, 10)
+    refs = reference_generate(checkpoints[arch], prompts, 10)
     eng = Engine(model, tok, client_id=f"cuda-{arch}", max_num_batched_tokens=8, block_size=4)
     assert eng.kv_cache_usage()["blocks_total"] > 0
     reqs = _run_all(eng, prompts, [SamplingParams(max_tokens=10) for _ in prompts])
@@ -390,24 +375,13 @@ def test_attention_client_rejects_bad_engine_options(args, message):
     assert "Traceback" not in out and "ready on" not in out, out
 
 
-def _poll(cond, timeout: float = WAIT) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return bool(cond())
-        time.sleep(0.002)
-    return True
-
-
-def test_long_prompt_is_chunked_while_others_decode_and_cancels_mid_prefill(models, loaded):
+def test_long_prompt_is_chunked_while_others_decode_and_cancels_mid_prefill(checkpoints, loaded):
     model, tok, _ = loaded["deepseek_v3"]
     words = " ".join(["expert server routing table attention client"] * 240)
     ids = tok(words)["input_ids"]
     long_a, long_b = ids[:200], ids[200:1400]
     assert len(long_b) == 1200
-    ref = reference_generate(models["deepseek_v3"], [long_a], 2)[0]
+    ref = reference_generate(checkpoints["deepseek_v3"], [long_a], 2)[0]
     eng = Engine(model, tok, client_id="chunks", max_num_batched_tokens=8)
     eng.start()
     try:
@@ -416,7 +390,7 @@ def test_long_prompt_is_chunked_while_others_decode_and_cancels_mid_prefill(mode
             SamplingParams(max_tokens=2000, ignore_eos=True),
             lambda ev: None,
         )
-        assert _poll(lambda: len(r1.output_ids) >= 2)
+        assert wait_until(lambda: len(r1.output_ids) >= 2, WAIT, 0.002)
         n_before = len(r1.output_ids)
         at_first: list[int] = []
         r2 = eng.submit(
@@ -424,19 +398,19 @@ def test_long_prompt_is_chunked_while_others_decode_and_cancels_mid_prefill(mode
             SamplingParams(max_tokens=2),
             lambda ev: at_first.append(len(r1.output_ids)) if not at_first else None,
         )
-        assert _poll(lambda: r2.done)
+        assert wait_until(lambda: r2.done, WAIT, 0.002)
         assert r2.output_ids == ref
         # r1 decoded in every step of r2's ~200 / 7 prefill chunks (8 tokens per step)
         assert at_first[0] - n_before >= len(long_a) // 8, (at_first, n_before)
         assert eng.stats["max_step_tokens"] <= 8
         # a 1200-token prompt takes ~170 steps to prefill: cancel it as soon as it is admitted
         r3 = eng.submit(long_b, SamplingParams(max_tokens=5), lambda ev: None)
-        assert _poll(lambda: eng.num_running == 2)
+        assert wait_until(lambda: eng.num_running == 2, WAIT, 0.002)
         r3.cancel()
-        assert _poll(lambda: eng.num_running == 1)
+        assert wait_until(lambda: eng.num_running == 1, WAIT, 0.002)
         assert r3.finish_reason == "cancelled" and r3.output_ids == []
         n1 = len(r1.output_ids)
-        assert _poll(lambda: len(r1.output_ids) > n1 + 2)  # r1 still decoding
+        assert wait_until(lambda: len(r1.output_ids) > n1 + 2, WAIT, 0.002)  # r1 still decoding
         # only r1's blocks are left
         assert eng.kv_cache_usage()["blocks_used"] <= -(-(1 + len(r1.output_ids) + 8) // 16)
     finally:
@@ -687,13 +661,14 @@ def test_parse_prefill_cap_rejects_bad_values(value):
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "mixtral"])
 @pytest.mark.parametrize("cap", [3, "auto"])
-def test_greedy_equals_generate_with_prefill_cap_while_decoding(arch, cap, models, loaded):
+def test_greedy_equals_generate_with_prefill_cap_while_decoding(arch, cap, checkpoints, loaded):
     """Capped prefill in decode steps changes the steps, never the tokens."""
     model, tok, _ = loaded[arch]
     prompts = [tok(t)["input_ids"] for t in TEXTS]
     max_new = [12, 7, 12, 3, 10]
     refs = [
-        reference_generate(models[arch], [p], n)[0] for p, n in zip(prompts, max_new, strict=True)
+        reference_generate(checkpoints[arch], [p], n)[0]
+        for p, n in zip(prompts, max_new, strict=True)
     ]
     eng = Engine(
         model,
@@ -713,13 +688,13 @@ def test_greedy_equals_generate_with_prefill_cap_while_decoding(arch, cap, model
     assert eng.kv_cache_usage()["blocks_used"] == 0
 
 
-def test_greedy_equals_generate_with_burst_steps(models, loaded):
+def test_greedy_equals_generate_with_burst_steps(checkpoints, loaded):
     """``auto``: burst steps (decodes held) change the steps, never the tokens."""
     model, tok, _ = loaded["deepseek_v3"]
     prompts = [tok(TEXTS[2])["input_ids"], tok(TEXTS[4])["input_ids"]]
     assert len(prompts[0]) < 8 < len(prompts[1]) - 8
     max_new = 120  # 2 x 119 gaps: 0.005 of them allows one stretched gap
-    refs = [reference_generate(models["deepseek_v3"], [p], max_new)[0] for p in prompts]
+    refs = [reference_generate(checkpoints["deepseek_v3"], [p], max_new)[0] for p in prompts]
     eng = Engine(
         model,
         tok,

@@ -8,13 +8,11 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import loadgen  # noqa: E402
-import peer  # noqa: E402
+import loadgen
+import peer
 
 pytestmark = pytest.mark.engine
 

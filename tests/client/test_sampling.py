@@ -134,11 +134,11 @@ class _CountingTokenizer:
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from eaas.runtime.models.tiny import default_model_dir
+def tokenizer(model_dir):
+    """The tiny checkpoint's tokenizer as the attention client loads it (``load_tokenizer``)."""
     from eaas.runtime.models.tokenizer import load_tokenizer
 
-    return load_tokenizer(default_model_dir())
+    return load_tokenizer(model_dir)
 
 
 TEXT = "héllo wörld, 你好 🙂 déjà vu — naïve café; def f(x): return x * 2"

@@ -12,21 +12,17 @@ fixture is session-scoped, and :func:`pytest_runtest_teardown` stops it right af
 last test, so it is gone before the kwok-only ``testbed`` of ``tests/k8s`` starts. Each module
 works in its own namespaces and starts (and stops) its own operator. Everything it started,
 containers included, dies with the test process (PR_SET_PDEATHSIG); a process left after
-teardown fails the test (:func:`k8s_helpers.running_testbed`, shared with ``tests/k8s``).
+teardown fails the test (:func:`helpers.k8s.running_testbed`, shared with ``tests/k8s``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 from pathlib import Path
 
 import pytest
 
-# the shared kubectl / get_json / wait_for / Operator / testbed helpers live with the k8s tier
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "k8s"))
-
-from k8s_helpers import running_testbed  # noqa: E402
+from helpers.k8s import running_testbed
 
 TIER = Path(__file__).resolve().parent
 # the running testbed's context while the tier runs (closed after its last test)

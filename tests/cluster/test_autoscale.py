@@ -1,4 +1,4 @@
-"""Expert load and autoscaling on it, on process nodes (issue 7, items 2 and 4).
+"""Expert load and autoscaling on it, on process nodes.
 
 One pool (tiny model, 2 servers, ``spec.autoscaling`` 2-3 servers at 1 token/s per server, no
 scale-down stabilization) and one attention client, with the operator run as a local process
@@ -31,8 +31,11 @@ import uuid
 
 import openai
 import pytest
-from fault_helpers import apply_tiny_pool_and_fleet
-from k8s_helpers import (
+
+from eaas.testbed.metrics_api import APISERVICE, register_external_metrics
+
+from helpers.faults import apply_tiny_pool_and_fleet
+from helpers.k8s import (
     Operator,
     apply_crds,
     get,
@@ -42,9 +45,7 @@ from k8s_helpers import (
     wait_namespaces_deleted,
 )
 
-from eaas.testbed.metrics_api import APISERVICE, register_external_metrics
-
-pytestmark = [pytest.mark.cluster, pytest.mark.elastic]
+pytestmark = pytest.mark.elastic
 
 FAST = {"EAAS_OPERATOR_LOAD_SCRAPE_S": "2", "EAAS_OPERATOR_LOAD_WINDOW_S": "10"}
 # first rate only after two scrape rounds that have the pool's servers as targets, 15 s apart

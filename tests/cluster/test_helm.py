@@ -1,4 +1,4 @@
-"""Helm for real (issue 6, item 5): ``helm install`` of ``deploy/helm/eaas-operator`` on the
+"""Helm for real: ``helm install`` of ``deploy/helm/eaas-operator`` on the
 testbed runs the operator as two pods on the CPU process node (the local ``eaas operator``;
 exactly one holds the Lease and acts), with a Service, least-privilege RBAC (``kubectl auth
 can-i`` as its ServiceAccount), a values schema that rejects a bad value naming it, and a
@@ -19,9 +19,8 @@ import urllib.request
 import openai
 import pytest
 import yaml
-from k8s_helpers import get_json, kubectl, pod_ready, wait_for
 
-pytestmark = pytest.mark.cluster
+from helpers.k8s import get_json, kubectl, pod_ready, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHART = os.path.join(ROOT, "deploy", "helm", "eaas-operator")

@@ -1,4 +1,4 @@
-"""Live rebalancing and make-before-break scale-down on process nodes (issue 7, items 3 and 5).
+"""Live rebalancing and make-before-break scale-down on process nodes.
 
 One ``placement.assignment: routing-table`` pool (tiny model, 5 servers, redundancy 2) and one
 attention client, all real processes. Its servers start without experts and learn them from the
@@ -28,8 +28,11 @@ import uuid
 
 import openai
 import pytest
-from fault_helpers import apply_tiny_pool_and_fleet
-from k8s_helpers import (
+
+from eaas.runtime.routing import RoutingTable
+
+from helpers.faults import apply_tiny_pool_and_fleet
+from helpers.k8s import (
     Operator,
     apply_crds,
     get,
@@ -39,11 +42,9 @@ from k8s_helpers import (
     wait_for,
     wait_namespaces_deleted,
 )
-from k8s_helpers import server_pods as _server_pods
+from helpers.k8s import server_pods as _server_pods
 
-from eaas.runtime.routing import RoutingTable
-
-pytestmark = [pytest.mark.cluster, pytest.mark.elastic]
+pytestmark = pytest.mark.elastic
 
 PROMPTS = [f"Request {i}: tell me about the number {i * 7}" for i in range(16)]
 MAX_TOKENS = 12

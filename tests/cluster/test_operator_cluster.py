@@ -1,4 +1,4 @@
-"""The operator on process nodes (issue 6, items 2-4): ``kubectl apply`` of an ExpertPool and an
+"""The operator on process nodes: ``kubectl apply`` of an ExpertPool and an
 AttentionFleet gives real expert servers and real attention clients that serve a completion;
 the operator pushes each table version and the client acknowledges it; a failure report
 evicts a server only when the operator's own probe agrees; a frozen (SIGSTOPped) server is
@@ -18,8 +18,13 @@ import uuid
 
 import openai
 import pytest
-from fault_helpers import apply_tiny_pool_and_fleet, serving_table
-from k8s_helpers import (
+
+from eaas.runtime.cli import client_id_of
+from eaas.runtime.client.table_push import push_routing_table
+from eaas.runtime.routing import RoutingTable
+
+from helpers.faults import apply_tiny_pool_and_fleet, serving_table
+from helpers.k8s import (
     Operator,
     apply_crds,
     client_pods,
@@ -32,12 +37,6 @@ from k8s_helpers import (
     wait_for,
     wait_namespaces_deleted,
 )
-
-from eaas.runtime.cli import client_id_of
-from eaas.runtime.client.table_push import push_routing_table
-from eaas.runtime.routing import RoutingTable
-
-pytestmark = pytest.mark.cluster
 
 # The tier's testbed (conftest) has one GPU node per expert server of the fault scenario (the
 # scheduler spreads the 4 pods one per node): powering off any node leaves every expert a live
@@ -52,7 +51,7 @@ def table(ns: str) -> RoutingTable | None:
 def server_pid(pod_name: str, ns: str) -> int | None:
     """Host PID of the expert-server process of ``pod_name`` (from its containerID: a scan of
     /proc by ``--server-id`` can find another testbed's server of the same name)."""
-    from fault_helpers import container_pid
+    from helpers.faults import container_pid
 
     pod = server_pods(ns).get(pod_name)
     return container_pid(pod, "expert-server") if pod else None
@@ -237,7 +236,7 @@ def test_pool_and_fleet_serve_push_ack_and_monitor(fault_fleet, operator):
 
 
 # =============================================================================================
-# faults under load (issue 6, "What must be shown"): one pool (4 servers, redundancy 2) on the
+# faults under load: one pool (4 servers, redundancy 2) on the
 # four GPU process nodes, one fleet of 2 attention clients on the CPU node; 16 streaming
 # requests through client A while faults happen one after the other.
 # =============================================================================================
@@ -296,9 +295,9 @@ def test_faults_under_load(fault_fleet, operator, cluster):
     during that recovery. Every request completes with the reference tokens; the table drops
     each lost server and re-adds it at its (new) pod IP; versions only grow; no pod is
     duplicated."""
-    from fault_helpers import StreamLoad, TableRecorder, container_pid
-
     from eaas import testbed as tbmod
+
+    from helpers.faults import StreamLoad, TableRecorder, container_pid
 
     ns, model_id, prompts, references = fault_fleet
     op, _ = operator
@@ -436,7 +435,7 @@ def test_client_faults(fault_fleet):
     """SIGKILL attention client B: the expert servers close its connections while client A's
     16 streams go on; then B, SIGSTOPped while a new table is pushed, catches up (from its
     ConfigMap watch or a push retry) within CATCH_UP_BOUND_S of SIGCONT."""
-    from fault_helpers import (
+    from helpers.faults import (
         StreamLoad,
         client_table_version,
         container_pid,

@@ -8,12 +8,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
 from eaas.testbed import cluster as C
 from eaas.testbed.pod_net import pod_net_dir
-
-pytestmark = pytest.mark.cluster
 
 
 def test_claims_are_distinct_and_released(tmp_path):

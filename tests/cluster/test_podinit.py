@@ -9,11 +9,7 @@ import sys
 import uuid
 from pathlib import Path
 
-import pytest
-
 from eaas.testbed import agent
-
-pytestmark = pytest.mark.cluster
 
 
 def run_container(tmp_path: Path, mounts: list[dict], script: str) -> subprocess.CompletedProcess:

@@ -16,9 +16,8 @@ import urllib.request
 import uuid
 
 import pytest
-from k8s_helpers import get_json, kubectl, wait_for
 
-pytestmark = pytest.mark.cluster
+from helpers.k8s import get_json, kubectl, wait_for
 
 PY = sys.executable
 

@@ -16,13 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from e2e_helpers import metric_sum, metric_values, start_serve
 
 from eaas.runtime.models.reference import reference_generate
 from eaas.runtime.routing import RoutingTable
 from eaas.runtime.serve import write_table
 
-pytestmark = pytest.mark.e2e
+from helpers.e2e import metric_sum, metric_values, serve_fixture, served_model_name
 
 TEXTS = [
     "Hello world",
@@ -35,20 +34,14 @@ TEXTS = [
 MAX_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    sp = start_serve(
-        tmp_path_factory,
-        "serve-api",
-        ["--expert-servers", "4", "--replicas", "2", "--attention-clients", "2"],
-    )
-    yield sp
-    sp.stop(check=True)
+deployment = serve_fixture(
+    "serve-api", ["--expert-servers", "4", "--replicas", "2", "--attention-clients", "2"]
+)
 
 
 @pytest.fixture(scope="module")
 def model_name(deployment):
-    return httpx.get(f"{deployment.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+    return served_model_name(deployment.base_url)
 
 
 @pytest.fixture(scope="module")

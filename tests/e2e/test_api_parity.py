@@ -16,26 +16,30 @@ import httpx
 import openai
 import pytest
 import torch
-from e2e_helpers import free_port, metric_sum, metric_values, sigterm_and_wait, start_serve
 
 from eaas.runtime.client.sampling import SamplingParams, apply_penalties
 from eaas.runtime.models.reference import reference_generate, reference_logits
 
-pytestmark = [pytest.mark.e2e, pytest.mark.engine]
+from helpers.e2e import (
+    free_port,
+    metric_sum,
+    metric_values,
+    serve_fixture,
+    served_model_name,
+    sigterm_and_wait,
+)
+
+pytestmark = pytest.mark.engine
 
 PROMPT = "The expert server hosts a set of experts and"
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    sp = start_serve(tmp_path_factory, "serve-parity", ["--expert-servers", "2", "--replicas", "1"])
-    yield sp
-    sp.stop(check=True)
+deployment = serve_fixture("serve-parity", ["--expert-servers", "2", "--replicas", "1"])
 
 
 @pytest.fixture(scope="module")
 def model_name(deployment):
-    return httpx.get(f"{deployment.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+    return served_model_name(deployment.base_url)
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from e2e_helpers import ServeProcess, free_port
 
-pytestmark = [pytest.mark.e2e, pytest.mark.engine]
+from helpers.e2e import ServeProcess, free_port
+
+pytestmark = pytest.mark.engine
 
 
 def test_serve_passes_cpu_bf16_compute_to_every_child(tmp_path):

@@ -22,8 +22,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from dispatch_health import wait_all_connected
-from e2e_helpers import free_port
 from prometheus_client import REGISTRY
 
 from eaas.runtime.client.dispatch import (
@@ -39,7 +37,8 @@ from eaas.runtime.placement import format_expert_spec, place_experts
 from eaas.runtime.routing import RoutingTable
 from eaas.runtime.serve import write_table
 
-pytestmark = pytest.mark.e2e
+from helpers.dispatch import wait_all_connected
+from helpers.e2e import free_port
 
 ATOL = 1e-4
 TEXT = "Expert servers are stateless: every routed expert is a pure function of one token"

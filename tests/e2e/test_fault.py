@@ -20,72 +20,29 @@ import time
 
 import httpx
 import pytest
-from dispatch_health import wait_all_connected
-from e2e_helpers import metric_sum, metric_values, start_serve
 
 from eaas.runtime.models.reference import reference_generate
 from eaas.runtime.routing import RoutingTable
 
-pytestmark = pytest.mark.e2e
+from helpers.dispatch import wait_all_connected
+from helpers.e2e import FAILOVER_MAX_TOKENS as MAX_TOKENS
+from helpers.e2e import FAILOVER_TEXTS as TEXTS
+from helpers.e2e import (
+    metric_sum,
+    metric_values,
+    serve_fixture,
+    served_model_name,
+    stream_completion,
+)
 
-TEXTS = [
-    "The expert server hosts a set of experts and",
-    "Kubernetes schedules pods on nodes",
-    "A routing table maps every logical expert",
-    "Hello world",
-]
-MAX_TOKENS = 40
-
-
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    sp = start_serve(
-        tmp_path_factory,
-        "serve-fault",
-        ["--expert-servers", "4", "--replicas", "2", "--dispatch-timeout", "5"],
-    )
-    yield sp
-    sp.stop(check=True)  # no-op when test_sigterm_cleans_up already stopped it
+deployment = serve_fixture(
+    "serve-fault", ["--expert-servers", "4", "--replicas", "2", "--dispatch-timeout", "5"]
+)
 
 
 @pytest.fixture(scope="module")
 def model_name(deployment):
-    return httpx.get(f"{deployment.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
-
-
-def _stream(base_url, model_name, prompt_ids, out: dict, started: threading.Event):
-    ids, times = [], []
-    try:
-        with httpx.stream(
-            "POST",
-            f"{base_url}/v1/completions",
-            json={
-                "model": model_name,
-                "prompt": prompt_ids,
-                "max_tokens": MAX_TOKENS,
-                "temperature": 0,
-                "stream": True,
-            },
-            timeout=120,
-        ) as r:
-            out["status"] = r.status_code
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                payload = json.loads(line[6:])
-                if "error" in payload:
-                    out["error"] = payload["error"]
-                    continue
-                ch = payload["choices"][0]
-                ids.extend(ch["token_ids"])
-                times.append(time.monotonic())
-                if len(ids) >= 2:
-                    started.set()
-                if ch["finish_reason"]:
-                    out["finish"] = ch["finish_reason"]
-    except Exception as exc:  # noqa: BLE001
-        out["exception"] = repr(exc)
-    out["ids"], out["times"] = ids, times
+    return served_model_name(deployment.base_url)
 
 
 def test_kill_expert_server_while_streaming(deployment, model_name, tokenizer, model_dir):
@@ -99,7 +56,7 @@ def test_kill_expert_server_while_streaming(deployment, model_name, tokenizer, m
     wait_all_connected(lambda: httpx.get(f"{deployment.base_url}/health", timeout=10).json())
     threads = [
         threading.Thread(
-            target=_stream, args=(deployment.base_url, model_name, p, o, s), daemon=True
+            target=stream_completion, args=(deployment.base_url, model_name, p, o, s), daemon=True
         )
         for p, o, s in zip(prompts, outs, starts, strict=False)
     ]

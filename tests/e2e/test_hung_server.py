@@ -15,31 +15,33 @@ import time
 
 import httpx
 import pytest
-from dispatch_health import wait_all_connected
-from e2e_helpers import metric_sum, metric_values, start_serve
-from test_fault import MAX_TOKENS, TEXTS, _stream
 
 from eaas.runtime.models.reference import reference_generate
 
-pytestmark = [pytest.mark.e2e, pytest.mark.engine]
+from helpers.dispatch import wait_all_connected
+from helpers.e2e import FAILOVER_MAX_TOKENS as MAX_TOKENS
+from helpers.e2e import FAILOVER_TEXTS as TEXTS
+from helpers.e2e import (
+    metric_sum,
+    metric_values,
+    serve_fixture,
+    served_model_name,
+    stream_completion,
+)
+
+pytestmark = pytest.mark.engine
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    sp = start_serve(
-        tmp_path_factory,
-        "serve-hung",
-        ["--expert-servers", "4", "--replicas", "2", "--dispatch-timeout", "5"],
-    )
-    yield sp
-    sp.stop(check=True)
+deployment = serve_fixture(
+    "serve-hung", ["--expert-servers", "4", "--replicas", "2", "--dispatch-timeout", "5"]
+)
 
 
 def test_health_answers_while_a_server_is_hung_and_streams_fail_over(
     deployment, tokenizer, model_dir
 ):
     base = deployment.base_url
-    model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+    model = served_model_name(base)
     prompts = [tokenizer(t)["input_ids"] for t in TEXTS[:2]]
     refs = reference_generate(model_dir, prompts, MAX_TOKENS)
     outs = [{} for _ in prompts]
@@ -49,7 +51,7 @@ def test_health_answers_while_a_server_is_hung_and_streams_fail_over(
     # one only when an expert has no connected replica at all
     wait_all_connected(lambda: httpx.get(f"{base}/health", timeout=10).json())
     threads = [
-        threading.Thread(target=_stream, args=(base, model, p, o, s), daemon=True)
+        threading.Thread(target=stream_completion, args=(base, model, p, o, s), daemon=True)
         for p, o, s in zip(prompts, outs, starts, strict=True)
     ]
     for t in threads:

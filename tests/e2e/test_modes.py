@@ -13,13 +13,12 @@ import time
 import httpx
 import pytest
 import torch
-from e2e_helpers import ServeProcess, alive, descendants, free_port, sigterm_and_wait
 
 from eaas.runtime.models.arch import read_model_info as model_info
 from eaas.runtime.models.reference import reference_generate
 from eaas.runtime.placement import dispatch_columns, place_experts, spread_over_cpus
 
-pytestmark = pytest.mark.e2e
+from helpers.e2e import ServeProcess, alive, descendants, free_port, sigterm_and_wait
 
 TEXTS = ["Hello world", "Kubernetes schedules pods on nodes", "def main(): print"]
 MAX_TOKENS = 12

@@ -1,4 +1,4 @@
-"""Push and acknowledge, and failure reports, on a real attention client (issue 6, items 3, 4).
+"""Push and acknowledge, and failure reports, on a real attention client.
 
 One deployment for the module (tests run in file order): two ``eaas expert-server`` processes
 (``a`` and ``b``, each hosting every expert of the tiny model, TCP), a small HTTP receiver in this
@@ -21,14 +21,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import openai
 import pytest
-from dispatch_health import wait_all_connected
-from e2e_helpers import free_port
 
 from eaas.runtime.client.table_push import push_routing_table
 from eaas.runtime.models.arch import read_model_info
 from eaas.runtime.routing import RoutingTable
 
-pytestmark = pytest.mark.e2e
+from helpers.dispatch import wait_all_connected
+from helpers.e2e import free_port
 
 TOKEN = "s3cret-push-token"
 CLIENT_ID = 3

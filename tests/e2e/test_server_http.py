@@ -1,5 +1,5 @@
 """The expert server's HTTP port (``--http-port``): ``/health`` sees the serving loop itself and
-``/metrics`` serves this process's Prometheus text (issue 6, items 2 and 6).
+``/metrics`` serves this process's Prometheus text.
 
 Bounds: a running process whose loop stops iterating answers 503 once the loop's last iteration
 is older than ``--health-stale-s`` (here 2 s); a SIGSTOPped process answers nothing (the probe's
@@ -18,12 +18,11 @@ import time
 import httpx
 import pytest
 import torch
-from e2e_helpers import free_port
 
 from eaas.runtime.expert_server import ExpertServer, random_experts
 from eaas.runtime.server_http import ServerHealth, ServerHTTP, health_verdict
 
-pytestmark = pytest.mark.e2e
+from helpers.e2e import free_port
 
 
 def wait_status(url: str, code: int, timeout: float = 60.0) -> httpx.Response:

@@ -14,23 +14,29 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-from srv_helpers import HIDDEN, INTER, SEED, SPEC, reference, start_server  # noqa: E402
-
-from eaas.runtime.transport.base import (  # noqa: E402
+from eaas.runtime.transport.base import (
     STATUS_NOT_HOSTED,
     STATUS_OK,
     DeadlineExceeded,
     FrameError,
     PeerDeadError,
-    RequestFrame,
 )
-from eaas.runtime.transport.factory import connect  # noqa: E402
+from eaas.runtime.transport.factory import connect
+
+from helpers.server import (
+    HIDDEN,
+    INTER,
+    SEED,
+    SPEC,
+    assert_misuse_raises_frame_error,
+    reference,
+    request_frame,
+    start_server,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -82,19 +88,6 @@ def _connect(kind, srv, dtype=torch.float32, **kw):
     return connect(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=dtype, **kw)
 
 
-def _frame(n, k, layer=1, n_exp=4, dtype=torch.float32, seq=0):
-    g = torch.Generator().manual_seed(1000 + n * 31 + k)
-    h = torch.randn(n, HIDDEN, generator=g).to(dtype)
-    ex = (
-        torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(n)]).to(torch.int32)
-        if n
-        else torch.zeros(0, k, dtype=torch.int32)
-    )
-    if n and k > 1:
-        ex[0, -1] = -1
-    return RequestFrame(1, layer, 3, seq, h, ex, torch.rand(n, k, generator=g))
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_round_trip_matches_reference_and_grows(kind, dtype, tmp_path):
@@ -110,7 +103,7 @@ def test_round_trip_matches_reference_and_grows(kind, dtype, tmp_path):
             (64, 3, 1, 4),
         ]
         for i, (n, k, layer, n_exp) in enumerate(cases):
-            f = _frame(n, k, layer, n_exp, dtype, seq=100 + i)
+            f = request_frame(n, k, layer, n_exp, dtype, seq=100 + i)
             c.send(f)
             r = c.recv(time.monotonic() + 30)
             assert r.status == STATUS_OK, r.message
@@ -123,12 +116,12 @@ def test_round_trip_matches_reference_and_grows(kind, dtype, tmp_path):
             )
             torch.testing.assert_close(r.output.cpu().float(), ref.float(), **tol)
         # an expert this server does not host: an error response, the connection keeps working
-        bad = _frame(2, 1, layer=2, n_exp=4, dtype=dtype)
+        bad = request_frame(2, 1, layer=2, n_exp=4, dtype=dtype)
         bad.experts[:] = 3
         c.send(bad)
         r = c.recv(time.monotonic() + 30)
         assert r.status == STATUS_NOT_HOSTED and "does not host layer 2" in r.message
-        c.send(_frame(2, 1, dtype=dtype, seq=7))
+        c.send(request_frame(2, 1, dtype=dtype, seq=7))
         assert c.recv(time.monotonic() + 30).seq == 7
         c.close()
     finally:
@@ -148,14 +141,7 @@ def test_protocol_misuse_raises_frame_error(kind, tmp_path):
                 **({"payload": kind.split("-")[1]} if "-" in kind else {}),
             )
         c = _connect(kind, srv)
-        with pytest.raises(FrameError, match="dtype"):
-            c.send(_frame(2, 1, dtype=torch.bfloat16))
-        with pytest.raises(FrameError, match="recv without"):
-            c.recv(time.monotonic() + 1)
-        c.send(_frame(2, 1))
-        with pytest.raises(FrameError, match="in flight"):
-            c.send(_frame(2, 1))
-        assert c.recv(time.monotonic() + 30).status == STATUS_OK
+        assert_misuse_raises_frame_error(c, 30)
         c.close()
     finally:
         srv.stop()
@@ -165,10 +151,10 @@ def test_protocol_misuse_raises_frame_error(kind, tmp_path):
 def test_server_sigkill_mid_request_gives_peer_dead(kind, tmp_path):
     srv = _server(kind, tmp_path)
     c = _connect(kind, srv)
-    c.send(_frame(2, 1))
+    c.send(request_frame(2, 1))
     assert c.recv(time.monotonic() + 30).status == STATUS_OK
     os.kill(srv.pid, signal.SIGSTOP)  # the next request is surely in flight when it dies
-    c.send(_frame(3, 1))
+    c.send(request_frame(3, 1))
     os.kill(srv.pid, signal.SIGKILL)
     t0 = time.monotonic()
     with pytest.raises(PeerDeadError):
@@ -183,10 +169,10 @@ def test_stopped_server_hits_deadline_then_recovers(kind, tmp_path):
     srv = _server(kind, tmp_path)
     try:
         c = _connect(kind, srv)
-        c.send(_frame(1, 1))  # warm (CUDA module load on the server)
+        c.send(request_frame(1, 1))  # warm (CUDA module load on the server)
         assert c.recv(time.monotonic() + 60).status == STATUS_OK
         os.kill(srv.pid, signal.SIGSTOP)
-        f = _frame(4, 2)
+        f = request_frame(4, 2)
         c.send(f)
         t0 = time.monotonic()
         with pytest.raises(DeadlineExceeded):
@@ -208,11 +194,11 @@ def test_client_gone_does_not_disturb_server(kind, tmp_path):
     try:
         for _ in range(2):  # clients vanish with a request in flight
             c = _connect(kind, srv)
-            c.send(_frame(8, 2))
+            c.send(request_frame(8, 2))
             c.close()
         c = _connect(kind, srv)
         for i in range(5):
-            c.send(_frame(3, 2, seq=i))
+            c.send(request_frame(3, 2, seq=i))
             r = c.recv(time.monotonic() + 30)
             assert r.status == STATUS_OK and r.seq == i
         c.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +17,7 @@ from eaas.runtime.gpu.graphs import (
     graph_eligible,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-from srv_helpers import HIDDEN, INTER, SEED, SPEC, reference, start_server  # noqa: E402
+from helpers.server import HIDDEN, INTER, SEED, SPEC, reference, start_server
 
 
 @pytest.mark.gpu_cpu

@@ -10,8 +10,6 @@ import pytest
 
 from eaas.runtime.gpu import build as nb
 
-pytestmark = pytest.mark.gpu_cpu
-
 KERNELS = {
     "eaas_experts.cu": [
         "eaas_moe_route",

@@ -7,7 +7,6 @@ import threading
 
 import pytest
 import torch
-from cli_runs import run_eaas_all
 
 from eaas.runtime.transport.factory import connect, listen
 from eaas.runtime.transport.nvshmem import (
@@ -28,7 +27,7 @@ from eaas.runtime.transport.nvshmem import (
     world_env,
 )
 
-pytestmark = pytest.mark.gpu_cpu
+from helpers.cli import run_eaas_all
 
 
 def test_join_leave_retire_over_spare_pes():

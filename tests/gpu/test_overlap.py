@@ -13,8 +13,6 @@ import torch
 from eaas.runtime.expert_server import grouped_expert_sum, random_experts
 from eaas.runtime.gpu.overlap import Op, run_decode_layers, schedule, split_batch
 
-pytestmark = pytest.mark.gpu_cpu
-
 H, I, E, K, L = 32, 48, 8, 2, 3
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_runs import generate_greedy
 
 from eaas.runtime.client.engine import Engine
 from eaas.runtime.models.attention import load_attention_model
-from eaas.runtime.models.tiny import default_model_dir
+
+from helpers.engine import generate_greedy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -23,8 +23,8 @@ def _generate(eng: Engine, prompts: list[list[int]], max_tokens: int) -> list[li
     return generate_greedy(eng, prompts, max_tokens, 120)
 
 
-def test_overlap_on_cuda_streams_equals_overlap_off():
-    model, tok, _ = load_attention_model(str(default_model_dir()), torch.float32, device="cuda")
+def test_overlap_on_cuda_streams_equals_overlap_off(model_dir):
+    model, tok, _ = load_attention_model(model_dir, torch.float32, device="cuda")
     prompts = [tok(t)["input_ids"] for t in TEXTS]
     want = _generate(Engine(model, tok, client_id="cuda-off"), prompts, 8)
     on = Engine(model, tok, client_id="cuda-on", double_batch_overlap=True)

@@ -17,19 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_models import small_qwen3
-from engine_runs import generate_greedy
 
 from eaas.runtime.client.dispatch import Dispatcher, experts_factory
 from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams
 from eaas.runtime.gpu.overlap import PagedOverlapRunner
 from eaas.runtime.models.arch import read_model_info
 from eaas.runtime.models.attention import load_attention_model
-from eaas.runtime.models.tiny import default_model_dir
 from eaas.runtime.placement import format_expert_spec, place_experts
 from eaas.runtime.routing import RoutingTable
 
-pytestmark = pytest.mark.gpu_cpu
+from helpers.checkpoints import small_qwen3
+from helpers.engine import generate_greedy
 
 TEXTS = [
     "Hello world",
@@ -46,9 +44,8 @@ def _generate(eng: Engine, prompts: list[list[int]], max_tokens: int) -> list[li
 
 
 @pytest.fixture(scope="module")
-def remote_model():
+def remote_model(model_dir):
     """The tiny DeepSeek-V3 with its routed experts on two expert-server processes."""
-    model_dir = str(default_model_dir())
     info = read_model_info(model_dir)
     tmp = Path(tempfile.mkdtemp(prefix="eaas-dbo-"))
     placement = place_experts(info.moe_layers, info.num_experts, 2, 1)
@@ -174,8 +171,8 @@ def _wait_done(req, timeout: float = WAIT) -> None:
     assert req.done and req.finish_reason == "length", req.finish_reason
 
 
-def test_overlap_gqa_local_experts(tmp_path):
-    small_qwen3(tmp_path, Path(default_model_dir()))
+def test_overlap_gqa_local_experts(tmp_path, model_dir):
+    small_qwen3(tmp_path, Path(model_dir))
     model, tok, _ = load_attention_model(str(tmp_path), torch.float32)
     prompts = [tok(t)["input_ids"] for t in TEXTS]
     want = _generate(Engine(model, tok, client_id="gqa-off"), prompts, 8)

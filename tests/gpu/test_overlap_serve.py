@@ -4,22 +4,15 @@ steps run as overlapped micro-batches (the flag reaches the engine and acts)."""
 
 from __future__ import annotations
 
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
-import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from e2e_helpers import start_serve  # noqa: E402
+from eaas.runtime.models.reference import reference_generate
 
-from eaas.runtime.models.reference import reference_generate  # noqa: E402
-from eaas.runtime.models.tiny import default_model_dir  # noqa: E402
-
-pytestmark = pytest.mark.gpu_cpu
+from helpers.e2e import serve_fixture, served_model_name
 
 TEXTS = [
     "Hello world",
@@ -30,27 +23,18 @@ TEXTS = [
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    sp = start_serve(
-        tmp_path_factory,
-        "serve-dbo",
-        ["--expert-servers", "2", "--replicas", "1", "--double-batch-overlap"],
-    )
-    yield sp
-    sp.stop(check=True)
+deployment = serve_fixture(
+    "serve-dbo", ["--expert-servers", "2", "--replicas", "1", "--double-batch-overlap"]
+)
 
 
-def test_serve_double_batch_overlap_greedy_equals_reference(deployment):
-    from transformers import AutoTokenizer
-
+def test_serve_double_batch_overlap_greedy_equals_reference(deployment, model_dir, tokenizer):
     torch.set_num_threads(1)
-    model_dir = str(default_model_dir())
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = tokenizer
     prompts = [tok(t)["input_ids"] for t in TEXTS]
     refs = reference_generate(model_dir, prompts, MAX_TOKENS)
     base = deployment.base_url
-    name = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+    name = served_model_name(base)
 
     def complete(p):
         c = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)

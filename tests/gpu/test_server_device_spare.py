@@ -1,4 +1,4 @@
-"""``eaas expert-server --device`` and ``--spare`` (issue 9: the CLI side of the GPU data plane).
+"""``eaas expert-server --device`` and ``--spare`` (the CLI side of the GPU data plane).
 
 * ``--device`` errors (exit 2, the flag named, no traceback) and the pure listen/world checks;
 * a spare (``--spare``, real process on the ``shm`` transport, the tiny checkpoint) starts with
@@ -21,20 +21,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runs import run_eaas_all
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-from srv_helpers import free_port, wait_until  # noqa: E402
+from eaas.runtime.client.dispatch import Dispatcher
+from eaas.runtime.experts import weighted_expert_sum
+from eaas.runtime.gpu.device import check_listen_device, check_world_device
+from eaas.runtime.models.arch import read_model_info
+from eaas.runtime.models.weights import load_expert_weights
+from eaas.runtime.routing import RoutingTable
+from eaas.runtime.transport.base import STATUS_NOT_HOSTED, RequestFrame
+from eaas.runtime.transport.factory import connect
 
-from eaas.runtime.client.dispatch import Dispatcher  # noqa: E402
-from eaas.runtime.experts import weighted_expert_sum  # noqa: E402
-from eaas.runtime.gpu.device import check_listen_device, check_world_device  # noqa: E402
-from eaas.runtime.models.arch import read_model_info  # noqa: E402
-from eaas.runtime.models.tiny import default_model_dir  # noqa: E402
-from eaas.runtime.models.weights import load_expert_weights  # noqa: E402
-from eaas.runtime.routing import RoutingTable  # noqa: E402
-from eaas.runtime.transport.base import STATUS_NOT_HOSTED, RequestFrame  # noqa: E402
-from eaas.runtime.transport.factory import connect  # noqa: E402
+from helpers.cli import run_eaas_all
+from helpers.server import free_port, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 TOKEN = "spare-token"
@@ -97,8 +95,8 @@ def _http(method: str, port: int, path: str, body: str | None = None):
 
 @pytest.mark.gpu_cpu
 @pytest.mark.elastic
-def test_spare_starts_empty_then_serves_experts_from_a_pushed_table(tmp_path):
-    model = str(default_model_dir())
+def test_spare_starts_empty_then_serves_experts_from_a_pushed_table(tmp_path, model_dir):
+    model = model_dir
     info = read_model_info(model)
     layer = info.moe_layers[0]
     tok = tmp_path / "tok"
@@ -204,10 +202,10 @@ def test_serve_server_device_is_checked_up_front():
 
 
 @pytest.mark.gpu
-def test_cli_expert_server_on_cuda_serves_cudaipc_cuda_payload(tmp_path):
+def test_cli_expert_server_on_cuda_serves_cudaipc_cuda_payload(tmp_path, model_dir):
     """``eaas expert-server --device cuda``: checkpoint weights on the GPU (native grouped
     kernels), a CUDA-payload ``cudaipc`` client gets CUDA outputs equal to the CPU reference."""
-    model = str(default_model_dir())
+    model = model_dir
     info = read_model_info(model)
     layer = info.moe_layers[0]
     sock = f"cudaipc:{tmp_path}/g.sock"

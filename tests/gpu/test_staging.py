@@ -1,4 +1,4 @@
-"""The dispatcher's staging of hidden states (:mod:`eaas.runtime.gpu.staging`, issue 9 item 4).
+"""The dispatcher's staging of hidden states (:mod:`eaas.runtime.gpu.staging`).
 
 Hidden states on a GPU stay on the GPU for connections whose payload is there (``cudaipc`` with
 a CUDA payload, ``nvshmem``); host connections get ONE host copy per call. On the CPU the same
@@ -10,21 +10,18 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from dispatch_health import wait_all_connected
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-from srv_helpers import HIDDEN, INTER, SEED, SPEC, reference, start_server  # noqa: E402
-
-import eaas.runtime.client.dispatch.call as dispatch_mod  # noqa: E402
-from eaas.runtime.client.dispatch import Dispatcher  # noqa: E402
-from eaas.runtime.gpu.staging import FrameStaging, device_frames, staging_device  # noqa: E402
-from eaas.runtime.routing import RoutingTable  # noqa: E402
-from eaas.runtime.transport.factory import connect  # noqa: E402
+import eaas.runtime.client.dispatch.call as dispatch_mod
+from eaas.runtime.client.dispatch import Dispatcher
+from eaas.runtime.gpu.staging import FrameStaging, device_frames, staging_device
+from eaas.runtime.routing import RoutingTable
+from eaas.runtime.transport.factory import connect
+from helpers.dispatch import wait_all_connected
+from helpers.server import HIDDEN, INTER, SEED, SPEC, reference, start_server
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -8,7 +8,7 @@ of the session (the components get PR_SET_PDEATHSIG, so even a SIGKILLed pytest 
 nothing running). It sets ``KUBECONFIG`` and prepends the testbed bin dir to ``PATH`` in
 ``os.environ`` for the whole session, so ``kubectl``, ``helm`` and the kubernetes Python client
 in tests and in subprocesses talk to the testbed. Start, stop and log keeping are
-:func:`k8s_helpers.running_testbed`'s, shared with ``tests/cluster``.
+:func:`helpers.k8s.running_testbed`'s, shared with ``tests/cluster``.
 
 The binaries come from ``KUBEBUILDER_ASSETS`` or the build cache (``eaas testbed build``; CI
 runs that first, because a cold build takes longer than one test's timeout). With neither the
@@ -18,8 +18,11 @@ must mean the operator was tested against a real API server).
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
-from k8s_helpers import running_testbed
+
+from helpers.k8s import Operator, apply_crds, kubectl, running_testbed
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +31,27 @@ def testbed(tmp_path_factory):
         tmp_path_factory, "testbed", gpu_nodes=4, cpu_nodes=1, process_nodes="none"
     ) as tb:
         yield tb
+
+
+@pytest.fixture(scope="module")
+def crds(testbed):
+    """The EaaS CRDs applied to the testbed (once per module)."""
+    apply_crds()
+
+
+@pytest.fixture(scope="module")
+def operator(crds, tmp_path_factory):
+    """``eaas operator`` as a child process for the module's tests."""
+    op = Operator(tmp_path_factory.mktemp("operator") / "operator.log")
+    op.start()
+    yield op
+    op.stop()
+
+
+@pytest.fixture
+def ns(operator):
+    """A fresh namespace per test, deleted (with everything in it) while the operator still runs."""
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    kubectl("create", "namespace", name)
+    yield name
+    kubectl("delete", "namespace", name, "--wait=false", check=False)

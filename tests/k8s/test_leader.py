@@ -1,4 +1,4 @@
-"""Exactly one operator acts (issue 6, item 6, first bullet): two ``eaas operator`` processes
+"""Exactly one operator acts: two ``eaas operator`` processes
 against the testbed's API server elect a leader through a Lease; the other one only watches.
 Routing-table versions stay monotonic, no Event is posted twice, and when the leader is
 SIGKILLed the standby takes over and finishes the next change."""
@@ -14,10 +14,8 @@ import uuid
 from collections import Counter
 
 import pytest
-from k8s_helpers import Operator, get, kubectl, wait_for
-from test_operator import apply, converged, crds, pool_manifest  # noqa: F401
 
-pytestmark = pytest.mark.k8s
+from helpers.k8s import Operator, apply, converged, get, kubectl, pool_manifest, wait_for
 
 LEASE_NS = "default"
 

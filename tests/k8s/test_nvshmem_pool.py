@@ -1,4 +1,4 @@
-"""ExpertPool ``spec.transport`` against the real API server (issue 9, item 2).
+"""ExpertPool ``spec.transport`` against the real API server.
 
 Invalid transport combinations are rejected by the API server's CEL/openAPI validation with a
 message naming the field; a valid NVSHMEM pool gets pods that join the world at their PE (the
@@ -9,19 +9,10 @@ runs). Spares are extra pods started with ``--spare``.
 from __future__ import annotations
 
 import pytest
-from k8s_helpers import wait_for
-from test_operator import (  # noqa: F401  (fixtures: crds, operator, ns)
-    apply,
-    crds,
-    get,
-    ns,
-    operator,
-    pods,
-    pool_manifest,
-    table,
-)
 
-pytestmark = [pytest.mark.k8s, pytest.mark.gpu_cpu]
+from helpers.k8s import ROOT, apply, get, pods, pool_manifest, table, wait_for
+
+pytestmark = pytest.mark.gpu_cpu
 
 PVC = {"persistentVolumeClaim": "nvshmem-uid"}
 
@@ -180,8 +171,8 @@ def test_fleet_of_an_nvshmem_pool_joins_its_world(ns, operator):  # noqa: F811
 
 def test_nvshmem_example_is_valid(ns, operator):  # noqa: F811
     """``deploy/examples/tiny-pool-nvshmem.yaml`` passes the API server's validation."""
-    from k8s_helpers import kubectl
-    from test_operator import ROOT
+
+    from helpers.k8s import kubectl
 
     path = str(ROOT / "deploy/examples/tiny-pool-nvshmem.yaml")
     r = kubectl("apply", "--dry-run=server", "-n", ns, "-f", path, check=False)

@@ -9,135 +9,22 @@ import json
 import re
 import subprocess
 import time
-import uuid
-from pathlib import Path
 
 import pytest
 import yaml
-from k8s_helpers import Operator, apply_crds, get, get_json, kubectl, wait_for
 
-from eaas.runtime.placement import parse_expert_spec
-from eaas.runtime.routing import RoutingTable
-
-pytestmark = pytest.mark.k8s
-
-ROOT = Path(__file__).resolve().parents[2]
-TINY = yaml.safe_load((ROOT / "deploy/examples/tiny-pool.yaml").read_text())
-FLEET = yaml.safe_load((ROOT / "deploy/examples/tiny-fleet.yaml").read_text())
-TINY_LAYERS = [1, 2, 3]
-
-
-# ---------------------------------------------------------------------------------------------
-# helpers
-# ---------------------------------------------------------------------------------------------
-def pods(ns: str, pool: str) -> list[dict]:
-    out = kubectl(
-        "get",
-        "pods",
-        "-n",
-        ns,
-        "-l",
-        f"eaas.io/pool={pool},eaas.io/role=expert-server",
-        "-o",
-        "json",
-    ).stdout
-    return json.loads(out)["items"]
-
-
-def table(ns: str, pool: str) -> RoutingTable | None:
-    cm = get("configmap", f"{pool}-routing-table", ns)
-    return RoutingTable.from_json(cm["data"]["routing-table.json"]) if cm else None
-
-
-def pool_manifest(name: str, **spec) -> dict:
-    m = json.loads(json.dumps(TINY))
-    m["metadata"]["name"] = name
-    m["spec"].update(spec)
-    return m
-
-
-def apply(obj: dict, ns: str, check: bool = True) -> subprocess.CompletedProcess:
-    return kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(obj), check=check)
-
-
-def converged(ns: str, name: str) -> dict | None:
-    """The pool when status, pods and routing table all agree on a Ready pool; else None.
-
-    Checks: Ready condition True for the current generation; exactly ``<name>-0..N-1`` exist,
-    all Running+Ready with an IP; the ConfigMap table lists exactly those pods with their
-    endpoints, covers every (layer, expert) with ``redundancy`` distinct live servers, each of
-    which really hosts it (its ``--experts``); status.routingTableVersion == table version.
-    """
-    pool = get("expertpool", name, ns)
-    if not pool:
-        return None
-    st = pool.get("status") or {}
-    if st.get("observedGeneration") != pool["metadata"]["generation"]:
-        return None
-    if not any(c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions", [])):
-        return None
-    n, r, port = pool["spec"]["replicas"], pool["spec"]["redundancy"], pool["spec"]["port"]
-    ps = [p for p in pods(ns, name) if not p["metadata"].get("deletionTimestamp")]
-    names = sorted(p["metadata"]["name"] for p in ps)
-    if names != sorted(f"{name}-{i}" for i in range(n)):
-        return None
-    hosted = {}
-    for p in ps:
-        if p["status"].get("phase") != "Running" or not p["status"].get("podIP"):
-            return None
-        cmd = p["spec"]["containers"][0]["command"]
-        hosted[p["metadata"]["name"]] = (
-            set(parse_expert_spec(cmd[cmd.index("--experts") + 1])),
-            f"tcp://{p['status']['podIP']}:{port}",
-        )
-    t = table(ns, name)
-    if t is None or st.get("routingTableVersion") != t.version:
-        return None
-    if dict(t.servers) != {k: v[1] for k, v in hosted.items()}:
-        return None
-    model = pool["spec"]["model"]
-    layers = range(model["firstMoeLayer"], model["firstMoeLayer"] + model["numMoeLayers"])
-    assert sorted(t.layers) == list(layers)
-    for layer in layers:
-        for e in range(model["numExperts"]):
-            reps = t.replicas(layer, e)
-            assert len(set(reps)) == len(reps) >= r, (
-                f"expert ({layer},{e}) has replicas {reps}, want {r}"
-            )
-            for s in reps:
-                assert (layer, e) in hosted[s][0], (
-                    f"table says {s} hosts ({layer},{e}) but it does not"
-                )
-    assert st["readyReplicas"] == n and st["replicas"] == n
-    assert (
-        st["placement"]["expertsBelowRedundancy"] == 0 and st["placement"]["uncoveredExperts"] == 0
-    )
-    return {"pool": pool, "pods": ps, "table": t}
-
-
-# ---------------------------------------------------------------------------------------------
-# fixtures
-# ---------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def crds(testbed):
-    apply_crds()
-
-
-@pytest.fixture(scope="module")
-def operator(crds, tmp_path_factory):
-    op = Operator(tmp_path_factory.mktemp("operator") / "operator.log")
-    op.start()
-    yield op
-    op.stop()
-
-
-@pytest.fixture
-def ns(operator):
-    """A fresh namespace per test, deleted (with everything in it) while the operator still runs."""
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    kubectl("create", "namespace", name)
-    yield name
-    kubectl("delete", "namespace", name, "--wait=false", check=False)
+from helpers.k8s import (
+    ROOT,
+    apply,
+    converged,
+    get,
+    get_json,
+    kubectl,
+    pods,
+    pool_manifest,
+    table,
+    wait_for,
+)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """An expert server learns its experts from the routing-table ConfigMap through the API server
-(``eaas expert-server --routing-table-configmap NS/NAME``, no ``--experts``; issue 7, item 3),
+(``eaas expert-server --routing-table-configmap NS/NAME``, no ``--experts``),
 against the testbed's real kube-apiserver.
 
 The server starts empty; version 1 assigns it layer-1 experts 0-3 (it loads them while serving
@@ -12,27 +12,21 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import httpx
 import pytest
-from k8s_helpers import kubectl, wait_for
 
 from eaas.runtime.models.arch import read_model_info
-from eaas.runtime.models.tiny import default_model_dir
 from eaas.runtime.routing import RoutingTable
 
-pytestmark = [pytest.mark.k8s, pytest.mark.elastic]
+from helpers.common import free_port
+from helpers.k8s import kubectl, wait_for
+
+pytestmark = pytest.mark.elastic
 
 NS, NAME = "default", "srv-table-watch"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write(info, version: int, experts: list[int], endpoint: str) -> None:
@@ -60,8 +54,7 @@ def state(url: str) -> dict:
         return {}
 
 
-def test_server_follows_configmap_and_keeps_two_versions(testbed, tmp_path):
-    model_dir = str(default_model_dir())
+def test_server_follows_configmap_and_keeps_two_versions(testbed, tmp_path, model_dir):
     info = read_model_info(model_dir)
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     ep = f"tcp://127.0.0.1:{free_port()}"

@@ -1,5 +1,5 @@
 """An attention client converges from the routing-table ConfigMap through the API server
-(``--routing-table-configmap``; issue 6, item 4), against the testbed's real kube-apiserver.
+(``--routing-table-configmap``), against the testbed's real kube-apiserver.
 
 One client, started before the ConfigMap exists (``/health`` 503 "no routing table yet"), picks
 up version 1 when it is created, then a higher version, skips a malformed one, and -- frozen with
@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,22 +23,17 @@ import time
 import httpx
 import openai
 import pytest
-from k8s_helpers import kubectl, wait_for
 
 from eaas.runtime.models.arch import read_model_info
-from eaas.runtime.models.tiny import default_model_dir
 from eaas.runtime.routing import RoutingTable
 
-pytestmark = [pytest.mark.k8s, pytest.mark.cluster]
+from helpers.common import free_port
+from helpers.k8s import kubectl, wait_for
+
+pytestmark = pytest.mark.cluster
 
 BOUND_S = 30.0
 NS, NAME = "default", "rt-watch"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_configmap(text: str) -> None:
@@ -70,8 +64,7 @@ def complete(url: str) -> list[int]:
     return r.choices[0].model_extra["token_ids"]
 
 
-def test_client_follows_configmap_through_the_api(testbed, tmp_path):
-    model_dir = str(default_model_dir())
+def test_client_follows_configmap_through_the_api(testbed, tmp_path, model_dir):
     info = read_model_info(model_dir)
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     ep = f"tcp://127.0.0.1:{free_port()}"

@@ -12,10 +12,7 @@ import os
 import subprocess
 import sys
 
-import pytest
-from k8s_helpers import get_json, kubectl
-
-pytestmark = pytest.mark.k8s
+from helpers.k8s import get_json, kubectl
 
 
 def test_nodes_inventory(testbed):

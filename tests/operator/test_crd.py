@@ -82,7 +82,7 @@ def test_expertpool_defaults_bounds_enums():
     assert _prop(crd, "spec.resources")["x-kubernetes-preserve-unknown-fields"] is True
     assert set(_prop(crd, "spec")["required"]) == {"model", "replicas"}
     assert set(_prop(crd, "spec.model")["required"]) == {"uri", "numMoeLayers", "numExperts"}
-    # fields nothing reads are gone (issue 6 item 2)
+    # fields nothing reads are gone
     assert not {"topK", "hiddenSize"} & set(_prop(crd, "spec.model")["properties"])
     assert set(_prop(crd, "spec.failureDetection")["properties"]) == {"dispatchTimeoutMs"}
     assert _prop(crd, "spec.healthPort")["default"] == 9001

@@ -244,7 +244,7 @@ def test_plan_replaces_failed_and_waits_for_terminating():
 
 
 def test_plan_never_waits_on_a_hung_outdated_pod():
-    """Issue 6 item 6: a not-ready pod (hung, SIGSTOPped) must not block a re-placement. Two
+    """A not-ready pod (hung, SIGSTOPped) must not block a re-placement. Two
     outdated pods (image change), one of them not Ready: with room for one unavailable server,
     the hung one is replaced at once and does not use up the budget of the healthy one."""
     spec = make_spec()
@@ -406,7 +406,7 @@ BIG_MODEL = {
 @pytest.mark.elastic
 def test_scale_3_7_5_never_publishes_an_uncovered_table():
     """Every intermediate routing table of a 3 -> 7 -> 5 scale of a 256-expert pool covers
-    every (layer, expert) with a live replica (issue 7: today 707, 849, 1273 were uncovered)."""
+    every (layer, expert) with a live replica (before the fix: 707, 849, 1273 were uncovered)."""
     spec = {n: make_spec(replicas=n, model=dict(BIG_MODEL)) for n in (3, 7, 5)}
     tables: list = []
     steps1, gaps1, forced1, state = simulate(spec[3], spec[7], tables=tables)

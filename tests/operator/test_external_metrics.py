@@ -1,4 +1,4 @@
-"""External metrics API answers and the operator-owned HPA (issue 7, item 4), pure parts."""
+"""External metrics API answers and the operator-owned HPA, pure parts."""
 
 from __future__ import annotations
 

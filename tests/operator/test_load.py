@@ -1,4 +1,4 @@
-"""Expert load as an input (issue 7, item 2): parsing the servers' counters, windowed token
+"""Expert load as an input: parsing the servers' counters, windowed token
 rates with counter resets, the status summary, and the scraper against real HTTP servers."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ExpertPool ``spec.transport`` (issue 9): the pods of an NVSHMEM world (pure pod builders).
+"""ExpertPool ``spec.transport``: the pods of an NVSHMEM world (pure pod builders).
 
 Server pod ``i`` of a pool with ``transport: {scheme: nvshmem, nvshmem: {clients: C, spares: K}}``
 gets PE ``C + i`` (``--listen nvshmem:PE``, ``--device cuda``), the world's env vars from

@@ -1,7 +1,7 @@
-"""Two-phase (make-before-break) publishing and table-driven placement, pure logic (issue 7,
-item 3 and 5): a new version reaches the servers first, the clients only once every server in it
-confirmed its weights; scale-down and re-placement move experts by table; every version the
-clients get covers every expert."""
+"""Two-phase (make-before-break) publishing and table-driven placement, pure logic: a new version
+reaches the servers first, the clients only once every server in it confirmed its weights;
+scale-down and re-placement move experts by table; every version the clients get covers every
+expert."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pure decisions of an expert server's table-driven assignment (issue 7, item 3)."""
+"""Pure decisions of an expert server's table-driven assignment."""
 
 from __future__ import annotations
 

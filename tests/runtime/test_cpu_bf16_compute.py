@@ -21,19 +21,18 @@ import urllib.request
 
 import pytest
 import torch
-from cli_runs import run_eaas_all
-from engine_models import small_mixtral, small_qwen3
-from srv_helpers import free_port, wait_until
 
 from eaas.runtime.client.kv_cache import PagedKVCache, kv_cache_spec
 from eaas.runtime.experts import ExpertWeights, weighted_expert_sum
 from eaas.runtime.models.attention import load_attention_model
 from eaas.runtime.models.compute import calibrate_linear, choose_compute, decide_compute
 from eaas.runtime.models.paged import Chunk, PagedModelRunner
-from eaas.runtime.models.tiny import default_model_dir
 from eaas.runtime.models.tokenizer import load_tokenizer
 from eaas.runtime.transport.base import STATUS_OK, RequestFrame
 from eaas.runtime.transport.factory import connect
+
+from helpers.cli import run_eaas_all
+from helpers.server import free_port, wait_until
 
 pytestmark = pytest.mark.engine
 
@@ -75,16 +74,6 @@ def test_auto_calibrates_on_cpu_only():
 # ---- logits through the paged runner --------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    tiny = default_model_dir()
-    return {
-        "deepseek_v3": str(tiny),
-        "qwen3_moe": str(small_qwen3(tmp_path_factory.mktemp("qwen3"), tiny)),
-        "mixtral": str(small_mixtral(tmp_path_factory.mktemp("mixtral"), tiny)),
-    }
-
-
 def _logits(model, prompt: list[int], feed: list[int]) -> torch.Tensor:
     """Next-token logits after a prefill of ``prompt`` and after each decode token of ``feed``
     (the same inputs for every model): ``(1 + len(feed), V)`` float32."""
@@ -98,9 +87,9 @@ def _logits(model, prompt: list[int], feed: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe", "mixtral"])
-def test_fp32_compute_logits_match_native_bf16(models, arch):
+def test_fp32_compute_logits_match_native_bf16(checkpoints, arch):
     torch.set_num_threads(1)
-    d = models[arch]
+    d = checkpoints[arch]
     prompt = load_tokenizer(d)("The expert server hosts a set of experts and")["input_ids"]
     feed = [5, 17, 33, 2, 9, 41]
     fp32, _, _ = load_attention_model(d, F32)
@@ -146,13 +135,13 @@ def _env() -> dict:
 
 
 @pytest.mark.e2e
-def test_expert_servers_fp32_compute_answer_bf16_frames_like_native(tmp_path):
+def test_expert_servers_fp32_compute_answer_bf16_frames_like_native(tmp_path, model_dir):
     """Two ``eaas expert-server --dtype bfloat16`` processes, ``--cpu-bf16-compute native`` and
     ``fp32``, get the same bfloat16 frame; answers within bfloat16 tolerance of each other and of
     the float32 math on the bf16-rounded weights; ``/health`` and the log say what each runs."""
     from eaas.runtime.models import arch, weights
 
-    model = default_model_dir()
+    model = model_dir
     info = arch.read_model_info(model)
     layer, H = info.moe_layers[0], info.hidden_size
     procs, socks, ports = {}, {}, {}

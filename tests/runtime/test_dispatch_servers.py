@@ -16,12 +16,13 @@ import time
 
 import pytest
 import torch
-from dispatch_health import wait_all_connected
 from prometheus_client import REGISTRY
-from srv_helpers import HIDDEN, reference, start_server, wait_until
 
 from eaas.runtime.client.dispatch import Dispatcher
 from eaas.runtime.routing import RoutingTable
+
+from helpers.dispatch import wait_all_connected
+from helpers.server import HIDDEN, reference, start_server, wait_until
 
 pytestmark = pytest.mark.engine
 

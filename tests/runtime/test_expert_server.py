@@ -13,16 +13,6 @@ import urllib.request
 
 import pytest
 import torch
-from srv_helpers import (
-    HIDDEN,
-    INTER,
-    SEED,
-    cpu_seconds,
-    free_port,
-    reference,
-    start_server,
-    wait_until,
-)
 
 from eaas.runtime.expert_server import ExpertServer, grouped_expert_sum, random_experts
 from eaas.runtime.experts import weighted_expert_sum
@@ -34,6 +24,17 @@ from eaas.runtime.transport.base import (
     ServerListener,
 )
 from eaas.runtime.transport.factory import connect
+
+from helpers.server import (
+    HIDDEN,
+    INTER,
+    SEED,
+    cpu_seconds,
+    free_port,
+    reference,
+    start_server,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -259,11 +260,11 @@ def test_sigterm_is_graceful(tmp_path):
     assert not os.path.exists(path)
 
 
-def test_cli_expert_server_with_tiny_model(tmp_path):
+def test_cli_expert_server_with_tiny_model(tmp_path, model_dir):
     """``eaas expert-server`` on the built-in tiny model: ready line, exact results, metrics, SIGTERM."""
-    from eaas.runtime.models import arch, tiny, weights
+    from eaas.runtime.models import arch, weights
 
-    model = tiny.default_model_dir()
+    model = model_dir
     info = arch.read_model_info(model)
     layer = info.moe_layers[0]
     sock = f"{tmp_path}/cli.sock"

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from srv_helpers import HIDDEN, INTER
 
 from eaas.runtime.expert_server import grouped_expert_sum, random_experts
 from eaas.runtime.experts import weighted_expert_sum
+
+from helpers.server import HIDDEN, INTER
 
 pytestmark = pytest.mark.engine
 
@@ -174,10 +175,10 @@ def test_a_bf16_expert_server_with_an_unaligned_hidden_size_answers_frames(tmp_p
     """A real expert-server process with bfloat16 weights and hidden size 12 (24-byte rows):
     was ``error status 2: server error: RuntimeError('strides should be multiple of 16
     bytes')`` on every frame (the client marked every server down: 503 for every request)."""
-    from srv_helpers import SPEC, reference, start_server
-
     from eaas.runtime.client.dispatch import Dispatcher
     from eaas.runtime.routing import RoutingTable
+
+    from helpers.server import SPEC, reference, start_server
 
     hidden = 12
     srv = start_server(f"unix:{tmp_path}/s.sock", dtype=torch.bfloat16, hidden=hidden)

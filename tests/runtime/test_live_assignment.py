@@ -1,4 +1,4 @@
-"""Expert servers learn their experts from the routing table (issue 7, item 3), real processes
+"""Expert servers learn their experts from the routing table, real processes
 (add / drop cycles under load at the end of the file).
 
 ``s0`` is a fixed server (``--experts``, random weights) hosting every expert of layer 1; ``s1``
@@ -23,10 +23,11 @@ import urllib.request
 
 import pytest
 import torch
-from srv_helpers import HIDDEN, INTER, SEED, free_port, reference, wait_until
 
 from eaas.runtime.client.dispatch import Dispatcher
 from eaas.runtime.routing import RoutingTable
+
+from helpers.server import HIDDEN, INTER, SEED, free_port, reference, wait_until
 
 pytestmark = pytest.mark.elastic
 

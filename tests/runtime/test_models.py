@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_models import small_mixtral, small_qwen3
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -33,13 +32,13 @@ def tiny(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def qwen3(tmp_path_factory, tiny) -> Path:
-    return small_qwen3(tmp_path_factory.mktemp("qwen3"), tiny, vocab_size=922)
+def qwen3(checkpoints) -> Path:
+    return Path(checkpoints["qwen3_moe"])
 
 
 @pytest.fixture(scope="module")
-def mixtral(tmp_path_factory, tiny) -> Path:
-    return small_mixtral(tmp_path_factory.mktemp("mixtral"), tiny, vocab_size=922)
+def mixtral(checkpoints) -> Path:
+    return Path(checkpoints["mixtral"])
 
 
 # ---- tiny checkpoint ---------------------------------------------------------------------------

@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-from srv_helpers import HIDDEN, reference, shm_entries, start_server, wait_until
 
 from eaas.runtime.transport.base import (
     STATUS_OK,
@@ -19,51 +18,32 @@ from eaas.runtime.transport.base import (
     PeerDeadError,
     RequestFrame,
 )
-from eaas.runtime.transport.factory import connect as factory_connect
+
+from helpers.server import (
+    HIDDEN,
+    TRANSPORT_KINDS,
+    assert_misuse_raises_frame_error,
+    connect_emulated,
+    listen_endpoint,
+    reference,
+    request_frame,
+    shm_entries,
+    start_server,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
-# cudaipc runs with payload="host" here (no GPU needed); tests/gpu/test_cuda_ipc.py adds the
-# CUDA payload on a GPU machine
-KINDS = ["unix", pytest.param("cudaipc", marks=pytest.mark.gpu_cpu), "tcp"]
 
-
-def connect(endpoint: str, server_id: str, **kw):
-    """The factory's ``connect``; a ``cudaipc:`` endpoint uses its host emulation."""
-    if endpoint.startswith("cudaipc:"):
-        kw.setdefault("payload", "host")
-    return factory_connect(endpoint, server_id, **kw)
-
-
-def _endpoint(kind: str, tmp_path) -> str:
-    if kind in ("unix", "cudaipc"):
-        return f"{kind}:{tmp_path}/es.sock"
-    return "tcp://127.0.0.1:0"
-
-
-def _frame(n, k, layer=1, n_exp=4, dtype=torch.float32, seq=0, gen=None):
-    g = gen or torch.Generator().manual_seed(1000 + n * 31 + k)
-    h = torch.randn(n, HIDDEN, generator=g).to(dtype)
-    ex = (
-        torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(n)]).to(torch.int32)
-        if n
-        else torch.zeros(0, k, dtype=torch.int32)
-    )
-    if n and k > 1:
-        ex[0, -1] = -1  # one padding entry
-    w = torch.rand(n, k, generator=g)
-    return RequestFrame(
-        client_id=1, layer=layer, table_version=3, seq=seq, hidden=h, experts=ex, weights=w
-    )
-
-
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_round_trip_matches_local_reference(kind, dtype, tmp_path):
-    srv = start_server(_endpoint(kind, tmp_path), dtype=dtype)
+    srv = start_server(listen_endpoint(kind, tmp_path), dtype=dtype)
     try:
         # max_tokens=4 / max_k=1: larger frames force the shm slot to grow (remap) transparently.
-        c = connect(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=dtype, max_tokens=4, max_k=1)
+        c = connect_emulated(
+            srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=dtype, max_tokens=4, max_k=1
+        )
         for i, (n, k, layer, n_exp) in enumerate(
             [
                 (1, 1, 1, 4),
@@ -75,7 +55,7 @@ def test_round_trip_matches_local_reference(kind, dtype, tmp_path):
                 (2, 1, 1, 4),
             ]
         ):
-            f = _frame(n, k, layer, n_exp, dtype, seq=100 + i)
+            f = request_frame(n, k, layer, n_exp, dtype, seq=100 + i)
             c.send(f)
             r = c.recv(time.monotonic() + 5)
             assert r.status == STATUS_OK, r.message
@@ -91,43 +71,36 @@ def test_round_trip_matches_local_reference(kind, dtype, tmp_path):
         srv.stop()
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
 def test_protocol_misuse_raises_frame_error(kind, tmp_path):
-    srv = start_server(_endpoint(kind, tmp_path))
+    srv = start_server(listen_endpoint(kind, tmp_path))
     try:
         with pytest.raises(FrameError, match="hidden size"):
-            connect(srv.endpoint, "s-test", hidden_size=HIDDEN + 1, dtype=torch.float32)
-        c = connect(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
-        with pytest.raises(FrameError, match="dtype"):
-            c.send(_frame(2, 1, dtype=torch.bfloat16))
-        with pytest.raises(FrameError, match="recv without"):
-            c.recv(time.monotonic() + 1)
-        c.send(_frame(2, 1))
-        with pytest.raises(FrameError, match="in flight"):
-            c.send(_frame(2, 1))
-        assert c.recv(time.monotonic() + 5).status == STATUS_OK
+            connect_emulated(srv.endpoint, "s-test", hidden_size=HIDDEN + 1, dtype=torch.float32)
+        c = connect_emulated(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
+        assert_misuse_raises_frame_error(c, 5)
         c.close()
     finally:
         srv.stop()
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
 def test_connect_to_nothing_is_peer_dead(kind, tmp_path):
     ep = f"{kind}:{tmp_path}/none.sock" if kind != "tcp" else "tcp://127.0.0.1:1"
     # A refused connection is PeerDeadError at once; waiting out the (long) connect timeout
     # would raise DeadlineExceeded instead.
     with pytest.raises(PeerDeadError):
-        connect(ep, "nobody", hidden_size=HIDDEN, dtype=torch.float32, connect_timeout=30)
+        connect_emulated(ep, "nobody", hidden_size=HIDDEN, dtype=torch.float32, connect_timeout=30)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
 def test_server_sigkill_mid_request_gives_peer_dead_fast(kind, tmp_path):
-    srv = start_server(_endpoint(kind, tmp_path))
-    c = connect(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
-    c.send(_frame(2, 1))
+    srv = start_server(listen_endpoint(kind, tmp_path))
+    c = connect_emulated(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
+    c.send(request_frame(2, 1))
     assert c.recv(time.monotonic() + 5).status == STATUS_OK
     os.kill(srv.pid, signal.SIGSTOP)  # the next request is surely in flight when it dies
-    c.send(_frame(3, 1))
+    c.send(request_frame(3, 1))
     os.kill(srv.pid, signal.SIGKILL)
     # The server's death is seen on the socket (EOF), not by waiting out the deadline: that
     # would raise DeadlineExceeded.
@@ -139,17 +112,17 @@ def test_server_sigkill_mid_request_gives_peer_dead_fast(kind, tmp_path):
     c.close()
     assert not c.in_flight
     with pytest.raises(PeerDeadError, match="closed"):
-        c.send(_frame(1, 1))
+        c.send(request_frame(1, 1))
     srv.kill()
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
 def test_stopped_server_hits_deadline_then_recovers(kind, tmp_path):
-    srv = start_server(_endpoint(kind, tmp_path))
+    srv = start_server(listen_endpoint(kind, tmp_path))
     try:
-        c = connect(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
+        c = connect_emulated(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
         os.kill(srv.pid, signal.SIGSTOP)
-        f = _frame(4, 2)
+        f = request_frame(4, 2)
         c.send(f)
         t0 = time.monotonic()
         with pytest.raises(DeadlineExceeded):
@@ -169,16 +142,16 @@ def test_stopped_server_hits_deadline_then_recovers(kind, tmp_path):
 
 def _doomed_client(endpoint, ready):
     torch.set_num_threads(1)  # forked child: keep out of the parent's OpenMP pool
-    c = connect(endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
-    c.send(_frame(8, 2))
+    c = connect_emulated(endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
+    c.send(request_frame(8, 2))
     ready.set()
     time.sleep(60)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
 def test_client_sigkill_does_not_disturb_server(kind, tmp_path):
     before = shm_entries()
-    srv = start_server(_endpoint(kind, tmp_path))
+    srv = start_server(listen_endpoint(kind, tmp_path))
     try:
         ctx = mp.get_context("fork")
         for _ in range(2):
@@ -188,9 +161,9 @@ def test_client_sigkill_does_not_disturb_server(kind, tmp_path):
             assert ready.wait(20)
             os.kill(p.pid, signal.SIGKILL)
             p.join(5)
-        c = connect(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
+        c = connect_emulated(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
         for i in range(5):
-            f = _frame(3, 2, seq=i)
+            f = request_frame(3, 2, seq=i)
             c.send(f)
             r = c.recv(time.monotonic() + 5)
             assert r.status == STATUS_OK and r.seq == i
@@ -205,9 +178,11 @@ def test_client_sigkill_does_not_disturb_server(kind, tmp_path):
 def test_no_shm_files_even_after_sigkill(tmp_path):
     """memfd slots leave nothing in /dev/shm, whoever dies."""
     before = shm_entries()
-    srv = start_server(_endpoint("unix", tmp_path))
-    c = connect(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32, max_tokens=2)
-    c.send(_frame(50, 3))  # grows the slot: a second memfd
+    srv = start_server(listen_endpoint("unix", tmp_path))
+    c = connect_emulated(
+        srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32, max_tokens=2
+    )
+    c.send(request_frame(50, 3))  # grows the slot: a second memfd
     assert c.recv(time.monotonic() + 5).status == STATUS_OK
     assert shm_entries() <= before
     srv.kill()
@@ -215,8 +190,8 @@ def test_no_shm_files_even_after_sigkill(tmp_path):
     assert shm_entries() <= before
     # the stale socket file left by SIGKILL is replaced by the next server on the same path
     srv2 = start_server(srv.endpoint)
-    c = connect(srv2.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
-    c.send(_frame(1, 1))
+    c = connect_emulated(srv2.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
+    c.send(request_frame(1, 1))
     assert c.recv(time.monotonic() + 5).status == STATUS_OK
     c.close()
     srv2.stop()
@@ -227,7 +202,7 @@ def test_no_shm_files_even_after_sigkill(tmp_path):
 def _lazy_client(endpoint, hidden, ready):
     """Sends a huge frame and never reads the answer (a wedged/stopped client)."""
     torch.set_num_threads(1)  # forked child: keep out of the parent's OpenMP pool
-    c = connect(endpoint, "s-test", hidden_size=hidden, dtype=torch.float32)
+    c = connect_emulated(endpoint, "s-test", hidden_size=hidden, dtype=torch.float32)
     n = 4096
     c.send(
         RequestFrame(
@@ -244,21 +219,21 @@ def _lazy_client(endpoint, hidden, ready):
     time.sleep(60)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
 def test_client_not_reading_does_not_stall_others(kind, tmp_path):
     hidden = 1024  # 4096 tokens x 4 KiB = 16 MiB response, more than the socket buffers hold
     # The server would drop the wedged client only after send_timeout; make that far longer
     # than the other client's deadline, so a server loop stalled on the wedged client's
     # socket shows up as DeadlineExceeded below instead of a late success.
     listener_kw = {"send_timeout": 600.0} if kind == "tcp" else {}
-    srv = start_server(_endpoint(kind, tmp_path), hidden=hidden, **listener_kw)
+    srv = start_server(listen_endpoint(kind, tmp_path), hidden=hidden, **listener_kw)
     ctx = mp.get_context("fork")
     ready = ctx.Event()
     p = ctx.Process(target=_lazy_client, args=(srv.endpoint, hidden, ready), daemon=True)
     p.start()
     try:
         assert ready.wait(20)
-        c = connect(srv.endpoint, "s-test", hidden_size=hidden, dtype=torch.float32)
+        c = connect_emulated(srv.endpoint, "s-test", hidden_size=hidden, dtype=torch.float32)
         for i in range(3):
             c.send(
                 RequestFrame(

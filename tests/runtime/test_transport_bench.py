@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+import transport_bench
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-import transport_bench  # noqa: E402
 
 BENCH = ROOT / "bench" / "transport_bench.py"
 

@@ -1,4 +1,4 @@
-"""The shared-memory transport's per-frame fast path (issue 8 item 4) keeps the protocol's rules:
+"""The shared-memory transport's per-frame fast path keeps the protocol's rules:
 frame shapes validated once per shape are still validated for every new shape, a server busy
 with one client still accepts and remaps others, and a server answer that does not fit the
 response slot is an error response, never a hang. Real server processes and sockets; shm and the
@@ -13,8 +13,6 @@ import time
 
 import pytest
 import torch
-from srv_helpers import HIDDEN, reference, start_server
-from test_transport import KINDS, _endpoint, _frame, connect
 
 from eaas.runtime.transport.base import (
     STATUS_BAD_FRAME,
@@ -25,6 +23,16 @@ from eaas.runtime.transport.base import (
     ResponseFrame,
 )
 from eaas.runtime.transport.factory import listen
+
+from helpers.server import (
+    HIDDEN,
+    TRANSPORT_KINDS,
+    connect_emulated,
+    listen_endpoint,
+    reference,
+    request_frame,
+    start_server,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,7 +53,9 @@ def _connect_while_polling(lst, **kw):
     client: dict = {}
 
     def open_client():
-        client["c"] = connect(lst.endpoint, "s", hidden_size=HIDDEN, dtype=torch.float32, **kw)
+        client["c"] = connect_emulated(
+            lst.endpoint, "s", hidden_size=HIDDEN, dtype=torch.float32, **kw
+        )
 
     t = threading.Thread(target=open_client)
     t.start()
@@ -56,15 +66,15 @@ def _connect_while_polling(lst, **kw):
     return client["c"]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
 def test_every_new_frame_shape_is_validated_after_cached_ones(kind, tmp_path):
     """Good frames of one shape first (their validation is remembered), then frames that differ
     from them in one property each: every bad one raises FrameError, loses nothing, and the
     good shapes keep working; 1-D experts / weights (k = 1) and ``rows`` frames are exact."""
-    srv = start_server(_endpoint(kind, tmp_path))
+    srv = start_server(listen_endpoint(kind, tmp_path))
     try:
-        c = connect(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
-        good = _frame(3, 2, seq=1)
+        c = connect_emulated(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
+        good = request_frame(3, 2, seq=1)
         for _ in range(3):
             out = _round_trip(c, good, 1)
         ref = reference(1, good.hidden, good.experts, good.weights)
@@ -103,19 +113,23 @@ def test_every_new_frame_shape_is_validated_after_cached_ones(kind, tmp_path):
         srv.stop()
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
 def test_send_parts_answers_as_send_and_checks_each_new_shape(kind, tmp_path):
     """``send_parts`` (the dispatcher's send: the frame's fields and its ``(n, k)``) gives the
     answers ``send`` gives: whole batches and ``rows`` gathers, rung at once or deferred until
     ``ring``, shapes alternating; the first frame of an ``(n, k)`` whose tensors disagree with
     it raises FrameError, sends nothing, and the connection goes on."""
-    srv = start_server(_endpoint(kind, tmp_path))
+    srv = start_server(listen_endpoint(kind, tmp_path))
     try:
-        c = connect(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
+        c = connect_emulated(srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
         g = torch.Generator().manual_seed(9)
         hb = torch.randn(5, HIDDEN, generator=g)
         rows = torch.tensor([4, 1], dtype=torch.int64)
-        frames = [_frame(3, 2, seq=0), _frame(1, 2, seq=0), _frame(2, 2, seq=0)]
+        frames = [
+            request_frame(3, 2, seq=0),
+            request_frame(1, 2, seq=0),
+            request_frame(2, 2, seq=0),
+        ]
         frames[2] = RequestFrame(1, 1, 3, 0, hb, frames[2].experts, frames[2].weights, rows=rows)
         with pytest.raises(FrameError):  # n says 3 tokens, the tensors hold 2 (rows)
             f = frames[2]
@@ -162,8 +176,8 @@ def _busy_client(endpoint, started, stop, result):
     """Round trips back to back (the server never idles long enough to block) until ``stop``;
     puts ``(round trips, all ok)`` in ``result``."""
     torch.set_num_threads(1)  # forked child: keep out of the parent's OpenMP pool
-    c = connect(endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
-    f = _frame(2, 1)
+    c = connect_emulated(endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32)
+    f = request_frame(2, 1)
     ok, n = True, 0
     while not stop.is_set():
         c.send(f)
@@ -181,19 +195,19 @@ def test_busy_server_still_accepts_and_remaps_another_client(kind, tmp_path):
     sockets: a new client's hello is answered and its slot grows (remap) on a busy server.
     The server spins up to 50 ms for a frame before it would block (its poll timeout), so the
     busy client's next frame always comes first."""
-    srv = start_server(_endpoint(kind, tmp_path), spin_us=50_000)
+    srv = start_server(listen_endpoint(kind, tmp_path), spin_us=50_000)
     ctx = mp.get_context("fork")
     started, stop, result = ctx.Event(), ctx.Event(), ctx.Queue()
     p = ctx.Process(target=_busy_client, args=(srv.endpoint, started, stop, result), daemon=True)
     p.start()
     try:
         assert started.wait(30)
-        c = connect(
+        c = connect_emulated(
             srv.endpoint, "s-test", hidden_size=HIDDEN, dtype=torch.float32, max_tokens=1,
             connect_timeout=20,
         )  # fmt: skip
         for i, n in enumerate((1, 40, 3)):  # 40 tokens: a new, larger slot (remap)
-            f = _frame(n, 2, seq=i)
+            f = request_frame(n, 2, seq=i)
             out = _round_trip(c, f, i)
             ref = reference(1, f.hidden, f.experts, f.weights)
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
@@ -214,20 +228,20 @@ def test_server_output_that_does_not_fit_is_an_error_response(kind, tmp_path):
     """``respond`` with an output of more rows than the client's slot holds, or of the wrong
     hidden size, answers STATUS_BAD_FRAME with a message (the client never waits out its
     deadline), and the connection keeps working."""
-    ep = _endpoint(kind, tmp_path)
+    ep = listen_endpoint(kind, tmp_path)
     lst = listen(ep, hidden_size=HIDDEN, dtype=torch.float32)
     c = _connect_while_polling(lst, max_tokens=2)
     try:
         outputs = [torch.zeros(3, HIDDEN), torch.zeros(1, HIDDEN + 4)]  # 3 rows > 2 of the slot
         for seq, bad in enumerate(outputs):
-            c.send(_frame(1, 1, seq=seq))
+            c.send(request_frame(1, 1, seq=seq))
             (conn, f), *rest = lst.poll(10)
             assert not rest and f.seq == seq
             lst.respond(conn, ResponseFrame(f.seq, f.layer, STATUS_OK, bad))
             r = c.recv(time.monotonic() + 10)
             assert r.status == STATUS_BAD_FRAME and r.seq == seq
             assert "does not fit" in r.message and r.output is None
-        f0 = _frame(2, 1, seq=7)
+        f0 = request_frame(2, 1, seq=7)
         c.send(f0)
         (conn, f), *_ = lst.poll(10)
         lst.respond(conn, ResponseFrame(f.seq, f.layer, STATUS_OK, f.hidden * 2))
@@ -239,18 +253,18 @@ def test_server_output_that_does_not_fit_is_an_error_response(kind, tmp_path):
         lst.close()
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
 def test_respond_ok_answers_as_respond_does(kind, tmp_path):
     """``respond_ok(conn, request, output)`` (the expert server's answer path; shm writes it
     without a ResponseFrame) gives the client the same answer as ``respond`` with a
     ``STATUS_OK`` frame, and (shared memory) an output that does not fit the slot is a
     STATUS_BAD_FRAME answer."""
-    ep = _endpoint(kind, tmp_path)
+    ep = listen_endpoint(kind, tmp_path)
     lst = listen(ep, hidden_size=HIDDEN, dtype=torch.float32)
     c = _connect_while_polling(lst, max_tokens=2)
     try:
         for seq, answer in enumerate(("respond", "respond_ok", "respond", "respond_ok")):
-            f0 = _frame(2, 1, seq=seq)
+            f0 = request_frame(2, 1, seq=seq)
             c.send(f0)
             (conn, f), *_ = lst.poll(10)
             if answer == "respond":
@@ -261,7 +275,7 @@ def test_respond_ok_answers_as_respond_does(kind, tmp_path):
             assert (r.status, r.seq, r.layer) == (STATUS_OK, seq, f0.layer), answer
             torch.testing.assert_close(r.output, f0.hidden * 3)
         if kind != "tcp":  # a shared slot has room for 2 rows: 3 do not fit
-            c.send(_frame(1, 1, seq=9))
+            c.send(request_frame(1, 1, seq=9))
             (conn, f), *_ = lst.poll(10)
             lst.respond_ok(conn, f, torch.zeros(3, HIDDEN))
             r = c.recv(time.monotonic() + 10)
@@ -280,7 +294,7 @@ def test_an_answer_through_another_listener_or_after_a_drop_writes_nothing(kind,
     b = listen(f"{kind}:{tmp_path}/b.sock", hidden_size=HIDDEN, dtype=torch.float32)
     c = _connect_while_polling(a, max_tokens=2)
     try:
-        f0 = _frame(2, 1, seq=5)
+        f0 = request_frame(2, 1, seq=5)
         c.send(f0)
         (conn, f), *_ = a.poll(10)
         done = conn.slots.resp_q[0]
@@ -291,7 +305,7 @@ def test_an_answer_through_another_listener_or_after_a_drop_writes_nothing(kind,
         r = c.recv(time.monotonic() + 10)
         assert (r.status, r.seq) == (STATUS_OK, 5)
         torch.testing.assert_close(r.output, f0.hidden * 2)
-        c.send(_frame(1, 1, seq=6))
+        c.send(request_frame(1, 1, seq=6))
         (conn, f), *_ = a.poll(10)
         a._drop(conn)  # as for a client that died with its frame in flight
         assert conn.slots is None
@@ -307,18 +321,18 @@ def test_error_status_carries_its_message_and_the_next_frame_is_ok(kind, tmp_pat
     """An error response (STATUS_NOT_HOSTED) reaches the client with its status, seq and utf-8
     message (a message longer than the slot's 1024 bytes is cut there) and no output; the frames
     after it on the same connection are answered normally."""
-    ep = _endpoint(kind, tmp_path)
+    ep = listen_endpoint(kind, tmp_path)
     lst = listen(ep, hidden_size=HIDDEN, dtype=torch.float32)
     c = _connect_while_polling(lst)
     try:
         for seq, msg in enumerate(["expert 7 is not hosted here (ü)", "x" * 3000]):
-            c.send(_frame(2, 2, seq=seq))
+            c.send(request_frame(2, 2, seq=seq))
             (conn, f), *_ = lst.poll(10)
             lst.respond(conn, ResponseFrame(f.seq, f.layer, STATUS_NOT_HOSTED, None, msg))
             r = c.recv(time.monotonic() + 10)
             assert (r.status, r.seq, r.output) == (STATUS_NOT_HOSTED, seq, None)
             assert r.message == msg[:1024]
-        f0 = _frame(2, 2, seq=5)
+        f0 = request_frame(2, 2, seq=5)
         c.send(f0)
         (conn, f), *_ = lst.poll(10)
         lst.respond(conn, ResponseFrame(f.seq, f.layer, STATUS_OK, f.hidden + 1))
@@ -330,7 +344,7 @@ def test_error_status_carries_its_message_and_the_next_frame_is_ok(kind, tmp_pat
         lst.close()
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", TRANSPORT_KINDS)
 def test_frames_written_before_any_doorbell_are_answered_and_recv_rings_a_forgotten_one(
     kind, tmp_path
 ):
@@ -343,13 +357,13 @@ def test_frames_written_before_any_doorbell_are_answered_and_recv_rings_a_forgot
     for i in range(2):
         d = tmp_path / f"s{i}"
         d.mkdir()
-        srvs.append(start_server(_endpoint(kind, d), spin_us=0))
+        srvs.append(start_server(listen_endpoint(kind, d), spin_us=0))
     try:
         conns = [
-            connect(s.endpoint, f"s{i}", hidden_size=HIDDEN, dtype=torch.float32)
+            connect_emulated(s.endpoint, f"s{i}", hidden_size=HIDDEN, dtype=torch.float32)
             for i, s in enumerate(srvs)
         ]
-        frames = [_frame(5, 2, seq=10 + i) for i in range(2)]
+        frames = [request_frame(5, 2, seq=10 + i) for i in range(2)]
         for rnd in range(3):
             for c, f in zip(conns, frames, strict=True):
                 c.send_deferred(f)
@@ -386,14 +400,14 @@ def test_the_client_spins_only_while_its_servers_and_itself_fit_on_the_cores(tmp
 
     servers = [start_server(f"unix:{tmp_path}/spin{i}.sock") for i in range(2)]
     conns = [
-        connect(s.endpoint, f"s{i}", hidden_size=HIDDEN, dtype=torch.float32)
+        connect_emulated(s.endpoint, f"s{i}", hidden_size=HIDDEN, dtype=torch.float32)
         for i, s in enumerate(servers)
     ]
     try:
         others = sum(1 for c in shm._LIVE_CLIENTS if c._outstanding)  # left by other tests
         monkeypatch.setattr(shm, "_CORES", others + 2)
         assert shm._cores_to_spin()
-        frames = [_frame(3, 2, seq=i) for i in range(2)]
+        frames = [request_frame(3, 2, seq=i) for i in range(2)]
         for c, f in zip(conns, frames, strict=True):
             c.send(f)
         assert not shm._cores_to_spin()  # 2 servers at work + this client > 2 cores

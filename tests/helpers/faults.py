@@ -2,7 +2,7 @@
 ``bench/cluster_failover.py``: streaming load through an attention client with the official
 ``openai`` client, a recorder of routing-table versions, the steady state of a pool and fleet
 (:func:`serving_table`), and the kernel's view of TCP connections (``/proc/net/tcp``). The
-kubectl-level reads are :mod:`k8s_helpers`' (``tests/k8s``, on ``sys.path`` for both)."""
+kubectl-level reads are :mod:`helpers.k8s`'."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import openai
-from k8s_helpers import client_pods, get, kubectl, pod_ready, routing_table, server_pods
+
+from helpers.k8s import client_pods, get, kubectl, pod_ready, routing_table, server_pods
 
 #: TCP states in /proc/net/tcp (include/net/tcp_states.h).
 TCP_ESTABLISHED, TCP_CLOSE_WAIT = "01", "08"

@@ -10,15 +10,19 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from eaas.runtime.expert_server import ExpertServer, random_experts
 from eaas.runtime.experts import weighted_expert_sum
 from eaas.runtime.placement import parse_expert_spec
+from eaas.runtime.transport.base import STATUS_OK, FrameError, RequestFrame
+from eaas.runtime.transport.factory import connect as factory_connect
+
+from helpers.common import free_port, wait_until  # noqa: F401  (the servers' tests use them)
 
 HIDDEN = 32
 INTER = 48
@@ -143,14 +147,6 @@ def reference(
     return weighted_expert_sum(hidden, experts, weights, {e: w[(l, e)] for l, e in pairs})
 
 
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process from /proc/<pid>/stat, seconds."""
     with open(f"/proc/{pid}/stat") as f:
@@ -165,10 +161,54 @@ def shm_entries() -> set[str]:
         return set()
 
 
-def wait_until(cond, timeout: float = 5.0, step: float = 0.01) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(step)
-    return cond()
+def request_frame(n, k, layer=1, n_exp=4, dtype=torch.float32, seq=0, gen=None) -> RequestFrame:
+    """A :class:`RequestFrame` of client 1, table version 3: ``n`` tokens of :data:`HIDDEN`
+    random hidden values in ``dtype``, each with ``k`` distinct experts out of ``n_exp`` (int32;
+    token 0's last entry ``-1``, a padding entry, when ``k > 1``) and random float32 weights;
+    seeded by ``n`` and ``k`` unless ``gen`` (a ``torch.Generator``) is given."""
+    g = gen or torch.Generator().manual_seed(1000 + n * 31 + k)
+    h = torch.randn(n, HIDDEN, generator=g).to(dtype)
+    ex = (
+        torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(n)]).to(torch.int32)
+        if n
+        else torch.zeros(0, k, dtype=torch.int32)
+    )
+    if n and k > 1:
+        ex[0, -1] = -1  # one padding entry
+    w = torch.rand(n, k, generator=g)
+    return RequestFrame(
+        client_id=1, layer=layer, table_version=3, seq=seq, hidden=h, experts=ex, weights=w
+    )
+
+
+#: the transports of the transport tests; cudaipc with payload="host" (no GPU needed;
+#: tests/gpu/test_cuda_ipc.py adds the CUDA payload on a GPU machine)
+TRANSPORT_KINDS = ["unix", pytest.param("cudaipc", marks=pytest.mark.gpu_cpu), "tcp"]
+
+
+def connect_emulated(endpoint: str, server_id: str, **kw):
+    """The factory's ``connect``; a ``cudaipc:`` endpoint uses its host emulation."""
+    if endpoint.startswith("cudaipc:"):
+        kw.setdefault("payload", "host")
+    return factory_connect(endpoint, server_id, **kw)
+
+
+def listen_endpoint(kind: str, tmp_path) -> str:
+    """A listen endpoint of transport ``kind`` (a socket under ``tmp_path``, or TCP port 0)."""
+    if kind in ("unix", "cudaipc"):
+        return f"{kind}:{tmp_path}/es.sock"
+    return "tcp://127.0.0.1:0"
+
+
+def assert_misuse_raises_frame_error(c, reply_timeout_s: float) -> None:
+    """On a fresh float32 connection ``c``: a bfloat16 frame, a ``recv`` with nothing sent, and a
+    second ``send`` while one is in flight each raise ``FrameError``; the frame in flight is still
+    answered ``STATUS_OK`` within ``reply_timeout_s`` seconds."""
+    with pytest.raises(FrameError, match="dtype"):
+        c.send(request_frame(2, 1, dtype=torch.bfloat16))
+    with pytest.raises(FrameError, match="recv without"):
+        c.recv(time.monotonic() + 1)
+    c.send(request_frame(2, 1))
+    with pytest.raises(FrameError, match="in flight"):
+        c.send(request_frame(2, 1))
+    assert c.recv(time.monotonic() + reply_timeout_s).status == STATUS_OK

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers.common import free_port  # noqa: F401  (the e2e tests take it from here)
 
 
 def descendants(pid: int) -> dict[int, str]:
@@ -181,6 +179,75 @@ def start_serve(tmp_path_factory, name: str, args: list[str]) -> ServeProcess:
     sp = ServeProcess(args, log, free_port())
     sp.start()
     return sp
+
+
+#: the prompts and length of the failover tests (tests/e2e/test_fault.py, test_hung_server.py)
+FAILOVER_TEXTS = [
+    "The expert server hosts a set of experts and",
+    "Kubernetes schedules pods on nodes",
+    "A routing table maps every logical expert",
+    "Hello world",
+]
+FAILOVER_MAX_TOKENS = 40
+
+
+def stream_completion(base_url, model_name, prompt_ids, out: dict, started: threading.Event):
+    """Stream one greedy ``/v1/completions`` of ``prompt_ids`` (:data:`FAILOVER_MAX_TOKENS`
+    tokens) into ``out``: ``status``, ``ids`` (token ids), ``times`` (``time.monotonic()`` of each
+    chunk), ``finish`` (finish reason), ``error`` (an error event) or ``exception``; sets
+    ``started`` once two tokens arrived. For a thread's target."""
+    ids, times = [], []
+    try:
+        with httpx.stream(
+            "POST",
+            f"{base_url}/v1/completions",
+            json={
+                "model": model_name,
+                "prompt": prompt_ids,
+                "max_tokens": FAILOVER_MAX_TOKENS,
+                "temperature": 0,
+                "stream": True,
+            },
+            timeout=120,
+        ) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                payload = json.loads(line[6:])
+                if "error" in payload:
+                    out["error"] = payload["error"]
+                    continue
+                ch = payload["choices"][0]
+                ids.extend(ch["token_ids"])
+                times.append(time.monotonic())
+                if len(ids) >= 2:
+                    started.set()
+                if ch["finish_reason"]:
+                    out["finish"] = ch["finish_reason"]
+    except Exception as exc:  # noqa: BLE001
+        out["exception"] = repr(exc)
+    out["ids"], out["times"] = ids, times
+
+
+def serve_fixture(name: str, args: list[str]):
+    """A module-scoped fixture: one ``eaas serve ARGS`` (:func:`start_serve`, logs under a temp
+    directory named ``name``) shared by a module's tests, stopped after its last test with
+    ``stop(check=True)`` (a no-op when a test already stopped it). Use as
+    ``deployment = serve_fixture("serve-api", ["--expert-servers", "4"])``."""
+
+    @pytest.fixture(scope="module")
+    def deployment(tmp_path_factory):
+        sp = start_serve(tmp_path_factory, name, args)
+        yield sp
+        sp.stop(check=True)
+
+    return deployment
+
+
+def served_model_name(base_url: str) -> str:
+    """The model id the server at ``base_url`` serves (the first of ``GET /v1/models``)."""
+    return httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
 def metric_values(base_url: str) -> dict[tuple[str, tuple], float]:

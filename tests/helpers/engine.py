@@ -9,6 +9,15 @@ from typing import Any
 
 from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams
 
+#: prompts of the engine tests (tests/client/test_engine.py, test_engine_paged.py)
+ENGINE_TEXTS = [
+    "Hello world",
+    "The expert server hosts a set of experts and",
+    "Kubernetes",
+    "def main(): print",
+    "A routing table maps every logical expert to its live replicas, so the client",
+]
+
 
 def run_requests(
     eng: Any, prompts: list[list[int]], params_list: list[SamplingParams], wait_s: float

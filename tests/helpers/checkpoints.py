@@ -2,9 +2,8 @@
 weights, saved by transformers; fixed seeds, so the same call writes the same weights).
 
 GQA with 2 KV heads for 4 query heads, an MLP-only first layer for Qwen3-MoE; the tiny
-DeepSeek-V3 model's tokenizer files are copied in from ``tokenizer_from``. Shared by
-``tests/client``, ``tests/runtime`` and ``tests/gpu`` (``tests/helpers`` is on pytest's
-``pythonpath``, pyproject.toml).
+DeepSeek-V3 model's tokenizer files are copied in from ``tokenizer_from``. The session fixture
+``checkpoints`` (tests/conftest.py) writes them once per run.
 """
 
 from __future__ import annotations

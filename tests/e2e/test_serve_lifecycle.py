@@ -1,6 +1,7 @@
-"""What a first user of ``eaas serve`` ran into: stopping serve during a long request, one huge
-request stalling the API, bad numbers accepted by the CLI, a bad KV-cache size or device found
-only after the children loaded the model."""
+"""``eaas serve``'s life cycle and start-up checks: SIGTERM during a long request (clients stop
+before servers), a second Ctrl-C, stale and SIGKILLed run directories; the API answering while a
+huge prompt is tokenized and a too-large body refused; bad numbers, a bad KV-cache size or device
+refused before the children load the model."""
 
 from __future__ import annotations
 
@@ -16,9 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2e_helpers import ServeProcess, alive, free_port, sigterm_and_wait
 
-pytestmark = pytest.mark.e2e
+from helpers.e2e import ServeProcess, alive, free_port, sigterm_and_wait
 
 
 def test_sigterm_stops_clients_before_servers_and_requests_see_no_dead_replica(tmp_path):

@@ -7,8 +7,7 @@ connection is still opening therefore goes to the other replicas alone: a test t
 every replica / every server to get traffic (alternation, load split, per-server counts, a
 failover from a server it kills or stops) waits with :func:`wait_all_connected` first.
 
-Shared by ``tests/runtime``, ``tests/e2e`` and ``tests/gpu`` (``tests/helpers`` is on pytest's
-``pythonpath``, pyproject.toml).
+Shared by ``tests/runtime``, ``tests/e2e`` and ``tests/gpu``.
 """
 
 from __future__ import annotations
