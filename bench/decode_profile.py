@@ -194,11 +194,11 @@ def _profiled_server(argv: list[str]) -> None:
     ``--cpu-bf16-compute`` (default auto)."""
     import signal
 
-    from eaas.runtime.expert_server import ExpertServer
     from eaas.runtime.models.arch import read_model_info
     from eaas.runtime.models.compute import choose_compute
     from eaas.runtime.models.weights import load_expert_weights
-    from eaas.runtime.placement import parse_expert_spec
+    from eaas.runtime.server.server import ExpertServer
+    from eaas.runtime.tables.expert_spec import parse_expert_spec
 
     out, model_dir, sid, spec, ep, dtype, threads, spin = argv[:8]
     policy = argv[8] if len(argv) > 8 else "auto"
@@ -241,8 +241,9 @@ def start_servers(
         ``(procs, table)``: the processes and routing table version 1.
     """
     from eaas.runtime.models.arch import read_model_info
-    from eaas.runtime.placement import format_expert_spec, place_experts
-    from eaas.runtime.routing import RoutingTable
+    from eaas.runtime.placement import place_experts
+    from eaas.runtime.tables.expert_spec import format_expert_spec
+    from eaas.runtime.tables.table import RoutingTable
 
     info = read_model_info(model_dir)
     placement = place_experts(info.moe_layers, info.num_experts, n, r)
@@ -355,7 +356,8 @@ def experts_compare(args) -> int:
     """Local experts vs expert servers, side by side (see the module docstring)."""
     import tempfile
 
-    from eaas.runtime.client.dispatch import Dispatcher, experts_factory
+    from eaas.runtime.client.dispatch import Dispatcher
+    from eaas.runtime.client.moe import experts_factory
     from eaas.runtime.models.attention import load_attention_model
     from eaas.runtime.models.tiny import default_model_dir
 
@@ -378,7 +380,7 @@ def experts_compare(args) -> int:
         from eaas.runtime.models.arch import read_model_info
 
         info = read_model_info(model_dir)
-        from eaas.runtime.client.dispatch import _default_connect
+        from eaas.runtime.client.dispatch.connections import _default_connect
 
         kw = {}
         if args.client_spin_us is not None:
@@ -563,7 +565,8 @@ def dtypes_compare(args) -> int:
     """fp32 vs bf16 native vs bf16 fp32-compute, side by side in one run (module docstring)."""
     import tempfile
 
-    from eaas.runtime.client.dispatch import Dispatcher, experts_factory
+    from eaas.runtime.client.dispatch import Dispatcher
+    from eaas.runtime.client.moe import experts_factory
     from eaas.runtime.models.arch import read_model_info
     from eaas.runtime.models.attention import load_attention_model
     from eaas.runtime.models.tiny import default_model_dir

@@ -57,7 +57,7 @@ def gpu_capacity() -> int:
 
 def add_gpu_nodes(count: int, first_index: int = 200) -> list[str]:
     """Add ``count`` kwok-managed GPU/RDMA nodes (8 GPUs each), labelled ``eaas.io/bench=true``."""
-    from eaas.testbed.cluster import GPU_ALLOCATABLE, GPU_LABELS, KWOK_ANNOTATION, PROCESS_LABEL
+    from eaas.testbed.nodes import GPU_ALLOCATABLE, GPU_LABELS, KWOK_ANNOTATION, PROCESS_LABEL
 
     names = []
     for i in range(count):

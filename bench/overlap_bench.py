@@ -72,13 +72,15 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from eaas.runtime.client.dispatch import Dispatcher, experts_factory
+    from eaas.runtime.client.dispatch import Dispatcher
     from eaas.runtime.client.engine import Engine
+    from eaas.runtime.client.moe import experts_factory
     from eaas.runtime.models.arch import read_model_info
     from eaas.runtime.models.attention import load_attention_model
     from eaas.runtime.models.tiny import default_model_dir
-    from eaas.runtime.placement import format_expert_spec, place_experts
-    from eaas.runtime.routing import RoutingTable
+    from eaas.runtime.placement import place_experts
+    from eaas.runtime.tables.expert_spec import format_expert_spec
+    from eaas.runtime.tables.table import RoutingTable
 
     model_dir = a.model or str(default_model_dir())
     info = read_model_info(model_dir)

@@ -141,7 +141,7 @@ def _proto_server(p: _Proto, spin_s: float) -> None:
     frames come within a spin (:func:`~eaas.runtime.transport.shm._server_spin_s`), then block
     on the doorbell), read the request header, echo the hidden rows, write the response header
     and counter, ring the client's doorbell only if it waits; a counter of -1 stops."""
-    from eaas.runtime.transport.shm import _server_spin_s
+    from eaas.runtime.transport.shm_server import _server_spin_s
 
     torch.set_num_threads(1)
     flags, seen, sock = p.flags, 0, p.server_sock

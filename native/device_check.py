@@ -31,8 +31,8 @@ import time
 
 import torch
 
+from eaas.runtime.client.graphs import DecodeRoundTripGraph
 from eaas.runtime.experts import ExpertWeights
-from eaas.runtime.gpu.graphs import DecodeRoundTripGraph
 from eaas.runtime.server.compute import grouped_expert_sum
 from eaas.runtime.server.grouped import GroupedExperts
 from eaas.runtime.transport.base import RequestFrame

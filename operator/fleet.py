@@ -27,7 +27,7 @@ from eaas.operator.overlay import apply_pod_template
 from eaas.operator.pods import nvshmem_uid_file, world_layout
 from eaas.operator.status import set_condition
 from eaas.runtime.options import PROGRAM, AttentionClientOptions
-from eaas.runtime.transport.nvshmem_world import client_env
+from eaas.runtime.options.nvshmem_world import client_env
 
 #: Env var of each attention-client container holding its pod name (downward API); the client's
 #: ``--client-id $(EAAS_POD_NAME)`` makes every replica's id distinct.
@@ -80,7 +80,7 @@ def _join_world(
     volumes: list[dict[str, Any]],
 ) -> None:
     """Make the client container a member of the pool's NVSHMEM world (in place): the env of
-    :func:`~eaas.runtime.transport.nvshmem_world.client_env` (each pod claims a free client
+    :func:`~eaas.runtime.options.nvshmem_world.client_env` (each pod claims a free client
     PE next to the uid file: Deployment pods are identical), one GPU, the uid volume."""
     layout, nv = world_layout(pool), pool.transport.nvshmem
     assert layout is not None and nv is not None

@@ -157,7 +157,3 @@ async def fleet_daemon(
     """Reconcile the fleet now, on every wakeup and every ``resync_s`` seconds."""
     ns = _namespace(namespace)
     await daemon.run_daemon(_state(memo), "fleet", ns, name, stopped, reconcile_fleet, logger)
-
-
-# SHIM(issue17): moved to eaas.operator.state, eaas.operator.reconcile.reports; remove at merge
-from eaas.operator.reconcile.reports import operator_metrics  # noqa: E402, F401

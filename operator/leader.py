@@ -256,7 +256,3 @@ class LeaderElector:
             raise
         self._renewed_at = started  # conservative: before the read
         return decision
-
-
-# SHIM(issue17): moved to eaas.operator.settings; remove at merge
-from eaas.operator.settings import LEASE_NAME, advertise_url  # noqa: E402, F401

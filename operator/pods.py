@@ -27,13 +27,9 @@ from eaas.operator.names import (
 )
 from eaas.operator.overlay import apply_pod_template
 from eaas.runtime.options import PROGRAM, ExpertServerOptions
-from eaas.runtime.placement import (
-    LayerExpert,
-    Placement,
-    format_expert_spec,
-    parse_expert_spec,
-)
-from eaas.runtime.transport.nvshmem_world import WorldLayout, world_env
+from eaas.runtime.options.nvshmem_world import WorldLayout, world_env
+from eaas.runtime.placement import LayerExpert, Placement
+from eaas.runtime.tables.expert_spec import format_expert_spec, parse_expert_spec
 
 # ---------------------------------------------------------------------------------------------
 # expert-server pods
@@ -116,7 +112,7 @@ def nvshmem_uid_file(pool: str, spec: ExpertPoolSpec) -> str:
 
 def nvshmem_env(pool: str, spec: ExpertPoolSpec, role: str, index: int) -> list[dict[str, str]]:
     """core/v1 EnvVars of one world member (``role`` client | server | spare, its index in
-    the role): :func:`eaas.runtime.transport.nvshmem_world.world_env` (``EAAS_NVSHMEM_*``,
+    the role): :func:`eaas.runtime.options.nvshmem_world.world_env` (``EAAS_NVSHMEM_*``,
     ``NVSHMEM_IB_ENABLE_IBGDA``); empty without an NVSHMEM world."""
     layout = world_layout(spec)
     if layout is None or spec.transport.nvshmem is None:
@@ -156,10 +152,8 @@ def server_command(
     world = world_layout(spec) is not None
     spare = world and server_role(spec, index)[0] == "spare"
     from_table = table_assignment(spec) or spare
-    if world:  # a world member listens on its PE and computes on the GPU
-        where = {"listen": f"nvshmem:{server_pe(spec, index)}", "device": "cuda"}
-    else:
-        where = {"listen": f"tcp://0.0.0.0:{spec.port}"}
+    # a world member listens on its PE and computes on the GPU
+    listen = f"nvshmem:{server_pe(spec, index)}" if world else f"tcp://0.0.0.0:{spec.port}"
     options = ExpertServerOptions(
         model=spec.model.model_path(),
         server_id=pod_name,
@@ -167,7 +161,8 @@ def server_command(
         push_token_file=f"{SERVER_TOKEN_MOUNT_DIR}/{PUSH_TOKEN_KEY}" if from_table else None,
         experts=None if from_table else format_expert_spec(experts),
         http_port=spec.health_port,
-        **where,
+        listen=listen,
+        device="cuda" if world else ExpertServerOptions.device,
     )
     return [PROGRAM, *options.argv()]
 

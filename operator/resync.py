@@ -34,7 +34,3 @@ def step_due(
         idle_resync_s: period of steps when nothing happens (0: every call).
     """
     return woken or failed or busy or since_last_step_s >= idle_resync_s
-
-
-# SHIM(issue17): moved to eaas.operator.settings; remove at merge
-from eaas.operator.settings import IDLE_RESYNC_S, idle_resync_from_env  # noqa: E402, F401

@@ -31,7 +31,7 @@ from eaas.operator.push import PushRetry
 from eaas.operator.server_push import ServerTableState
 from eaas.operator.settings import Settings
 from eaas.runtime.placement import LayerExpert, Placement
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.tables.table import RoutingTable
 
 #: Computed placements kept (a DeepSeek-V3 pool takes ~0.2 s of CPU per placement).
 PLACEMENT_CACHE = 64

@@ -17,7 +17,7 @@ from eaas.operator.pods import ObservedPod, PodPlan
 from eaas.operator.pool_placement import unspread_experts
 from eaas.operator.table import coverage
 from eaas.runtime.placement import Placement
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.tables.table import RoutingTable
 
 
 # ---------------------------------------------------------------------------------------------

@@ -322,7 +322,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
-
-# SHIM(issue17): moved to eaas.testbed.containers; remove at merge
-from .containers import PODINIT  # noqa: E402, F401

@@ -214,8 +214,3 @@ def down(
         shutil.rmtree(state_dir, ignore_errors=True)
     echo(f"testbed stopped (state {state_dir}{' removed' if remove else ''})")
     return True
-
-
-# SHIM(issue17): moved to eaas.testbed.procs and eaas.testbed.nodes; remove at merge
-from .nodes import GPU_ALLOCATABLE, GPU_LABELS, KWOK_ANNOTATION, PROCESS_LABEL  # noqa: E402, F401
-from .procs import agent_alive, find_marked  # noqa: E402, F401

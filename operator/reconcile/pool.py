@@ -40,7 +40,7 @@ from eaas.operator.state import OperatorState
 from eaas.operator.status import invalid_spec_status, pool_status
 from eaas.operator.table import next_routing_table
 from eaas.runtime.placement import PlacementError, auto_slots
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.tables.table import RoutingTable
 
 
 def invalid_spec(spec: dict[str, Any]) -> str | None:

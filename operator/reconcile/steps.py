@@ -20,7 +20,7 @@ from eaas.operator.pods import PodPlan
 from eaas.operator.reconcile.load import ensure_hpa, load_status
 from eaas.operator.state import OperatorState, PublishedTable
 from eaas.operator.table import configmap_too_large, routing_table_configmap
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.tables.table import RoutingTable
 
 #: A server confirmed down is re-probed (to bring it back) only after this many seconds (s).
 SUSPECT_REPROBE_S = 3.0

@@ -59,7 +59,7 @@ from eaas.operator.server_push import (
 from eaas.operator.state import OperatorState, PoolMemory
 from eaas.operator.status import pool_status
 from eaas.operator.table import assignment_of, table_from_assignment, two_phase_step
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.tables.table import RoutingTable
 
 
 @dataclass

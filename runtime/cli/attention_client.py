@@ -20,11 +20,11 @@ from eaas.runtime.cli.common import (
     nvshmem_world_config,
     options_from,
 )
-from eaas.runtime.client.table_watch import parse_configmap_ref
 from eaas.runtime.options import AttentionClientOptions
 from eaas.runtime.options import client_id_of as _client_id_of
-from eaas.runtime.routing import RoutingTable
-from eaas.runtime.transport.nvshmem_world import MembershipError, WorldConfig, claim_client_pe
+from eaas.runtime.options.nvshmem_world import MembershipError, WorldConfig, claim_client_pe
+from eaas.runtime.tables.table import RoutingTable
+from eaas.runtime.tables.watch import parse_configmap_ref
 
 # torch and the attention client's modules are imported inside the functions: `eaas --help`
 # and the operator's commands must start without torch.
@@ -204,11 +204,11 @@ def _check_environment(o: AttentionClientOptions) -> WorldConfig | None:
             raise typer.BadParameter(str(e)) from None
     if o.routing_table:
         _check_routing_table_file(o.routing_table)
-    from eaas.runtime.client.engine import parse_prefill_cap
+    from eaas.runtime.client.budgets import parse_prefill_cap
+    from eaas.runtime.client.graphs import check_cuda_graphs
     from eaas.runtime.client.kv_cache import parse_memory_size
     from eaas.runtime.client.main import resolve_device
-    from eaas.runtime.gpu.device import check_world_device
-    from eaas.runtime.gpu.graphs import check_cuda_graphs
+    from eaas.runtime.cuda.device import check_world_device
     from eaas.runtime.models.compute import check_policy
 
     try:
@@ -232,7 +232,7 @@ def _check_environment(o: AttentionClientOptions) -> WorldConfig | None:
 
 def _claim_client_pe(world_size, pe, uid_file, client_pes: int) -> int:
     """``--nvshmem-client-pes``: this client's PE, claimed next to the uid file
-    (:func:`eaas.runtime.transport.nvshmem_world.claim_client_pe`, holder = ``HOSTNAME``).
+    (:func:`eaas.runtime.options.nvshmem_world.claim_client_pe`, holder = ``HOSTNAME``).
     Nothing is claimed where the world cannot be joined.
 
     Raises:

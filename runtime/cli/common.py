@@ -10,7 +10,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from eaas.runtime.transport.nvshmem_world import WorldConfig, check_listen_pe
+from eaas.runtime.options.nvshmem_world import WorldConfig, check_listen_pe
 
 # The torch-side modules (transport.nvshmem here) are imported inside the functions, in every
 # module of this package: `eaas --help` and the operator's commands must start without torch.

@@ -23,7 +23,8 @@ from eaas.runtime.cli.common import (
 )
 from eaas.runtime.common.dtypes import torch_dtype
 from eaas.runtime.options import ExpertServerOptions
-from eaas.runtime.placement import SCHED_POLICIES, parse_expert_spec
+from eaas.runtime.placement import SCHED_POLICIES
+from eaas.runtime.tables.expert_spec import parse_expert_spec
 
 # torch and the expert server's modules are imported inside the functions: `eaas --help` and
 # the operator's commands must start without torch.
@@ -141,12 +142,13 @@ def run_expert_server(o: ExpertServerOptions) -> None:
     import torch
 
     from eaas.runtime.client.main import resolve_device
-    from eaas.runtime.expert_server import ExpertServer, learn_from_table, run, start_http
-    from eaas.runtime.gpu.device import check_listen_device, check_world_device
+    from eaas.runtime.cuda.device import check_listen_device, check_world_device
     from eaas.runtime.models.arch import read_model_info
     from eaas.runtime.models.compute import check_policy, choose_compute
     from eaas.runtime.models.tiny import default_model_dir
     from eaas.runtime.models.weights import load_expert_weights
+    from eaas.runtime.server.main import learn_from_table, run, start_http
+    from eaas.runtime.server.server import ExpertServer
 
     if o.cpus is not None:  # first: every thread started later (torch, HTTP) inherits it
         try:

@@ -60,6 +60,8 @@ from eaas.runtime import metrics
 from eaas.runtime.client import budgets
 from eaas.runtime.client.detokenizer import IncrementalDetokenizer
 from eaas.runtime.client.kv_cache import PagedKVCache, kv_cache_spec, min_kv_cache_memory
+from eaas.runtime.client.model_runner import Chunk, PagedModelRunner
+from eaas.runtime.client.overlap import PagedOverlapRunner
 from eaas.runtime.client.request import ErrorEvent, Event, GenerationRequest, TokenEvent
 from eaas.runtime.client.sampling import (
     SampleOutput,
@@ -70,8 +72,6 @@ from eaas.runtime.client.sampling import (
 )
 from eaas.runtime.client.scheduler import Scheduler, StepCostModel, StepPlan
 from eaas.runtime.client.scheduler import Sequence as Seq
-from eaas.runtime.gpu.overlap import PagedOverlapRunner
-from eaas.runtime.models.paged import Chunk, PagedModelRunner
 
 log = logging.getLogger("eaas.client.engine")
 
@@ -590,7 +590,3 @@ class Engine(EngineBase):
         self._running_gauge.set(len(self.scheduler.running))
         self._waiting_gauge.set(len(self.scheduler.waiting))
         self.kv_cache.report()
-
-
-# SHIM(issue17): moved to eaas.runtime.client.budgets; remove at merge
-from eaas.runtime.client.budgets import parse_prefill_cap  # noqa: E402, F401

@@ -33,7 +33,7 @@ import ctypes
 
 import torch
 
-from eaas.runtime.gpu.build import load_module
+from eaas.runtime.cuda.nvrtc import load_module
 from eaas.runtime.transport.base import DeadlineExceeded
 
 
@@ -102,7 +102,7 @@ class DecodeRoundTripGraph:
 
     Raises:
         ValueError: a host-payload connection, or a slot smaller than the largest bucket.
-        GpuUnavailableError: no CUDA / cuda-python (from :func:`~eaas.runtime.gpu.build.load_module`).
+        GpuUnavailableError: no CUDA / cuda-python (from :func:`~eaas.runtime.cuda.nvrtc.load_module`).
     """
 
     def __init__(self, conn, buckets: list[int], k: int, *, layer: int = 1,
@@ -184,7 +184,7 @@ class DecodeRoundTripGraph:
             ValueError: ``n`` above the largest bucket.
         """
         # lazy and private: shm's memory fence is not yet public transport API; kept as it was
-        from eaas.runtime.transport.shm import _fence
+        from eaas.runtime.transport.shm_slots import fence as _fence
 
         n = int(hidden.shape[0])
         B = choose_bucket(n, self.buckets)

@@ -32,20 +32,23 @@ import torch
 import typer
 import uvicorn
 
-from eaas.runtime.client.api import OpenAIServer, create_app
-from eaas.runtime.client.dispatch import Dispatcher, RoutingTableWatcher, experts_factory
+from eaas.runtime.client.api.app import create_app
+from eaas.runtime.client.api.server import OpenAIServer
+from eaas.runtime.client.dispatch import Dispatcher
 from eaas.runtime.client.engine import Engine
 from eaas.runtime.client.failure_report import FailureReporter
+from eaas.runtime.client.graphs import GraphRoundTrips, check_cuda_graphs
 from eaas.runtime.client.kv_cache import parse_memory_size
-from eaas.runtime.client.table_push import BearerToken, TablePush
-from eaas.runtime.client.table_watch import ConfigMapTableWatcher
+from eaas.runtime.client.moe import experts_factory
 from eaas.runtime.common.dtypes import torch_dtype
-from eaas.runtime.gpu.graphs import GraphRoundTrips, check_cuda_graphs
 from eaas.runtime.models.arch import read_model_info
 from eaas.runtime.models.attention import load_attention_model
 from eaas.runtime.models.compute import choose_compute
 from eaas.runtime.models.tiny import default_model_dir
 from eaas.runtime.options import AttentionClientOptions
+from eaas.runtime.tables.file_watch import RoutingTableWatcher
+from eaas.runtime.tables.push import BearerToken, TablePush
+from eaas.runtime.tables.watch import ConfigMapTableWatcher
 from eaas.runtime.transport.factory import connect as transport_connect
 from eaas.runtime.transport.nvshmem import WorldConfig, WorldSpec, open_world
 
@@ -200,6 +203,8 @@ def run_attention_client(
             spec = WorldSpec(world_config.world_size, info.hidden_size, dtype)
             world = open_world(world_config, spec)
         connect = connect_with_options(o.spin_us, world)
+        # None: the dispatcher's own default connect
+        extra: dict[str, Any] = {"connect": connect} if connect is not None else {}
         dispatcher = Dispatcher(
             client_id,
             info.hidden_size,
@@ -207,7 +212,7 @@ def run_attention_client(
             timeout=o.dispatch_timeout,
             graphs=graphs,
             moe_layers=info.moe_layers,
-            **({"connect": connect} if connect is not None else {}),
+            **extra,
         )
         if o.failure_report_url:
             reporter = FailureReporter(o.failure_report_url, str(client_id), token).start()

@@ -80,15 +80,3 @@ async def get_routing_table(request: Request):
     if push is None:
         return {"version": 0, "servers": {}, "num_experts": None}
     return await asyncio.to_thread(push.describe)
-
-
-# SHIM(issue17): moved to eaas.runtime.tables.http; remove at merge
-from eaas.runtime.tables.http import PushResult, push_routing_table  # noqa: E402, F401
-
-# SHIM(issue17): moved to eaas.runtime.tables.push; remove at merge
-from eaas.runtime.tables.push import (  # noqa: E402, F401
-    BearerToken,
-    authorize,
-    parse_pushed_table,
-    push_decision,
-)

@@ -96,6 +96,3 @@ __all__ = [
     "server_loads",
     "spread_over_cpus",
 ]
-
-# SHIM(issue17): moved to eaas.runtime.tables.expert_spec; remove at merge
-from eaas.runtime.tables.expert_spec import format_expert_spec, parse_expert_spec  # noqa: E402, F401

@@ -47,7 +47,7 @@ def balancedness(placement: Placement, expert_load: Mapping[LayerExpert, float] 
 def dispatch_columns(placement: Placement) -> list[frozenset[int]]:
     """The sets of servers one small decode call reaches: per MoE layer and replica slot ``r``,
     ``{replicas(layer, e)[r % len] for every expert e}`` (the routing table lists an expert's
-    replicas in ascending server order, :meth:`~eaas.runtime.routing.RoutingTable.from_placement`).
+    replicas in ascending server order, :meth:`~eaas.runtime.tables.table.RoutingTable.from_placement`).
 
     The dispatcher keeps an expert's pairs on one replica up to ``split_pairs`` of them and
     rotates every expert of a layer by one replica per call, in phase

@@ -62,7 +62,3 @@ __all__ = [
     "stale_run_dirs",
     "write_table",
 ]
-
-# SHIM(issue17): moved to eaas.runtime.common.ports, eaas.runtime.options.serve; remove at merge
-from eaas.runtime.common.ports import free_tcp_port  # noqa: E402, F401
-from eaas.runtime.options.serve import parse_client_spin  # noqa: E402, F401

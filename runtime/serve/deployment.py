@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from eaas.runtime.client.engine import parse_prefill_cap
+from eaas.runtime.client.budgets import parse_prefill_cap
 from eaas.runtime.client.kv_cache import check_kv_cache_memory, parse_memory_size
 from eaas.runtime.client.main import bind_listener, resolve_device
 from eaas.runtime.common.dtypes import torch_dtype
@@ -22,15 +22,11 @@ from eaas.runtime.models.arch import read_model_info
 from eaas.runtime.models.compute import check_policy
 from eaas.runtime.models.tiny import default_model_dir
 from eaas.runtime.options import AttentionClientOptions, ExpertServerOptions, ServeOptions
-from eaas.runtime.placement import (
-    SCHED_POLICIES,
-    format_expert_spec,
-    place_experts,
-    spread_over_cpus,
-)
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.placement import SCHED_POLICIES, place_experts, spread_over_cpus
 from eaas.runtime.serve.children import Child, Children, log
 from eaas.runtime.serve.rundir import create_run_dir, remove_stale_run_dirs
+from eaas.runtime.tables.expert_spec import format_expert_spec
+from eaas.runtime.tables.table import RoutingTable
 
 
 class ServeError(RuntimeError):

@@ -106,7 +106,7 @@ class ServerAssignment:
     :attr:`version`, :meth:`set_table`, :meth:`reconnect_down`).
 
     Args:
-        server: the :class:`~eaas.runtime.expert_server.ExpertServer` (``add_experts``,
+        server: the :class:`~eaas.runtime.server.server.ExpertServer` (``add_experts``,
             ``drop_experts``, ``hosted_pairs``).
         server_id: this server's id in the routing table.
         loader: loads weights of the given pairs (called on the background thread).
@@ -253,7 +253,7 @@ class ServerAssignment:
 
 class TableEndpoint:
     """The HTTP routes of an expert server's table push (served by
-    :mod:`eaas.runtime.server_http`), the clients' protocol (:mod:`eaas.runtime.tables.push`)
+    :mod:`eaas.runtime.server.http`), the clients' protocol (:mod:`eaas.runtime.tables.push`)
     with the server's acknowledgement:
 
     ``PUT /routing-table`` (bearer token): ``202`` ``{"server_id", "assigned_version",

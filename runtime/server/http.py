@@ -17,7 +17,7 @@ minutes. So ``/health`` looks at the serving loop itself:
 
 ``GET /routing-table``, ``PUT /routing-table`` and ``POST /routing-table/release``: the
 server's side of the routing table when it learns its experts from it
-(:class:`eaas.runtime.assignment.TableEndpoint`; 404 ``no_routing_table`` for a server started
+(:class:`eaas.runtime.server.assignment.TableEndpoint`; 404 ``no_routing_table`` for a server started
 with fixed ``--experts``). ``/health`` then also carries ``routing_table`` (assigned and
 weights versions).
 
@@ -43,6 +43,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+
+from eaas.runtime.tables.push import MAX_TABLE_BYTES
 
 DEFAULT_STALE_AFTER_S = 5.0
 
@@ -111,7 +113,7 @@ class ServerHealth:
         self.server_id = server_id
         self.server: Any = None
         self.stopping = False
-        # eaas.runtime.assignment.TableEndpoint when the server learns its experts from the
+        # eaas.runtime.server.assignment.TableEndpoint when the server learns its experts from the
         # routing table (PUT /routing-table, POST /routing-table/release, GET /routing-table)
         self.table: Any = None
         self.stale_after_s = float(stale_after_s)
@@ -227,10 +229,6 @@ def _make_handler(health: ServerHealth) -> type[BaseHTTPRequestHandler]:
             if health.table is None:
                 self._no_table()
                 return
-            # fastapi comes with table_push: the HTTP port starts before the weights load
-            # and a server with fixed experts never needs it
-            from eaas.runtime.client.table_push import MAX_TABLE_BYTES
-
             length = self.headers.get("Content-Length") or "0"
             if not length.strip().isdigit():  # int() would raise, the connection would drop
                 self._error(400, f"Content-Length must be a byte count, got {length!r}")

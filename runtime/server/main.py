@@ -22,13 +22,14 @@ import sys
 import torch
 from prometheus_client import start_http_server
 
-from eaas.runtime.assignment import ServerAssignment, TableEndpoint
-from eaas.runtime.client.table_watch import ConfigMapTableWatcher
 from eaas.runtime.experts import ExpertWeights
 from eaas.runtime.metrics import multiprocess_dir
-from eaas.runtime.placement import parse_expert_spec
+from eaas.runtime.server.assignment import ServerAssignment, TableEndpoint
 from eaas.runtime.server.http import ServerHealth, ServerHTTP
 from eaas.runtime.server.server import ExpertServer
+from eaas.runtime.tables.expert_spec import parse_expert_spec
+from eaas.runtime.tables.push import BearerToken
+from eaas.runtime.tables.watch import ConfigMapTableWatcher
 
 
 def random_experts(
@@ -155,13 +156,13 @@ def learn_from_table(
     num_experts: int | None = None,
     moe_layers=None,
 ):
-    """Make ``server`` learn its experts from the routing table (:mod:`eaas.runtime.assignment`):
+    """Make ``server`` learn its experts from the routing table (:mod:`eaas.runtime.server.assignment`):
     pushed to ``PUT /routing-table`` on the HTTP port (``push_token_file``: the bearer token's
     file) and/or watched from a ConfigMap (``routing_table_configmap``: ``NAMESPACE/NAME``;
     then the newest two versions' experts are kept, as no operator releases them).
 
     Returns:
-        the started :class:`~eaas.runtime.assignment.ServerAssignment`, or None when neither
+        the started :class:`~eaas.runtime.server.assignment.ServerAssignment`, or None when neither
         source is given (experts fixed by the command line).
 
     Raises:
@@ -179,8 +180,6 @@ def learn_from_table(
     if push_token_file:
         if health is None:
             raise ValueError("--push-token-file needs --http-port (PUT /routing-table)")
-        # fastapi comes with table_push: only a server that takes pushes pays its import
-        from eaas.runtime.client.table_push import BearerToken
 
         health.table = TableEndpoint(
             assignment, BearerToken(push_token_file), num_experts, moe_layers

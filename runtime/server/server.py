@@ -23,7 +23,7 @@ Hosted experts may change while serving (:meth:`ExpertServer.add_experts` /
 :class:`~eaas.runtime.server.hosting.Hosting`): with ``--push-token-file`` or
 ``--routing-table-configmap`` and no ``--experts`` the server starts empty and learns its
 experts from the routing table (:func:`eaas.runtime.server.main.learn_from_table`,
-:mod:`eaas.runtime.assignment`).
+:mod:`eaas.runtime.server.assignment`).
 
 Metrics (:mod:`eaas.runtime.metrics`): ``EXPERT_TOKENS{layer,expert}`` (expert load; added at
 most every ``LOAD_METRICS_FLUSH_S`` while busy and when idle, see
@@ -85,7 +85,7 @@ class ExpertServer:
         listener_kw: extra options for the listener (e.g. ``spin_us``).
 
     Hosted experts change while serving (:meth:`add_experts`, :meth:`drop_experts`; driven by
-    the routing table through :mod:`eaas.runtime.assignment`).
+    the routing table through :mod:`eaas.runtime.server.assignment`).
     """
 
     def __init__(

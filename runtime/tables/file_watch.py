@@ -1,7 +1,7 @@
 """The routing table from a JSON file: :class:`RoutingTableWatcher` polls it and hands newer
 versions to the attention client's dispatcher.
 
-The file is a routing table in the wire format of :mod:`eaas.runtime.routing` (e.g. a
+The file is a routing table in the wire format of :mod:`eaas.runtime.tables` (e.g. a
 Kubernetes ConfigMap mounted as a volume).
 """
 
@@ -12,7 +12,8 @@ import os
 import threading
 from typing import Protocol
 
-from eaas.runtime.routing import RoutingTable, RoutingTableError
+from eaas.runtime.tables.table import RoutingTable
+from eaas.runtime.tables.wire import RoutingTableError
 
 log = logging.getLogger("eaas.client.dispatch")
 
@@ -47,7 +48,7 @@ class RoutingTableWatcher:
     in use stays). Each poll also calls the receiver's ``reconnect_down``.
 
     Args:
-        path: JSON file (see :mod:`eaas.runtime.routing`).
+        path: JSON file (see :mod:`eaas.runtime.tables`).
         dispatcher: receiver (:class:`TableReceiver`).
         interval: poll period in seconds.
     """

@@ -1,5 +1,5 @@
 """Receiving a pushed routing table: authentication, validation and the version decision, shared
-by the attention clients (:mod:`eaas.runtime.client.table_push`) and the expert servers
+by the attention clients (:mod:`eaas.runtime.client.table_push`, its HTTP routes) and the expert servers
 (:class:`eaas.runtime.server.assignment.TableEndpoint`); the operator checks failure reports with
 the same :func:`authorize`.
 

@@ -60,18 +60,7 @@ import numpy as np
 import torch
 
 from eaas.runtime.cuda import GpuUnavailableError
-from eaas.runtime.transport.base import (
-    DTYPE_CODES,
-    STATUS_OK,
-    ClientConnection,
-    DeadlineExceeded,
-    FrameError,
-    RequestFrame,
-    ResponseFrame,
-    ServerListener,
-    check_request,
-)
-from eaas.runtime.transport.nvshmem_world import (  # noqa: F401  (re-exported: pure side)
+from eaas.runtime.options.nvshmem_world import (  # noqa: F401  (re-exported: pure side)
     ENV_PE,
     ENV_UID_FILE,
     ENV_WORLD_SIZE,
@@ -83,6 +72,17 @@ from eaas.runtime.transport.nvshmem_world import (  # noqa: F401  (re-exported: 
     ibgda_env,
     parse_endpoint,
     world_env,
+)
+from eaas.runtime.transport.base import (
+    DTYPE_CODES,
+    STATUS_OK,
+    ClientConnection,
+    DeadlineExceeded,
+    FrameError,
+    RequestFrame,
+    ResponseFrame,
+    ServerListener,
+    check_request,
 )
 
 

@@ -574,10 +574,3 @@ class ShmClientConnection(SocketClientConnection):
         finally:
             if self._slots is not None:
                 self._slots.resp_q[7] = 0
-
-
-# SHIM(issue17): moved to eaas.runtime.transport.shm_server; remove at merge
-from eaas.runtime.transport.shm_server import MAX_SERVER_SPIN_S, _server_spin_s  # noqa: E402, F401
-
-# SHIM(issue17): moved to eaas.runtime.transport.shm_slots; remove at merge
-from eaas.runtime.transport.shm_slots import fence as _fence  # noqa: E402, F401

@@ -17,12 +17,8 @@ from types import SimpleNamespace
 import pytest
 import uvicorn
 
-from eaas.runtime.client.api import (
-    APIError,
-    check_no_lone_surrogates,
-    create_app,
-    parse_json_body,
-)
+from eaas.runtime.client.api.app import check_no_lone_surrogates, create_app, parse_json_body
+from eaas.runtime.client.api.protocol import APIError
 
 pytestmark = pytest.mark.engine
 
@@ -145,7 +141,7 @@ def test_bodies_that_are_not_utf8_json_are_400(raw):
 def test_array_encoded_in_parts_equals_one_encoding(n):
     """Large answers are encoded one array element (or run) per ``json.dumps`` call, so the event
     loop runs in between; the bytes equal one call's, key order included."""
-    from eaas.runtime.client.serving import json_bytes, json_bytes_with_array
+    from eaas.runtime.client.api.responses import json_bytes, json_bytes_with_array
 
     items = [{"index": i, "text": 'é\u0000"x', "lp": [-0.5, None]} for i in range(n)]
     full = {"id": "c", "choices": items, "usage": {"total_tokens": 3}, "model": "m\u2028"}

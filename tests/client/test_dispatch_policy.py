@@ -26,7 +26,7 @@ from eaas.runtime.client.dispatch import (
 )
 from eaas.runtime.client.dispatch.frames import server_frame
 from eaas.runtime.placement import place_experts
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.tables.table import RoutingTable
 
 pytestmark = pytest.mark.engine
 

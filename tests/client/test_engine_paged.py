@@ -20,10 +20,10 @@ from eaas.runtime.client.kv_cache import (
     kv_cache_spec,
     parse_memory_size,
 )
+from eaas.runtime.client.model_runner import Chunk, PagedModelRunner
 from eaas.runtime.client.reference_engine import ReferenceEngine
 from eaas.runtime.client.scheduler import Scheduler, Sequence
 from eaas.runtime.models.attention import load_attention_model
-from eaas.runtime.models.paged import Chunk, PagedModelRunner
 from eaas.runtime.models.reference import reference_generate, reference_logits
 
 from helpers.common import wait_until
@@ -646,14 +646,14 @@ def test_step_cost_model_lowers_the_ratio_on_a_noisy_machine():
     [("auto", "auto"), ("off", None), (None, None), ("64", 64), (64, 64)],
 )
 def test_parse_prefill_cap(value, expected):
-    from eaas.runtime.client.engine import parse_prefill_cap
+    from eaas.runtime.client.budgets import parse_prefill_cap
 
     assert parse_prefill_cap(value) == expected
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "lots", "1.5", 0])
 def test_parse_prefill_cap_rejects_bad_values(value):
-    from eaas.runtime.client.engine import parse_prefill_cap
+    from eaas.runtime.client.budgets import parse_prefill_cap
 
     with pytest.raises(ValueError, match="--prefill-tokens-while-decoding must be auto, off"):
         parse_prefill_cap(value)
@@ -715,7 +715,7 @@ def test_serve_rejects_a_bad_prefill_cap_before_starting_anything():
     import subprocess
     import sys
 
-    from eaas.runtime.serve import free_tcp_port
+    from eaas.runtime.common.ports import free_tcp_port
 
     r = subprocess.run(
         [sys.executable, "-m", "eaas", "serve", "--port", str(free_tcp_port())]

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from eaas.runtime.client.serving import EventMailbox
+from eaas.runtime.client.api.streaming import EventMailbox
 
 pytestmark = pytest.mark.engine
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eaas.runtime.models.paged import PagedModelRunner
+from eaas.runtime.client.model_runner import PagedModelRunner
 
 pytestmark = pytest.mark.engine
 

@@ -8,15 +8,16 @@ import gzip
 
 import pytest
 
-from eaas.runtime.client.table_push import (
+from eaas.runtime.tables.push import (
     BearerToken,
     PushError,
     authorize,
     parse_pushed_table,
     push_decision,
 )
-from eaas.runtime.client.table_watch import parse_configmap_ref, table_from_configmap
-from eaas.runtime.routing import RoutingTable, RoutingTableError
+from eaas.runtime.tables.table import RoutingTable
+from eaas.runtime.tables.watch import parse_configmap_ref, table_from_configmap
+from eaas.runtime.tables.wire import RoutingTableError
 
 TABLE = RoutingTable(4, 2, {"s0": "tcp://127.0.0.1:1"}, {1: (("s0",), ("s0",))})
 

@@ -29,7 +29,7 @@ import uuid
 import openai
 import pytest
 
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.tables.table import RoutingTable
 
 from helpers.faults import apply_tiny_pool_and_fleet
 from helpers.k8s import (

@@ -20,8 +20,8 @@ import openai
 import pytest
 
 from eaas.runtime.cli import client_id_of
-from eaas.runtime.client.table_push import push_routing_table
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.tables.http import push_routing_table
+from eaas.runtime.tables.table import RoutingTable
 
 from helpers.faults import apply_tiny_pool_and_fleet, serving_table
 from helpers.k8s import (

@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from eaas.runtime.models.reference import reference_generate
-from eaas.runtime.routing import RoutingTable
 from eaas.runtime.serve import write_table
+from eaas.runtime.tables.table import RoutingTable
 
 from helpers.e2e import metric_sum, metric_values, serve_fixture, served_model_name
 

@@ -24,18 +24,16 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from eaas.runtime.client.dispatch import (
-    Dispatcher,
-    NoLiveReplicaError,
-    RoutingTableWatcher,
-    experts_factory,
-)
+from eaas.runtime.client.dispatch import Dispatcher, NoLiveReplicaError
+from eaas.runtime.client.moe import experts_factory
 from eaas.runtime.models.arch import read_model_info
 from eaas.runtime.models.attention import load_attention_model
 from eaas.runtime.models.reference import reference_logits
-from eaas.runtime.placement import format_expert_spec, place_experts
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.placement import place_experts
 from eaas.runtime.serve import write_table
+from eaas.runtime.tables.expert_spec import format_expert_spec
+from eaas.runtime.tables.file_watch import RoutingTableWatcher
+from eaas.runtime.tables.table import RoutingTable
 
 from helpers.dispatch import wait_all_connected
 from helpers.e2e import free_port
@@ -196,7 +194,7 @@ def test_shared_expert_during_the_round_trip_is_bit_exact(servers, model_dir, tr
     the servers work, then waits (``overlapped_moe_forward``, what the paged engine runs)
     gives bit-identical outputs to transformers' ``DeepseekV3MoE.forward`` over the same
     servers. Every expert on one server (first replica) so both calls sum the same partials."""
-    from eaas.runtime.client.dispatch import overlapped_moe_forward
+    from eaas.runtime.client.moe import overlapped_moe_forward
 
     if transport == "tcp":
         table = servers.tcp_table()

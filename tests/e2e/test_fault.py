@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from eaas.runtime.models.reference import reference_generate
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.tables.table import RoutingTable
 
 from helpers.dispatch import wait_all_connected
 from helpers.e2e import FAILOVER_MAX_TOKENS as MAX_TOKENS

@@ -237,7 +237,7 @@ def test_attention_client_rejects_a_dispatch_timeout_not_above_zero(value):
 def test_parse_client_spin():
     """serve's --client-spin-us: "default" (or None) leaves the transport's busy-poll, a number
     of microseconds >= 0 is passed on (0: block at once), anything else is an error naming it."""
-    from eaas.runtime.serve import parse_client_spin
+    from eaas.runtime.options.serve import parse_client_spin
 
     assert parse_client_spin("default") is None
     assert parse_client_spin(" DEFAULT ") is None

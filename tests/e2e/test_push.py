@@ -22,9 +22,9 @@ import httpx
 import openai
 import pytest
 
-from eaas.runtime.client.table_push import push_routing_table
 from eaas.runtime.models.arch import read_model_info
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.tables.http import push_routing_table
+from eaas.runtime.tables.table import RoutingTable
 
 from helpers.dispatch import wait_all_connected
 from helpers.e2e import free_port

@@ -19,8 +19,9 @@ import httpx
 import pytest
 import torch
 
-from eaas.runtime.expert_server import ExpertServer, random_experts
-from eaas.runtime.server_http import ServerHealth, ServerHTTP, health_verdict
+from eaas.runtime.server.http import ServerHealth, ServerHTTP, health_verdict
+from eaas.runtime.server.main import random_experts
+from eaas.runtime.server.server import ExpertServer
 
 from helpers.e2e import free_port
 

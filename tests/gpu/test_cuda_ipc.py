@@ -48,12 +48,12 @@ KINDS = [
 
 
 class _SubprocServer:
-    """``python -m eaas.runtime.expert_server --device cuda`` (fresh CUDA context, no fork)."""
+    """``python -m eaas.runtime.server.main --device cuda`` (fresh CUDA context, no fork)."""
 
     def __init__(self, endpoint: str, dtype: torch.dtype):
         dt = "bfloat16" if dtype == torch.bfloat16 else "float32"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "eaas.runtime.expert_server", "--listen", endpoint,
+            [sys.executable, "-m", "eaas.runtime.server.main", "--listen", endpoint,
              "--experts", SPEC, "--random", f"{HIDDEN}:{INTER}:{SEED}", "--dtype", dt,
              "--device", "cuda"],
             stdout=subprocess.PIPE, text=True,
@@ -208,7 +208,7 @@ def test_client_gone_does_not_disturb_server(kind, tmp_path):
 
 @pytest.mark.gpu_cpu
 def test_cuda_payload_without_gpu_is_a_clear_error(tmp_path, monkeypatch):
-    from eaas.runtime.gpu import GpuUnavailableError
+    from eaas.runtime.cuda import GpuUnavailableError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(GpuUnavailableError, match="payload='host'"):

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from eaas.runtime.gpu.graphs import (
+from eaas.runtime.client.graphs import (
     check_cuda_graphs,
     choose_bucket,
     default_buckets,
@@ -38,13 +38,13 @@ def test_graph_round_trip_replays_and_times_out_on_a_stopped_server(tmp_path):
     import os
     import signal
 
-    from eaas.runtime.gpu.graphs import DecodeRoundTripGraph
+    from eaas.runtime.client.graphs import DecodeRoundTripGraph
     from eaas.runtime.transport.base import DeadlineExceeded, RequestFrame
     from eaas.runtime.transport.factory import connect
 
     ep = f"cudaipc:{tmp_path}/g.sock"
     srv = subprocess.Popen(
-        [sys.executable, "-m", "eaas.runtime.expert_server", "--listen", ep, "--experts", SPEC,
+        [sys.executable, "-m", "eaas.runtime.server.main", "--listen", ep, "--experts", SPEC,
          "--random", f"{HIDDEN}:{INTER}:{SEED}", "--device", "cuda", "--spin-us", "200000"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -116,7 +116,7 @@ def test_attention_client_cuda_graphs_on_cpu_is_a_clear_error():
 
 def _dispatcher(ep, graphs, payload):
     from eaas.runtime.client.dispatch import Dispatcher
-    from eaas.runtime.routing import RoutingTable
+    from eaas.runtime.tables.table import RoutingTable
     from eaas.runtime.transport.factory import connect
 
     table = RoutingTable(
@@ -139,7 +139,7 @@ def _dispatcher(ep, graphs, payload):
 def test_dispatcher_with_graphs_keeps_eager_path_for_host_payload(tmp_path):
     """With ``graphs`` set, connections that cannot replay a graph (here cudaipc's host
     emulation) run the eager path: exact answers, no replay counted."""
-    from eaas.runtime.gpu.graphs import GraphRoundTrips
+    from eaas.runtime.client.graphs import GraphRoundTrips
 
     srv = start_server(f"cudaipc:{tmp_path}/d.sock")
     graphs = GraphRoundTrips(8, timeout_s=30.0)
@@ -165,11 +165,11 @@ def test_dispatcher_with_graphs_keeps_eager_path_for_host_payload(tmp_path):
 def test_dispatcher_replays_graphs_over_cudaipc(tmp_path):
     """``--cuda-graphs`` in the dispatcher: decode-sized calls replay the captured round trip
     (counted), larger ones go eager, all exact, against a GPU expert server."""
-    from eaas.runtime.gpu.graphs import GraphRoundTrips
+    from eaas.runtime.client.graphs import GraphRoundTrips
 
     ep = f"cudaipc:{tmp_path}/dg.sock"
     srv = subprocess.Popen(
-        [sys.executable, "-m", "eaas.runtime.expert_server", "--listen", ep, "--experts", SPEC,
+        [sys.executable, "-m", "eaas.runtime.server.main", "--listen", ep, "--experts", SPEC,
          "--random", f"{HIDDEN}:{INTER}:{SEED}", "--device", "cuda"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -8,14 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eaas.runtime.expert_server import grouped_expert_sum, random_experts
-from eaas.runtime.gpu.grouped import (
+from eaas.runtime.server.compute import grouped_expert_sum
+from eaas.runtime.server.grouped import (
     BM,
     compact_groups,
     grouped_swiglu_reference,
     max_tiles,
     stack_weights,
 )
+from eaas.runtime.server.main import random_experts
 
 H, I = 64, 40
 
@@ -90,7 +91,7 @@ def test_kernel_algorithm_matches_grouped_expert_sum(n, k, dtype):
     "n,k,active", [(1, 1, None), (37, 8, None), (256, 8, [0, 9]), (0, 2, None)]
 )
 def test_gpu_grouped_kernel_matches_reference(n, k, active, dtype):
-    from eaas.runtime.gpu.grouped import GroupedExperts
+    from eaas.runtime.server.grouped import GroupedExperts
 
     ids = [0, 3, 5, 6, 9, 11, 17, 30]
     x, ex, w, hosted, local_of = _case(n, k, ids, 32, dtype, seed=n, active=active)
@@ -111,7 +112,7 @@ def test_gpu_grouped_kernel_matches_reference(n, k, active, dtype):
 @pytest.mark.gpu
 def test_gpu_grouped_kernel_is_graph_capturable():
     """Captured once, replayed with another routing: the counts are read on the device."""
-    from eaas.runtime.gpu.grouped import GroupedExperts
+    from eaas.runtime.server.grouped import GroupedExperts
 
     ids = list(range(16))
     x, ex, w, hosted, _ = _case(64, 4, ids, 16, seed=1)

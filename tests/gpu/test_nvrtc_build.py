@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from eaas.runtime.gpu import build as nb
+from eaas.runtime.cuda import nvrtc as nb
 
 KERNELS = {
     "eaas_experts.cu": [
@@ -70,10 +70,10 @@ def test_gpu_modules_import_without_cuda():
     code = (
         "import sys, torch\n"
         "base = set(sys.modules)\n"
-        "import eaas.runtime.gpu, eaas.runtime.gpu.build, eaas.runtime.gpu.grouped\n"
-        "import eaas.runtime.gpu.overlap, eaas.runtime.gpu.graphs, eaas.runtime.gpu.device_check\n"
+        "import eaas.runtime.cuda, eaas.runtime.cuda.nvrtc, eaas.runtime.server.grouped\n"
+        "import eaas.runtime.client.overlap, eaas.runtime.client.graphs, eaas.native.device_check\n"
         "import eaas.runtime.transport.cuda_ipc, eaas.runtime.transport.nvshmem\n"
-        "import eaas.runtime.expert_server\n"
+        "import eaas.runtime.server.main\n"
         "new = [m for m in set(sys.modules) - base if m.startswith(('cuda', 'nvshmem', 'nvidia'))]\n"
         "assert not new, new\n"
         "assert not torch.cuda.is_initialized()\n"
@@ -86,7 +86,7 @@ def test_gpu_modules_import_without_cuda():
 def test_device_check_without_gpu_says_so(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     r = subprocess.run(
-        [sys.executable, "-m", "eaas.runtime.gpu.device_check", "--out", str(tmp_path / "t.md")],
+        [sys.executable, "-m", "eaas.native.device_check", "--out", str(tmp_path / "t.md")],
         capture_output=True,
         text=True,
         env=env,

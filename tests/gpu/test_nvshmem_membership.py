@@ -134,7 +134,7 @@ def test_exchange_uid_pe0_writes_others_read(tmp_path):
     nvshmem_unavailable_reason() is None, reason="checks the error where nvshmem4py/GPU is missing"
 )
 def test_open_world_without_nvshmem4py_is_a_clear_error(tmp_path):
-    from eaas.runtime.gpu import GpuUnavailableError
+    from eaas.runtime.cuda import GpuUnavailableError
 
     with pytest.raises(GpuUnavailableError, match="nvshmem4py|CUDA device"):
         open_world(WorldConfig(2, 0, str(tmp_path / "uid")), WorldSpec(2, 8, torch.float32))
@@ -163,7 +163,7 @@ def test_cli_nvshmem_world_errors(tmp_path):
 
 
 def test_client_pe_claims_are_exclusive_and_stable(tmp_path):
-    from eaas.runtime.transport.nvshmem_world import MembershipError, claim_client_pe
+    from eaas.runtime.options.nvshmem_world import MembershipError, claim_client_pe
 
     uid = str(tmp_path / "w.uid")
     got: list[int] = []

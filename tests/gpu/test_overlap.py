@@ -10,8 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from eaas.runtime.expert_server import grouped_expert_sum, random_experts
-from eaas.runtime.gpu.overlap import Op, run_decode_layers, schedule, split_batch
+from eaas.runtime.client.overlap import Op, run_decode_layers, schedule, split_batch
+from eaas.runtime.server.compute import grouped_expert_sum
+from eaas.runtime.server.main import random_experts
 
 H, I, E, K, L = 32, 48, 8, 2, 3
 
@@ -102,7 +103,7 @@ def test_split_batch():
 
 
 def test_micro_batch_streams_are_no_ops_on_the_cpu():
-    from eaas.runtime.gpu.overlap import MicroBatchStreams, record_event, wait_event
+    from eaas.runtime.client.overlap import MicroBatchStreams, record_event, wait_event
 
     s = MicroBatchStreams(torch.device("cpu"), 2)
     x = torch.ones(3)
@@ -137,7 +138,7 @@ class _CudaStack:
         return h
 
     def dispatch(self, layer, h, rows):
-        from eaas.runtime.gpu.overlap import record_event, wait_event
+        from eaas.runtime.client.overlap import record_event, wait_event
 
         ready = record_event(self.dev)
 
@@ -149,7 +150,7 @@ class _CudaStack:
         return self.pool.submit(moe)
 
     def combine(self, layer, h, fut):
-        from eaas.runtime.gpu.overlap import wait_event
+        from eaas.runtime.client.overlap import wait_event
 
         out, done = fut.result(timeout=60)
         wait_event(done, self.dev, out)

@@ -1,5 +1,5 @@
 """Double-batch overlap in the engine on a CUDA device (``gpu``): the two micro-batches run on
-their own CUDA streams (:class:`~eaas.runtime.gpu.overlap.MicroBatchStreams`) and greedy tokens
+their own CUDA streams (:class:`~eaas.runtime.client.overlap.MicroBatchStreams`) and greedy tokens
 equal overlap off. The tiny DeepSeek-V3 with local experts, so only the GPU is exercised; the
 CPU side of the same runner is ``test_overlap_engine.py``.
 """

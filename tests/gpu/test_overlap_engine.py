@@ -18,13 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaas.runtime.client.dispatch import Dispatcher, experts_factory
+from eaas.runtime.client.dispatch import Dispatcher
 from eaas.runtime.client.engine import Engine, ErrorEvent, SamplingParams
-from eaas.runtime.gpu.overlap import PagedOverlapRunner
+from eaas.runtime.client.moe import experts_factory
+from eaas.runtime.client.overlap import PagedOverlapRunner
 from eaas.runtime.models.arch import read_model_info
 from eaas.runtime.models.attention import load_attention_model
-from eaas.runtime.placement import format_expert_spec, place_experts
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.placement import place_experts
+from eaas.runtime.tables.expert_spec import format_expert_spec
+from eaas.runtime.tables.table import RoutingTable
 
 from helpers.checkpoints import small_qwen3
 from helpers.engine import generate_greedy

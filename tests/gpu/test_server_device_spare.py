@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from eaas.runtime.client.dispatch import Dispatcher
+from eaas.runtime.cuda.device import check_listen_device, check_world_device
 from eaas.runtime.experts import weighted_expert_sum
-from eaas.runtime.gpu.device import check_listen_device, check_world_device
 from eaas.runtime.models.arch import read_model_info
 from eaas.runtime.models.weights import load_expert_weights
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.tables.table import RoutingTable
 from eaas.runtime.transport.base import STATUS_NOT_HOSTED, RequestFrame
 from eaas.runtime.transport.factory import connect
 
@@ -163,11 +163,11 @@ def test_spare_starts_empty_then_serves_experts_from_a_pushed_table(tmp_path, mo
 def test_cudaipc_server_on_cpu_refuses_a_cuda_payload(tmp_path):
     """``--device cpu`` + ``cudaipc:``: host-emulation clients only; a CUDA payload is refused
     with the reason (and the server keeps serving a host-emulation client)."""
-    from eaas.runtime.gpu.device import CPU_SERVER_CUDA_PAYLOAD
+    from eaas.runtime.cuda.device import CPU_SERVER_CUDA_PAYLOAD
 
     sock = f"cudaipc:{tmp_path}/es.sock"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "eaas.runtime.expert_server", "--listen", sock, "--experts",
+        [sys.executable, "-m", "eaas.runtime.server.main", "--listen", sock, "--experts",
          "1:0-3", "--random", "32:48:7", "--device", "cpu"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip

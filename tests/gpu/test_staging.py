@@ -1,4 +1,4 @@
-"""The dispatcher's staging of hidden states (:mod:`eaas.runtime.gpu.staging`).
+"""The dispatcher's staging of hidden states (:mod:`eaas.runtime.client.dispatch.staging`).
 
 Hidden states on a GPU stay on the GPU for connections whose payload is there (``cudaipc`` with
 a CUDA payload, ``nvshmem``); host connections get ONE host copy per call. On the CPU the same
@@ -17,9 +17,10 @@ import torch
 
 import eaas.runtime.client.dispatch.call as dispatch_mod
 from eaas.runtime.client.dispatch import Dispatcher
-from eaas.runtime.gpu.staging import FrameStaging, device_frames, staging_device
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.client.dispatch.staging import FrameStaging, device_frames, staging_device
+from eaas.runtime.tables.table import RoutingTable
 from eaas.runtime.transport.factory import connect
+
 from helpers.dispatch import wait_all_connected
 from helpers.server import HIDDEN, INTER, SEED, SPEC, reference, start_server
 
@@ -113,7 +114,7 @@ def test_device_hidden_states_skip_the_host_for_cuda_payload_servers(tmp_path, m
     monkeypatch.setattr(dispatch_mod, "FrameStaging", Counting)
     ep = f"cudaipc:{tmp_path}/g.sock"
     gpu = subprocess.Popen(
-        [sys.executable, "-m", "eaas.runtime.expert_server", "--listen", ep, "--experts", SPEC,
+        [sys.executable, "-m", "eaas.runtime.server.main", "--listen", ep, "--experts", SPEC,
          "--random", f"{HIDDEN}:{INTER}:{SEED}", "--device", "cuda"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -137,7 +137,7 @@ class TableRecorder:
         self._t = threading.Thread(target=self._run, daemon=True, name="table-recorder")
 
     def _poll(self) -> None:
-        from eaas.runtime.routing import RoutingTable
+        from eaas.runtime.tables.table import RoutingTable
 
         cm = self.core.read_namespaced_config_map(f"{self.pool}-routing-table", self.ns)
         raw = (cm.data or {}).get("routing-table.json")

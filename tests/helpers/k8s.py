@@ -22,8 +22,8 @@ from typing import Any
 
 import yaml
 
-from eaas.runtime.placement import parse_expert_spec
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.tables.expert_spec import parse_expert_spec
+from eaas.runtime.tables.table import RoutingTable
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = yaml.safe_load((ROOT / "deploy/examples/tiny-pool.yaml").read_text())
@@ -123,9 +123,9 @@ def pod_ready(pod: dict) -> bool:
 
 
 def routing_table(ns: str, pool: str) -> Any:
-    """The pool's published routing table (:class:`eaas.runtime.routing.RoutingTable`, from
+    """The pool's published routing table (:class:`eaas.runtime.tables.table.RoutingTable`, from
     its ConfigMap ``<pool>-routing-table``), or None before there is one."""
-    from eaas.runtime.routing import RoutingTable
+    from eaas.runtime.tables.table import RoutingTable
 
     cm = get("configmap", f"{pool}-routing-table", ns)
     return RoutingTable.from_json(cm["data"]["routing-table.json"]) if cm else None
@@ -338,7 +338,8 @@ def running_testbed(tmp_path_factory: Any, label: str, **up: Any) -> Iterator[An
     import pytest
 
     from eaas import testbed as tbmod
-    from eaas.testbed.cluster import STATE_MARKER, agent_alive, find_marked
+    from eaas.testbed.cluster import STATE_MARKER
+    from eaas.testbed.procs import agent_alive, find_marked
 
     if tbmod.find_bin_dir() is None:
         try:

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from eaas.runtime.expert_server import ExpertServer, random_experts
 from eaas.runtime.experts import weighted_expert_sum
-from eaas.runtime.placement import parse_expert_spec
+from eaas.runtime.server.main import random_experts
+from eaas.runtime.server.server import ExpertServer
+from eaas.runtime.tables.expert_spec import parse_expert_spec
 from eaas.runtime.transport.base import STATUS_OK, FrameError, RequestFrame
 from eaas.runtime.transport.factory import connect as factory_connect
 

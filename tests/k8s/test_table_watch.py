@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from eaas.runtime.models.arch import read_model_info
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.tables.table import RoutingTable
 
 from helpers.common import free_port
 from helpers.k8s import kubectl, wait_for

@@ -138,7 +138,7 @@ def test_status_schema_holds_everything_the_operator_writes():
         placement_revision,
         pool_status,
     )
-    from eaas.runtime.routing import RoutingTable
+    from eaas.runtime.tables.table import RoutingTable
 
     spec = ExpertPoolSpec.model_validate(
         yaml.safe_load((ROOT / "deploy/examples/tiny-pool.yaml").read_text())["spec"]

@@ -31,7 +31,7 @@ from eaas.operator.desired import (
     pool_status,
     server_command,
 )
-from eaas.runtime.placement import parse_expert_spec
+from eaas.runtime.tables.expert_spec import parse_expert_spec
 
 OWNER = Owner(kind="ExpertPool", name="tiny", namespace="ns", uid="uid-1", generation=3)
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from eaas.operator.leader import LeaseSettings, advertise_url, lease_decision, lease_spec
+from eaas.operator.leader import LeaseSettings, lease_decision, lease_spec
+from eaas.operator.settings import advertise_url
 
 
 def test_lease_decision():

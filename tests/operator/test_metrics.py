@@ -3,8 +3,9 @@ rendering of the Prometheus text from the operator's state."""
 
 from __future__ import annotations
 
-from eaas.operator.handlers import OperatorState, operator_metrics
-from eaas.runtime.routing import RoutingTable
+from eaas.operator.handlers import OperatorState
+from eaas.operator.reconcile.reports import operator_metrics
+from eaas.runtime.tables.table import RoutingTable
 
 
 class _Elector:

@@ -27,8 +27,8 @@ from eaas.operator.pods import (
     server_pe,
     world_layout,
 )
-from eaas.runtime.placement import format_expert_spec
-from eaas.runtime.transport.nvshmem_world import WorldConfig
+from eaas.runtime.options.nvshmem_world import WorldConfig
+from eaas.runtime.tables.expert_spec import format_expert_spec
 
 pytestmark = pytest.mark.gpu_cpu
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from eaas.operator.resync import IDLE_RESYNC_S, idle_resync_from_env, step_due
+from eaas.operator.resync import step_due
+from eaas.operator.settings import IDLE_RESYNC_S, idle_resync_from_env
 
 
 def test_step_due_on_events_failures_suspects_and_idle_period():

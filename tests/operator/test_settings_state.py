@@ -11,7 +11,7 @@ import pytest
 from eaas.operator.reconcile.fleet import pool_table
 from eaas.operator.settings import LoadSettings, Settings
 from eaas.operator.state import OperatorState, PublishedTable
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.tables.table import RoutingTable
 
 
 def test_settings_from_env_reads_every_variable():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from eaas.runtime.assignment import assignment_step, server_experts
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.server.assignment import assignment_step, server_experts
+from eaas.runtime.tables.table import RoutingTable
 
 pytestmark = pytest.mark.elastic
 

@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from eaas.runtime.client.kv_cache import PagedKVCache, kv_cache_spec
+from eaas.runtime.client.model_runner import Chunk, PagedModelRunner
 from eaas.runtime.experts import ExpertWeights, weighted_expert_sum
 from eaas.runtime.models.attention import load_attention_model
 from eaas.runtime.models.compute import calibrate_linear, choose_compute, decide_compute
-from eaas.runtime.models.paged import Chunk, PagedModelRunner
 from eaas.runtime.models.tokenizer import load_tokenizer
 from eaas.runtime.transport.base import STATUS_OK, RequestFrame
 from eaas.runtime.transport.factory import connect

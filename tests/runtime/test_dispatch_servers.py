@@ -19,7 +19,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from eaas.runtime.client.dispatch import Dispatcher
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.tables.table import RoutingTable
 
 from helpers.dispatch import wait_all_connected
 from helpers.server import HIDDEN, reference, start_server, wait_until

@@ -14,8 +14,10 @@ import urllib.request
 import pytest
 import torch
 
-from eaas.runtime.expert_server import ExpertServer, grouped_expert_sum, random_experts
 from eaas.runtime.experts import weighted_expert_sum
+from eaas.runtime.server.compute import grouped_expert_sum
+from eaas.runtime.server.main import random_experts
+from eaas.runtime.server.server import ExpertServer
 from eaas.runtime.transport.base import (
     STATUS_NOT_HOSTED,
     STATUS_OK,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eaas.runtime.expert_server import grouped_expert_sum, random_experts
 from eaas.runtime.experts import weighted_expert_sum
+from eaas.runtime.server.compute import grouped_expert_sum
+from eaas.runtime.server.main import random_experts
 
 from helpers.server import HIDDEN, INTER
 
@@ -67,7 +68,7 @@ def test_grouped_mm_over_a_layer_stack_equals_the_per_expert_loop(dtype, n, k):
     """``LayerStack`` + ``grouped_mm``: the same matmuls on the same slices as the loop (gate and
     up in one), so the same result (hosted ids with gaps; experts without tokens are empty
     groups)."""
-    from eaas.runtime.expert_server import LayerStack
+    from eaas.runtime.server.hosting import LayerStack
 
     ids = [0, 3, 4, 9, 10]
     hosted = {
@@ -96,7 +97,7 @@ def test_grouped_mm_over_a_layer_stack_equals_the_per_expert_loop(dtype, n, k):
 def test_a_cpu_expert_server_computes_on_layer_stacks(tmp_path):
     """Hosting on the CPU (initial and after add / drop) is stacked per layer, and every hosted
     expert's weights are views of its layer's stack."""
-    from eaas.runtime.expert_server import ExpertServer
+    from eaas.runtime.server.server import ExpertServer
 
     server = ExpertServer(
         f"unix:{tmp_path / 's.sock'}",
@@ -123,7 +124,8 @@ def test_a_cpu_expert_server_computes_on_layer_stacks(tmp_path):
 def test_shapes_grouped_mm_refuses_keep_the_loop(tmp_path):
     """torch's CPU grouped_mm refuses rows whose bytes are not a multiple of 16 (hidden 6 in
     float32): that server keeps the per-expert loop (no stacks) and still answers right."""
-    from eaas.runtime.expert_server import ExpertServer, LayerStack
+    from eaas.runtime.server.hosting import LayerStack
+    from eaas.runtime.server.server import ExpertServer
 
     hidden, inter = 6, 4
     weights = random_experts([(1, 0), (1, 1)], hidden, inter, torch.float32)
@@ -157,7 +159,7 @@ def test_a_layer_stack_whose_rows_are_not_16_byte_aligned_still_computes(dtype, 
     ("strides should be multiple of 16 bytes"): a model whose hidden or intermediate size is
     not (bf16: not a multiple of 8; fp32: of 4) must still be served (the per-expert loop),
     with the same result."""
-    from eaas.runtime.expert_server import LayerStack
+    from eaas.runtime.server.hosting import LayerStack
 
     ids = [1, 4, 6]
     hosted = {
@@ -176,7 +178,7 @@ def test_a_bf16_expert_server_with_an_unaligned_hidden_size_answers_frames(tmp_p
     was ``error status 2: server error: RuntimeError('strides should be multiple of 16
     bytes')`` on every frame (the client marked every server down: 503 for every request)."""
     from eaas.runtime.client.dispatch import Dispatcher
-    from eaas.runtime.routing import RoutingTable
+    from eaas.runtime.tables.table import RoutingTable
 
     from helpers.server import SPEC, reference, start_server
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from eaas.runtime.client.dispatch import Dispatcher
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.tables.table import RoutingTable
 
 from helpers.server import HIDDEN, INTER, SEED, free_port, reference, wait_until
 
@@ -44,7 +44,7 @@ def _start(
     cmd = [
         sys.executable,
         "-m",
-        "eaas.runtime.expert_server",
+        "eaas.runtime.server.main",
         "--listen",
         sock,
         "--random",
@@ -238,7 +238,7 @@ def test_expert_server_cli_without_experts_needs_a_table_source(tmp_path):
         [
             sys.executable,
             "-m",
-            "eaas.runtime.expert_server",
+            "eaas.runtime.server.main",
             "--listen",
             f"unix:{tmp_path}/x.sock",
             "--random",

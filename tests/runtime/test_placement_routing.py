@@ -4,15 +4,10 @@ import itertools
 
 import pytest
 
-from eaas.runtime.placement import (
-    PlacementError,
-    dispatch_columns,
-    format_expert_spec,
-    parse_expert_spec,
-    place_experts,
-    spread_over_cpus,
-)
-from eaas.runtime.routing import RoutingTable, RoutingTableError
+from eaas.runtime.placement import PlacementError, dispatch_columns, place_experts, spread_over_cpus
+from eaas.runtime.tables.expert_spec import format_expert_spec, parse_expert_spec
+from eaas.runtime.tables.table import RoutingTable
+from eaas.runtime.tables.wire import RoutingTableError
 
 LAYERS = (1, 2, 3)
 

@@ -465,7 +465,7 @@ def test_counting_the_requests_in_flight_while_connections_open_on_another_threa
 def test_a_server_spins_longer_only_while_frames_come_within_a_spin():
     """The server's spin before it blocks: ``spin_us``, or 1.5x the recent wait for a frame
     when that is at most ``MAX_SERVER_SPIN_S`` (capped there); never for ``spin_us`` 0."""
-    from eaas.runtime.transport.shm import MAX_SERVER_SPIN_S, _server_spin_s
+    from eaas.runtime.transport.shm_server import MAX_SERVER_SPIN_S, _server_spin_s
 
     spin = 80e-6
     assert _server_spin_s(spin, 0.0) == spin  # frames were waiting: the base spin

@@ -59,11 +59,3 @@ __all__ = [
     "reconnect_delay",
     "uncovered_experts",
 ]
-
-# SHIM(issue17): moved to eaas.runtime.client.moe; remove at merge
-# SHIM(issue17): moved to eaas.runtime.client.dispatch.connections; remove at merge
-from eaas.runtime.client.dispatch.connections import _default_connect  # noqa: E402,F401
-from eaas.runtime.client.moe import RemoteExperts, experts_factory, overlapped_moe_forward  # noqa: E402,F401
-
-# SHIM(issue17): moved to eaas.runtime.tables.file_watch; remove at merge
-from eaas.runtime.tables.file_watch import RoutingTableWatcher  # noqa: E402,F401

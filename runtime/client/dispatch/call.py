@@ -18,7 +18,7 @@ from eaas.runtime import metrics
 from eaas.runtime.client.dispatch.connections import _Server
 from eaas.runtime.client.dispatch.frames import server_frame
 from eaas.runtime.client.dispatch.staging import FrameStaging
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.tables.table import RoutingTable
 from eaas.runtime.transport.base import STATUS_NOT_HOSTED, STATUS_OK, PeerDeadError
 
 if TYPE_CHECKING:  # type only: dispatcher.py imports this module to make a PendingDispatch

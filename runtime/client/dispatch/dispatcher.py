@@ -15,7 +15,7 @@ connection per expert server (:mod:`.connections`). Per MoE layer call
    some expert has no live replica left, :class:`NoLiveReplicaError` is raised (retryable; the
    API answers 503). A server that answers ``STATUS_NOT_HOSTED`` (it no longer hosts an expert
    of the frame: its assignment changed with a newer routing table, see
-   :mod:`eaas.runtime.assignment`) is NOT marked down: it is healthy. The frame's pairs are
+   :mod:`eaas.runtime.server.assignment`) is NOT marked down: it is healthy. The frame's pairs are
    re-sent to other replicas, that server left out for the rest of this call
    (:attr:`Dispatcher.not_hosted_resends` counts such frames). :meth:`Dispatcher.uncovered`
    lists the experts without a live replica (GET /health answers 503 while there are any).
@@ -57,7 +57,7 @@ from eaas.runtime.client.dispatch.policy import (
     uncovered_experts,
 )
 from eaas.runtime.client.dispatch.staging import staging_device
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.tables.table import RoutingTable
 
 log = logging.getLogger("eaas.client.dispatch")
 

@@ -1,8 +1,8 @@
 """The attention client's replica policy, pure: which replica of an expert gets which pair.
 
 No sockets and no transport here: everything is a function of a routing table (its
-:meth:`~eaas.runtime.routing.RoutingTable.replicas` and
-:attr:`~eaas.runtime.routing.RoutingTable.servers`), the set of usable servers and a rotation
+:meth:`~eaas.runtime.tables.table.RoutingTable.replicas` and
+:attr:`~eaas.runtime.tables.table.RoutingTable.servers`), the set of usable servers and a rotation
 offset, so the policy is tested without expert servers.
 
 * :class:`ReplicaMap`: a routing table as ``[E, R]`` server-index tensors, one per MoE layer.
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eaas.runtime.routing import RoutingTable
+from eaas.runtime.tables.table import RoutingTable
 
 #: Seconds between connection attempts to a server this client has never reached. At start-up
 #: (``eaas serve``, a new pod) clients and servers start together and a server may listen only
