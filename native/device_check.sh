@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # One-GPU check of the EaaS GPU data plane. Runs in < 5 min on one H200:
 #   1. NVRTC build of every native/ kernel for this GPU's arch and for sm_90 + sm_100;
-#   2. pytest tests/gpu (the GPU-only gpu tests and the quick gpu_cpu ones; the CPU engine/serve
-#      tests of double-batch overlap and the CLI-error / spare subprocess tests run in CI, not
-#      here). GPU-only: kernels + graph capture, cudaipc with a CUDA payload (module and
+#   2. pytest -m gpu tests/gpu (the GPU-only tests; every test of tests/gpu carries the tier
+#      marker gpu_cpu and runs in CI on the CPU, so it is not repeated here). GPU-only: kernels + graph capture, cudaipc with a CUDA payload (module and
 #      `eaas expert-server --device cuda`, a cpu server refusing it), CUDA-graph round trips,
 #      device-aware dispatcher staging, one CUDA stream per overlap micro-batch (toy stack and
 #      the engine);
@@ -25,9 +24,7 @@ echo "== nvidia-smi"; nvidia-smi --query-gpu=name,driver_version,memory.total --
 echo "== 1. NVRTC build"
 timeout 60 "$PY" -m eaas.runtime.cuda.nvrtc sm_90 sm_100 2>&1 | tee "$OUT_DIR/build.txt" || rc=1
 echo "== 2. pytest tests/gpu"
-timeout 95 "$PY" -m pytest tests/gpu -q -p no:cacheprovider -m "gpu or gpu_cpu" -rs \
-  --ignore=tests/gpu/test_overlap_engine.py --ignore=tests/gpu/test_overlap_serve.py \
-  -k "not (test_expert_server_device_and_spare_errors or test_serve_server_device or test_spare_starts_empty or test_cli_nvshmem_world_errors)" \
+timeout 95 "$PY" -m pytest tests/gpu -q -p no:cacheprovider -n 0 -m gpu -rs \
   2>&1 | tee "$OUT_DIR/pytest.txt" | tail -30
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 echo "== 3. device table"

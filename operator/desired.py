@@ -33,7 +33,6 @@ from eaas.operator.names import (
     LOAD_KEY,
     MANAGED_BY,
     SERVER_ROLE,
-    TABLE_KEY,
     Owner,
     client_labels,
     content_hash,
@@ -68,6 +67,7 @@ from eaas.operator.table import (
     next_routing_table,
     routing_table_configmap,
 )
+from eaas.runtime.tables.watch import TABLE_KEY
 
 __all__ = [
     "CONFIGMAP_DATA_LIMIT",

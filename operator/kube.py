@@ -20,8 +20,9 @@ from kubernetes.client.rest import ApiException
 
 from eaas.operator.crd import ANNOTATION_SPEC_HASH, ANNOTATION_TABLE_VERSION, GROUP, VERSION
 from eaas.operator.fleet import new_push_token
-from eaas.operator.names import PUSH_TOKEN_KEY, TABLE_KEY, Owner, table_configmap_name
+from eaas.operator.names import PUSH_TOKEN_KEY, Owner, table_configmap_name
 from eaas.runtime.tables.table import RoutingTable
+from eaas.runtime.tables.watch import TABLE_KEY
 from eaas.runtime.tables.wire import RoutingTableError
 
 #: Plurals of the custom resources.

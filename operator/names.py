@@ -23,7 +23,6 @@ from eaas.operator.crd import API_VERSION, LABEL_FLEET, LABEL_POOL, LABEL_ROLE
 
 SERVER_ROLE = "expert-server"
 CLIENT_ROLE = "attention-client"
-TABLE_KEY = "routing-table.json"
 LOAD_KEY = "expert-load.json"
 PUSH_TOKEN_KEY = "token"
 PUSH_TOKEN_MOUNT_DIR = "/etc/eaas/push-token"

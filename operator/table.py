@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from eaas.operator.crd import ANNOTATION_TABLE_VERSION, LABEL_POOL, ExpertPoolSpec
-from eaas.operator.names import MANAGED_BY, TABLE_KEY, Owner, table_configmap_name
+from eaas.operator.names import MANAGED_BY, Owner, table_configmap_name
 from eaas.operator.pods import ObservedPod, server_endpoint
 from eaas.runtime.placement import LayerExpert
 from eaas.runtime.tables.table import RoutingTable
+from eaas.runtime.tables.watch import TABLE_KEY
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,7 +36,6 @@ from eaas.operator.kube import (
     write_status,
 )
 from eaas.operator.names import (
-    TABLE_KEY,
     Owner,
     client_labels,
     push_secret_name,
@@ -47,6 +46,7 @@ from eaas.operator.overlay import OverlayError
 from eaas.operator.push import ObservedClient, clients_to_push, push_all
 from eaas.operator.reconcile.load import RBAC_RECHECK_S
 from eaas.operator.state import FleetMemory, OperatorState
+from eaas.runtime.tables.watch import TABLE_KEY
 
 
 def reconcile_fleet(state: OperatorState, namespace: str, name: str, logger: kopf.Logger) -> None:

@@ -15,12 +15,13 @@ from eaas.operator.crd import LABEL_PLACEMENT_REVISION, ExpertPoolSpec
 from eaas.operator.fleet import ack_summary
 from eaas.operator.kube import event, read_table_cm, table_version_of, write_status, write_table_cm
 from eaas.operator.monitor import health_url, probe_health
-from eaas.operator.names import TABLE_KEY, Owner
+from eaas.operator.names import Owner
 from eaas.operator.pods import PodPlan
 from eaas.operator.reconcile.load import ensure_hpa, load_status
 from eaas.operator.state import OperatorState, PublishedTable
 from eaas.operator.table import configmap_too_large, routing_table_configmap
 from eaas.runtime.tables.table import RoutingTable
+from eaas.runtime.tables.watch import TABLE_KEY
 
 #: A server confirmed down is re-probed (to bring it back) only after this many seconds (s).
 SUSPECT_REPROBE_S = 3.0

@@ -207,8 +207,7 @@ def _check_environment(o: AttentionClientOptions) -> WorldConfig | None:
     from eaas.runtime.client.budgets import parse_prefill_cap
     from eaas.runtime.client.graphs import check_cuda_graphs
     from eaas.runtime.client.kv_cache import parse_memory_size
-    from eaas.runtime.client.main import resolve_device
-    from eaas.runtime.cuda.device import check_world_device
+    from eaas.runtime.cuda.device import check_world_device, resolve_device
     from eaas.runtime.models.compute import check_policy
 
     try:

@@ -141,8 +141,7 @@ def run_expert_server(o: ExpertServerOptions) -> None:
     """
     import torch
 
-    from eaas.runtime.client.main import resolve_device
-    from eaas.runtime.cuda.device import check_listen_device, check_world_device
+    from eaas.runtime.cuda.device import check_listen_device, check_world_device, resolve_device
     from eaas.runtime.models.arch import read_model_info
     from eaas.runtime.models.compute import check_policy, choose_compute
     from eaas.runtime.models.tiny import default_model_dir

@@ -35,6 +35,7 @@ import torch
 
 from eaas.runtime.cuda.nvrtc import load_module
 from eaas.runtime.transport.base import DeadlineExceeded
+from eaas.runtime.transport.shm_slots import fence
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -183,9 +184,6 @@ class DecodeRoundTripGraph:
         Raises:
             ValueError: ``n`` above the largest bucket.
         """
-        # lazy and private: shm's memory fence is not yet public transport API; kept as it was
-        from eaas.runtime.transport.shm_slots import fence as _fence
-
         n = int(hidden.shape[0])
         B = choose_bucket(n, self.buckets)
         st = self.stream
@@ -205,7 +203,7 @@ class DecodeRoundTripGraph:
             gd, gc = self.graphs[B]
             gd.replay()
             st.synchronize()  # copy-in and the ready flag are done
-            _fence()
+            fence()
             if hdr[7]:  # the server sleeps in select: wake it (shm's doorbell rule)
                 self.conn._sock.send(b"D")  # noqa: SLF001
             gc.replay()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import signal
 import socket
 import sys
@@ -41,6 +40,7 @@ from eaas.runtime.client.graphs import GraphRoundTrips, check_cuda_graphs
 from eaas.runtime.client.kv_cache import parse_memory_size
 from eaas.runtime.client.moe import experts_factory
 from eaas.runtime.common.dtypes import torch_dtype
+from eaas.runtime.cuda.device import resolve_device
 from eaas.runtime.models.arch import read_model_info
 from eaas.runtime.models.attention import load_attention_model
 from eaas.runtime.models.compute import choose_compute
@@ -82,29 +82,6 @@ def bind_listener(host: str, port: int, reuse_port: bool = False) -> socket.sock
     sock.listen(1024)
     sock.set_inheritable(True)
     return sock
-
-
-def resolve_device(name: str):
-    """``torch.device`` for a ``--device`` value.
-
-    ``"auto"``: ``cuda`` when a CUDA device is available, else ``cpu``.
-
-    Raises:
-        ValueError: an unknown device string, or ``cuda`` asked for where none is available.
-    """
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
-        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
-    dev = torch.device(name)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: no CUDA device is available")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(
-                f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) available"
-            )
-    return dev
 
 
 def connect_with_options(

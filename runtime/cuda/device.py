@@ -2,7 +2,7 @@
 
 ``eaas expert-server --device`` and ``eaas attention-client --device`` take ``auto`` (``cuda``
 when torch sees a CUDA device, else ``cpu``), ``cpu``, ``cuda`` or ``cuda:N``
-(:func:`eaas.runtime.client.main.resolve_device` parses them). The GPU transports need the
+(:func:`resolve_device` parses them). The GPU transports need the
 process to compute on a CUDA device (docs/gpu.md "GPU transports"):
 
 * ``nvshmem:PE``: the symmetric heap and put-with-signal are GPU memory operations, so an
@@ -13,6 +13,10 @@ process to compute on a CUDA device (docs/gpu.md "GPU transports"):
 """
 
 from __future__ import annotations
+
+import re
+
+import torch
 
 #: Why a ``cudaipc`` listener of an expert server computing on the CPU refuses a CUDA payload.
 CPU_SERVER_CUDA_PAYLOAD = (
@@ -45,3 +49,26 @@ def check_world_device(device_type: str) -> None:
             f"--nvshmem-world needs --device cuda (an NVSHMEM world lives in GPU memory), "
             f"got --device {device_type}"
         )
+
+
+def resolve_device(name: str):
+    """``torch.device`` for a ``--device`` value.
+
+    ``"auto"``: ``cuda`` when a CUDA device is available, else ``cpu``.
+
+    Raises:
+        ValueError: an unknown device string, or ``cuda`` asked for where none is available.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: no CUDA device is available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) available"
+            )
+    return dev

@@ -15,9 +15,10 @@ from pathlib import Path
 
 from eaas.runtime.client.budgets import parse_prefill_cap
 from eaas.runtime.client.kv_cache import check_kv_cache_memory, parse_memory_size
-from eaas.runtime.client.main import bind_listener, resolve_device
+from eaas.runtime.client.main import bind_listener
 from eaas.runtime.common.dtypes import torch_dtype
 from eaas.runtime.common.ports import free_tcp_port
+from eaas.runtime.cuda.device import resolve_device
 from eaas.runtime.models.arch import read_model_info
 from eaas.runtime.models.compute import check_policy
 from eaas.runtime.models.tiny import default_model_dir

@@ -22,6 +22,7 @@ import sys
 import torch
 from prometheus_client import start_http_server
 
+from eaas.runtime.common.dtypes import SERVING_DTYPES, torch_dtype
 from eaas.runtime.experts import ExpertWeights
 from eaas.runtime.metrics import multiprocess_dir
 from eaas.runtime.server.assignment import ServerAssignment, TableEndpoint
@@ -50,9 +51,6 @@ def random_experts(
         down = torch.randn(hidden_size, intermediate, generator=g) / intermediate**0.5
         out[(int(layer), int(e))] = ExpertWeights(gate.to(dtype), up.to(dtype), down.to(dtype))
     return out
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def run(server: ExpertServer, metrics_port: int = 0, health=None) -> None:
@@ -92,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--routing-table-configmap", default=None, help="NAMESPACE/NAME to watch")
     p.add_argument("--random", required=True, help="HIDDEN:INTER:SEED random weights")
     p.add_argument("--server-id", default="s0")
-    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    p.add_argument("--dtype", default="float32", choices=SERVING_DTYPES)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--metrics-port", type=int, default=0)
     p.add_argument("--http-port", type=int, default=None, help="/health + /metrics port")
@@ -104,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     a = p.parse_args(argv)
     hidden, inter, seed = (int(x) for x in a.random.split(":"))
-    dtype = _DTYPES[a.dtype]
+    dtype = torch_dtype(a.dtype)
     if a.experts is None and not (a.push_token_file or a.routing_table_configmap):
         p.error("--experts is required unless --push-token-file or --routing-table-configmap")
     pairs = parse_expert_spec(a.experts) if a.experts else []

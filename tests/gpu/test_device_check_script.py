@@ -1,6 +1,6 @@
 """``native/device_check.sh`` keeps its contract: its step timeouts fit the
-5-minute budget, and its pytest step runs every GPU-only test (no ``gpu`` test sits in an
-ignored file or matches a deselected name; every deselected name exists)."""
+5-minute budget, and its pytest step runs every GPU-only test (selected by the ``gpu`` mark,
+nothing ignored or deselected)."""
 
 from __future__ import annotations
 
@@ -34,22 +34,11 @@ def test_step_timeouts_fit_five_minutes():
 
 
 def test_pytest_step_runs_every_gpu_test():
-    ignored = re.findall(r"--ignore=(\S+)", SCRIPT)
-    (kexpr,) = re.findall(r'-k "not \(([^)]*)\)"', SCRIPT)
-    deselected = {n.strip() for n in kexpr.split(" or ")}
+    """The pytest step selects by the ``gpu`` mark alone (every other test of tests/gpu runs in
+    CI on the CPU): no file ignored, no name deselected, and there are gpu tests to select."""
+    (step,) = [line for line in SCRIPT.splitlines() if "-m pytest" in line]
+    assert re.search(r"-m gpu\b(?!_)", step), step
+    assert "--ignore" not in SCRIPT and not re.search(r"\s-k\s", SCRIPT)
     files = sorted((ROOT / "tests/gpu").glob("test_*.py"))
-    every_test = set()
-    for f in files:
-        every_test |= {
-            n.name
-            for n in ast.parse(f.read_text()).body
-            if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")
-        }
-        gpu = _gpu_tests(f)
-        if str(f.relative_to(ROOT)) in ignored:
-            assert not gpu, f"{f.name} is ignored by device_check.sh but has gpu tests {gpu}"
-        hidden = {t for t in gpu if any(d in t for d in deselected)}
-        assert not hidden, f"device_check.sh deselects gpu tests {hidden}"
-    missing = {d for d in deselected if not any(d in t for t in every_test)}
-    assert not missing, f"device_check.sh deselects tests that do not exist: {missing}"
+    assert sum(len(_gpu_tests(f)) for f in files) >= 5
     assert _gpu_tests(ROOT / "tests/gpu/test_overlap_cuda.py")  # the parser finds module marks
