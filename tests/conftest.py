@@ -46,6 +46,7 @@ TIERS = {
     "client": "unit",
     "operator": "unit",
     "cli": "unit",
+    "repo": "unit",
     "e2e": "e2e",
     "k8s": "k8s",
     "cluster": "cluster",
@@ -59,9 +60,10 @@ def pytest_collection_modifyitems(config, items):
         path = Path(item.path).resolve()
         if TESTS not in path.parents:
             continue
-        tier = TIERS.get(path.relative_to(TESTS).parts[0])
-        if tier is not None:
-            item.add_marker(tier)
+        top = path.relative_to(TESTS).parts[0]
+        if top not in TIERS:  # every test has a tier: a new folder is declared here first
+            raise pytest.UsageError(f"tests/{top}: no tier marker for this folder (TIERS)")
+        item.add_marker(TIERS[top])
 
 
 class ModuleScheduling(LoadScopeScheduling):
