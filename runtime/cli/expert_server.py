@@ -1,4 +1,9 @@
-"""``eaas expert-server``: one expert server process (what an expert-server pod runs)."""
+"""``eaas expert-server``: one expert server process (what an expert-server pod runs).
+
+Imports of torch and of the serving modules stand inside the command's functions (lazy):
+every ``eaas`` command, ``eaas --help`` included, shares this process's start-up, and torch
+alone takes seconds to import.
+"""
 
 from __future__ import annotations
 
@@ -128,6 +133,14 @@ def expert_server(
     In multiprocess metrics mode (``PROMETHEUS_MULTIPROC_DIR`` set) no port is opened: the
     process only writes its metric files.
     """
+    # the device before the options' own checks, as the flags were always checked: a GPU that is
+    # not there is said first
+    from eaas.runtime.cuda.device import resolve_device
+
+    try:
+        resolve_device(ctx.params["device"])
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     options = options_from(ExpertServerOptions, ctx)
     run_expert_server(options)
 

@@ -9,7 +9,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from eaas.testbed import agent
+from eaas.testbed import containers
 
 
 def run_container(tmp_path: Path, mounts: list[dict], script: str) -> subprocess.CompletedProcess:
@@ -23,7 +23,7 @@ def run_container(tmp_path: Path, mounts: list[dict], script: str) -> subprocess
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(spec))
     return subprocess.run(
-        [sys.executable, "-I", agent.PODINIT, str(path)],
+        [sys.executable, "-I", containers.PODINIT, str(path)],
         capture_output=True,
         text=True,
         timeout=60,
