@@ -1,6 +1,10 @@
 """Runtime commands: ``serve``, ``expert-server``, ``attention-client``, ``tiny-model``, one
 module each. Each command is a thin shell: it turns its flags into the process's options
 object (:mod:`eaas.runtime.options`) and calls the module that does the work.
+
+Imports of torch and of the serving modules stand inside the commands' functions (lazy):
+every ``eaas`` command, ``eaas --help`` included, shares one process's start-up, and torch
+alone takes seconds to import.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""``eaas attention-client``: one attention client process (what an attention-client pod runs).
-
-Imports of torch and of the serving modules stand inside the command's functions (lazy):
-every ``eaas`` command, ``eaas --help`` included, shares this process's start-up, and torch
-alone takes seconds to import.
-"""
+"""``eaas attention-client``: one attention client process (what an attention-client pod runs)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """What the runtime commands share: the NVSHMEM world options, help texts, the world's
-configuration from those options, and the fast exit after a graceful stop.
-
-Imports of torch and of the serving modules stand inside the command's functions (lazy):
-every ``eaas`` command, ``eaas --help`` included, shares this process's start-up, and torch
-alone takes seconds to import.
-"""
+configuration from those options, and the fast exit after a graceful stop."""
 
 from __future__ import annotations
 

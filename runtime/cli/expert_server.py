@@ -1,9 +1,4 @@
-"""``eaas expert-server``: one expert server process (what an expert-server pod runs).
-
-Imports of torch and of the serving modules stand inside the command's functions (lazy):
-every ``eaas`` command, ``eaas --help`` included, shares this process's start-up, and torch
-alone takes seconds to import.
-"""
+"""``eaas expert-server``: one expert server process (what an expert-server pod runs)."""
 
 from __future__ import annotations
 

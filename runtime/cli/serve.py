@@ -1,9 +1,4 @@
-"""``eaas serve``: a whole deployment on this machine (expert servers + attention clients).
-
-Imports of torch and of the serving modules stand inside the command's functions (lazy):
-every ``eaas`` command, ``eaas --help`` included, shares this process's start-up, and torch
-alone takes seconds to import.
-"""
+"""``eaas serve``: a whole deployment on this machine (expert servers + attention clients)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""``eaas tiny-model``: write the built-in tiny checkpoint.
-
-Imports of torch and of the serving modules stand inside the command's functions (lazy):
-every ``eaas`` command, ``eaas --help`` included, shares this process's start-up, and torch
-alone takes seconds to import.
-"""
+"""``eaas tiny-model``: write the built-in tiny checkpoint."""
 
 from __future__ import annotations
 
