@@ -380,13 +380,13 @@ def experts_compare(args) -> int:
         from eaas.runtime.models.arch import read_model_info
 
         info = read_model_info(model_dir)
-        from eaas.runtime.client.dispatch.connections import _default_connect
+        from eaas.runtime.client.dispatch.connections import default_connect
 
         kw = {}
         if args.client_spin_us is not None:
 
             def connect(endpoint, server_id, **ckw):
-                return _default_connect(endpoint, server_id, spin_us=args.client_spin_us, **ckw)
+                return default_connect(endpoint, server_id, spin_us=args.client_spin_us, **ckw)
 
             kw["connect"] = connect
         disp = Dispatcher(0, info.hidden_size, dt, table, **kw)
@@ -400,7 +400,7 @@ def experts_compare(args) -> int:
             if len(v) > 2:  # b: the client blocks at once (spin 0), no busy-poll
 
                 def connect(endpoint, server_id, **ckw):
-                    return _default_connect(endpoint, server_id, spin_us=0, max_spin_us=0, **ckw)
+                    return default_connect(endpoint, server_id, spin_us=0, max_spin_us=0, **ckw)
 
                 vkw["connect"] = connect
             dv = Dispatcher(10 + j, info.hidden_size, dt, table, ring_after_all=ring, **vkw)

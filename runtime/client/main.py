@@ -272,7 +272,7 @@ def run_attention_client(
         dispatcher, token, str(client_id), info.num_experts, tuple(info.moe_layers)
     )
 
-    class _Server(uvicorn.Server):
+    class ServerLink(uvicorn.Server):
         # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown (the process then dies by
         # the signal, skipping our cleanup); we handle the signals ourselves and exit with 0.
         @contextlib.contextmanager
@@ -287,7 +287,7 @@ def run_attention_client(
         timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S) + 2,
         lifespan="off",
     )
-    userver = _Server(config)
+    userver = ServerLink(config)
 
     loop_box: list[asyncio.AbstractEventLoop] = []
 

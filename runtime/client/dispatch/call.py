@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from eaas.runtime import metrics
-from eaas.runtime.client.dispatch.connections import _Server
+from eaas.runtime.client.dispatch.connections import ServerLink
 from eaas.runtime.client.dispatch.frames import server_frame
 from eaas.runtime.client.dispatch.staging import FrameStaging
 from eaas.runtime.tables.table import RoutingTable
@@ -64,8 +64,8 @@ class PendingDispatch:
         self._round = (assign, used, servers, table, sent, graph_out, failed)
 
     def _send_round(
-        self, assign: torch.Tensor, used: list[int], servers: list[_Server], table: RoutingTable
-    ) -> tuple[list[tuple[_Server, int, torch.Tensor | None, int]], dict[int, tuple], list[int]]:
+        self, assign: torch.Tensor, used: list[int], servers: list[ServerLink], table: RoutingTable
+    ) -> tuple[list[tuple[ServerLink, int, torch.Tensor | None, int]], dict[int, tuple], list[int]]:
         """Write one frame per server in ``used``, then wake every one. No lock held.
 
         A frame carries each of its tokens' hidden row once (gathered by the transport straight
@@ -77,7 +77,7 @@ class PendingDispatch:
         d, layer, hidden, idx64, w32 = self._d, self.layer, self._hidden, self._idx64, self._w32
         staging = FrameStaging(hidden)  # a host copy only for host connections, once
         failed: list[int] = []
-        sent: list[tuple[_Server, int, torch.Tensor | None, int]] = []
+        sent: list[tuple[ServerLink, int, torch.Tensor | None, int]] = []
         graph_out: dict[int, tuple] = {}  # server index -> (graph, output view) (--cuda-graphs)
         idx32 = idx64.to(torch.int32)  # (T, k) the wire's expert ids
         k = int(idx32.shape[1])
@@ -124,7 +124,7 @@ class PendingDispatch:
 
     def _recv_round(
         self,
-        sent: list[tuple[_Server, int, torch.Tensor | None, int]],
+        sent: list[tuple[ServerLink, int, torch.Tensor | None, int]],
         graph_out: dict[int, tuple],
         table: RoutingTable,
         failed: list[int],

@@ -32,7 +32,10 @@ Connector = Callable[..., ClientConnection]
 
 
 @dataclass
-class _Server:
+class ServerLink:
+    """One expert server as the dispatcher sees it: its connection, whether it is marked down
+    and when to retry it, the frame sequence number."""
+
     server_id: str
     endpoint: str
     conn: ClientConnection | None = None
@@ -55,7 +58,7 @@ class _Server:
         return "connected" if self.conn is not None else "idle"
 
 
-def _default_connect(endpoint: str, server_id: str, **kw) -> ClientConnection:
+def default_connect(endpoint: str, server_id: str, **kw) -> ClientConnection:
     """:func:`eaas.runtime.transport.factory.connect`: the dispatcher's default connector."""
     return transport_connect(endpoint, server_id, **kw)
 
@@ -63,7 +66,7 @@ def _default_connect(endpoint: str, server_id: str, **kw) -> ClientConnection:
 class ServerConnections:
     """One attention client's expert servers: their connections and bookkeeping.
 
-    ``lock`` guards every :class:`_Server` (and the dispatcher's own state: it shares the lock);
+    ``lock`` guards every :class:`ServerLink` (and the dispatcher's own state: it shares the lock);
     the methods named "callers hold the lock" below expect it held, the others take it.
 
     Args:
@@ -89,7 +92,7 @@ class ServerConnections:
         retry_down_s: float,
         connect: Connector,
         background: bool,
-        on_down: Callable[[_Server, str], None],
+        on_down: Callable[[ServerLink, str], None],
     ) -> None:
         self.client_id, self.hidden_size, self.dtype = client_id, hidden_size, dtype
         self.timeout, self.retry_down_s = timeout, retry_down_s
@@ -98,7 +101,7 @@ class ServerConnections:
         self._on_down = on_down
         self.lock = threading.RLock()  # never held over I/O
         self.changed = threading.Condition(self.lock)  # a connection attempt finished
-        self.servers: dict[str, _Server] = {}
+        self.servers: dict[str, ServerLink] = {}
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -113,7 +116,7 @@ class ServerConnections:
         the connector (re)connects it at once. Callers hold the lock.
         """
         old = self.servers
-        new: dict[str, _Server] = {}
+        new: dict[str, ServerLink] = {}
         for sid, ep in endpoints.items():
             prev = old.get(sid)
             if prev is not None and prev.endpoint == ep and not prev.down:
@@ -121,14 +124,14 @@ class ServerConnections:
             else:
                 if prev is not None:
                     self.retire(prev)
-                new[sid] = _Server(sid, ep)
+                new[sid] = ServerLink(sid, ep)
         for sid, prev in old.items():
             if sid not in new:
                 self.retire(prev)
         self.servers = new
 
     @staticmethod
-    def close_conn(s: _Server) -> None:
+    def close_conn(s: ServerLink) -> None:
         """Close ``s``'s connection now (errors ignored). Callers hold the lock."""
         if s.conn is not None:
             try:
@@ -137,7 +140,7 @@ class ServerConnections:
                 pass
             s.conn = None
 
-    def retire(self, s: _Server) -> None:
+    def retire(self, s: ServerLink) -> None:
         """Close ``s``'s connection now, or when the layer call using it is done. Callers hold
         the lock."""
         if s.busy:
@@ -145,7 +148,7 @@ class ServerConnections:
         else:
             self.close_conn(s)
 
-    def mark_down(self, s: _Server, why: str) -> None:
+    def mark_down(self, s: ServerLink, why: str) -> None:
         """Close ``s``'s connection and schedule the next attempt (back-off); the first time,
         count it (``eaas_server_marked_down``), log it and call ``on_down``. Callers hold the
         lock."""
@@ -172,14 +175,14 @@ class ServerConnections:
         self._wake.set()
 
     # ---- used by layer calls (take the lock) ----------------------------------------------
-    def failed(self, s: _Server, why: str) -> None:
+    def failed(self, s: ServerLink, why: str) -> None:
         """A layer call's send or receive on ``s`` failed: mark it down (closing it now)."""
         with self.lock:
             s.busy = False  # mark_down closes the connection now
             s.retired = False
             self.mark_down(s, why)
 
-    def release(self, servers: list[_Server], used: list[int]) -> None:
+    def release(self, servers: list[ServerLink], used: list[int]) -> None:
         """A layer call is done with ``servers[i]`` for ``i`` in ``used``; close retired ones."""
         with self.lock:
             for si in used:
@@ -196,7 +199,7 @@ class ServerConnections:
         self.changed.wait(max(0.0, until - time.monotonic()))
 
     def health(self) -> dict[str, dict]:
-        """Per server: ``endpoint``, ``state`` (:meth:`_Server.state`), ``tokens_sent``,
+        """Per server: ``endpoint``, ``state`` (:meth:`ServerLink.state`), ``tokens_sent``,
         ``failures`` and ``last_error`` when there is one."""
         with self.lock:
             return {

@@ -44,8 +44,8 @@ from eaas.runtime.client.dispatch.call import PendingDispatch
 from eaas.runtime.client.dispatch.connections import (
     Connector,
     ServerConnections,
-    _default_connect,
-    _Server,
+    ServerLink,
+    default_connect,
 )
 from eaas.runtime.client.dispatch.frames import check_call
 from eaas.runtime.client.dispatch.policy import (
@@ -128,7 +128,7 @@ class Dispatcher:
         *,
         timeout: float = 5.0,
         retry_down_s: float = 2.0,
-        connect: Connector = _default_connect,
+        connect: Connector = default_connect,
         connect_in_background: bool = True,
         graphs=None,
         split_pairs: int = DEFAULT_SPLIT_PAIRS,
@@ -239,7 +239,7 @@ class Dispatcher:
 
     # ---- connections (:mod:`.connections`) ----------------------------------------------
     @property
-    def _servers(self) -> dict[str, _Server]:
+    def _servers(self) -> dict[str, ServerLink]:
         """Server id -> connection state of the table in use."""
         return self._conns.servers
 
@@ -249,11 +249,11 @@ class Dispatcher:
         connection. Never holds the state lock across a connect."""
         return self._conns.reconnect_down()
 
-    def _mark_down(self, s: _Server, why: str) -> None:
+    def _mark_down(self, s: ServerLink, why: str) -> None:
         """Mark ``s`` down (callers hold the state lock): :meth:`ServerConnections.mark_down`."""
         self._conns.mark_down(s, why)
 
-    def _server_down(self, s: _Server, why: str) -> None:
+    def _server_down(self, s: ServerLink, why: str) -> None:
         """``on_down`` of the connections: hand a newly down server to :attr:`on_server_down`."""
         if self.on_server_down is not None:
             try:
@@ -282,7 +282,7 @@ class Dispatcher:
     # ---- dispatch / combine --------------------------------------------------------------
     def _plan(
         self, layer: int, idx64: torch.Tensor, exclude: set[str]
-    ) -> tuple[torch.Tensor, list[int], list[_Server], RoutingTable]:
+    ) -> tuple[torch.Tensor, list[int], list[ServerLink], RoutingTable]:
         """Under the state lock: choose servers for every pair; reserve their connections.
 
         Waits (releasing the lock) while servers this call needs have their first connection
