@@ -3,7 +3,7 @@ watch converges whoever missed it).
 
 Each new routing-table version is PUT to every Ready attention-client pod of every fleet that
 uses the pool (``PUT /routing-table``, the protocol of :mod:`eaas.runtime.tables.push`, bearer
-token from the fleet's Secret; :func:`put_table` is
+token from the fleet's Secret; the call is
 :func:`eaas.runtime.tables.http.push_routing_table`). A client's answer is its acknowledgement:
 ``200`` names the version it applied; ``409`` (stale) names the version it already holds (it got
 it from its ConfigMap watch). The operator keeps, per client pod uid, the newest version acknowledged; a pod below the current
@@ -83,19 +83,6 @@ def after_push(retry: PushRetry | None, version: int, ok: bool, now: float) -> P
         return None
     failures = (retry.failures if retry is not None else 0) + 1
     return PushRetry(failures, version, now + push_retry_delay_s(failures))
-
-
-def put_table(base_url: str, table_json: str, token: str, timeout_s: float) -> PushResult:
-    """``PUT <base_url>/routing-table`` with the bearer token
-    (:func:`~eaas.runtime.tables.http.push_routing_table`).
-
-    Returns:
-        :class:`~eaas.runtime.tables.http.PushResult` for any HTTP answer.
-
-    Raises:
-        OSError: the client is unreachable (refused, timed out).
-    """
-    return push_routing_table(base_url, table_json, token, timeout_s)
 
 
 @dataclass(frozen=True)
@@ -194,7 +181,7 @@ def push_all(
 
     def one(c: ObservedClient) -> tuple[ObservedClient, PushResult | None, str]:
         try:
-            return c, put_table(f"http://{c.ip}:{port}", table_json, token, timeout_s), ""
+            return c, push_routing_table(f"http://{c.ip}:{port}", table_json, token, timeout_s), ""
         except OSError as exc:
             return c, None, f"unreachable: {exc}"
 

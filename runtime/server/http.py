@@ -44,7 +44,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from eaas.runtime.tables.push import MAX_TABLE_BYTES
+from eaas.runtime.tables.push import MAX_TABLE_BYTES, PushError, too_large
 
 DEFAULT_STALE_AFTER_S = 5.0
 
@@ -231,35 +231,36 @@ def _make_handler(health: ServerHealth) -> type[BaseHTTPRequestHandler]:
                 return
             length = self.headers.get("Content-Length") or "0"
             if not length.strip().isdigit():  # int() would raise, the connection would drop
-                self._error(400, f"Content-Length must be a byte count, got {length!r}")
+                self._error(
+                    PushError(
+                        400,
+                        f"Content-Length must be a byte count, got {length!r}",
+                        "invalid_routing_table",
+                    )
+                )
                 return
             n = int(length)
             if n > MAX_TABLE_BYTES:  # refused before reading: read(n) allocates n bytes at once
                 self.close_connection = True
-                self._error(413, f"routing table larger than {MAX_TABLE_BYTES} bytes")
+                self._error(too_large())
                 return
             raw = self.rfile.read(n) if n > 0 else b""
             code, body = getattr(health.table, name)(self.headers.get("Authorization"), raw)
             self._send(code, json.dumps(body), "application/json")
 
-        def _error(self, status: int, message: str, code: str = "invalid_routing_table") -> None:
-            body = {
-                "error": {
-                    "message": message,
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": code,
-                }
-            }
+        def _error(self, refusal: PushError) -> None:
+            status, body = refusal.answer()
             self._send(status, json.dumps(body), "application/json")
 
         def _no_table(self) -> None:
             self._error(
-                404,
-                "this expert server's experts are fixed (--experts); start it with "
-                "--push-token-file or --routing-table-configmap to learn them from the routing "
-                "table",
-                "no_routing_table",
+                PushError(
+                    404,
+                    "this expert server's experts are fixed (--experts); start it with "
+                    "--push-token-file or --routing-table-configmap to learn them from the "
+                    "routing table",
+                    "no_routing_table",
+                )
             )
 
         def do_PUT(self) -> None:  # noqa: N802

@@ -56,7 +56,7 @@ def test_acknowledged_reads_200_and_409():
 
 
 def test_put_table_speaks_the_push_protocol():
-    """put_table against a local HTTP server answering as an attention client does."""
+    """The operator's push call (push_routing_table) against a local HTTP server answering as an attention client does."""
     import http.server
     import json
     import socket
@@ -64,7 +64,7 @@ def test_put_table_speaks_the_push_protocol():
 
     import pytest
 
-    from eaas.operator.push import put_table
+    from eaas.runtime.tables.http import push_routing_table as put_table
 
     seen = {}
 
