@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import ssl
 import threading
 import time
@@ -34,6 +33,7 @@ import pytest
 
 from eaas.testbed.metrics_api import APISERVICE, register_external_metrics
 
+from helpers.common import free_port
 from helpers.faults import apply_tiny_pool_and_fleet
 from helpers.k8s import (
     Operator,
@@ -85,9 +85,7 @@ def failed_metric_fetches(tb) -> float:
 @pytest.fixture(scope="module")
 def setup(cluster, tmp_path_factory):
     apply_crds()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = register_external_metrics(cluster, "127.0.0.1", port)
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     op = Operator(log, env={**env, **FAST})

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +22,7 @@ from eaas.runtime.cli import client_id_of
 from eaas.runtime.tables.http import push_routing_table
 from eaas.runtime.tables.table import RoutingTable
 
+from helpers.common import free_port
 from helpers.faults import apply_tiny_pool_and_fleet, serving_table
 from helpers.k8s import (
     Operator,
@@ -82,9 +82,7 @@ def post_report(port: int, ns: str, token: str, server: str, endpoint: str) -> t
 @pytest.fixture(scope="module")
 def operator(cluster, tmp_path_factory):
     apply_crds()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     op = Operator(
         tmp_path_factory.mktemp("operator") / "operator.log",
         env={

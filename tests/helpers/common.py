@@ -1,10 +1,12 @@
-"""Small helpers of every tier: wait for a condition by polling it, a free TCP port."""
+"""Small helpers of every tier: wait for a condition by polling it, a free TCP port (the
+runtime's :func:`eaas.runtime.common.ports.free_tcp_port`)."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
+
+from eaas.runtime.common.ports import free_tcp_port as free_port  # noqa: F401  (tests take it from here)
 
 
 def wait_until(cond: Callable[[], object], timeout: float = 5.0, step: float = 0.01) -> bool:
@@ -16,10 +18,3 @@ def wait_until(cond: Callable[[], object], timeout: float = 5.0, step: float = 0
             return True
         time.sleep(step)
     return bool(cond())
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (bound to port 0, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

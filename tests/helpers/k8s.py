@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ import yaml
 
 from eaas.runtime.tables.expert_spec import parse_expert_spec
 from eaas.runtime.tables.table import RoutingTable
+
+from helpers.common import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = yaml.safe_load((ROOT / "deploy/examples/tiny-pool.yaml").read_text())
@@ -262,9 +263,7 @@ class Operator:
         start side by side."""
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "a")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         env = {
             **os.environ,
             "EAAS_OPERATOR_RESYNC_S": "1",

@@ -20,6 +20,8 @@ from eaas.operator.external_metrics import (
 )
 from eaas.operator.names import Owner
 
+from helpers.common import free_port
+
 pytestmark = pytest.mark.elastic
 
 NOW = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
@@ -171,7 +173,6 @@ def test_listener_serves_tls_and_accepts_only_the_front_proxy(tmp_path):
     certificate fails the handshake; another CN gets 403; a standby answers 503."""
     import asyncio
     import json
-    import socket
     import ssl
     import threading
     import urllib.error
@@ -182,9 +183,7 @@ def test_listener_serves_tls_and_accepts_only_the_front_proxy(tmp_path):
 
     paths = pki.make_pki(tmp_path, "10.96.0.1")  # CA, apiserver (serving), admin, front proxy
     ca_pem = paths["ca_crt"].read_text()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     leader = {"yes": True}
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()

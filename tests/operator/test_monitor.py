@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import http.server
 import json
-import socket
 import threading
 
 import pytest
 
 from eaas.operator.monitor import bearer_ok, health_url, parse_report, probe_health
 from eaas.runtime.client.failure_report import failure_report
+
+from helpers.common import free_port
 
 
 def test_parse_report_roundtrips_the_clients_body():
@@ -102,7 +103,5 @@ def test_probe_health_against_a_real_server():
     finally:
         srv.shutdown()
         srv.server_close()
-    with socket.socket() as s:  # nothing listens there: refused
-        s.bind(("127.0.0.1", 0))
-        closed = s.getsockname()[1]
+    closed = free_port()  # nothing listens there: refused
     assert not probe_health(f"http://127.0.0.1:{closed}/health", timeout_s=10)

@@ -14,6 +14,8 @@ from eaas.operator.push import (
     push_retry_delay_s,
 )
 
+from helpers.common import free_port
+
 
 def pod(name, uid, ip="127.1.0.5", ready=True, deleting=False):
     return {
@@ -59,7 +61,6 @@ def test_put_table_speaks_the_push_protocol():
     """The operator's push call (push_routing_table) against a local HTTP server answering as an attention client does."""
     import http.server
     import json
-    import socket
     import threading
 
     import pytest
@@ -93,9 +94,7 @@ def test_put_table_speaks_the_push_protocol():
     assert r == PushResult(409, None, 9, "stale")
     assert acknowledged(r) == 9
     assert seen == {"path": "/routing-table", "auth": "Bearer tok", "body": b'{"version": 8}'}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = s.getsockname()[1]
+    closed = free_port()
     with pytest.raises(OSError):
         put_table(f"http://127.0.0.1:{closed}", "{}", "tok", 10)
 
@@ -133,11 +132,8 @@ def test_back_off_per_client_and_new_versions_go_out_at_once():
 
 def test_push_all_records_back_off_for_unreachable_clients():
     import concurrent.futures
-    import socket
 
-    with socket.socket() as s:  # a port with nothing listening: connection refused
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port with nothing listening: connection refused
     client = ObservedClient("a", "u1", "127.0.0.1", True)
     acks, retries = {}, {}
     with concurrent.futures.ThreadPoolExecutor(2) as ex:
