@@ -36,6 +36,11 @@ class ExpertWeights:
         """``[2 * intermediate, hidden]``: gate rows then up rows (transformers' fused layout)."""
         return torch.cat([self.gate, self.up], dim=0)
 
+    def to(self, target: torch.device | torch.dtype) -> ExpertWeights:
+        """The three tensors moved to a device or cast to a dtype (``Tensor.to``: a tensor
+        already there is kept, not copied)."""
+        return ExpertWeights(self.gate.to(target), self.up.to(target), self.down.to(target))
+
 
 def expert_forward(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     """Apply one SwiGLU expert.

@@ -327,9 +327,4 @@ def _to_device(hosted: dict, dev) -> dict:
     """``{(layer, expert): ExpertWeights}`` moved to ``dev`` (a no-op on the CPU)."""
     if dev.type == "cpu":
         return hosted
-    from eaas.runtime.experts import ExpertWeights
-
-    return {
-        key: ExpertWeights(w.gate.to(dev), w.up.to(dev), w.down.to(dev))
-        for key, w in hosted.items()
-    }
+    return {key: w.to(dev) for key, w in hosted.items()}

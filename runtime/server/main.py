@@ -111,10 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         dev = torch.device(a.device)
         if dev.type != "cuda" or not torch.cuda.is_available():
             p.error(f"--device {a.device}: expected cpu or cuda[:N] with a visible CUDA device")
-        hosted = {
-            key: ExpertWeights(w.gate.to(dev), w.up.to(dev), w.down.to(dev))
-            for key, w in hosted.items()
-        }
+        hosted = {key: w.to(dev) for key, w in hosted.items()}
     kw: dict = {} if a.spin_us is None else {"spin_us": a.spin_us}
     if a.listen.startswith("cudaipc:"):  # CUDA-payload clients only for a server on cuda
         kw["compute_device"] = a.device

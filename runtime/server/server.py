@@ -334,11 +334,7 @@ class ExpertServer:
         """
         dev = self.device
         moved = {
-            (int(layer), int(e)): self._to_compute(
-                w
-                if w.gate.device == dev
-                else ExpertWeights(w.gate.to(dev), w.up.to(dev), w.down.to(dev))
-            )
+            (int(layer), int(e)): self._to_compute(w if w.gate.device == dev else w.to(dev))
             for (layer, e), w in weights.items()
         }
         with self._lock:
@@ -350,7 +346,7 @@ class ExpertServer:
         dt = self.compute_dtype
         if w.gate.dtype == dt:
             return w
-        return ExpertWeights(w.gate.to(dt), w.up.to(dt), w.down.to(dt))
+        return w.to(dt)
 
     def compute_info(self) -> dict:
         """``/health``'s ``compute``: storage (wire) and compute dtype, policy, reason, and the
