@@ -110,7 +110,9 @@ def fleet_deployment(
     Each pod runs :func:`client_command` under the ServiceAccount ``<fleet>-client`` (allowed to
     read the pool's routing-table ConfigMap, see :func:`client_rbac`), mounts the push-token
     Secret ``<fleet>-push-token`` read-only and, with ``spec.model`` naming a volume, the
-    weights at ``/models``; ``GET /health`` is the readiness probe (503 while some expert has no
+    weights at ``/models``; with ``spec.apiKeySecret`` the env ``EAAS_API_KEY`` comes from that
+    Secret's key (a ``secretKeyRef``: the value is in neither the pod spec nor the operator's
+    hands); ``GET /health`` (open without a key) is the readiness probe (503 while some expert has no
     live replica, so the Service routes elsewhere). ``spec.podTemplate`` is merged in last.
     With a pool whose ``spec.transport.scheme`` is ``nvshmem`` every client joins the pool's
     NVSHMEM world (:func:`_join_world`: ``--device cuda``, one GPU, the uid volume, env to
@@ -147,6 +149,8 @@ def fleet_deployment(
             "failureThreshold": 2,
         },
     }
+    if spec.api_key_secret is not None:  # the kubelet reads the Secret; the operator never
+        container["env"].append(spec.api_key_secret.env())
     if spec.resources:
         container["resources"] = spec.resources
     volumes: list[dict[str, Any]] = [

@@ -33,6 +33,9 @@ ANNOTATION_SPEC_HASH = "eaas.io/spec-hash"
 ANNOTATION_TABLE_VERSION = "eaas.io/routing-table-version"
 RDMA_NODE_LABEL = "eaas.io/rdma"
 
+#: A Kubernetes object name (DNS-1123 subdomain), e.g. a PersistentVolumeClaim's or a Secret's.
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
 K8S_OBJECT: JsonDict = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
 
 

@@ -11,18 +11,18 @@ from pydantic import ConfigDict, Field
 from pydantic.json_schema import JsonValue
 
 from eaas.operator.crd.base import (
+    DNS1123_SUBDOMAIN,
     K8S_OBJECT,
     RDMA_NODE_LABEL,
     CrdModel,
     ExpertAssignment,
     PlacementPolicy,
 )
+from eaas.operator.crd.secret_ref import ApiKeySecretRef
 
 # ---------------------------------------------------------------------------------------------
 # ExpertPool
 # ---------------------------------------------------------------------------------------------
-#: A Kubernetes object name (DNS-1123 subdomain), e.g. a PersistentVolumeClaim's.
-DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 #: The two volume sources a pool's spec can name (the model's weights, the NVSHMEM unique-id
 #: directory): one field model each, the description given where it is used.
@@ -540,6 +540,11 @@ class AttentionFleetSpec(CrdModel):
         ge=1,
         le=65535,
         description="OpenAI-compatible API port (container and Service).",
+    )
+    api_key_secret: ApiKeySecretRef | None = Field(
+        default=None,
+        description="Secret key holding the API key(s) of the clients' OpenAI API (the pods' "
+        "EAAS_API_KEY, from a secretKeyRef). Unset: no key is asked for.",
     )
     pod_template: dict[str, Any] | None = Field(
         default=None,
