@@ -22,6 +22,7 @@ from eaas.runtime.cli.common import (
     options_from,
 )
 from eaas.runtime.common.dtypes import torch_dtype
+from eaas.runtime.common.logs import configure_logging
 from eaas.runtime.options import ExpertServerOptions
 from eaas.runtime.placement import SCHED_POLICIES
 from eaas.runtime.tables.expert_spec import parse_expert_spec
@@ -157,6 +158,10 @@ def run_expert_server(o: ExpertServerOptions) -> None:
     from eaas.runtime.server.main import learn_from_table, run, start_http
     from eaas.runtime.server.server import ExpertServer
 
+    try:
+        configure_logging(f"expert-server-{o.server_id}")
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     if o.cpus is not None:  # first: every thread started later (torch, HTTP) inherits it
         try:
             os.sched_setaffinity(0, parse_cpu_list(o.cpus))

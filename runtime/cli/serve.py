@@ -29,7 +29,7 @@ def serve(
     replicas: int = typer.Option(
         DEFAULT.replicas,
         "--replicas",
-        help="Replicas of every logical expert, on distinct servers.",
+        help="Replicas of every logical expert, on distinct servers (1..--expert-servers).",
     ),
     attention_clients: int = typer.Option(
         DEFAULT.attention_clients,
@@ -117,6 +117,12 @@ def serve(
         help="auto: pin each expert server to one CPU (its --cpus), the servers one decode call "
         "reaches on different CPUs (with >= 2 servers and CPUs and --server-threads 1); "
         "none: not pinned.",
+    ),
+    restart_expert_servers: bool = typer.Option(
+        DEFAULT.restart_expert_servers,
+        "--restart-expert-servers/--no-restart-expert-servers",
+        help="Start an exited expert server again (back-off 1 s doubling to 60 s, as the "
+        "kubelet does) and put it back into the routing table once it serves.",
     ),
 ) -> None:
     """Start a whole deployment on this machine: expert servers + attention clients."""

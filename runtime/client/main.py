@@ -22,7 +22,6 @@ import contextlib
 import logging
 import signal
 import socket
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from eaas.runtime.client.graphs import GraphRoundTrips, check_cuda_graphs
 from eaas.runtime.client.kv_cache import parse_memory_size
 from eaas.runtime.client.moe import experts_factory
 from eaas.runtime.common.dtypes import torch_dtype
+from eaas.runtime.common.logs import configure_logging
 from eaas.runtime.cuda.device import resolve_device
 from eaas.runtime.models.arch import read_model_info
 from eaas.runtime.models.attention import load_attention_model
@@ -143,11 +143,7 @@ def run_attention_client(
     """
     o = options
     client_id = o.numeric_client_id
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s client-{client_id} %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(f"client-{client_id}")
     dtype = torch_dtype(o.dtype)
     dev = resolve_device(o.device)
     if o.cuda_graphs:

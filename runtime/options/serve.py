@@ -56,9 +56,12 @@ class ServeOptions:
             microseconds >= 0; :attr:`spin_us` is the parsed value.
         server_sched_policy: the expert servers' ``--sched-policy`` (``batch`` or ``other``).
         server_cpus: ``"auto"`` (pin each expert server to one CPU) or ``"none"``.
+        restart_expert_servers: start an exited expert server again (with back-off) and put it
+            back into the routing table once it serves.
 
     Raises (at construction):
-        ValueError: a bad ``--transport``, ``--attention-clients``, ``--server-cpus``,
+        ValueError: a bad ``--expert-servers``, ``--replicas`` (also more than
+            ``--expert-servers``), ``--transport``, ``--attention-clients``, ``--server-cpus``,
             ``--dtype``, ``--port``, ``--client-device``, ``--max-num-batched-tokens``,
             ``--dispatch-timeout`` or ``--client-spin-us`` (also with ``--transport tcp``); the
             message names the flag. What needs torch or this machine (devices, sizes, the
@@ -86,11 +89,21 @@ class ServeOptions:
     client_spin_us: str | float | None = "default"
     server_sched_policy: str = "batch"
     server_cpus: str = "auto"
+    restart_expert_servers: bool = True
 
     def __post_init__(self) -> None:
         check_dispatch_timeout(self.dispatch_timeout)
         if self.transport not in ("shm", "tcp"):
             raise ValueError(f"--transport must be shm or tcp, got {self.transport!r}")
+        if self.expert_servers < 1:
+            raise ValueError(f"--expert-servers must be >= 1, got {self.expert_servers}")
+        if self.replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.replicas > self.expert_servers:
+            raise ValueError(
+                f"--replicas ({self.replicas}) cannot exceed --expert-servers "
+                f"({self.expert_servers}): the replicas of one expert run on distinct servers"
+            )
         if self.attention_clients < 1:
             raise ValueError("--attention-clients must be >= 1")
         if self.server_cpus not in ("auto", "none"):

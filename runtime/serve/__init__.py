@@ -7,7 +7,7 @@ What it does:
    (``routing-table.json``) into a fresh run directory.
 2. Starts ``N`` expert servers and ``M`` attention clients, each as its own process running the
    SAME entry point a Kubernetes pod runs (``python -m eaas expert-server ...`` /
-   ``python -m eaas attention-client ...``), so ``ps`` shows every process's role. Clients start
+   ``python -m eaas attention-client ...``, with ``-P``), so ``ps`` shows every process's role. Clients start
    in parallel with the servers (they connect lazily). All children share one fresh
    ``PROMETHEUS_MULTIPROC_DIR``, so ``GET /metrics`` on the API port carries every process's
    series. All ``M`` clients bind the same API port with ``SO_REUSEPORT``.
@@ -15,7 +15,9 @@ What it does:
    ``serving <model> on http://HOST:PORT (N expert servers, R replicas, M clients)``.
 4. Acts as the local *monitor*: when an expert server exits, it logs it and publishes a new
    routing table version without that server (clients fail over on their own before that and
-   hot-reload the new table). A dead attention client is logged; when none is left, serve exits.
+   hot-reload the new table), starts it again with back-off (:mod:`.restarts`: 1 s doubling to
+   60 s, as the kubelet's CrashLoopBackOff) and, once the new process is ready, publishes the
+   next version with it back. A dead attention client is logged; when none is left, serve exits.
 5. SIGINT/SIGTERM: terminate the attention clients and wait until they exit (their running
    requests end while the expert servers still answer), then the expert servers; SIGKILL after
    a grace period (a second Ctrl-C: at once), remove the run directory (Unix sockets, routing
@@ -26,8 +28,10 @@ What it does:
    serve is SIGKILLed. Shared memory of the shm transport is memfd-based: nothing in
    ``/dev/shm``.
 
-Child output: each child's stdout lines are relayed to serve's stdout prefixed with its name;
-stderr is inherited.
+Child output: each child's stdout and stderr lines are relayed to serve's stdout in serve's one
+format (:func:`~eaas.runtime.serve.children.output_line`: time stamp, ``[name]``, message).
+Children run as ``python -P -m eaas ...`` (:func:`~eaas.runtime.serve.children.module_command`),
+so a folder named ``eaas`` in the working directory is never imported instead of the package.
 """
 
 from eaas.runtime.serve.children import Child, Children

@@ -1,6 +1,8 @@
 """The child processes of one ``eaas serve``: started so that they die with serve
-(``PR_SET_PDEATHSIG``), their stdout relayed line by line prefixed with the child's name (and
-watched for the ready line), stopped clients first.
+(``PR_SET_PDEATHSIG``) and so that a folder named ``eaas`` in the working directory cannot
+shadow the installed package (:func:`module_command`), their stdout and stderr relayed line by
+line in serve's one output format (:func:`output_line`) and watched for the ready line, started
+again after an exit (:meth:`Children.respawn`), stopped clients first.
 """
 
 from __future__ import annotations
@@ -8,32 +10,66 @@ from __future__ import annotations
 import os
 import selectors
 import subprocess
+import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import IO
 
 from eaas.runtime.common.process import die_with_parent
 from eaas.text import printable
 
+#: The source name of serve's own lines (children's lines carry the child's name).
+SERVE_SOURCE = "eaas serve"
 
-def log(msg: str) -> None:
-    """One line of serve's own output (``[eaas serve] ...``, stdout, flushed)."""
-    print(f"[eaas serve] {msg}", flush=True)
+
+def output_line(source: str, msg: str, level: str = "") -> str:
+    """One line of serve's output: ``YYYY-MM-DD HH:MM:SS [source] [LEVEL: ]msg`` (local time).
+
+    Serve's own lines (``source`` :data:`SERVE_SOURCE`) and every relayed line of a child
+    (``source`` its name, e.g. ``expert-0``; the children log without a time stamp of their
+    own under serve: ``EAAS_LOG_FORMAT=plain``, :mod:`eaas.runtime.common.logs`) share it.
+    ``level`` (``"WARNING"``, ``"ERROR"``) is written before the message; empty for info.
+    """
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    return f"{stamp} [{source}] {level + ': ' if level else ''}{msg}"
+
+
+def log(msg: str, level: str = "") -> None:
+    """One line of serve's own output (:func:`output_line` of :data:`SERVE_SOURCE`; stdout,
+    flushed)."""
+    print(output_line(SERVE_SOURCE, msg, level), flush=True)
+
+
+def module_command(module: str) -> list[str]:
+    """The command line that runs ``python -m module`` with this interpreter without putting
+    the working directory first on ``sys.path`` (``python -m`` does: a folder named like the
+    package there, e.g. a checkout of this repository, would be imported instead of the
+    installed package). Python 3.11+: ``-P``; 3.10: a ``-c`` that drops that entry first."""
+    if sys.version_info >= (3, 11):
+        return [sys.executable, "-P", "-m", module]
+    return [  # pragma: no cover - Python 3.10
+        sys.executable,
+        "-c",
+        f"import runpy, sys; del sys.path[0]; runpy.run_module({module!r}, "
+        "run_name='__main__', alter_sys=True)",
+    ]
 
 
 @dataclass
 class Child:
     """One child process: ``role`` is ``"expert-server"`` or ``"attention-client"``; ``argv`` its
-    command line; ``ready`` set once it printed ``<role> ... ready on ...``."""
+    command line; ``ready`` set once it printed ``<role> ... ready on ...`` (``ready_at``: its
+    ``time.monotonic()``); ``restarts``: how often it was started again after an exit."""
 
     name: str
     role: str  # "expert-server" | "attention-client"
     argv: list[str]
     proc: subprocess.Popen | None = None
     ready: bool = False
-    buf: bytes = b""
+    ready_at: float | None = None
     server_id: str | None = None
     exit_logged: bool = False
-    extra: dict = field(default_factory=dict)
+    restarts: int = 0
 
     @property
     def popen(self) -> subprocess.Popen:
@@ -44,35 +80,85 @@ class Child:
 
 
 class Children:
-    """The started children and the relay of their stdout (stderr is inherited)."""
+    """The started children and the relay of their stdout and stderr."""
 
     def __init__(self) -> None:
         self.all: list[Child] = []
         self._sel = selectors.DefaultSelector()
+        self._bufs: dict[int, bytes] = {}  # pipe fd -> its unfinished line
 
     def __iter__(self):
         return iter(self.all)
 
-    def spawn(self, child: Child, env: dict) -> None:
-        """Start ``child`` with ``env``; it gets SIGKILL when this process dies."""
+    def _start(self, child: Child, env: dict) -> None:
         proc = subprocess.Popen(
             child.argv,
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             env=env,
             preexec_fn=die_with_parent(os.getpid()),
             close_fds=True,
         )
         child.proc = proc
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:  # always, with PIPE
+                os.set_blocking(pipe.fileno(), False)
+                self._bufs[pipe.fileno()] = b""
+                self._sel.register(pipe, selectors.EVENT_READ, child)
+
+    def spawn(self, child: Child, env: dict) -> None:
+        """Start ``child`` with ``env``; it gets SIGKILL when this process dies."""
+        self._start(child, env)
         self.all.append(child)
-        if proc.stdout is not None:  # always, with stdout=PIPE
-            os.set_blocking(proc.stdout.fileno(), False)
-            self._sel.register(proc.stdout, selectors.EVENT_READ, child)
+
+    def respawn(self, child: Child, env: dict) -> None:
+        """Start an exited ``child`` again with the same command line (its last output lines
+        relayed and its pipes closed first); ``ready`` is cleared and ``restarts`` counted."""
+        old = child.popen
+        for pipe in (old.stdout, old.stderr):
+            if pipe is not None and not pipe.closed:  # closed: its end was relayed already
+                self._drain(child, pipe)
+        child.ready, child.ready_at, child.exit_logged = False, None, False
+        child.restarts += 1
+        self._start(child, env)
+
+    def _drain(self, child: Child, pipe: IO[bytes]) -> None:
+        """Relay what is left in ``pipe`` of an exited child, then unregister and close it."""
+        fd = pipe.fileno()
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except (BlockingIOError, OSError):
+                data = b""
+            if not data:
+                break
+            self._feed(child, fd, data)
+        self._close(child, pipe)
+
+    def _close(self, child: Child, pipe: IO[bytes]) -> None:
+        fd = pipe.fileno()
+        rest = self._bufs.pop(fd, b"")
+        if rest:
+            self._line(child, rest)
+        try:
+            self._sel.unregister(pipe)
+        except (KeyError, ValueError):
+            pass
+        pipe.close()
+
+    def _feed(self, child: Child, fd: int, data: bytes) -> None:
+        buf = self._bufs.get(fd, b"") + data
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            self._line(child, line)
+        self._bufs[fd] = buf
 
     def pump(self, timeout: float) -> None:
         """Relay ready output lines of children (and detect ready lines) for up to ``timeout``."""
         for key, _ in self._sel.select(timeout):
             child: Child = key.data
+            pipe: IO[bytes] = key.fileobj  # type: ignore[assignment]
             try:
                 data = os.read(key.fd, 65536)
             except BlockingIOError:
@@ -80,21 +166,15 @@ class Children:
             except OSError:
                 data = b""
             if not data:
-                self._sel.unregister(key.fileobj)
-                if child.buf:
-                    self._line(child, child.buf)
-                    child.buf = b""
+                self._close(child, pipe)
                 continue
-            child.buf += data
-            while b"\n" in child.buf:
-                line, child.buf = child.buf.split(b"\n", 1)
-                self._line(child, line)
+            self._feed(child, key.fd, data)
 
     def _line(self, child: Child, raw: bytes) -> None:
         line = raw.decode("utf-8", "replace").rstrip()
         if not child.ready and " ready on " in line and line.startswith(child.role):
-            child.ready = True
-        print(f"[{child.name}] {printable(line)}", flush=True)  # no raw control chars
+            child.ready, child.ready_at = True, time.monotonic()
+        print(output_line(child.name, printable(line)), flush=True)  # no raw control chars
 
     def pump_quietly(self, timeout: float) -> None:
         """:meth:`pump`, sleeping instead where a pipe is already closed (while stopping)."""
@@ -144,18 +224,13 @@ class Children:
                 while proc.poll() is None and time.monotonic() < deadline:
                     self.pump_quietly(0.1)  # relay their last lines while they stop
                 if proc.poll() is None:
-                    log(f"{ch.name} did not exit within {grace:.0f} s; killing it")
+                    log(f"{ch.name} did not exit within {grace:.0f} s; killing it", "WARNING")
                     proc.kill()
                 proc.wait()
-        try:
-            self.pump(0)
-        except Exception:  # noqa: BLE001
-            pass
         for ch in self.all:
-            if ch.proc is not None and ch.proc.stdout is not None:
-                try:
-                    self._sel.unregister(ch.proc.stdout)
-                except (KeyError, ValueError):
-                    pass
-                ch.proc.stdout.close()
+            if ch.proc is None:
+                continue
+            for pipe in (ch.proc.stdout, ch.proc.stderr):
+                if pipe is not None and not pipe.closed:
+                    self._drain(ch, pipe)
         return t0 if alive else None

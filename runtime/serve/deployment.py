@@ -1,7 +1,8 @@
 """``eaas serve``'s deployment: the placement, routing table version 1, the expert servers and
 attention clients it starts (their command lines from the options objects), the local monitor
-that republishes the table when a server exits, and the ordered stop. The package docstring
-(:mod:`eaas.runtime.serve`) tells the whole story.
+that republishes the table when a server exits, starts the server again with back-off
+(:mod:`eaas.runtime.serve.restarts`) and puts it back into the table once it serves, and the
+ordered stop. The package docstring (:mod:`eaas.runtime.serve`) tells the whole story.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +17,7 @@ from eaas.runtime.client.budgets import parse_prefill_cap
 from eaas.runtime.client.kv_cache import check_kv_cache_memory, parse_memory_size
 from eaas.runtime.client.main import bind_listener
 from eaas.runtime.common.dtypes import torch_dtype
+from eaas.runtime.common.logs import LOG_FORMAT_ENV
 from eaas.runtime.common.ports import free_tcp_port
 from eaas.runtime.cuda.device import resolve_device
 from eaas.runtime.models.arch import read_model_info
@@ -24,7 +25,8 @@ from eaas.runtime.models.compute import check_policy
 from eaas.runtime.models.tiny import default_model_dir
 from eaas.runtime.options import AttentionClientOptions, ExpertServerOptions, ServeOptions
 from eaas.runtime.placement import SCHED_POLICIES, place_experts, spread_over_cpus
-from eaas.runtime.serve.children import Child, Children, log
+from eaas.runtime.serve.children import Child, Children, log, module_command
+from eaas.runtime.serve.restarts import RestartBackoff
 from eaas.runtime.serve.rundir import create_run_dir, remove_stale_run_dirs
 from eaas.runtime.tables.expert_spec import format_expert_spec
 from eaas.runtime.tables.table import RoutingTable
@@ -127,6 +129,10 @@ class Deployment:
             else:
                 self.server_cpu_list = spread_over_cpus(self.placement, cpus)
         self.n, self.r, self.m = o.expert_servers, o.replicas, o.attention_clients
+        self.server_ids = [f"expert-{i}" for i in range(self.n)]
+        self.full_table: RoutingTable | None = None  # version 1: every server
+        self.down: set[str] = set()  # expert servers not serving now (out of the table)
+        self.backoff = {sid: RestartBackoff() for sid in self.server_ids}
         self.ready_timeout = ready_timeout
         self.children = Children()
         self.run_dir: Path | None = None
@@ -154,6 +160,7 @@ class Deployment:
         env = dict(os.environ)
         env["PROMETHEUS_MULTIPROC_DIR"] = str(self._live_dir() / "metrics")
         env["PYTHONUNBUFFERED"] = "1"
+        env[LOG_FORMAT_ENV] = "plain"  # serve's relay adds the time stamp and the child's name
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env.setdefault("HF_HUB_OFFLINE", "1")
@@ -180,16 +187,18 @@ class Deployment:
                 f"serve processes that are gone: {', '.join(map(str, removed))}"
             )
         run_dir = self.run_dir = create_run_dir()
-        ids = [f"expert-{i}" for i in range(self.n)]
+        ids = self.server_ids
         if o.transport == "shm":
             endpoints = [f"unix:{run_dir / f'{sid}.sock'}" for sid in ids]
         else:
             endpoints = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in ids]
-        self.table = RoutingTable.from_placement(self.placement, ids, endpoints, version=1)
+        self.table = self.full_table = RoutingTable.from_placement(
+            self.placement, ids, endpoints, version=1
+        )
         table_path = self.table_path = run_dir / "routing-table.json"
         write_table(table_path, self.table)
         env = self._env()
-        py = [sys.executable, "-m", "eaas"]
+        py = module_command("eaas")  # never a folder named eaas in the working directory
         try:
             for s, (sid, ep) in enumerate(zip(ids, endpoints, strict=False)):
                 server = ExpertServerOptions(
@@ -248,32 +257,87 @@ class Deployment:
             self.stop()
             raise
 
-    # ---- liveness -------------------------------------------------------------------------
+    # ---- liveness ---------------------------------------------------------------------
+    def _publish(self) -> RoutingTable:
+        """Write the next routing table version: every server but those :attr:`down`."""
+        if self.full_table is None or self.table_path is None:
+            raise RuntimeError("the deployment is not started")
+        table = self.full_table.without_servers(self.down).with_version(
+            self.routing_table.version + 1
+        )
+        self.table = table
+        write_table(self.table_path, table)
+        return table
+
+    def _server_exited(self, ch: Child, rc: int) -> None:
+        """An expert server exited: take it out of the table, schedule its restart, say what
+        the clients do meanwhile."""
+        sid = ch.server_id or ch.name
+        pid = ch.popen.pid
+        assert self.full_table is not None  # started: a table exists
+        hosted = self.full_table.hosted_by(sid)
+        if sid not in self.down:
+            self.down.add(sid)
+            table = self._publish()
+            published = f"; routing table version {table.version} leaves it out"
+        else:  # it exited again before serving: already out of the table
+            table, published = self.routing_table, ""
+        lost = [p for p in hosted if not table.replicas(*p)]
+        if not hosted:
+            meanwhile = ""
+        elif lost:
+            meanwhile = (
+                f"; {len(lost)} of its experts have no other replica"
+                f"{' (--replicas 1)' if self.r == 1 else ''}: requests that need them fail "
+                "with 503 until it serves again"
+            )
+        else:
+            meanwhile = "; clients send its tokens to the other replicas"
+        if self.options.restart_expert_servers:
+            delay = self.backoff[sid].exited(time.monotonic(), ch.ready_at)
+            then = f"; restarting it in {delay:.0f} s"
+        else:
+            then = "; not restarted (--no-restart-expert-servers)"
+        log(
+            f"expert server {ch.name} (pid {pid}) exited with code {rc}{published}{meanwhile}"
+            f"{then}",
+            "WARNING",
+        )
+
     def _check_children(self) -> None:
         for ch in self.children:
             rc = ch.popen.poll()
             if rc is None or ch.exit_logged:
                 continue
             ch.exit_logged = True
-            pid = ch.popen.pid
-            self._mark_dead_metrics(pid)
+            self._mark_dead_metrics(ch.popen.pid)
             if ch.role == "expert-server" and self.table_path is not None:
-                log(
-                    f"expert server {ch.name} (pid {pid}) exited with code {rc}; clients fail over to other replicas"
-                )
-                table = self.table = self.routing_table.without_servers([ch.server_id or ch.name])
-                write_table(self.table_path, table)
-                unc = table.uncovered()
-                log(
-                    f"published routing table version {table.version} without {ch.name}"
-                    + (
-                        f" ({len(unc)} experts have no replica left: requests needing them fail with 503)"
-                        if unc
-                        else ""
-                    )
-                )
+                self._server_exited(ch, rc)
             else:
-                log(f"attention client {ch.name} (pid {pid}) exited with code {rc}")
+                log(f"attention client {ch.name} (pid {ch.popen.pid}) exited with code {rc}")
+
+    def _restart_servers(self) -> None:
+        """Start again the exited expert servers whose back-off has expired; put the ones that
+        serve again (their ready line) back into the routing table."""
+        now = time.monotonic()
+        for ch in self.children:
+            if ch.role != "expert-server":
+                continue
+            sid = ch.server_id or ch.name
+            backoff = self.backoff[sid]
+            if ch.exit_logged and backoff.due(now):
+                backoff.restarted()
+                self.children.respawn(ch, self._env())
+                log(
+                    f"restarted expert server {ch.name} (pid {ch.popen.pid}, restart {ch.restarts})"
+                )
+            elif sid in self.down and ch.ready and ch.popen.poll() is None:
+                self.down.discard(sid)
+                table = self._publish()
+                log(
+                    f"expert server {ch.name} (pid {ch.popen.pid}) serves again: routing table "
+                    f"version {table.version} has it back"
+                )
 
     def _mark_dead_metrics(self, pid: int) -> None:
         try:
@@ -290,7 +354,10 @@ class Deployment:
         """
         while not self._stop:
             self.children.pump(0.2)
+            if self._stop:  # a Ctrl-C in a terminal reaches the children too: no restarts
+                break
             self._check_children()
+            self._restart_servers()
             if all(
                 ch.popen.poll() is not None for ch in self.children if ch.role == "attention-client"
             ):
@@ -320,6 +387,11 @@ class Deployment:
             log(f"all processes stopped in {time.monotonic() - t0:.1f} s")
 
 
+def plural(n: int, noun: str) -> str:
+    """``"1 replica"``, ``"2 replicas"``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def serve(options: ServeOptions) -> int:
     """Run a deployment until SIGINT/SIGTERM; returns the exit code: 0 after a signal once
     serving, 1 when start-up failed or every client died, 128 + the signal's number (130
@@ -334,7 +406,8 @@ def serve(options: ServeOptions) -> int:
     signal.signal(signal.SIGINT, dep.request_stop)
     log(
         f"placement: {len(dep.info.moe_layers)} MoE layers x {dep.info.num_experts} experts, "
-        f"{dep.r} replicas on {dep.n} servers ({dep.placement.experts_per_server()} experts per server)"
+        f"{plural(dep.r, 'replica')} of each on {plural(dep.n, 'server')} "
+        f"({dep.placement.experts_per_server()} experts per server)"
     )
     if dep.server_cpu_list is not None:
         log(f"expert servers pinned to CPUs {list(dep.server_cpu_list)} (--server-cpus auto)")
@@ -353,10 +426,10 @@ def serve(options: ServeOptions) -> int:
     try:
         name = Path(dep.model_dir).name
         log(f"routing table version {dep.routing_table.version}: {dep.table_path}")
-        print(
-            f"serving {name} on http://{dep.options.host}:{dep.options.port} ({dep.n} expert server{'s' if dep.n != 1 else ''}, {dep.r} replicas, "
-            f"{dep.m} client{'s' if dep.m != 1 else ''})",
-            flush=True,
+        log(
+            f"serving {name} on http://{dep.options.host}:{dep.options.port} "
+            f"({plural(dep.n, 'expert server')}, {plural(dep.r, 'replica')}, "
+            f"{plural(dep.m, 'client')})"
         )
         return dep.serve_forever()
     finally:

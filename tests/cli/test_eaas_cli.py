@@ -196,3 +196,32 @@ def test_parse_cpu_list_reads_the_linux_list_format():
                         ("0-100000000000", "CPU 100000000000 not available")]:  # fmt: skip
         with pytest.raises(ValueError, match=needle):
             parse_cpu_list(bad)
+
+
+@pytest.mark.api
+def test_serve_replicas_errors_name_the_flags():
+    """--replicas out of range: exit 2 naming --replicas (and --expert-servers), before torch
+    is imported or anything starts."""
+    cases = [
+        (
+            ["--replicas", "5", "--expert-servers", "2"],
+            "--replicas (5) cannot exceed --expert-servers (2)",
+        ),
+        (["--replicas", "0"], "--replicas must be >= 1, got 0"),
+        (["--expert-servers", "0", "--replicas", "0"], "--expert-servers must be >= 1, got 0"),
+    ]
+    for args, message in cases:
+        r = _run(["serve", "--port", "1", *args], blocked=("torch",))
+        out = " ".join((r.stdout + r.stderr).split())
+        assert r.returncode == 2, out
+        assert message in out, out
+        assert "redundancy" not in out, out
+        assert "HEAVY:" in out and "HEAVY: torch" not in out, out
+
+
+@pytest.mark.api
+def test_serve_help_names_the_restart_flag():
+    r = _run(["serve", "--help"])
+    out = " ".join(r.stdout.split())
+    assert r.returncode == 0, r.stderr
+    assert "--restart-expert-servers" in out and "--no-restart-expert-servers" in out, out

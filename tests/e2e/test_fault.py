@@ -1,6 +1,7 @@
 """Fault tolerance through ``eaas serve`` (4 expert servers, 2 replicas, 1 attention client).
 
-Order matters inside this module (one deployment, degraded step by step):
+Order matters inside this module (one deployment, degraded step by step; serve runs with
+``--no-restart-expert-servers``, so a killed server stays dead):
 1. SIGKILL one expert server while several requests stream: every request completes with the
    reference tokens, failovers are counted, serve keeps running and publishes a routing table
    without the dead server (acknowledged by the client).
@@ -36,7 +37,9 @@ from helpers.e2e import (
 )
 
 deployment = serve_fixture(
-    "serve-fault", ["--expert-servers", "4", "--replicas", "2", "--dispatch-timeout", "5"]
+    "serve-fault",
+    ["--expert-servers", "4", "--replicas", "2", "--dispatch-timeout", "5"]
+    + ["--no-restart-expert-servers"],  # the servers killed here stay dead (503 when none is left)
 )
 
 
@@ -89,6 +92,7 @@ def test_kill_expert_server_while_streaming(deployment, model_name, tokenizer, m
         time.sleep(0.1)
     assert h["routing_table_version"] == 2 and "expert-1" not in h["servers"]
     assert "expert server expert-1" in deployment.log() and "exited" in deployment.log()
+    assert "not restarted (--no-restart-expert-servers)" in deployment.log()
     # a fresh request after the failure is still exact
     r = httpx.post(
         f"{deployment.base_url}/v1/completions",

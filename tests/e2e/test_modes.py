@@ -5,7 +5,9 @@ SIGKILLed ``eaas serve`` die with it (PR_SET_PDEATHSIG)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -151,7 +153,25 @@ def test_serve_client_that_blocks_at_once_is_exact(tokenizer, model_dir, tmp_pat
             assert os.sched_getscheduler(p) == os.SCHED_OTHER, p
         assert "pinned to CPUs" not in sp.log()
         assert "expert servers not pinned (--server-cpus none)" in sp.log()
+        assert "(2 expert servers, 1 replica, 1 client)" in sp.log()
+        assert "1 replica of each on 2 servers" in sp.log()
         _check_exact(sp.base_url, tokenizer, model_dir)
+        # --replicas 1: a dead server's experts have no other replica, and the log says so (not
+        # that clients fail over) and what happens: 503 for them until serve restarted it
+        os.kill(sp.pid_of("--server-id expert-1"), signal.SIGKILL)
+        deadline = time.monotonic() + 180
+        while "has it back" not in sp.log():  # exited, restarted, ready, back in the table
+            assert time.monotonic() < deadline, sp.log()[-3000:]
+            time.sleep(0.2)
+        log = sp.log()
+        assert re.search(
+            r"expert server expert-1 \(pid \d+\) exited with code -9; routing table version 2 "
+            r"leaves it out; \d+ of its experts have no other replica \(--replicas 1\): "
+            r"requests that need them fail with 503 until it serves again; restarting it in 1 s",
+            log,
+        ), log[-3000:]
+        assert "fail over" not in log and "other replicas" not in log, log[-3000:]
+        assert re.search(r"expert-1 \(pid \d+\) serves again: routing table version 3", log)
     finally:
         sp.stop(check=True)
 
@@ -174,7 +194,11 @@ def _taken_port():
         (["--model", "/nonexistent"], "/nonexistent/config.json"),
         (["--dtype", "float16"], "--dtype must be float32 or bfloat16"),
         (["--port", "70000"], "less than or equal to 65535"),
-        (["--replicas", "5", "--expert-servers", "2"], "redundancy (5) cannot exceed"),
+        (
+            ["--replicas", "5", "--expert-servers", "2"],
+            "--replicas (5) cannot exceed --expert-servers (2)",
+        ),
+        (["--replicas", "0"], "--replicas must be >= 1, got 0"),
         (["--kv-cache-memory", "lots"], "bad memory size 'lots'"),
         (["--client-device", "tpu"], "--client-device must be auto, cpu, cuda or cuda:N"),
         (["--dispatch-timeout", "0"], "--dispatch-timeout must be > 0 seconds"),

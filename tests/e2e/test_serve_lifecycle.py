@@ -300,7 +300,9 @@ def test_sigkilled_serve_leaves_a_run_dir_the_next_start_removes_and_sigterm_in_
             second.wait(60)
     log = second_log.read_text()
     assert rc == 128 + signal.SIGTERM, log[-3000:]
-    assert not re.search(r"^serving \S+ on http://", log, re.M), log[-3000:]  # start-up it was
+    assert not re.search(r"\[eaas serve\] serving \S+ on http://", log), log[
+        -3000:
+    ]  # start-up it was
     assert "interrupted by SIGTERM during start-up" in log, log[-3000:]
     assert "start-up failed" not in log and "Traceback" not in log, log[-3000:]
     assert f"removed 1 run directory of serve processes that are gone: {stale}" in log, log

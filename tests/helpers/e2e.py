@@ -77,10 +77,21 @@ def shm_files() -> set[str]:
 
 
 class ServeProcess:
-    """``python -m eaas serve`` as a subprocess; output goes to ``log_path``."""
+    """``python -m eaas serve`` (or ``command``, e.g. the ``eaas`` console script, then
+    ``serve``) as a subprocess in ``cwd`` (default: this one); output goes to ``log_path``."""
 
-    def __init__(self, args: list[str], log_path: Path, port: int):
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        port: int,
+        *,
+        command: list[str] | None = None,
+        cwd: Path | None = None,
+    ):
         self.args = args
+        self.command = command or [sys.executable, "-m", "eaas"]
+        self.cwd = cwd
         self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
@@ -94,7 +105,8 @@ class ServeProcess:
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "eaas", "serve", "--port", str(self.port), *self.args],
+            [*self.command, "serve", "--port", str(self.port), *self.args],
+            cwd=self.cwd,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -103,7 +115,7 @@ class ServeProcess:
         deadline = time.monotonic() + timeout
         while True:
             text = self.log()
-            if re.search(r"^serving \S+ on http://", text, re.M):
+            if re.search(r"\[eaas serve\] serving \S+ on http://", text):
                 break
             if self.proc.poll() is not None:
                 raise RuntimeError(

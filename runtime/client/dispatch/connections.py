@@ -164,12 +164,15 @@ class ServerConnections:
         if not s.down:
             s.down = True
             metrics.SERVER_DOWN.labels(server=s.server_id).inc()
-            log.warning(
+            # a server never reached yet is most likely still starting (a healthy start):
+            # info, not a warning, until this client has had a connection to it
+            log.log(
+                logging.WARNING if s.ever_connected else logging.INFO,
                 "client %d: expert server %s (%s) marked down: %s",
                 self.client_id,
                 s.server_id,
                 s.endpoint,
-                why,
+                why if s.ever_connected else f"{why} (not reached yet; still starting?)",
             )
             self._on_down(s, why)
         self._wake.set()

@@ -215,10 +215,11 @@ class Dispatcher:
             self._version_gauge.set(table.version)
             uncovered = table.uncovered()
             log.info(
-                "client %d: routing table version %d in use (%d servers%s)",
+                "client %d: routing table version %d in use (%d server%s%s)",
                 self.client_id,
                 table.version,
                 len(self._servers),
+                "" if len(self._servers) == 1 else "s",
                 f", {len(uncovered)} experts without replica" if uncovered else "",
             )
             self._conns.start()
