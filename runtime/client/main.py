@@ -279,6 +279,7 @@ def run_attention_client(
     config = uvicorn.Config(
         app,
         log_level="warning",
+        log_config=None,  # uvicorn's records go through configure_logging's format
         access_log=False,
         timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S) + 2,
         lifespan="off",
