@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phase-s", type=float, default=40.0, help="ramp: seconds per phase")
     ap.add_argument("--min", type=int, default=2, dest="min_replicas")
     ap.add_argument("--max", type=int, default=5, dest="max_replicas")
-    ap.add_argument("--target", type=int, default=1200, help="target tokens/s per server")
+    ap.add_argument("--target", type=int, default=600, help="target tokens/s per server")
     ap.add_argument("--scale-down-s", type=int, default=15, help="scale-down stabilization (s)")
     ap.add_argument(
         "--assignment",

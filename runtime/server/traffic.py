@@ -10,13 +10,13 @@ frame came against the pod's deletion.
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 
 
 def _iso(t: float | None) -> str:
     if t is None:
         return "never"
-    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds")
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds")
 
 
 class TrafficRecord:

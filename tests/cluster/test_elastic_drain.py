@@ -10,7 +10,11 @@ greedy) run in a loop throughout.
    of its last frame, of the SIGTERM, frames answered after it) its last frame came before the
    pod's deletion was asked, and nothing was left to answer when it stopped. The operator's
    ``ServerDrained`` Event names it.
-2. Back to 4, then ``replicas`` patched 4 -> 5 -> 6 -> 7 -> 6 -> 8 -> 5 within 20 s under the same
+2. Re-placement of live servers, back to 4: a pod spec change (``podTemplate`` env) makes all 3
+   outdated; each in turn leaves an acknowledged table, drains and only then is deleted (the
+   same proof from its own record), its replacement joins; the fourth server is new; no request
+   fails.
+3. Then ``replicas`` patched 4 -> 5 -> 6 -> 7 -> 6 -> 8 -> 5 within 20 s under the same
    streams: the pool converges to 5 within the bound docs/autoscaling.md states; the survivors
    keep their UIDs and restart counts; every pod created during the burst ends up serving (in
    the published table, answering frames), none is created and deleted without; at every
@@ -51,12 +55,13 @@ pytestmark = pytest.mark.elastic
 
 POOL = "drain"
 PROMPTS = [f"Stream {i}: a long story about the number {i * 11}" for i in range(16)]
-MAX_TOKENS = 48
-BURST = (5, 6, 7, 6, 8, 5)  # from 4, one patch every ~3 s (< 20 s in all)
+MAX_TOKENS = 32
+BURST = (5, 6, 7, 6, 8, 5)  # from 4, one patch every ~3 s (< 20 s in all, < the 5 s settle)
 BURST_GAP_S = 2.5
 # spec.replicas settles 5 s (EAAS_OPERATOR_SCALE_SETTLE_S), then a pod starts and the table's
 # two phases run: the bound docs/autoscaling.md states for a loaded test machine
 CONVERGE_BOUND_S = 180.0
+ENV_MARK = {"name": "EAAS_TEST_REVISION", "value": "2"}  # a pod spec change: re-placement
 EXIT_LINE = re.compile(
     r"expert-server \S+ stopped: frames=(\d+) last_frame_unix=([\d.]+|none) \(.*?\) "
     r"stop_unix=([\d.]+|none) frames_after_stop=(\d+)"
@@ -85,6 +90,8 @@ class Watcher:
         self.acked_at: dict[int, float] = {}
         self.deleted_at: dict[str, float] = {}  # pod uid -> first seen terminating or gone
         self.pods: dict[str, dict] = {}  # pod uid -> its last JSON
+        self.pods_seen_at: dict[str, float] = {}  # pod uid -> first seen
+        self.table_at: dict[int, float] = {}  # table version -> first seen
         self.inconsistent: list[str] = []
         self.samples = 0
         self._stop = threading.Event()
@@ -94,6 +101,7 @@ class Watcher:
         t = routing_table(self.ns, POOL)
         if t is not None:
             self.tables.setdefault(t.version, t)
+            self.table_at.setdefault(t.version, time.time())
         f = get("attentionfleet", "clients", self.ns) or {}
         v = (f.get("status") or {}).get("acknowledgedVersion") or 0
         for tv in self.tables:
@@ -103,6 +111,7 @@ class Watcher:
         uids = {p["metadata"]["uid"] for p in now.values()}
         for p in now.values():
             self.pods[p["metadata"]["uid"]] = p
+            self.pods_seen_at.setdefault(p["metadata"]["uid"], time.time())
             if p["metadata"].get("deletionTimestamp"):
                 self.deleted_at.setdefault(p["metadata"]["uid"], time.time())
         for uid in set(self.pods) - uids:
@@ -172,6 +181,42 @@ def stream_one(api: openai.OpenAI, model: str, prompt: str) -> str:
         model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
     )
     return "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+
+
+def assert_drained(w: Watcher, state_dir: Path, ns: str, uid: str) -> dict:
+    """The pod ``uid`` left as it must: a table without it was acknowledged before its
+    deletion; by its own exit record it served, got no frame after its SIGTERM and its last
+    frame came before its deletion was asked (seen by ``w``, and by the deletionTimestamp).
+    Returns the record."""
+    pod = w.pods[uid]
+    name = pod["metadata"]["name"]
+    assert uid in w.deleted_at, f"{name} was not deleted"
+    # a table without it, published before its deletion, acknowledged before its deletion
+    without = [
+        v
+        for v, tb in w.tables.items()
+        if name not in tb.servers and w.table_at[v] <= w.deleted_at[uid]
+    ]
+    assert without, f"no table without {name} was seen"
+    assert w.acked_at.get(min(without), float("inf")) <= w.deleted_at[uid] + 2.0, (
+        f"{name} was deleted before the client acknowledged a table without it"
+    )
+    record = exit_record(state_dir, ns, pod)
+    assert record["stop_unix"] is not None and record["last_frame_unix"] is not None, record
+    assert record["frames_after_stop"] == 0, f"{name}: frames still came after its SIGTERM"
+    assert record["last_frame_unix"] <= record["stop_unix"]
+    assert record["last_frame_unix"] < w.deleted_at[uid]
+    # the deletion's own time: deletionTimestamp = request + grace (1 s resolution)
+    deletion = pod["metadata"].get("deletionTimestamp")
+    if deletion:
+        grace = pod["metadata"].get("deletionGracePeriodSeconds", 30)
+        asked = rfc3339(deletion) - grace
+        assert record["last_frame_unix"] <= asked + 1.0, (record, deletion, grace)
+    drained = get_json("events", "-n", ns, "--field-selector", "reason=ServerDrained")["items"]
+    assert any(f"server {name} drained" in e["message"] for e in drained), drained
+    for tv, tb in w.tables.items():
+        assert not tb.uncovered(), f"version {tv} uncovers {tb.uncovered()[:4]}"
+    return record
 
 
 def exit_record(state_dir: Path, ns: str, pod: dict) -> dict:
@@ -286,26 +331,8 @@ def test_scale_down_drains_and_a_burst_converges(operator, cluster):
         now = {n: (p["metadata"]["uid"], restarts(p)) for n, p in pods(ns).items()}
         assert now == survivors, "a survivor was replaced or restarted"
         uid = leaving["metadata"]["uid"]
-        without = [v for v, tb in w.tables.items() if leaving["metadata"]["name"] not in tb.servers]
-        assert without and uid in w.deleted_at
-        assert w.acked_at[min(without)] <= w.deleted_at[uid] + 2.0, (
-            "the leaving pod was deleted before the client acknowledged a table without it"
-        )
-        last_seen = w.pods[uid]
-        record = exit_record(cluster.state_dir, ns, last_seen)
+        record = assert_drained(w, cluster.state_dir, ns, uid)
         assert record["frames"] > 0, "the leaving server never served: the test shows nothing"
-        assert record["stop_unix"] is not None and record["last_frame_unix"] is not None
-        assert record["frames_after_stop"] == 0, "frames were still coming when it was stopped"
-        assert record["last_frame_unix"] <= record["stop_unix"]
-        assert record["last_frame_unix"] < w.deleted_at[uid]
-        # the deletion's own time: deletionTimestamp = request + grace (1 s resolution)
-        deletion = last_seen["metadata"].get("deletionTimestamp")
-        if deletion:
-            grace = last_seen["metadata"].get("deletionGracePeriodSeconds", 30)
-            asked = rfc3339(deletion) - grace
-            assert record["last_frame_unix"] <= asked + 1.0, (record, deletion, grace)
-        drained = get_json("events", "-n", ns, "--field-selector", "reason=ServerDrained")["items"]
-        assert any(leaving["metadata"]["name"] in e["message"] for e in drained), drained
         for tv, tb in w.tables.items():
             assert not tb.uncovered(), f"version {tv} uncovers {tb.uncovered()[:4]}"
         assert min(len(r) for ex in final.layers.values() for r in ex) >= 2
@@ -316,15 +343,57 @@ def test_scale_down_drains_and_a_burst_converges(operator, cluster):
             f"its last {gap:.2f}s before its deletion was seen, 0 after SIGTERM"
         )
 
-        # ---- back to 4, then the burst 4 -> 5 -> 6 -> 7 -> 6 -> 8 -> 5 within 20 s -------------
-        scale(ns, 4)
-        wait_for("back to 4", lambda: serving(ns, 4), timeout=300, interval=1)
+        # ---- re-placement of live servers (pod spec changed): each leaves the table first ----
+        old = {p["metadata"]["uid"]: n for n, p in pods(ns).items()}
+        overlay = {"spec": {"containers": [{"name": "expert-server", "env": [ENV_MARK]}]}}
+        t0 = time.monotonic()
+        with Watcher(ns) as w, Streams(api, model) as s:
+            kubectl(
+                "patch",
+                "expertpool",
+                POOL,
+                "-n",
+                ns,
+                "--type=merge",
+                "-p",
+                json.dumps({"spec": {"podTemplate": overlay, "replicas": 4}}),
+            )
+
+            def replaced():
+                now = pods(ns)
+                fresh = all(
+                    p["metadata"]["uid"] not in old
+                    and ENV_MARK in (p["spec"]["containers"][0].get("env") or [])
+                    for p in now.values()
+                )
+                return fresh and serving(ns, 4)
+
+            wait_for("every server replaced", replaced, timeout=400, interval=1)
+            took = time.monotonic() - t0
+            n_after = len(s.answers)
+            wait_for(
+                "streams after the re-placement",
+                lambda: len(s.answers) >= n_after + 16 or s.errors,
+                timeout=300,
+            )
+        assert not s.errors, s.errors[0]
+        assert all(a == baseline[i] for i, a in s.answers)
+        gaps = [assert_drained(w, cluster.state_dir, ns, uid) for uid in old]
+        assert all(g["frames"] > 0 for g in gaps)
+        print(
+            f"[measure] re-placement of 3 live servers (and 3->4) under 16 streams: {took:.1f}s, "
+            f"{len(s.answers)} streams all with the baseline tokens, each replaced server out of "
+            f"an acknowledged table and drained before its deletion, 0 frames after SIGTERM"
+        )
+
+        # ---- the burst 4 -> 5 -> 6 -> 7 -> 6 -> 8 -> 5 within 20 s ------------------------------
         before = {p["metadata"]["uid"]: (n, restarts(p)) for n, p in pods(ns).items()}
         with Watcher(ns) as w, Streams(api, model) as s:
             b0 = time.monotonic()
-            for n in BURST:
+            for k, n in enumerate(BURST):
+                if k:
+                    time.sleep(BURST_GAP_S)
                 scale(ns, n)
-                time.sleep(BURST_GAP_S)
             burst_s = time.monotonic() - b0
             last_patch = time.monotonic()
             final = wait_for(
