@@ -56,8 +56,8 @@ pytestmark = pytest.mark.elastic
 POOL = "drain"
 PROMPTS = [f"Stream {i}: a long story about the number {i * 11}" for i in range(16)]
 MAX_TOKENS = 32
-BURST = (5, 6, 7, 6, 8, 5)  # from 4, one patch every ~3 s (< 20 s in all, < the 5 s settle)
-BURST_GAP_S = 2.5
+BURST = (5, 6, 7, 6, 8, 5)  # from 4, one patch every ~2-3 s (< 20 s in all, < the 5 s settle)
+BURST_GAP_S = 1.5
 # spec.replicas settles 5 s (EAAS_OPERATOR_SCALE_SETTLE_S), then a pod starts and the table's
 # two phases run: the bound docs/autoscaling.md states for a loaded test machine
 CONVERGE_BOUND_S = 180.0
