@@ -2,26 +2,37 @@
 
 What runs: the testbed (real kube-apiserver with the aggregation layer, kube-controller-manager
 with the real HPA controller, process nodes), the operator as a local process serving
-``external.metrics.k8s.io``, one ExpertPool of the tiny model with ``spec.autoscaling`` and one
-AttentionFleet. A traffic ramp up and down (streaming completions at a concurrency that changes
-per phase, requests from :mod:`bench.loadgen`'s ShareGPT-shaped workload) drives the expert load;
-the HPA scales the pool.
+``external.metrics.k8s.io``, one ExpertPool of the tiny model with ``spec.autoscaling``
+(``placement.assignment: routing-table`` by default: survivors load experts by table and a
+leaving server drains before its pod is deleted) and one AttentionFleet. Traffic (streaming
+completions at a concurrency that changes per phase, requests from :mod:`bench.loadgen`'s
+ShareGPT-shaped workload) drives the expert load; the HPA scales the pool.
+
+Traces (``--trace``):
+
+* ``diurnal`` (default): a day shape -- night trough, morning peak, midday dip, evening peak,
+  night trough -- over ``--sim-minutes`` simulated minutes (default 32), one concurrency level
+  per simulated minute between ``--trough`` and ``--peak``, replayed ``--compression`` times
+  faster than real time (default 4: 32 simulated minutes in 8 minutes of wall time).
+* ``ramp``: ``--ramp`` levels of ``--phase-s`` seconds each.
 
 Reported (stdout, ``bench/results/autoscale-<time>.json``, and ``docs/bench-autoscale.png``):
 
-* server-seconds used (existing server pods integrated over the run) against a pool fixed at
-  the peak size for the same time (the paper reports up to 37.5 % saved);
+* GPU-seconds used (existing server pods x ``gpusPerServer``, integrated over the run) against a
+  pool fixed at the peak size for the same time (the paper reports up to 37.5 % saved), in wall
+  and in simulated seconds;
 * failed requests (goal 0);
-* ITL p50/p99 overall and within ``--event-window-s`` of every scale event (a change of
-  ``spec.replicas``);
+* ITL p50/p99 overall, and the p99 within ``--event-window-s`` of each scale event (a change of
+  ``spec.replicas``), per event and over all of them;
 * a PNG: load (tokens/s) and concurrency, servers (spec / ready), ITL over time.
 
 Usage::
 
-    python bench/autoscale.py --phase-s 40 --ramp 1,2,4,4,2,1,0
+    python bench/autoscale.py                       # diurnal, ~12 minutes in all
+    python bench/autoscale.py --trace ramp --phase-s 40 --ramp 1,2,4,4,2,1,0
 
-(about 5 minutes; the default tiny model on CPU). ``--target`` is the HPA's target load per
-server (tokens/s); pick it from a first run's measured load so the ramp crosses it.
+(the default tiny model on CPU). ``--target`` is the HPA's target load per server (tokens/s);
+pick it from a first run's measured load so the trace crosses it.
 """
 
 from __future__ import annotations
@@ -134,6 +145,22 @@ async def drive(
     return records, conc_log
 
 
+def diurnal_levels(minutes: int, trough: int, peak: int) -> list[int]:
+    """One concurrency level per simulated minute of a day shape: trough at night (both ends),
+    a morning peak (at 35 % of the day, ``peak``), a midday dip and an evening peak (at 75 %,
+    90 % of ``peak``)."""
+    out = []
+    for m in range(minutes):
+        x = (m + 0.5) / minutes
+        shape = (
+            math.exp(-(((x - 0.35) / 0.11) ** 2))
+            + 0.9 * math.exp(-(((x - 0.75) / 0.1) ** 2))
+            + 0.35 * math.exp(-(((x - 0.55) / 0.12) ** 2))
+        )
+        out.append(int(round(trough + (peak - trough) * min(1.0, shape))))
+    return out
+
+
 def plot(samples: list[dict], records: list[dict], conc: list[tuple[float, int]], path: Path):
     import matplotlib
 
@@ -161,7 +188,7 @@ def plot(samples: list[dict], records: list[dict], conc: list[tuple[float, int]]
     if pts:
         axes[2].scatter([p[0] for p in pts], [p[1] for p in pts], s=2, alpha=0.4)
     axes[2].set_ylabel("ITL (ms)")
-    axes[2].set_xlabel("time (s)")
+    axes[2].set_xlabel("wall time (s)")
     fig.suptitle("EaaS autoscaling on expert load (testbed, process nodes, tiny model)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -169,18 +196,36 @@ def plot(samples: list[dict], records: list[dict], conc: list[tuple[float, int]]
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ramp", default="1,2,4,4,2,1,0", help="concurrency per phase")
-    ap.add_argument("--phase-s", type=float, default=40.0, help="seconds per phase")
+    ap.add_argument("--trace", choices=("diurnal", "ramp"), default="diurnal")
+    ap.add_argument("--sim-minutes", type=int, default=32, help="diurnal: simulated minutes")
+    ap.add_argument("--compression", type=float, default=4.0, help="diurnal: time compression")
+    ap.add_argument("--trough", type=int, default=1, help="diurnal: concurrency at night")
+    ap.add_argument("--peak", type=int, default=6, help="diurnal: concurrency at the peak")
+    ap.add_argument("--ramp", default="1,2,4,4,2,1,0", help="ramp: concurrency per phase")
+    ap.add_argument("--phase-s", type=float, default=40.0, help="ramp: seconds per phase")
     ap.add_argument("--min", type=int, default=2, dest="min_replicas")
-    ap.add_argument("--max", type=int, default=4, dest="max_replicas")
-    ap.add_argument("--target", type=int, default=150, help="target tokens/s per server")
-    ap.add_argument("--scale-down-s", type=int, default=20, help="scale-down stabilization (s)")
+    ap.add_argument("--max", type=int, default=5, dest="max_replicas")
+    ap.add_argument("--target", type=int, default=600, help="target tokens/s per server")
+    ap.add_argument("--scale-down-s", type=int, default=15, help="scale-down stabilization (s)")
+    ap.add_argument(
+        "--assignment",
+        choices=("routing-table", "command-line"),
+        default="routing-table",
+        help="the pool's placement.assignment",
+    )
     ap.add_argument("--length-scale", type=float, default=0.1)
     ap.add_argument("--event-window-s", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--png", default=str(ROOT / "docs" / "bench-autoscale.png"))
     args = ap.parse_args(argv)
-    ramp = [int(x) for x in args.ramp.split(",")]
+    if args.trace == "diurnal":
+        if args.sim_minutes < 1 or args.compression <= 0 or not 0 <= args.trough <= args.peak:
+            ap.error("--sim-minutes >= 1, --compression > 0 and 0 <= --trough <= --peak")
+        ramp = diurnal_levels(args.sim_minutes, args.trough, args.peak)
+        args.phase_s = 60.0 / args.compression
+    else:
+        ramp = [int(x) for x in args.ramp.split(",")]
+    compression = args.compression if args.trace == "diurnal" else 1.0
 
     from eaas import testbed as tbmod
     from eaas.runtime.models.tiny import default_model_dir
@@ -216,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                 "model": {**model, "firstMoeLayer": 1, "numMoeLayers": 3, "numExperts": 32},
                 "replicas": args.min_replicas,
                 "redundancy": 2,
+                "placement": {"assignment": args.assignment},
                 "autoscaling": {
                     "minReplicas": args.min_replicas,
                     "maxReplicas": args.max_replicas,
@@ -299,16 +345,41 @@ def main(argv: list[str] | None = None) -> int:
         for tt, g in zip(r["token_times"][1:], r["itls"], strict=True)
         if any(abs(tt - e) <= args.event_window_s for e in events)
     ]
+    per_event = []
+    for e in events:
+        gaps = [
+            g
+            for r in records
+            for tt, g in zip(r["token_times"][1:], r["itls"], strict=True)
+            if abs(tt - e) <= args.event_window_s
+        ]
+        spec_after = next(s["spec"] for s in samples if s["t"] >= e)
+        per_event.append(
+            {
+                "t_s": round(e - t_start, 1),
+                "t_sim_min": round((e - t_start) * compression / 60, 1),
+                "replicas": spec_after,
+                "itl_p99_ms": round(pct(gaps, 99) * 1000, 2) if gaps else None,
+                "tokens": len(gaps),
+            }
+        )
     failed = [r for r in records if not r["ok"]]
+    gpus = 1  # gpusPerServer of the bench's pool (the CRD default)
     result = {
-        "ramp": ramp,
+        "trace": args.trace,
+        "levels": ramp,
         "phase_s": args.phase_s,
+        "compression": compression,
+        "simulated_minutes": round((t_end - t_start) * compression / 60, 1),
+        "assignment": args.assignment,
         "target_tokens_per_s_per_server": args.target,
         "requests": len(records),
         "failed_requests": len(failed),
         "failures": [r["error"] for r in failed][:10],
-        "server_seconds_used": round(used, 1),
-        "server_seconds_fixed_at_peak": round(fixed, 1),
+        "gpu_seconds_used": round(used * gpus, 1),
+        "gpu_seconds_fixed_at_peak": round(fixed * gpus, 1),
+        "simulated_gpu_seconds_used": round(used * gpus * compression, 1),
+        "simulated_gpu_seconds_fixed_at_peak": round(fixed * gpus * compression, 1),
         "saved_fraction": round(1 - used / fixed, 4) if fixed else 0.0,
         "peak_servers": peak,
         "scale_events": len(events),
@@ -320,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         "itl_p50_ms": round(pct(all_itl, 50) * 1000, 2),
         "itl_p99_ms": round(pct(all_itl, 99) * 1000, 2),
         "itl_p99_near_scale_events_ms": round(pct(near, 99) * 1000, 2) if near else None,
+        "scale_event_itl": per_event,
         "max_load_tokens_per_s": max(s["load"] for s in samples),
     }
     print(json.dumps(result, indent=2))

@@ -506,9 +506,10 @@ def plan_pods(
         desired: pod name -> manifest (from :func:`desired_server_pods`).
         observed: the pool's existing pods.
         max_unavailable: how many desired servers may be down at once (>= 1).
-        in_use: live excess pods that clients may still use (``routing-table`` pools: named in
-            the published or a pending routing table, or not every client acknowledged a table
-            without them): never deleted now -- make-before-break scale-down.
+        in_use: live excess or outdated pods that clients may still use (``routing-table``
+            pools: named in the published or a pending routing table, not every client
+            acknowledged a table without them, or not drained yet): never deleted now --
+            make-before-break scale-down and re-placement (:mod:`eaas.operator.drain`).
     """
     plan = PodPlan()
     by_name = {p.name: p for p in observed}
@@ -557,7 +558,9 @@ def plan_pods(
         return must_cover <= _covered(rest)
 
     # replace outdated servers first while excess ones still hold their experts, then shrink
-    ordered = sorted(candidates, key=lambda p: p.index) + excess_live
+    ordered = [
+        p for p in sorted(candidates, key=lambda p: p.index) if not (p.live and p.name in held)
+    ] + excess_live
     for pod in ordered:
         is_excess = pod.name not in desired
         if not pod.live:  # serves nothing: replacing it costs no availability, never wait on it

@@ -261,6 +261,45 @@ class MetricsApiSettings:
 
 
 @dataclass(frozen=True)
+class ElasticSettings:
+    """How a pool follows changes of ``spec.replicas`` (:mod:`eaas.operator.drain`).
+
+    Attributes:
+        settle_s: a new ``spec.replicas`` is acted on once it stood this long (s): a burst of
+            changes within it creates and deletes no pod (0: act at once).
+        drain_quiet_s: a leaving server (out of every table, every client acknowledged) is
+            deleted once it answered no frame for this long (s, by its own ``/health`` record).
+        drain_timeout_s: ... or once it has drained this long (s) whatever it reports.
+    """
+
+    settle_s: float = 5.0
+    drain_quiet_s: float = 1.0
+    drain_timeout_s: float = 60.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> ElasticSettings:
+        """From ``EAAS_OPERATOR_SCALE_SETTLE_S``, ``EAAS_OPERATOR_DRAIN_QUIET_S`` and
+        ``EAAS_OPERATOR_DRAIN_TIMEOUT_S``.
+
+        Raises:
+            ValueError: a value that is not a number, or a negative one (names the variable).
+        """
+        out = cls(
+            settle_s=_number(env, "EAAS_OPERATOR_SCALE_SETTLE_S", cls.settle_s),
+            drain_quiet_s=_number(env, "EAAS_OPERATOR_DRAIN_QUIET_S", cls.drain_quiet_s),
+            drain_timeout_s=_number(env, "EAAS_OPERATOR_DRAIN_TIMEOUT_S", cls.drain_timeout_s),
+        )
+        for name, value in (
+            ("EAAS_OPERATOR_SCALE_SETTLE_S", out.settle_s),
+            ("EAAS_OPERATOR_DRAIN_QUIET_S", out.drain_quiet_s),
+            ("EAAS_OPERATOR_DRAIN_TIMEOUT_S", out.drain_timeout_s),
+        ):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        return out
+
+
+@dataclass(frozen=True)
 class Settings:
     """Every setting of the operator process (the root; read once at start-up).
 
@@ -270,6 +309,7 @@ class Settings:
         lease: the leader election.
         load: the expert-load scraper.
         metrics_api: the external metrics API.
+        elastic: replica changes (settle) and the drain of leaving servers.
     """
 
     resync: ResyncSettings = field(default_factory=ResyncSettings)
@@ -277,6 +317,7 @@ class Settings:
     lease: LeaseSettings = field(default_factory=lambda: LeaseSettings(namespace="default"))
     load: LoadSettings = field(default_factory=LoadSettings)
     metrics_api: MetricsApiSettings = field(default_factory=MetricsApiSettings)
+    elastic: ElasticSettings = field(default_factory=ElasticSettings)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -292,4 +333,5 @@ class Settings:
             lease=LeaseSettings.from_env(env),
             load=LoadSettings.from_env(env),
             metrics_api=MetricsApiSettings.from_env(env),
+            elastic=ElasticSettings.from_env(env),
         )

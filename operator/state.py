@@ -22,6 +22,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
 from eaas.operator.crd import ExpertPoolSpec
+from eaas.operator.drain import ElasticMemory
 from eaas.operator.leader import LeaderElector
 from eaas.operator.load import LoadScraper
 from eaas.operator.names import table_configmap_name
@@ -77,6 +78,7 @@ class PoolMemory:
         published: the table this operator last wrote into the ConfigMap, handed to the
             fleets that use the pool (None: read the ConfigMap; dropped when the ConfigMap
             watch shows a version this operator did not write, and on leadership changes).
+        elastic: replica changes being settled and servers leaving (:mod:`eaas.operator.drain`).
     """
 
     suspects: dict[str, tuple[str, float]] = field(default_factory=dict)
@@ -88,12 +90,18 @@ class PoolMemory:
     load_driven: bool = False
     fleet_acks: dict[str, list[int]] = field(default_factory=dict)
     published: PublishedTable | None = None
+    elastic: ElasticMemory = field(default_factory=ElasticMemory)
 
     def busy(self) -> bool:
         """Whether the pool needs a full step every ``resync_s`` rather than once per idle
         resync: servers under suspicion (re-probed), a staged table (the servers' weight
         confirmations are polled), or an outcome that follows the measured load."""
-        return bool(self.suspects) or self.staged is not None or self.load_driven
+        return (
+            bool(self.suspects)
+            or self.staged is not None
+            or self.load_driven
+            or self.elastic.busy()
+        )
 
     def client_acks(self) -> list[int]:
         """Acknowledged table versions of the Ready clients of every fleet using the pool."""

@@ -27,6 +27,7 @@ from eaas.operator.pods import (
     table_assignment,
 )
 from eaas.operator.pool_placement import placement_revision
+from eaas.operator.reconcile.drain import acted_spec
 from eaas.operator.reconcile.load import placement_load, track_load
 from eaas.operator.reconcile.steps import (
     apply_pod_plan,
@@ -119,10 +120,11 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
         if table_assignment(spec):
             reconcile_table_pool(state, core, custom, body, owner, spec, observed, pods, logger)
             return
-        load = placement_load(state, core, body, spec, logger)
-        placement = state.placement(spec, observed, load)
-        revision = placement_revision(spec)
-        desired = desired_server_pods(owner, spec, placement, revision)
+        acted = acted_spec(state, memory, spec)  # a new spec.replicas once it settled
+        load = placement_load(state, core, body, acted, logger)
+        placement = state.placement(acted, observed, load)
+        revision = placement_revision(acted)
+        desired = desired_server_pods(owner, acted, placement, revision)
     except (ValidationError, PlacementError, OverlayError) as exc:
         status = invalid_spec_status(
             owner, str(exc).splitlines()[0], old_conditions, now(), old_status
@@ -135,7 +137,7 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
     deleted = {n for n, _, _ in plan.delete}
     down = take_reports(state, body, pods, logger)
     live = [p for p in observed if p.live and p.name not in deleted and p.name not in down]
-    table, table_error = publish_table(state, core, body, owner, spec, live, old_status, logger)
+    table, table_error = publish_table(state, core, body, owner, acted, live, old_status, logger)
 
     status = pool_status(
         owner=owner,

@@ -2,9 +2,11 @@
 make-before-break publishing of the routing table.
 
 1. Pods (:func:`_plan_pods`): ``spec.replicas`` identical-but-for-the-index servers (no experts
-   in their spec), so a new assignment never replaces a pod. A live excess pod is deleted only
-   when no client can still use it: absent from the published and the pending table, and every
-   client acknowledged the published one.
+   in their spec), so a new assignment never replaces a pod; a new ``spec.replicas`` is acted on
+   once it settled (:mod:`eaas.operator.drain`). A live excess or outdated pod is deleted only
+   when no client can still use it and it drained: absent from the published and the pending
+   table, every client acknowledged the published one, and the server reports no frame for a
+   quiet period (:mod:`eaas.operator.reconcile.drain`).
 2. Candidate (:func:`_candidate`): a server that died (or changed IP) first leaves the published
    table at once (a table that only takes experts away needs no loading); otherwise the
    placement over the live members is computed from the table in force
@@ -23,7 +25,7 @@ from typing import Any
 import kopf
 from kubernetes import client as k8s
 
-from eaas.operator.crd import ExpertPoolSpec
+from eaas.operator.crd import ANNOTATION_SPEC_HASH, ExpertPoolSpec
 from eaas.operator.kube import ensure_token_secret, event, now, seconds_since
 from eaas.operator.names import Owner
 from eaas.operator.pods import (
@@ -42,6 +44,7 @@ from eaas.operator.pool_placement import (
     rebalance_due,
     table_placement,
 )
+from eaas.operator.reconcile.drain import acted_spec, hold_undrained, replacements
 from eaas.operator.reconcile.load import placement_load
 from eaas.operator.reconcile.steps import (
     apply_pod_plan,
@@ -94,6 +97,8 @@ def reconcile_table_pool(
         ApiException: as :func:`eaas.operator.reconcile.pool.reconcile_pool`.
     """
     memory = state.pool(owner.namespace, owner.name)
+    wanted = spec  # the status judges against spec.replicas; the step acts on a settled count
+    spec = acted_spec(state, memory, spec)
     s = _Step(state, core, body, owner, spec, memory, logger, memory.client_acks())
     old_status = body.get("status") or {}
     token = ensure_token_secret(
@@ -109,13 +114,15 @@ def reconcile_table_pool(
     live = sorted(
         (p for p in observed if p.live and p.name not in down), key=lambda p: (p.index, p.name)
     )
-    plan, observed_t, held = _plan_pods(s, observed, published)
+    plan, observed_t, held, leaving = _plan_pods(s, observed, published)
     deleted = {n for n, _, _ in plan.delete}
     live = [p for p in live if p.name not in deleted]
-    candidate, rebalanced = _candidate(s, live, published, held, old_status)
+    candidate, rebalanced = _candidate(s, live, published, held, old_status, leaving)
     table, table_error = _two_phase(s, live, token, candidate, published, cm, floor, rebalanced)
     table = table or candidate  # nothing published yet: status counts what is being staged
-    status = _status(s, live, observed_t, plan, table, table_error, old_status)
+    status = _status(
+        dataclasses.replace(s, spec=wanted), live, observed_t, plan, table, table_error, old_status
+    )
     finish_status(
         state, custom, body, owner, spec, old_status, status, table.version, logger, s.client_acks
     )
@@ -130,10 +137,12 @@ def _pending(memory: PoolMemory, published: RoutingTable | None) -> RoutingTable
 
 def _plan_pods(
     s: _Step, observed: list[ObservedPod], published: RoutingTable | None
-) -> tuple[PodPlan, list[ObservedPod], dict[str, Any]]:
+) -> tuple[PodPlan, list[ObservedPod], dict[str, Any], set[str]]:
     """Step 1: the pod plan, applied. Pods carry the experts the published table gives them
-    (:func:`plan_pods`' coverage checks); those a client may still use are held. Returns the
-    plan, the observed pods with their experts, and the published assignment."""
+    (:func:`plan_pods`' coverage checks); those a client may still use, and leaving ones not
+    drained yet (:func:`hold_undrained`), are held. Returns the plan, the observed pods with
+    their experts, the published assignment and the outdated live servers leaving the table to
+    be replaced (:func:`replacements`)."""
     held = assignment_of(published)
     observed_t = [
         dataclasses.replace(p, experts=tuple(sorted(held.get(p.name, ())))) for p in observed
@@ -145,14 +154,20 @@ def _plan_pods(
     client_acks = s.client_acks
     if client_acks and min(client_acks) < (published.version if published else 0):
         in_use |= {p.name for p in observed}  # some client is on an older table: hold all
+    desired = desired_table_pods(s.owner, s.spec, placement_revision(s.spec))
+    hashes = {n: m["metadata"]["annotations"][ANNOTATION_SPEC_HASH] for n, m in desired.items()}
+    leaving = replacements(s.memory, observed_t, hashes, s.spec.redundancy)
+    held_pods = hold_undrained(
+        s.state, s.body, s.memory, observed_t, hashes, in_use, s.spec.health_port, s.logger
+    )
     plan = plan_pods(
-        desired_table_pods(s.owner, s.spec, placement_revision(s.spec)),
+        desired,
         observed_t,
         max_unavailable=max(1, s.spec.redundancy - 1),
-        in_use=in_use,
+        in_use=in_use | held_pods,
     )
     apply_pod_plan(s.state, s.core, s.body, plan, s.logger)
-    return plan, observed_t, held
+    return plan, observed_t, held, leaving
 
 
 def _candidate(
@@ -161,14 +176,18 @@ def _candidate(
     published: RoutingTable | None,
     held: dict[str, Any],
     old_status: dict[str, Any],
+    leaving: set[str],
 ) -> tuple[RoutingTable, bool]:
     """Step 2: the candidate table and whether it is a load rebalance. A server of the published
-    table that left (or changed address) is removed at once, nothing else changing."""
+    table that left (or changed address) is removed at once, nothing else changing; ``leaving``
+    servers (live, to be replaced) are left out of the placement (their experts re-placed
+    on the others, make-before-break)."""
     endpoints = {p.name: server_endpoint(s.spec, p.index, p.ip) for p in live}
     if published is not None and any(endpoints.get(n) != ep for n, ep in published.servers.items()):
         survivors = {n: ep for n, ep in published.servers.items() if endpoints.get(n) == ep}
         return table_from_assignment(s.spec, held, survivors, 0), False
-    members = table_members(s.spec, live)  # in an NVSHMEM world spares stand in for the missing
+    # in an NVSHMEM world spares stand in for the missing
+    members = table_members(s.spec, [p for p in live if p.name not in leaving])
     in_force = _pending(s.memory, published) or published
     load = placement_load(s.state, s.core, s.body, s.spec, s.logger)
     since = seconds_since(old_status.get("lastRebalanceTime") or "")

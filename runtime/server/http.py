@@ -147,6 +147,8 @@ class ServerHealth:
             out["endpoint"] = s.endpoint
             out["experts"] = s.num_experts
             out["stats"] = dict(s.stats)
+            if hasattr(s, "traffic"):
+                out["traffic"] = s.traffic.describe()
             if hasattr(s, "compute_info"):
                 out["compute"] = s.compute_info()
         if self.table is not None:

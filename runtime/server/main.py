@@ -75,6 +75,7 @@ def run(server: ExpertServer, metrics_port: int = 0, health=None) -> None:
         gc.unfreeze()
         if health is not None:
             health.stopping = True
+        print(server.traffic.exit_line(server.server_id), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -49,6 +49,7 @@ from eaas.runtime.models.compute import ComputeChoice, decide_compute
 from eaas.runtime.server.compute import grouped_expert_sum
 from eaas.runtime.server.grouped import GroupedExperts
 from eaas.runtime.server.hosting import Hosting
+from eaas.runtime.server.traffic import TrafficRecord
 from eaas.runtime.transport.base import (
     STATUS_BAD_FRAME,
     STATUS_NOT_HOSTED,
@@ -58,6 +59,8 @@ from eaas.runtime.transport.base import (
 from eaas.runtime.transport.factory import listen
 
 LOAD_METRICS_FLUSH_S = 0.05  # a busy server adds its expert loads to EXPERT_TOKENS this often
+#: On stop, frames already sent are still answered for at most this long (s): the final drain.
+FINAL_DRAIN_S = 1.0
 
 _NOTHING_HOSTED = torch.zeros(1, dtype=torch.bool)  # mask of a layer this server does not host
 
@@ -136,6 +139,8 @@ class ExpertServer:
         self._stop = threading.Event()
         # time.monotonic() of the loop's last turn (None: not started); read by /health
         self.last_iteration: float | None = None
+        # frames answered, the last frame's time, the stop's (/health ``traffic``, exit line)
+        self.traffic = TrafficRecord()
         # Plain counters for tests/introspection (also exported as Prometheus metrics).
         self.stats = {
             "batches": 0,
@@ -171,9 +176,20 @@ class ExpertServer:
                     self.process(frames)
                 elif self._pending_loads:
                     self.flush_load_metrics()
+            self._final_drain()
         finally:
             self.flush_load_metrics()
             self.listener.close()
+
+    def _final_drain(self) -> None:
+        """After a stop: answer the frames already sent (ready now) instead of dropping them,
+        until a poll finds none or :data:`FINAL_DRAIN_S` passed."""
+        end = time.monotonic() + FINAL_DRAIN_S
+        while time.monotonic() < end:
+            frames = list(self.listener.poll(0))
+            if not frames:
+                return
+            self.process(frames)
 
     def flush_load_metrics(self) -> None:
         """Add the expert loads counted since the last flush to ``EXPERT_TOKENS``. The loop calls
@@ -190,7 +206,9 @@ class ExpertServer:
             child.inc(c)  # type: ignore[attr-defined]
 
     def stop(self) -> None:
-        """Ask the loop to end (takes effect within ``poll_timeout``). Safe from signal handlers."""
+        """Ask the loop to end (takes effect within ``poll_timeout``; frames already sent are still
+        answered, see :data:`FINAL_DRAIN_S`). Safe from signal handlers."""
+        self.traffic.stopping()
         self._stop.set()
 
     def install_signal_handlers(self) -> None:
@@ -202,6 +220,7 @@ class ExpertServer:
         """Compute and answer one dynamic batch of ``(conn, frame)`` pairs."""
         SERVER_FRAMES.inc(len(frames))
         self.stats["frames"] += len(frames)
+        self.traffic.saw(len(frames))
         hosting = self._hosting  # one snapshot per batch: add/drop never tears a batch
         by_layer: dict[int, list[tuple[object, RequestFrame]]] = {}
         for conn, f in frames:

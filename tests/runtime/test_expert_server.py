@@ -319,3 +319,47 @@ def test_cli_expert_server_with_tiny_model(tmp_path, model_dir):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+class _QueueListener(_FakeListener):
+    """Hands out frames put in ``ready`` (all at the next poll)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ready: list = []
+
+    def poll(self, timeout):
+        out, self.ready = self.ready, []
+        return out
+
+
+@pytest.mark.elastic
+def test_a_stopped_server_answers_what_was_sent_and_records_its_traffic(tmp_path):
+    hosted = random_experts([(1, e) for e in range(4)], HIDDEN, INTER, seed=SEED)
+    srv = ExpertServer(f"unix:{tmp_path}/d.sock", hosted, HIDDEN, torch.float32, "d")
+    srv.listener.close()
+    srv.listener = fake = _QueueListener()
+    assert srv.traffic.describe() == {
+        "frames": 0,
+        "last_frame_unix": None,
+        "idle_s": None,
+        "stop_unix": None,
+    }
+    before = time.time()
+    srv.process([("a", _req(2, 1, seed=1))])
+    assert srv.traffic.frames == 1 and srv.traffic.last_frame_unix >= before
+    srv.stop()  # SIGTERM's handler: frames already sent still get their answers
+    fake.ready = [("b", _req(3, 2, seed=2, seq=1)), ("c", _req(1, 1, seed=3, seq=2))]
+    srv.serve_forever()
+    assert sorted(c for c, _ in fake.responses) == ["a", "b", "c"]
+    assert all(r.status == STATUS_OK for _, r in fake.responses)
+    t = srv.traffic
+    assert t.frames == 3 and t.frames_after_stop == 2 and t.stop_unix is not None
+    assert t.last_frame_unix >= t.stop_unix
+    line = t.exit_line("d")
+    m = re.fullmatch(
+        r"expert-server d stopped: frames=3 last_frame_unix=([\d.]+) \(\S+\) "
+        r"stop_unix=([\d.]+) frames_after_stop=2",
+        line,
+    )
+    assert m and abs(float(m.group(1)) - t.last_frame_unix) < 1e-3, line
