@@ -77,6 +77,8 @@ class PoolMemory:
         published: the table this operator last wrote into the ConfigMap, handed to the
             fleets that use the pool (None: read the ConfigMap; dropped when the ConfigMap
             watch shows a version this operator did not write, and on leadership changes).
+        held: server name -> why fail static keeps it in the routing table although the API
+            server shows it unavailable (:mod:`eaas.operator.fail_static`; re-probed each step).
     """
 
     suspects: dict[str, tuple[str, float]] = field(default_factory=dict)
@@ -88,12 +90,13 @@ class PoolMemory:
     load_driven: bool = False
     fleet_acks: dict[str, list[int]] = field(default_factory=dict)
     published: PublishedTable | None = None
+    held: dict[str, str] = field(default_factory=dict)
 
     def busy(self) -> bool:
         """Whether the pool needs a full step every ``resync_s`` rather than once per idle
-        resync: servers under suspicion (re-probed), a staged table (the servers' weight
+        resync: servers under suspicion or held by fail static (re-probed), a staged table (the servers' weight
         confirmations are polled), or an outcome that follows the measured load."""
-        return bool(self.suspects) or self.staged is not None or self.load_driven
+        return bool(self.suspects or self.held) or self.staged is not None or self.load_driven
 
     def client_acks(self) -> list[int]:
         """Acknowledged table versions of the Ready clients of every fleet using the pool."""

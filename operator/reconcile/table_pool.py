@@ -5,8 +5,10 @@ make-before-break publishing of the routing table.
    in their spec), so a new assignment never replaces a pod. A live excess pod is deleted only
    when no client can still use it: absent from the published and the pending table, and every
    client acknowledged the published one.
-2. Candidate (:func:`_candidate`): a server that died (or changed IP) first leaves the published
-   table at once (a table that only takes experts away needs no loading); otherwise the
+2. Candidate (:func:`_candidate`): the servers fail static holds count as live
+   (:mod:`eaas.operator.reconcile.fail_static`); a server that died (or changed IP) first
+   leaves the published table at once (a table that only takes experts away needs no loading)
+   unless that uncovers an expert (then its experts are re-placed first); otherwise the
    placement over the live members is computed from the table in force
    (:func:`member_placement`; load rebalancing when :func:`rebalance_due`).
 3. :func:`two_phase_step` decides (:func:`_two_phase`): stage (push to servers, wait for their
@@ -42,6 +44,7 @@ from eaas.operator.pool_placement import (
     rebalance_due,
     table_placement,
 )
+from eaas.operator.reconcile.fail_static import add_condition, hold_back
 from eaas.operator.reconcile.load import placement_load
 from eaas.operator.reconcile.steps import (
     apply_pod_plan,
@@ -112,10 +115,12 @@ def reconcile_table_pool(
     plan, observed_t, held = _plan_pods(s, observed, published)
     deleted = {n for n, _, _ in plan.delete}
     live = [p for p in live if p.name not in deleted]
+    live, fs = hold_back(state, body, spec, observed, live, published, down | deleted, logger)
     candidate, rebalanced = _candidate(s, live, published, held, old_status)
     table, table_error = _two_phase(s, live, token, candidate, published, cm, floor, rebalanced)
     table = table or candidate  # nothing published yet: status counts what is being staged
     status = _status(s, live, observed_t, plan, table, table_error, old_status)
+    add_condition(status, fs, old_status.get("conditions") or [], now(), owner.generation)
     finish_status(
         state, custom, body, owner, spec, old_status, status, table.version, logger, s.client_acks
     )
@@ -163,11 +168,15 @@ def _candidate(
     old_status: dict[str, Any],
 ) -> tuple[RoutingTable, bool]:
     """Step 2: the candidate table and whether it is a load rebalance. A server of the published
-    table that left (or changed address) is removed at once, nothing else changing."""
+    table that left (or changed address) is removed at once, nothing else changing, unless
+    that alone would leave an expert without a replica: then its experts are re-placed onto
+    the live members first (make-before-break: staged, confirmed, then published)."""
     endpoints = {p.name: server_endpoint(s.spec, p.index, p.ip) for p in live}
     if published is not None and any(endpoints.get(n) != ep for n, ep in published.servers.items()):
         survivors = {n: ep for n, ep in published.servers.items() if endpoints.get(n) == ep}
-        return table_from_assignment(s.spec, held, survivors, 0), False
+        drop_only = table_from_assignment(s.spec, held, survivors, 0)
+        if len(drop_only.uncovered()) <= len(published.uncovered()):
+            return drop_only, False
     members = table_members(s.spec, live)  # in an NVSHMEM world spares stand in for the missing
     in_force = _pending(s.memory, published) or published
     load = placement_load(s.state, s.core, s.body, s.spec, s.logger)
