@@ -23,7 +23,10 @@ node (the kubernetes client's watch, field selector ``spec.nodeName``) and runs 
 * startup / liveness / readiness probes (httpGet, tcpSocket, exec) drive ``started``,
   restarts and the ``Ready``/``ContainersReady`` conditions; ``containerStatuses`` (state,
   lastState, exitCode, restartCount), init containers, ``phase``; ``restartPolicy`` with the
-  kubelet's back-off (``--restart-backoff-s`` doubling to 300 s);
+  kubelet's back-off (``--restart-backoff-s`` doubling to 300 s); a status someone else
+  overwrote (the node-lifecycle controller's Ready=False on a node that was NotReady) is
+  written back within ``REASSERT_MIN_S`` (1 s) of the watch delivering it
+  (:func:`.pod.status_drift`), as a kubelet's status sync does;
 * deletion: SIGTERM to the container's process group, ``deletionGracePeriodSeconds``, SIGKILL,
   then the pod object is deleted (grace 0, UID precondition), as a kubelet finalizes it;
 * node ``Lease`` (``kube-node-lease``) renewed every ``--heartbeat-s`` and node status

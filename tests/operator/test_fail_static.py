@@ -15,6 +15,7 @@ from eaas.operator.fail_static import classify, decide, removal_bound, suspects,
 from eaas.operator.pods import ObservedPod
 from eaas.operator.reconcile.fail_static import add_condition, probe
 from eaas.operator.table import table_from_assignment
+
 from helpers.common import free_port
 
 pytestmark = pytest.mark.failstatic
