@@ -274,10 +274,61 @@ def test_tiny_pool_example_turns_ready(release):
     model_id = api.models.list().data[0].id
     out = api.completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0)
     assert out.choices[0].model_extra["token_ids"] == ref
+    reports_reach_the_operator(release[0], ns, api, model_id, prompt, ref)
     kubectl("delete", "attentionfleet", "tiny-clients", "-n", ns, "--timeout=120s")
     # delete it while the operator runs (its finalizer needs the operator)
     kubectl("delete", "expertpool", "tiny", "-n", ns, "--timeout=120s")
     kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def reports_reach_the_operator(tb, ns, api, model_id, prompt, ref) -> None:
+    """The clients' failure reports reach the Helm-installed operator through its Service name
+    (``eaas-operator.eaas-system.svc``, which the testbed resolves for pods): with one server's
+    node agent frozen (the API keeps showing the pod Ready) and the server killed, a
+    completion still gives the reference tokens, the client reports the server, the operator's
+    probe confirms it (``ServerUnreachable``) and the table drops it before the node could turn
+    NotReady."""
+    import signal
+    import time
+
+    from helpers.faults import container_pid
+    from helpers.k8s import routing_table, server_pods
+
+    pods = server_pods(ns, "tiny")
+    victim = sorted(pods)[0]
+    agent = tb.agents[pods[victim]["spec"]["nodeName"]]
+    pid = container_pid(pods[victim], "expert-server")
+    assert pid is not None
+    os.kill(agent, signal.SIGSTOP)
+    try:
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(3):  # each request may pick the dead server's replicas: it is reported
+            out = api.completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0)
+            assert out.choices[0].model_extra["token_ids"] == ref
+
+        def reported():
+            events = get_json("events", "-n", ns, "--field-selector", "involvedObject.name=tiny")
+            return any(
+                e.get("reason") == "ServerUnreachable" and victim in e.get("message", "")
+                for e in events["items"]
+            )
+
+        wait_for("a confirmed failure report", reported, timeout=60, interval=0.5)
+        wait_for(
+            "the table without the killed server",
+            lambda: victim not in routing_table(ns, "tiny").servers,
+            timeout=30,
+        )
+        # the node monitor grace is 20 s: the reports, not the node controller, removed it
+        assert time.monotonic() - killed < 20
+    finally:
+        os.kill(agent, signal.SIGCONT)
+    wait_for(
+        "the restarted server back in the table",
+        lambda: victim in routing_table(ns, "tiny").servers,
+        timeout=120,
+    )
 
 
 def test_upgrade_then_uninstall_leaves_nothing(release):
