@@ -5,7 +5,9 @@ can-i`` as its ServiceAccount), a values schema that rejects a bad value naming 
 ``helm test`` hook that GETs every replica's ``/healthz``. With that operator, ``kubectl apply``
 of ``deploy/examples/tiny-pool.yaml`` (its model as a hostPath of the tiny model) turns Ready;
 the example AttentionFleet then serves a completion through its pod IP equal to transformers'
-greedy reference; ``helm upgrade`` changes the Deployment; ``helm uninstall`` leaves nothing of the release
+greedy reference, and with one server's node agent frozen and the server killed, the client's
+failure report reaches the operator by its Service name and the table drops the server;
+``helm upgrade`` changes the Deployment; ``helm uninstall`` leaves nothing of the release
 (the CRDs stay: Helm never deletes ``crds/``)."""
 
 from __future__ import annotations
@@ -176,6 +178,8 @@ def test_rbac_is_least_privilege(release):
         ("list", "nodes", None),
         ("update", "leases.coordination.k8s.io", NS),
         ("create", "leases.coordination.k8s.io", NS),
+        ("list", "leases.coordination.k8s.io", None),  # one operator per cluster
+        ("create", "networkpolicies.networking.k8s.io", "default"),
     ]
     # the Lease eaas-operator only: deleted by a leader that shuts down
     r = kubectl(
