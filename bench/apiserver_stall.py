@@ -12,19 +12,24 @@ run through client A the whole time. Then:
   grace period) and flips every pod to Ready=False; the operator must hold the table
   (fail static), drop the killed server only, and never publish a version with an uncovered
   expert;
+* **heartbeat loss** (``--heartbeat-loss N`` runs per mode): SIGSTOP of every GPU node's agent
+  until the node-lifecycle controller has marked every node NotReady (and every server pod
+  Ready=False), SIGKILL of one server 3 s in, SIGCONT: the operator's probe keeps the three
+  live servers in the table and confirms the killed one;
 * **frozen node agent** (once per mode with ``--frozen-agent``): SIGSTOP of the victim's node
   agent, SIGKILL of its server: the API keeps showing the pod Ready; the clients' failure
   reports, confirmed by the operator's probe, take it out of the table.
 
 Per run: failed requests (must be 0), versions with an uncovered expert (must be none), live
 servers some version dropped (must be none), and when the killed server left the table (from
-the resume; frozen agent: from the kill). Every completed request is checked against
+the resume; heartbeat loss and frozen agent: from the kill). Every completed request is checked against
 transformers' greedy reference. Exit status 1 when any run breaks a rule.
 
 Usage::
 
     python bench/apiserver_stall.py [--runs 5] [--modes command-line,routing-table]
-        [--stall-s 45] [--kill-at-s 10] [--frozen-agent] [--json FILE]
+        [--stall-s 45] [--kill-at-s 10] [--heartbeat-loss N] [--frozen-agent] [--no-stall]
+        [--json FILE]
 
 Needs root (process nodes) and the testbed binaries (``eaas testbed build``). About 3 minutes
 per stall run on a 2-core machine.
@@ -47,7 +52,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 from helpers.common import free_port  # noqa: E402
 from helpers.faults import StreamLoad, apply_tiny_pool_and_fleet, serving_table  # noqa: E402
 from helpers.k8s import Operator, apply_crds, client_pods, kubectl, wait_for  # noqa: E402
-from helpers.stall import FaultResult, apiserver_stall, frozen_agent  # noqa: E402
+from helpers.stall import (  # noqa: E402
+    FaultResult,
+    apiserver_stall,
+    frozen_agent,
+    heartbeat_loss,
+)
 
 TEXTS = [
     "The expert server hosts a set of experts and",
@@ -85,7 +95,10 @@ def one_run(tb, mode: str, i: int, kind: str, args, prompts, references) -> dict
         load = StreamLoad(f"http://{a_ip}:8000/v1", model_id, prompts, MAX_TOKENS).start()
         try:
             time.sleep(5)
-            if kind == "stall":
+            if kind == "heartbeat":
+                agents = {n: tb.agents[n] for n in tb.agents if n != CPU_NODE}
+                r = heartbeat_loss(ns, "tiny", "clients", agents)
+            elif kind == "stall":
                 r: FaultResult = apiserver_stall(
                     ns, "tiny", "clients", tb.pids["kube-apiserver"], args.stall_s, args.kill_at_s
                 )
@@ -133,6 +146,10 @@ def main() -> int:
     ap.add_argument("--stall-s", type=float, default=45.0)
     ap.add_argument("--kill-at-s", type=float, default=10.0)
     ap.add_argument("--frozen-agent", action="store_true", help="also one frozen-agent run/mode")
+    ap.add_argument(
+        "--heartbeat-loss", type=int, default=0, help="heartbeat-loss runs per mode (default 0)"
+    )
+    ap.add_argument("--no-stall", action="store_true", help="skip the API-server stall runs")
     ap.add_argument("--json", type=Path, default=None, help="write the rows here too")
     args = ap.parse_args()
 
@@ -172,7 +189,11 @@ def main() -> int:
             )
             op.start()
             for mode in args.modes.split(","):
-                kinds = ["stall"] * args.runs + (["frozen"] if args.frozen_agent else [])
+                kinds = (
+                    ([] if args.no_stall else ["stall"] * args.runs)
+                    + ["heartbeat"] * args.heartbeat_loss
+                    + (["frozen"] if args.frozen_agent else [])
+                )
                 for i, kind in enumerate(kinds):
                     rows.append(one_run(tb, mode, i, kind, args, prompts, references))
         finally:
@@ -188,7 +209,7 @@ def main() -> int:
     )
     print("|---|---|---|---|---|---|---|")
     for mode in args.modes.split(","):
-        for fault in ("apiserver-stall", "frozen-agent"):
+        for fault in ("apiserver-stall", "heartbeat-loss", "frozen-agent"):
             rs = [r for r in rows if r["mode"] == mode and r["fault"] == fault]
             if not rs:
                 continue

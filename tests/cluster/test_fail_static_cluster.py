@@ -1,11 +1,11 @@
 """Fail static on process nodes, under 16 streams through the official ``openai`` client (a
-short form of ``bench/apiserver_stall.py``): the kube-apiserver stopped (SIGSTOP) past the node
-monitor grace period with one expert server killed during the stall; after the resume the node
-controller marks every node NotReady and flips every pod Ready=False, and the operator holds the
-servers that answer its probe: no failed request, no version with an uncovered expert, no live
-server dropped. Then a frozen node agent with a killed server on it: the clients' failure
-reports, confirmed by the operator's probe, take it out of the table before the node could turn
-NotReady (20 s here)."""
+short form of ``bench/apiserver_stall.py``): every server's node agent frozen past the node
+monitor grace period, so the real node-lifecycle controller marks the nodes NotReady and flips
+every server pod Ready=False, with one server killed meanwhile. The operator holds the three
+that answer its probe (``FailStatic`` True, a ``RoutingTableHeldBack`` event) and drops the killed
+one: no failed request, no version with an uncovered expert, no live server dropped. Then a
+frozen node agent with a killed server on it: the clients' failure reports, confirmed by the
+operator's probe, take it out of the table before the node could turn NotReady (20 s here)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ from eaas.runtime.models.reference import reference_generate
 from helpers.common import free_port
 from helpers.faults import StreamLoad, apply_tiny_pool_and_fleet, serving_table
 from helpers.k8s import Operator, apply_crds, client_pods, get_json, kubectl, server_pods, wait_for
-from helpers.stall import apiserver_stall, frozen_agent
+from helpers.stall import frozen_agent, heartbeat_loss
 
 pytestmark = pytest.mark.failstatic
 
-#: The cluster tier's node monitor grace period (s): the stall must outlast it.
+#: The cluster tier's node monitor grace period (s).
 NODE_GRACE_S = 20.0
 
 
@@ -73,9 +73,10 @@ def test_apiserver_stall_and_frozen_agent_under_load(cluster, operator, model_di
         load = StreamLoad(f"http://{a_ip}:8000/v1", model_id, prompts, 16).start()
         try:
             time.sleep(3)
-            stall = apiserver_stall(
-                ns, "tiny", "clients", cluster.pids["kube-apiserver"], NODE_GRACE_S + 8, 4, 15
-            )
+            agents = {n: pid for n, pid in cluster.agents.items() if n.startswith("gpu-")}
+            lost = heartbeat_loss(ns, "tiny", "clients", agents)
+            events = get_json("events", "-n", ns, "--field-selector", "involvedObject.name=tiny")
+            held = [e["message"] for e in events["items"] if e["reason"] == "RoutingTableHeldBack"]
             pods = server_pods(ns, "tiny")
             victim = sorted(pods)[1]
             agent = cluster.agents[pods[victim]["spec"]["nodeName"]]
@@ -85,7 +86,10 @@ def test_apiserver_stall_and_frozen_agent_under_load(cluster, operator, model_di
         bad = load.wrong(references)
         assert not bad, f"{len(bad)} of {len(requests)} requests failed or wrong: {bad[:3]}"
         assert len(requests) > 16
-        for r in (stall, frozen):
+        # the three live servers were held while the API showed them unavailable
+        assert held, "no RoutingTableHeldBack event: the nodes' NotReady marks were not seen"
+        assert any("answers the operator's probe" in m for m in held), held
+        for r in (lost, frozen):
             assert not r.uncovered, f"{r.kind}: versions with an uncovered expert: {r.uncovered}"
             assert not r.dropped_live, f"{r.kind}: live servers dropped: {r.dropped_live}"
         # the frozen agent's server: out via the clients' reports, before the node controller

@@ -2,7 +2,9 @@
 ``tests/cluster/test_fail_static_cluster.py``): the kube-apiserver stopped (SIGSTOP) for a while
 with one expert server killed during the stall, and a frozen node agent with a killed server on
 its node. Each records every routing-table version the operator writes (a watch on the pool's
-ConfigMap) and measures when the killed server left the table."""
+ConfigMap) and measures when the killed server left the table. ``heartbeat-loss`` freezes every
+server's node agent past the node monitor grace period, so the node controller really marks
+the nodes NotReady and every server pod Ready=False."""
 
 from __future__ import annotations
 
@@ -86,7 +88,7 @@ class FaultResult:
     """What one fault run measured.
 
     Attributes:
-        kind: ``apiserver-stall`` or ``frozen-agent``.
+        kind: ``apiserver-stall``, ``frozen-agent`` or ``heartbeat-loss``.
         victim: the killed server.
         versions: every table version written from the fault's start to the end of recovery.
         out_after_s: seconds from the reference point (the API server's resume; for a frozen
@@ -195,4 +197,61 @@ def frozen_agent(ns: str, pool: str, fleet: str, agent_pid: int, victim: str) ->
     finally:
         log.stop()
     _judge(result, log, killed, killed, names)
+    return result
+
+
+def nodes_not_ready(names: set[str]) -> bool:
+    """Whether every node in ``names`` shows ``Ready`` other than True."""
+    from helpers.k8s import get_json
+
+    items = get_json("nodes")["items"]
+    state = {
+        n["metadata"]["name"]: next(
+            (c["status"] for c in n["status"].get("conditions", []) if c["type"] == "Ready"), ""
+        )
+        for n in items
+    }
+    return all(state.get(n) != "True" for n in names)
+
+
+def heartbeat_loss(
+    ns: str,
+    pool: str,
+    fleet: str,
+    agent_pids: dict[str, int],
+    kill_at_s: float = 3.0,
+    settle_s: float = 15.0,
+) -> FaultResult:
+    """Missed heartbeats: SIGSTOP the node agents of every server's node (the real
+    node-lifecycle controller marks the nodes NotReady after its grace period and flips every
+    pod on them to Ready=False), SIGKILL the first server's container ``kill_at_s`` in, wait
+    until every node is NotReady and a few seconds more, SIGCONT the agents (they re-assert
+    Ready) and wait for recovery. ``out_after_s`` is measured from the kill; the servers the
+    API showed Ready=False but the operator's probe reached must never leave the table."""
+    pods = server_pods(ns, pool)
+    names = sorted(pods)
+    victim = names[0]
+    nodes = {pods[n]["spec"]["nodeName"] for n in names}
+    pid = container_pid(pods[victim], "expert-server")
+    assert pid is not None, f"{victim} has no running expert-server container"
+    log = TableLog(ns, pool).start()
+    result = FaultResult("heartbeat-loss", victim)
+    try:
+        time.sleep(1)
+        t0 = time.monotonic()
+        for node in nodes:
+            os.kill(agent_pids[node], signal.SIGSTOP)
+        try:
+            time.sleep(kill_at_s)
+            killed = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            wait_for("every server's node NotReady", lambda: nodes_not_ready(nodes), timeout=90)
+            time.sleep(5)  # the operator's steps see every pod Ready=False
+        finally:
+            for node in nodes:
+                os.kill(agent_pids[node], signal.SIGCONT)
+        _recovered(ns, pool, fleet, len(names), time.monotonic() + settle_s)
+    finally:
+        log.stop()
+    _judge(result, log, t0, killed, set(names))
     return result
