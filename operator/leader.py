@@ -23,6 +23,10 @@ Helm chart sets its own Deployment) the Lease carries an ownerReference to that 
 the garbage collector deletes it with the release even when no replica got to clean up
 (``helm uninstall`` deletes the RBAC that the last replica's delete would need).
 
+Across namespaces (an ``eaas operator`` in ``default`` and a Helm release in ``eaas-system``
+each hold their own Lease), only the holder of the oldest live operator Lease of the cluster
+acts (:mod:`eaas.operator.cluster_lease`); the other holders stand by and say for whom.
+
 kopf's own peering is not used: operators of equal priority all freeze under it (kopf docs,
 "Peering"), which is no failover.
 
@@ -41,6 +45,12 @@ from typing import Any, Literal
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
+from eaas.operator.cluster_lease import (
+    LABEL_OPERATOR_LEASE,
+    LeaseView,
+    LiveLeases,
+    cluster_winner,
+)
 from eaas.operator.settings import LeaseSettings
 
 log = logging.getLogger("eaas.operator.leader")
@@ -114,16 +124,28 @@ class LeaderElector:
         self._was_leader = False
         self._leader_url = ""
         self._owner_refs: list[Any] | None = None
+        self._live = LiveLeases(settings.lease_duration_s)
+        self._cluster_ok_at = -1e18  # monotonic time this Lease was last the cluster's oldest
+        self._acting: LeaseView | None = None  # another namespace's Lease that acts instead
+        self._held_since = 0.0  # monotonic time this process last acquired its Lease
 
     def is_leader(self) -> bool:
-        """True while this process holds the Lease and renewed it within the renew deadline."""
-        return time.monotonic() - self._renewed_at < self.settings.renew_deadline_s
+        """True while this process holds the Lease, renewed it within the renew deadline, and
+        its Lease was then the oldest live operator Lease of the cluster."""
+        now = time.monotonic()
+        deadline = self.settings.renew_deadline_s
+        return now - self._renewed_at < deadline and now - self._cluster_ok_at < deadline
 
     @property
     def leader_url(self) -> str:
-        """The current holder's advertised report URL as last read ("" when unknown or when
-        this process holds the Lease)."""
-        return "" if self.is_leader() else self._leader_url
+        """The acting operator's advertised report URL as last read ("" when unknown or when
+        this process acts): this namespace's holder, or the other namespace's operator this
+        one stands by for."""
+        if self.is_leader():
+            return ""
+        if self._acting is not None and self._renewed_at > -1e18:
+            return self._acting.url
+        return self._leader_url
 
     def start(self) -> LeaderElector:
         self._thread = threading.Thread(target=self._run, name="eaas-leader", daemon=True)
@@ -218,6 +240,7 @@ class LeaderElector:
                     name=s.name,
                     namespace=s.namespace,
                     annotations={ANNOTATION_LEADER_URL: s.advertise_url},
+                    labels={LABEL_OPERATOR_LEASE: "true"},
                     owner_references=self._owners(),
                 ),
                 spec=k8s.V1LeaseSpec(**lease_spec(s, s.identity, 0, None)),
@@ -228,7 +251,8 @@ class LeaderElector:
                 if exc2.status == 409:
                     return "wait"
                 raise
-            self._renewed_at = started
+            self._renewed_at = self._held_since = started
+            self._check_cluster(started)
             return "acquire"
         now = time.monotonic()
         rv = (lease.metadata.resource_version if lease.metadata else None) or ""
@@ -246,6 +270,7 @@ class LeaderElector:
         lease.spec = k8s.V1LeaseSpec(**lease_spec(s, s.identity, transitions, keep))
         if lease.metadata is not None:
             lease.metadata.annotations = {**annotations, ANNOTATION_LEADER_URL: s.advertise_url}
+            lease.metadata.labels = {**(lease.metadata.labels or {}), LABEL_OPERATOR_LEASE: "true"}
             if self.settings.owner_deployment and not lease.metadata.owner_references:
                 lease.metadata.owner_references = self._owners()
         try:
@@ -255,4 +280,71 @@ class LeaderElector:
                 return "wait"
             raise
         self._renewed_at = started  # conservative: before the read
+        if decision == "acquire":
+            self._held_since = started
+        self._check_cluster(started)
         return decision
+
+    def _check_cluster(self, started: float) -> None:
+        """After holding this namespace's Lease: act only if it is the oldest live operator
+        Lease of the cluster (:func:`cluster_winner`); else stand by, naming the one that acts.
+        A failed list (e.g. RBAC) leaves this process standing by until one succeeds."""
+        s = self.settings
+        try:
+            listed = self.coord.list_lease_for_all_namespaces(
+                label_selector=f"{LABEL_OPERATOR_LEASE}=true"
+            )
+        except ApiException as exc:
+            log.error(
+                "standing by: cannot list operator Leases in all namespaces (%s %s); an "
+                "operator needs get/list on coordination.k8s.io leases cluster-wide to know "
+                "it is the only one acting",
+                exc.status,
+                exc.reason,
+            )
+            return
+        views = [_view(item) for item in listed.items or []]
+        live = self._live.observe(views, time.monotonic())
+        if not any(v.key == (s.namespace, s.name) for v in live):
+            # just written, not listed yet: the youngest
+            live.append(LeaseView(s.namespace, s.name, s.identity, "\uffff", ""))
+        winner = cluster_winner(live)
+        if winner is None or winner.key == (s.namespace, s.name):
+            if len(live) > 1 and started - self._held_since < 1.5 * s.retry_s:
+                # just acquired while another operator's Lease is live: let a holder that took
+                # over meanwhile see this Lease live again (it checks every retry_s) first
+                return
+            if self._acting is not None:
+                log.info("no older operator Lease is live any more: this operator acts")
+            self._acting = None
+            self._cluster_ok_at = started
+            return
+        if self._acting is None or self._acting.key != winner.key:
+            log.warning(
+                "standing by: operator %s (Lease %s/%s) acts for this cluster; this one "
+                "(Lease %s/%s, identity %s) waits until it stops",
+                winner.holder,
+                winner.namespace,
+                winner.name,
+                s.namespace,
+                s.name,
+                s.identity,
+            )
+        self._acting = winner
+        self._cluster_ok_at = -1e18
+
+
+def _view(lease: Any) -> LeaseView:
+    """A listed ``V1Lease`` as a :class:`LeaseView`."""
+    meta = lease.metadata or k8s.V1ObjectMeta()
+    created = meta.creation_timestamp
+    if isinstance(created, _dt.datetime):
+        created = created.astimezone(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return LeaseView(
+        namespace=meta.namespace or "",
+        name=meta.name or "",
+        holder=(lease.spec.holder_identity if lease.spec is not None else None) or "",
+        created=str(created or ""),
+        resource_version=meta.resource_version or "",
+        url=(meta.annotations or {}).get(ANNOTATION_LEADER_URL, ""),
+    )

@@ -24,6 +24,7 @@ Environment variables (all optional):
 ``EAAS_OPERATOR_METRICS_LISTEN``        ``HOST:PORT`` of the external metrics API
 ``EAAS_OPERATOR_METRICS_CERT_FILE``     its serving certificate (PEM file)
 ``EAAS_OPERATOR_METRICS_KEY_FILE``      its private key (PEM file)
+``EAAS_OPERATOR_NETWORK_POLICIES``      apply each pool's NetworkPolicy (true/false; default true)
 =====================================  ====================================================
 
 plus ``POD_NAMESPACE``, ``POD_NAME`` and ``POD_IP`` (downward API) for the election.
@@ -47,6 +48,23 @@ DEFAULT_INTERVAL_S = 5.0
 DEFAULT_WINDOW_S = 30.0
 #: Concurrent scrapes at most (a 1024-server pool is scraped 32 at a time).
 DEFAULT_CONCURRENCY = 32
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """``env[name]`` as a boolean (``true``/``false``, ``1``/``0``, ``on``/``off``, ``yes``/``no``;
+    ``default`` when unset or empty).
+
+    Raises:
+        ValueError: any other value (the message names the variable).
+    """
+    raw = (env.get(name) or "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("true", "1", "on", "yes"):
+        return True
+    if raw in ("false", "0", "off", "no"):
+        return False
+    raise ValueError(f"{name} must be true or false, got {env[name]!r}")
 
 
 def _number(env: Mapping[str, str], name: str, default: float) -> float:
@@ -310,6 +328,8 @@ class Settings:
         load: the expert-load scraper.
         metrics_api: the external metrics API.
         elastic: replica changes (settle) and the drain of leaving servers.
+        network_policies: apply each pool's NetworkPolicy
+            (:mod:`eaas.operator.network_policy`).
     """
 
     resync: ResyncSettings = field(default_factory=ResyncSettings)
@@ -318,6 +338,7 @@ class Settings:
     load: LoadSettings = field(default_factory=LoadSettings)
     metrics_api: MetricsApiSettings = field(default_factory=MetricsApiSettings)
     elastic: ElasticSettings = field(default_factory=ElasticSettings)
+    network_policies: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -334,4 +355,5 @@ class Settings:
             load=LoadSettings.from_env(env),
             metrics_api=MetricsApiSettings.from_env(env),
             elastic=ElasticSettings.from_env(env),
+            network_policies=_flag(env, "EAAS_OPERATOR_NETWORK_POLICIES", True),
         )

@@ -79,6 +79,8 @@ class PoolMemory:
             fleets that use the pool (None: read the ConfigMap; dropped when the ConfigMap
             watch shows a version this operator did not write, and on leadership changes).
         elastic: replica changes being settled and servers leaving (:mod:`eaas.operator.drain`).
+        held: server name -> why fail static keeps it in the routing table although the API
+            server shows it unavailable (:mod:`eaas.operator.fail_static`; re-probed each step).
     """
 
     suspects: dict[str, tuple[str, float]] = field(default_factory=dict)
@@ -91,13 +93,14 @@ class PoolMemory:
     fleet_acks: dict[str, list[int]] = field(default_factory=dict)
     published: PublishedTable | None = None
     elastic: ElasticMemory = field(default_factory=ElasticMemory)
+    held: dict[str, str] = field(default_factory=dict)
 
     def busy(self) -> bool:
         """Whether the pool needs a full step every ``resync_s`` rather than once per idle
-        resync: servers under suspicion (re-probed), a staged table (the servers' weight
+        resync: servers under suspicion or held by fail static (re-probed), a staged table (the servers' weight
         confirmations are polled), or an outcome that follows the measured load."""
         return (
-            bool(self.suspects)
+            bool(self.suspects or self.held)
             or self.staged is not None
             or self.load_driven
             or self.elastic.busy()

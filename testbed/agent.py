@@ -13,7 +13,9 @@ node (the kubernetes client's watch, field selector ``spec.nodeName``) and runs 
 * the pod gets an IP of the node's ``podCIDR`` (127.1.<node>.<n>, loopback), set as
   ``status.podIP``. Python processes that bind the wildcard address (``0.0.0.0``, ``::``,
   ``""``) bind the pod IP instead (a ``sitecustomize`` on ``PYTHONPATH``, reading
-  ``EAAS_TESTBED_POD_IP``): the testbed's stand-in for a pod network namespace;
+  ``EAAS_TESTBED_POD_IP``): the testbed's stand-in for a pod network namespace; the same shim
+  resolves Service names (``<svc>.<ns>.svc``) to the Service's Ready pods, port mapped to the
+  ``targetPort`` (:mod:`.service_dns`): the stand-in for cluster DNS and kube-proxy;
 * volumes (configMap, secret, projected incl. the service-account token from the TokenRequest
   API and ``kube-root-ca.crt``, downwardAPI, emptyDir, hostPath) appear at their
   ``mountPath`` in a private mount namespace per container (:mod:`.podinit`); configMap,
@@ -23,7 +25,10 @@ node (the kubernetes client's watch, field selector ``spec.nodeName``) and runs 
 * startup / liveness / readiness probes (httpGet, tcpSocket, exec) drive ``started``,
   restarts and the ``Ready``/``ContainersReady`` conditions; ``containerStatuses`` (state,
   lastState, exitCode, restartCount), init containers, ``phase``; ``restartPolicy`` with the
-  kubelet's back-off (``--restart-backoff-s`` doubling to 300 s);
+  kubelet's back-off (``--restart-backoff-s`` doubling to 300 s); a status someone else
+  overwrote (the node-lifecycle controller's Ready=False on a node that was NotReady) is
+  written back within ``REASSERT_MIN_S`` (1 s) of the watch delivering it
+  (:func:`.pod.status_drift`), as a kubelet's status sync does;
 * deletion: SIGTERM to the container's process group, ``deletionGracePeriodSeconds``, SIGKILL,
   then the pod object is deleted (grace 0, UID precondition), as a kubelet finalizes it;
 * node ``Lease`` (``kube-node-lease``) renewed every ``--heartbeat-s`` and node status
@@ -58,13 +63,49 @@ from kubernetes.client.rest import ApiException
 
 from .node import HOST_IP, Node, now_iso, now_micro
 from .pod_worker import PodWorker
+from .service_dns import ServiceDNS
 
 log = logging.getLogger("eaas.testbed.agent")
 
 # sitecustomize for Python containers: wildcard binds go to the pod IP (see module doc).
-SHIM = '''"""Testbed pod network stand-in: a wildcard bind binds the pod IP (EAAS_TESTBED_POD_IP)."""
+SHIM = '''"""Testbed pod network stand-in: a wildcard bind binds the pod IP (EAAS_TESTBED_POD_IP);
+Service names resolve to their Ready pods (service-hosts.json next to this file)."""
+import json as _json
 import os as _os
 import socket as _socket
+
+_HOSTS = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "service-hosts.json")
+_gai = _socket.getaddrinfo
+
+
+def _service_gai(host, port, family=0, type=0, proto=0, flags=0):
+    name = host.decode() if isinstance(host, bytes) else host
+    if isinstance(name, str) and "." in name and not name[:1].isdigit() and ":" not in name:
+        try:
+            with open(_HOSTS) as f:
+                eps = _json.load(f).get(name.rstrip(".").lower())
+        except (OSError, ValueError):
+            eps = None
+        if eps is not None and family in (0, _socket.AF_INET):
+            if not eps:
+                raise _socket.gaierror(_socket.EAI_NONAME, "Service has no Ready pod: " + name)
+            out = []
+            for ep in eps:
+                p = ep["ports"].get(str(port), port) if port is not None else 0
+                out.append(
+                    (
+                        _socket.AF_INET,
+                        type or _socket.SOCK_STREAM,
+                        proto or _socket.IPPROTO_TCP,
+                        "",
+                        (ep["ip"], int(p)),
+                    )
+                )
+            return out
+    return _gai(host, port, family, type, proto, flags)
+
+
+_socket.getaddrinfo = _service_gai
 
 _ip = _os.environ.get("EAAS_TESTBED_POD_IP")
 if _ip:
@@ -264,6 +305,7 @@ class Agent(Node):
         self.gpu_total = int(node["status"].get("allocatable", {}).get("nvidia.com/gpu", "0"))
         self.shim_dir.mkdir(parents=True, exist_ok=True)
         (self.shim_dir / "sitecustomize.py").write_text(SHIM)
+        ServiceDNS(self.core, self.shim_dir, self.stopping).start()
         self.pods_dir.mkdir(parents=True, exist_ok=True)
         hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         hb.start()

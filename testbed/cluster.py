@@ -201,10 +201,14 @@ def down(
         stop_agent(tb, node)
     kill_marked(STATE_MARKER, str(state_dir))
     stop_components(tb, timeout)
-    # top-level mount points the agents had to create on the host (e.g. /models), if empty
+    # top-level mount points the agents had to create on the host (e.g. /models), if empty and
+    # no container of another testbed has a mount there: removing a mount point detaches the
+    # mounts on it in every mount namespace
     host_dirs = state_dir / "nodes" / "host-dirs"
     if host_dirs.is_file():
         for d in sorted(set(host_dirs.read_text().split())):
+            if _mounted_anywhere(d):
+                continue
             try:
                 os.rmdir(d)
             except OSError:
@@ -214,3 +218,15 @@ def down(
         shutil.rmtree(state_dir, ignore_errors=True)
     echo(f"testbed stopped (state {state_dir}{' removed' if remove else ''})")
     return True
+
+
+def _mounted_anywhere(path: str) -> bool:
+    """Whether some process's mount namespace has a mount at ``path`` (``/proc/*/mountinfo``)."""
+    for info in Path("/proc").glob("[0-9]*/mountinfo"):
+        try:
+            text = info.read_text()
+        except OSError:
+            continue
+        if any(line.split(" ", 5)[4:5] == [path] for line in text.splitlines()):
+            return True
+    return False

@@ -272,3 +272,39 @@ def resolve_port(container: dict, port: int | str) -> int:
         if p.get("name") == port:
             return int(p["containerPort"])
     raise PodConfigError(f"container {container['name']!r}: no port named {port!r}")
+
+
+#: The pod conditions the node agent owns (others: PodScheduled, readiness gates,
+#: DisruptionTarget, are left to their writers).
+AGENT_CONDITIONS = ("PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready")
+
+
+def status_drift(api: dict, observed: dict) -> list[str]:
+    """What of the node agent's own part of a pod's status the API server's copy (``api``: the
+    pod's ``status`` as the watch last delivered it) has differently from what the agent
+    observes (``observed``: the status it would post): ``phase``, ``podIP``, the
+    :data:`AGENT_CONDITIONS`' status, each container's ``ready`` / ``started`` /
+    ``restartCount``. Someone else wrote it (the node-lifecycle controller marks every pod of a
+    NotReady node Ready=False, and never back) or the agent's last write was lost; a kubelet
+    writes it back. Returns the differing fields' names ([] : none)."""
+    out = [k for k in ("phase", "podIP") if api.get(k) != observed.get(k)]
+
+    def conds(s: dict) -> dict[str, str]:
+        return {
+            c.get("type", ""): c.get("status", "")
+            for c in s.get("conditions") or []
+            if c.get("type") in AGENT_CONDITIONS
+        }
+
+    want, have = conds(observed), conds(api)
+    out += [f"conditions[{t}]" for t in AGENT_CONDITIONS if want.get(t) != have.get(t)]
+
+    def ctrs(s: dict) -> dict[str, tuple]:
+        return {
+            c.get("name", ""): (bool(c.get("ready")), bool(c.get("started")), c.get("restartCount"))
+            for c in s.get("containerStatuses") or []
+        }
+
+    want_c, have_c = ctrs(observed), ctrs(api)
+    out += [f"containerStatuses[{n}]" for n in sorted(want_c) if want_c[n] != have_c.get(n)]
+    return out

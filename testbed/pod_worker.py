@@ -34,6 +34,12 @@ from .volumes import PodVolumes
 
 log = logging.getLogger("eaas.testbed.agent")
 
+#: A pod's status whose API copy differs from what the agent observes
+#: (:func:`.pod.status_drift`) is written again at most once per this many seconds (s). The
+#: watch delivers the overwrite at once and the pod loop runs every 0.1 s, so a pod's status is
+#: back within about this bound of the overwrite (a kubelet: its status sync, ~10 s).
+REASSERT_MIN_S = 1.0
+
 
 class PodWorker(threading.Thread):
     """Runs one pod until it is deleted. Spawns its containers itself, and lives as long as
@@ -65,6 +71,7 @@ class PodWorker(threading.Thread):
         self.config_error: str | None = None
         self.vols = PodVolumes(node, self.dir)
         self.last_status: dict | None = None
+        self.last_post = 0.0  # monotonic time of the last status write
         self.cond_times: dict[str, tuple[str, str]] = {}
         self.start_time = (pod.get("status") or {}).get("startTime") or now_iso()
         self.initialized = not self.init_ctrs
@@ -495,7 +502,11 @@ class PodWorker(threading.Thread):
     def _post_status(self) -> None:
         status = self._status()
         if status == self.last_status:
-            return
+            # re-assert what someone else overwrote (the node controller's Ready=False)
+            drift = podlogic.status_drift(self.pod.get("status") or {}, status)
+            if not drift or time.monotonic() - self.last_post < REASSERT_MIN_S:
+                return
+            log.info("%s: API status differs (%s): re-asserting", self.name, ", ".join(drift))
         try:
             self.node.core.patch_namespaced_pod_status(
                 self.meta["name"],
@@ -504,6 +515,7 @@ class PodWorker(threading.Thread):
                 _content_type="application/merge-patch+json",
             )
             self.last_status = status
+            self.last_post = time.monotonic()
         except ApiException as e:
             if e.status == 404:
                 self.gone = True

@@ -28,6 +28,7 @@ from eaas.operator.pods import (
 )
 from eaas.operator.pool_placement import placement_revision
 from eaas.operator.reconcile.drain import acted_spec
+from eaas.operator.reconcile.fail_static import add_condition, hold_back
 from eaas.operator.reconcile.load import placement_load, track_load
 from eaas.operator.reconcile.steps import (
     apply_pod_plan,
@@ -137,7 +138,9 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
     deleted = {n for n, _, _ in plan.delete}
     down = take_reports(state, body, pods, logger)
     live = [p for p in observed if p.live and p.name not in deleted and p.name not in down]
-    table, table_error = publish_table(state, core, body, owner, acted, live, old_status, logger)
+    read = read_pool_table(state, core, owner, logger)
+    live, held = hold_back(state, body, acted, observed, live, read[1], down | deleted, logger)
+    table, table_error = publish_table(state, core, body, owner, acted, live, old_status, read)
 
     status = pool_status(
         owner=owner,
@@ -152,6 +155,7 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
         table_error=table_error,
         node_domains=state.node_domains(spec.placement.topology_key),
     )
+    add_condition(status, held, old_conditions, now(), owner.generation)
     finish_status(state, custom, body, owner, spec, old_status, status, table.version, logger)
 
 
@@ -163,16 +167,17 @@ def publish_table(
     spec: ExpertPoolSpec,
     live: list[ObservedPod],
     old_status: dict[str, Any],
-    logger: kopf.Logger,
+    read: tuple[dict[str, Any] | None, RoutingTable | None, int],
 ) -> tuple[RoutingTable, str]:
-    """Create or update the routing-table ConfigMap if the live set changed. Returns the table
+    """Create or update the routing-table ConfigMap if the live set changed. ``read``: the
+    pool's ConfigMap, table and annotated version (:func:`read_pool_table`). Returns the table
     in force and, when the new table cannot be stored (too large), why (a Warning event says it
     too; the previous table stays in force).
 
     Raises:
         ApiException: as :func:`write_table`.
     """
-    cm, previous, annotated = read_pool_table(state, core, owner, logger)
+    cm, previous, annotated = read
     floor = max(int(old_status.get("routingTableVersion") or 0), annotated)
     table, changed = next_routing_table(spec, live, previous, floor)
     if not changed and cm is not None:

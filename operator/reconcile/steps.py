@@ -18,6 +18,7 @@ from eaas.operator.monitor import health_url, probe_health
 from eaas.operator.names import Owner
 from eaas.operator.pods import PodPlan
 from eaas.operator.reconcile.load import ensure_hpa, load_status
+from eaas.operator.reconcile.network_policy import ensure_network_policy
 from eaas.operator.state import OperatorState, PublishedTable
 from eaas.operator.table import configmap_too_large, routing_table_configmap
 from eaas.runtime.tables.table import RoutingTable
@@ -52,6 +53,7 @@ def finish_status(
     status.update(clients=len(client_acks), **ack_summary(client_acks, table_version))
     status.update(load_status(state, owner.namespace, owner.name))
     ensure_hpa(state, body, owner, spec, logger)
+    ensure_network_policy(state, owner, spec, logger)
     old_conditions = old_status.get("conditions") or []
     if not write_status(custom, owner.namespace, owner.name, old_status, status):
         return

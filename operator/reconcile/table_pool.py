@@ -7,8 +7,10 @@ make-before-break publishing of the routing table.
    when no client can still use it and it drained: absent from the published and the pending
    table, every client acknowledged the published one, and the server reports no frame for a
    quiet period (:mod:`eaas.operator.reconcile.drain`).
-2. Candidate (:func:`_candidate`): a server that died (or changed IP) first leaves the published
-   table at once (a table that only takes experts away needs no loading); otherwise the
+2. Candidate (:func:`_candidate`): the servers fail static holds count as live
+   (:mod:`eaas.operator.reconcile.fail_static`); a server that died (or changed IP) first
+   leaves the published table at once (a table that only takes experts away needs no loading)
+   unless that uncovers an expert (then its experts are re-placed first); otherwise the
    placement over the live members is computed from the table in force
    (:func:`member_placement`; load rebalancing when :func:`rebalance_due`).
 3. :func:`two_phase_step` decides (:func:`_two_phase`): stage (push to servers, wait for their
@@ -45,6 +47,7 @@ from eaas.operator.pool_placement import (
     table_placement,
 )
 from eaas.operator.reconcile.drain import acted_spec, hold_undrained, replacements
+from eaas.operator.reconcile.fail_static import add_condition, hold_back
 from eaas.operator.reconcile.load import placement_load
 from eaas.operator.reconcile.steps import (
     apply_pod_plan,
@@ -117,12 +120,14 @@ def reconcile_table_pool(
     plan, observed_t, held, leaving = _plan_pods(s, observed, published)
     deleted = {n for n, _, _ in plan.delete}
     live = [p for p in live if p.name not in deleted]
+    live, fs = hold_back(state, body, spec, observed, live, published, down | deleted, logger)
     candidate, rebalanced = _candidate(s, live, published, held, old_status, leaving)
     table, table_error = _two_phase(s, live, token, candidate, published, cm, floor, rebalanced)
     table = table or candidate  # nothing published yet: status counts what is being staged
     status = _status(
         dataclasses.replace(s, spec=wanted), live, observed_t, plan, table, table_error, old_status
     )
+    add_condition(status, fs, old_status.get("conditions") or [], now(), owner.generation)
     finish_status(
         state, custom, body, owner, spec, old_status, status, table.version, logger, s.client_acks
     )
@@ -179,13 +184,17 @@ def _candidate(
     leaving: set[str],
 ) -> tuple[RoutingTable, bool]:
     """Step 2: the candidate table and whether it is a load rebalance. A server of the published
-    table that left (or changed address) is removed at once, nothing else changing; ``leaving``
-    servers (live, to be replaced) are left out of the placement (their experts re-placed
-    on the others, make-before-break)."""
+    table that left (or changed address) is removed at once, nothing else changing, unless
+    that alone would leave an expert without a replica: then its experts are re-placed onto
+    the live members first (make-before-break: staged, confirmed, then published). ``leaving``
+    servers (live, to be replaced) are left out of the placement (their experts re-placed on
+    the others, make-before-break)."""
     endpoints = {p.name: server_endpoint(s.spec, p.index, p.ip) for p in live}
     if published is not None and any(endpoints.get(n) != ep for n, ep in published.servers.items()):
         survivors = {n: ep for n, ep in published.servers.items() if endpoints.get(n) == ep}
-        return table_from_assignment(s.spec, held, survivors, 0), False
+        drop_only = table_from_assignment(s.spec, held, survivors, 0)
+        if len(drop_only.uncovered()) <= len(published.uncovered()):
+            return drop_only, False
     # in an NVSHMEM world spares stand in for the missing
     members = table_members(s.spec, [p for p in live if p.name not in leaving])
     in_force = _pending(s.memory, published) or published

@@ -5,7 +5,9 @@ can-i`` as its ServiceAccount), a values schema that rejects a bad value naming 
 ``helm test`` hook that GETs every replica's ``/healthz``. With that operator, ``kubectl apply``
 of ``deploy/examples/tiny-pool.yaml`` (its model as a hostPath of the tiny model) turns Ready;
 the example AttentionFleet then serves a completion through its pod IP equal to transformers'
-greedy reference; ``helm upgrade`` changes the Deployment; ``helm uninstall`` leaves nothing of the release
+greedy reference, and with one server's node agent frozen and the server killed, the client's
+failure report reaches the operator by its Service name and the table drops the server;
+``helm upgrade`` changes the Deployment; ``helm uninstall`` leaves nothing of the release
 (the CRDs stay: Helm never deletes ``crds/``)."""
 
 from __future__ import annotations
@@ -176,6 +178,8 @@ def test_rbac_is_least_privilege(release):
         ("list", "nodes", None),
         ("update", "leases.coordination.k8s.io", NS),
         ("create", "leases.coordination.k8s.io", NS),
+        ("list", "leases.coordination.k8s.io", None),  # one operator per cluster
+        ("create", "networkpolicies.networking.k8s.io", "default"),
     ]
     # the Lease eaas-operator only: deleted by a leader that shuts down
     r = kubectl(
@@ -274,10 +278,61 @@ def test_tiny_pool_example_turns_ready(release):
     model_id = api.models.list().data[0].id
     out = api.completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0)
     assert out.choices[0].model_extra["token_ids"] == ref
+    reports_reach_the_operator(release[0], ns, api, model_id, prompt, ref)
     kubectl("delete", "attentionfleet", "tiny-clients", "-n", ns, "--timeout=120s")
     # delete it while the operator runs (its finalizer needs the operator)
     kubectl("delete", "expertpool", "tiny", "-n", ns, "--timeout=120s")
     kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def reports_reach_the_operator(tb, ns, api, model_id, prompt, ref) -> None:
+    """The clients' failure reports reach the Helm-installed operator through its Service name
+    (``eaas-operator.eaas-system.svc``, which the testbed resolves for pods): with one server's
+    node agent frozen (the API keeps showing the pod Ready) and the server killed, a
+    completion still gives the reference tokens, the client reports the server, the operator's
+    probe confirms it (``ServerUnreachable``) and the table drops it before the node could turn
+    NotReady."""
+    import signal
+    import time
+
+    from helpers.faults import container_pid
+    from helpers.k8s import routing_table, server_pods
+
+    pods = server_pods(ns, "tiny")
+    victim = sorted(pods)[0]
+    agent = tb.agents[pods[victim]["spec"]["nodeName"]]
+    pid = container_pid(pods[victim], "expert-server")
+    assert pid is not None
+    os.kill(agent, signal.SIGSTOP)
+    try:
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(3):  # each request may pick the dead server's replicas: it is reported
+            out = api.completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0)
+            assert out.choices[0].model_extra["token_ids"] == ref
+
+        def reported():
+            events = get_json("events", "-n", ns, "--field-selector", "involvedObject.name=tiny")
+            return any(
+                e.get("reason") == "ServerUnreachable" and victim in e.get("message", "")
+                for e in events["items"]
+            )
+
+        wait_for("a confirmed failure report", reported, timeout=60, interval=0.5)
+        wait_for(
+            "the table without the killed server",
+            lambda: victim not in routing_table(ns, "tiny").servers,
+            timeout=30,
+        )
+        # the node monitor grace is 20 s: the reports, not the node controller, removed it
+        assert time.monotonic() - killed < 20
+    finally:
+        os.kill(agent, signal.SIGCONT)
+    wait_for(
+        "the restarted server back in the table",
+        lambda: victim in routing_table(ns, "tiny").servers,
+        timeout=120,
+    )
 
 
 def test_upgrade_then_uninstall_leaves_nothing(release):

@@ -130,3 +130,36 @@ def test_ip_and_gpu_allocation():
     assert P.resolve_port({"name": "c"}, 81) == 81
     with pytest.raises(P.PodConfigError, match="no port named"):
         P.resolve_port({"name": "c"}, "grpc")
+
+
+@pytest.mark.failstatic
+def test_status_drift_names_what_someone_else_overwrote():
+    mine = {
+        "phase": "Running",
+        "podIP": "127.1.0.2",
+        "conditions": [
+            {"type": "Ready", "status": "True", "lastTransitionTime": "t0"},
+            {"type": "ContainersReady", "status": "True"},
+        ],
+        "containerStatuses": [{"name": "c", "ready": True, "started": True, "restartCount": 1}],
+    }
+    assert P.status_drift(mine, mine) == []
+    # the node controller's NodeNotReady mark: Ready=False, another writer's condition added
+    api = {
+        **mine,
+        "conditions": [
+            {"type": "Ready", "status": "False", "lastTransitionTime": "t1"},
+            {"type": "ContainersReady", "status": "True"},
+            {"type": "DisruptionTarget", "status": "True"},
+        ],
+    }
+    assert P.status_drift(api, mine) == ["conditions[Ready]"]
+    lost = {**mine, "containerStatuses": [{"name": "c", "ready": False, "restartCount": 0}]}
+    assert P.status_drift(lost, mine) == ["containerStatuses[c]"]
+    assert P.status_drift({}, mine) == [
+        "phase",
+        "podIP",
+        "conditions[ContainersReady]",
+        "conditions[Ready]",
+        "containerStatuses[c]",
+    ]

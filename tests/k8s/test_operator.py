@@ -337,16 +337,30 @@ def test_dead_node_leaves_the_routing_table(ns, operator):
             json.dumps({"status": {"conditions": [ready]}}),
         )
         t0 = time.monotonic()
+
+        def held() -> set[str]:
+            """Servers the pool's FailStatic condition names as held."""
+            conds = (get("expertpool", "nodes", ns).get("status") or {}).get("conditions") or []
+            fs = next((c for c in conds if c["type"] == "FailStatic"), {})
+            return {s for s in on_node if fs.get("status") == "True" and f"{s} (" in fs["message"]}
+
+        # fail static: the node's NotReady is indirect evidence and kwok's pods answer no probe,
+        # so a server holding the last replica of an expert stays (held, named in FailStatic);
+        # every other server of the node leaves
         t = wait_for(
-            "servers on the dead node out of the table",
-            lambda: (t := table(ns, "nodes")) and not (on_node & set(t.servers)) and t,
+            "servers on the dead node out of the table (or held)",
+            lambda: (t := table(ns, "nodes")) and not ((on_node - held()) & set(t.servers)) and t,
             timeout=20,
         )
+        kept = on_node & set(t.servers)
+        if kept:
+            expect_lost = set()  # held: nothing uncovered
+            assert all(set(before["table"].hosted_by(s)) & lost_with(victim_node) for s in kept)
         print(
             f"\n[measure] node NotReady -> routing table without its {len(on_node)} server(s): "
             f"{time.monotonic() - t0:.2f}s"
         )
-        assert t.version > before["table"].version
+        assert t.version > before["table"].version or kept == on_node
         # exactly the experts whose every replica was on the node lost their last replica
         assert set(t.uncovered()) == expect_lost
         reason = "ExpertsUncovered" if expect_lost else "BelowRedundancy"
