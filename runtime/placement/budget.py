@@ -57,6 +57,10 @@ class _Layer:
         rows = np.repeat(np.arange(n), [len(h) for h in hold])
         cols = np.fromiter(itertools.chain.from_iterable(hold), dtype=np.int64, count=rows.size)
         self.H[rows, cols] = 1.0
+        self.holders: list[set[int]] = [set() for _ in range(big_e)]  # servers of each expert
+        for s, h in enumerate(hold):
+            for e in h:
+                self.holders[e].add(s)
         self.w = np.asarray(w, dtype=np.float64)
         self.mean = float(self.w.sum()) / n
         self.refresh()
@@ -73,11 +77,16 @@ class _Layer:
         H, L, q = self.H, self.L, self.q
         if kind == "swap":
             H[a, x], H[a, y], H[b, y], H[b, x] = 0.0, 1.0, 0.0, 1.0
+            for e, src, dst in ((x, a, b), (y, b, a)):
+                self.holders[e].discard(src)
+                self.holders[e].add(dst)
             d = q[x] - q[y]
             L[a] -= d
             L[b] += d
             return np.array([a, b])
         H[b, y], H[b, x] = 0.0, 1.0
+        self.holders[y].discard(b)
+        self.holders[x].add(b)
         L[b] += q[x] - q[y]  # at the old shares, then every holder's share changes
         touched = []
         for e, step in ((x, 1.0), (y, -1.0)):
@@ -207,22 +216,27 @@ def _best_move(
             qh_new = w[h] / (cnt[h] + 1)
             a_new = la - (q[h] - qh_new)
             rise = w[surplus] / (cnt[surplus] - 1) - q[surplus]  # (m,) on y's other holders
-            held = H[:, surplus] > 0  # (n, m)
-            cols = np.arange(surplus.size)
-            hl = np.where(held, L[:, None], -np.inf)
-            top = hl.argmax(0)  # (m,) the most-loaded holder of each y
-            m1 = hl[top, cols]
-            hl[top, cols] = -np.inf
-            m2 = hl.max(0)  # (m,) the next one
-            other = np.where(np.arange(n)[:, None] == top[None, :], m2, m1)  # (n, m) b excluded
-            b_new = L[:, None] - q[surplus][None, :] + qh_new  # b drops y, loads h
-            res = np.maximum(np.maximum(other + rise[None, :], b_new), a_new)
-            res = np.where(held & (H[:, h] == 0)[:, None], res, np.inf).ravel()
-            for t in _smallest(res, shared or bool(banned)):
+            # the holders of each donor y, as (y, server) entries sorted by y then server
+            held = [sorted(lay.holders[int(y)]) for y in surplus]
+            ci = np.repeat(np.arange(surplus.size), [len(x) for x in held])  # (P,)
+            bi = np.fromiter(itertools.chain.from_iterable(held), dtype=np.int64, count=ci.size)
+            starts = np.flatnonzero(np.r_[True, ci[1:] != ci[:-1]])  # every y has >= 2
+            lb_ = L[bi]  # (P,)
+            m1 = np.maximum.reduceat(lb_, starts)  # (m,) the most-loaded holder's load
+            pos = np.arange(ci.size)
+            first = np.minimum.reduceat(np.where(lb_ == m1[ci], pos, ci.size), starts)
+            lb2 = lb_.copy()
+            lb2[first] = -np.inf
+            m2 = np.maximum.reduceat(lb2, starts)  # (m,) the next one
+            other = np.where(pos == first[ci], m2[ci], m1[ci])  # the other holders' max
+            b_new = lb_ - q[surplus][ci] + qh_new  # b drops y, loads h
+            res = np.maximum(np.maximum(other + rise[ci], b_new), a_new)
+            res = np.where(H[bi, h] == 0, res, np.inf)
+            key = bi * surplus.size + ci  # ties: lowest server, then donor
+            for t in np.lexsort((key, res))[: 8 if (shared or banned) else 1]:
                 if res[t] >= la - _EPS:
                     break
-                b, i = np.unravel_index(t, held.shape)
-                b, y = int(b), int(surplus[i])
+                b, y = int(bi[t]), int(surplus[ci[t]])
                 if shared and not _domain_ok(H, y, b, -1, dom_of, want):
                     continue
                 if ("recount", a, h, b, y) in banned:
