@@ -55,6 +55,7 @@ def test_scale_up_is_placed_for_the_load_within_the_budget():
     table = table_from_assignment(spec, member_placement(spec, five, None, HOT), endpoints(five), 1)
     six = [*five, "p-5"]
     assert members_changed(six, table) and not members_changed(five, table)
+    assert members_changed(five[:4], table)  # a server of the table left
     before = table_placement(spec, six, table)
     results = {}
     for fraction in (0.0, 0.1, 1.0):
