@@ -20,7 +20,19 @@ sum over layers of max GPU load.
 Loads: the two-layer example of EPLB's README (12 experts, 16 replicas, 4 groups, 2 nodes, 8
 GPUs) and synthetic Zipf-skewed loads (256 experts, a random expert order per layer).
 
-Run: ``.venv/bin/python bench/placement.py`` (``--quick`` for a smaller run).
+Rescale under a movement budget (``--rescale``): Zipf(1.0), Zipf(1.5) and log-normal loads over
+256 experts x 58 MoE layers, R=2, slot budget ``ceil(1.25 * E * R / N_before)`` per server (25%
+extra replicas); every rescale of 32->33, 40->41, 41->40, 64->40, 64->65 and a load shift at 40
+servers (every expert's load times a log-normal factor, sigma 0.5; rebalance) plus a stress row
+(the hot set re-drawn: a new random expert order). Columns: balancedness and moved replicas
+(share of the new total) of the load-oblivious step, of the default budget
+(``max_moved_fraction`` 0.1) and of no limit, beside from-scratch placements (EaaS; EPLB's
+global policy on the same slots, without the redundancy rule). Writes
+``docs/bench-placement.png`` with ``--png``; then the CPU time of one placement at 1024 servers
+x 58 layers x 256 experts (from scratch, +-1 server, a load shift).
+
+Run: ``.venv/bin/python bench/placement.py`` (``--quick`` for a smaller run; ``--rescale`` for
+the rescale table only).
 """
 
 from __future__ import annotations
@@ -32,6 +44,8 @@ import time
 from collections.abc import Iterator, Sequence
 
 from eaas.runtime.placement import (
+    DEFAULT_MAX_MOVED_FRACTION,
+    Placement,
     balancedness,
     moved_replicas,
     place_experts,
@@ -179,11 +193,166 @@ def comparison_cases(quick: bool = False) -> Iterator[tuple[str, list[list[float
             yield f"Zipf s={s}", loads, gpus, slots
 
 
+def lognormal_loads(layers: int, experts: int, sigma: float, seed: int) -> list[list[float]]:
+    """Per layer, tokens per expert ~ 1000 * LogNormal(0, sigma)."""
+    rng = random.Random(seed)
+    return [
+        [1000.0 * rng.lognormvariate(0.0, sigma) for _ in range(experts)] for _ in range(layers)
+    ]
+
+
+def as_load(loads: Sequence[Sequence[float]]) -> dict[tuple[int, int], float]:
+    return {(layer, e): float(v) for layer, row in enumerate(loads) for e, v in enumerate(row)}
+
+
+RESCALES = ((32, 33), (40, 41), (41, 40), (64, 40), (64, 65), (40, "shift"), (40, "re-drawn"))
+
+
+def rescale_rows(quick: bool = False) -> Iterator[dict]:
+    """One dict per (load, rescale): balancedness ``b_*`` and moved share ``m_*`` of the
+    load-oblivious step (``oblivious``), the default budget (``default``), no limit
+    (``unlimited``), and from-scratch ``b_scratch`` (EaaS) / ``b_eplb`` (EPLB global)."""
+    layers, experts, r = (6 if quick else 58), 256, 2
+    families = {
+        "Zipf(1.0)": lambda seed: zipf_loads(layers, experts, 1.0, seed),
+        "Zipf(1.5)": lambda seed: zipf_loads(layers, experts, 1.5, seed),
+        "log-normal": lambda seed: lognormal_loads(layers, experts, 1.0, seed),
+    }
+    for name, make in families.items():
+        base = make(1)
+        for old, new in RESCALES[:3] if quick else RESCALES:
+            slots = -(-5 * experts * r // (4 * old))  # ceil(1.25 * E * R / old)
+            load = as_load(base)
+            p = place_experts(range(layers), experts, old, r, "load-balanced", load,
+                              slots_per_server=slots)  # fmt: skip
+            n, rebalance = (new, False) if isinstance(new, int) else (old, True)
+            if new == "shift":
+                rng = random.Random(5)
+                load = {k: v * rng.lognormvariate(0.0, 0.5) for k, v in load.items()}
+            elif new == "re-drawn":
+                load = as_load(make(2))
+            row: dict = {"load": name, "rescale": f"{old} -> {new}", "slots": slots}
+            obl = place_experts(range(layers), experts, n, r, previous=p, slots_per_server=slots)
+            for key, q in (
+                ("oblivious", obl),
+                *(
+                    (
+                        key,
+                        place_experts(
+                            range(layers),
+                            experts,
+                            n,
+                            r,
+                            "load-balanced",
+                            load,
+                            previous=p,
+                            slots_per_server=slots,
+                            rebalance=rebalance,
+                            max_moved_fraction=f,
+                        ),
+                    )  # fmt: skip
+                    for key, f in (("default", DEFAULT_MAX_MOVED_FRACTION), ("unlimited", None))
+                ),
+            ):
+                total = sum(q.experts_per_server())
+                row[f"b_{key}"] = balancedness(q, load)
+                row[f"m_{key}"] = moved_replicas(p, q) / total
+            fresh = place_experts(range(layers), experts, n, r, "load-balanced", load,
+                                  slots_per_server=slots)  # fmt: skip
+            row["b_scratch"] = balancedness(fresh, load)
+            rows_by_layer = [[load[(lay, e)] for e in range(experts)] for lay in range(layers)]
+            row["b_eplb"], _ = eplb_balancedness(rows_by_layer, fresh.slots_per_server * n, n, 1, 1)
+            yield row
+
+
+def rescale_table(rows: list[dict]) -> str:
+    """The markdown table of :func:`rescale_rows`."""
+    out = [
+        "| load | rescale | slots/server | load-oblivious step | default budget (0.1) | "
+        "no limit | from scratch (EaaS) | from scratch (EPLB global) | default / scratch | "
+        "no limit / scratch |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for x in rows:
+        cells = [
+            f"{x[f'b_{k}']:.4f} (moved {x[f'm_{k}']:.3f})"
+            for k in ("oblivious", "default", "unlimited")
+        ]
+        out.append(
+            f"| {x['load']} | {x['rescale']} | {x['slots']} | {' | '.join(cells)} | "
+            f"{x['b_scratch']:.4f} | {x['b_eplb']:.4f} | {x['b_default'] / x['b_scratch']:.3f}x | "
+            f"{x['b_unlimited'] / x['b_scratch']:.3f}x |"
+        )
+    return "\n".join(out)
+
+
+def speed_table() -> str:
+    """CPU seconds of one placement at 1024 servers x 58 layers x 256 experts (R=2, automatic
+    budget, Zipf(1.0) load): from scratch, one server added, one removed, a load shift."""
+    layers = range(58)
+    load = as_load(zipf_loads(58, 256, 1.0, seed=1))
+    rng = random.Random(5)
+    shifted = {k: v * rng.lognormvariate(0.0, 0.5) for k, v in load.items()}
+    out = ["| placement | CPU s | wall s |", "|---|---|---|"]
+
+    def timed(label: str, **kw) -> Placement:
+        t, c = time.perf_counter(), time.process_time()
+        p = place_experts(layers, 256, policy="load-balanced", redundancy=2,
+                          slots_per_server=0, **kw)  # fmt: skip
+        out.append(f"| {label} | {time.process_time() - c:.2f} | {time.perf_counter() - t:.2f} |")
+        return p
+
+    p = timed("1024 from scratch", num_servers=1024, expert_load=load)
+    timed("1024 -> 1025", num_servers=1025, expert_load=load, previous=p)
+    timed("1024 -> 1023", num_servers=1023, expert_load=load, previous=p)
+    timed("1024, load shift", num_servers=1024, expert_load=shifted, previous=p, rebalance=True)
+    return "\n".join(out)
+
+
+def rescale_png(rows: list[dict], path: str) -> None:
+    """Balancedness / from scratch per case: load-oblivious step, default budget, no limit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 3.6), dpi=80)
+    x = range(len(rows))
+    for i, (key, label) in enumerate(
+        (("oblivious", "load-oblivious step"), ("default", "default budget 0.1"),
+         ("unlimited", "no limit"))
+    ):  # fmt: skip
+        ax.bar([v + (i - 1) * 0.27 for v in x], [r[f"b_{key}"] / r["b_scratch"] for r in rows],
+               0.27, label=label)  # fmt: skip
+    ax.axhline(0.95, color="k", lw=0.8, ls="--")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels([f"{r['load']}\n{r['rescale']}" for r in rows], fontsize=6, rotation=90)
+    ax.set_ylabel("balancedness / from scratch")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=7, loc="lower left")
+    ax.set_title("Placement after a rescale, 256 experts x 58 layers, R=2", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rescale", action="store_true", help="only the rescale-budget tables")
+    ap.add_argument("--png", default="", help="write the rescale figure here")
     args = ap.parse_args()
     from tqdm import tqdm
+
+    print("## Rescale under a movement budget (balancedness, moved share of replicas)\n")
+    rows = list(tqdm(rescale_rows(args.quick), desc="rescale", total=21))
+    print(rescale_table(rows))
+    if args.png:
+        rescale_png(rows, args.png)
+    if not args.quick:
+        print("\n## Placement time at 1024 servers x 58 layers x 256 experts\n")
+        print(speed_table())
+    if args.rescale:
+        return
 
     print("## Balancedness (mean/max GPU load; same physical slots)\n")
     print(

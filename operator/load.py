@@ -1,7 +1,7 @@
 """Expert load as an input: the operator scrapes its expert servers' token counters and turns
 them into per-(layer, expert) token rates.
 
-Every expert server counts ``eaas_expert_tokens_total{layer,expert}`` (tokens it computed for
+Every expert server counts ``eaas_expert_tokens_total{layer,expert,server}`` (tokens it computed for
 that expert since its process started; :mod:`eaas.runtime.metrics`) and serves it on its
 ``--http-port`` (``GET /metrics``, Prometheus text format 0.0.4). The operator keeps the
 counter samples of every Ready server pod for a sliding window and computes
@@ -44,7 +44,7 @@ from eaas.operator.settings import (
     DEFAULT_WINDOW_S,
     LoadSettings,
 )
-from eaas.runtime.placement import LayerExpert
+from eaas.runtime.placement import LayerExpert, balancedness_of_loads
 
 log = logging.getLogger("eaas.operator.load")
 
@@ -56,7 +56,10 @@ HOTTEST = 5
 
 _LINE = re.compile(r"^eaas_expert_tokens_total\{([^}]*)\}\s+(\S+)", re.M)
 # prometheus-client's own rendering (label names sorted): one findall over the whole text
-_FAST = re.compile(r'^eaas_expert_tokens_total\{expert="(\d+)",layer="(\d+)"\} ([0-9.e+]+)$', re.M)
+_FAST = re.compile(
+    r'^eaas_expert_tokens_total\{expert="(\d+)",layer="(\d+)"(?:,server="[^"\\]*")?\} ([0-9.e+]+)$',
+    re.M,
+)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -75,7 +78,11 @@ def parse_expert_tokens(text: str) -> dict[LayerExpert, float]:
     if len(fast) == text.count("\neaas_expert_tokens_total{") + text.startswith(
         "eaas_expert_tokens_total{"
     ):  # every sample in the usual form: ~4x cheaper than the general parse below
-        return {(int(layer), int(expert)): float(v) for expert, layer, v in fast}
+        summed: dict[LayerExpert, float] = {}
+        for expert, layer, v in fast:  # one server per pod; under `eaas serve` several add up
+            key = (int(layer), int(expert))
+            summed[key] = summed.get(key, 0.0) + float(v)
+        return summed
     out: dict[LayerExpert, float] = {}
     for m in _LINE.finditer(text):
         labels = dict(_LABEL.findall(m.group(1)))
@@ -210,7 +217,8 @@ def load_summary(
 
     Fields: ``servers`` (servers with a rate), ``windowSeconds``, ``totalTokensPerSecond``
     (sum over servers), ``serverMaxTokensPerSecond`` / ``serverMeanTokensPerSecond`` (per-server
-    load, tokens/s), ``balancedness`` (mean / max per-server load, 1.0 when all are idle),
+    load, tokens/s), ``balancedness`` (mean / max server load per MoE layer, summed over layers:
+    :func:`~eaas.runtime.placement.balancedness_of_loads`; 1.0 when all are idle),
     ``hottestExperts`` (up to ``hottest`` ``"L<layer>/E<expert>: <tokens/s>"`` strings, pool-wide,
     hottest first, ties by (layer, expert)). Rates are rounded to 0.01 tokens/s so that an idle
     pool's status does not change on every scrape.
@@ -221,13 +229,18 @@ def load_summary(
     mean = total / len(loads) if loads else 0.0
     experts = pool_rates(per_server)
     top = sorted(((-v, k) for k, v in experts.items() if v > 0))[:hottest]
+    per_layer: dict[int, list[float]] = {}
+    for i, rates in enumerate(per_server.values()):
+        for (layer, _), v in rates.items():
+            per_layer.setdefault(layer, [0.0] * len(per_server))[i] += v
+    balance = balancedness_of_loads(per_layer)
     return {
         "servers": len(loads),
         "windowSeconds": round(float(window_s), 2),
         "totalTokensPerSecond": round(total, 2),
         "serverMaxTokensPerSecond": round(mx, 2),
         "serverMeanTokensPerSecond": round(mean, 2),
-        "balancedness": round(mean / mx, 4) if mx > 0 else 1.0,
+        "balancedness": round(balance, 4),
         "hottestExperts": [f"L{k[0]}/E{k[1]}: {-v:.2f}" for v, k in top],
     }
 

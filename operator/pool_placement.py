@@ -49,10 +49,12 @@ def compute_placement(
     observed: Sequence[ObservedPod] = (),
 ) -> Placement:
     """Placement of every (MoE layer, logical expert) on ``spec.replicas`` servers, computed
-    incrementally from what the ``observed`` pods host (:func:`previous_placement`): scaling by
-    one leaves the surviving servers' experts as they are (scale-up) or re-homes only what the
-    removed server held (scale-down); see :mod:`eaas.runtime.placement` for the bound. A
-    converged pool is a fixed point (the same pods give the same placement).
+    incrementally from what the ``observed`` pods host (:func:`previous_placement`): a rescale
+    fills the new servers (scale-up) or re-homes what the removed servers held (scale-down),
+    and with ``load-balanced`` and the load known moves at most
+    ``spec.placement.maxMovedFraction`` of each layer's replicas more to lower its most-loaded
+    server; see :mod:`eaas.runtime.placement` for the bounds. A converged pool is a fixed point
+    (the same pods give the same placement).
 
     Args:
         spec: the pool's spec (model shape, replicas, redundancy, placement policy and
@@ -73,6 +75,7 @@ def compute_placement(
         expert_load=expert_load,
         previous=previous_placement(spec, observed),
         slots_per_server=spec.placement.slots_per_server,
+        max_moved_fraction=spec.placement.max_moved_fraction,
     )
 
 
@@ -146,6 +149,7 @@ def placement_revision(spec: ExpertPoolSpec) -> str:
             "redundancy": spec.redundancy,
             "policy": spec.placement.policy,
             "slotsPerServer": spec.placement.slots_per_server,
+            "maxMovedFraction": spec.placement.max_moved_fraction,
         }
     )
 
@@ -207,10 +211,12 @@ def member_placement(
     the table (they load them) instead of waiting for a replacement pod; a new member starts
     empty and is filled (scale-up moves nothing off a running server).
 
-    ``expert_load`` is used for a pool placed from scratch and when ``rebalance`` (then the
-    placement may also swap replicas to lower each layer's peak load); otherwise the placement
-    in force is a fixed point. Fewer members than ``redundancy``: the assignment in force is
-    kept (nothing to re-place onto).
+    ``expert_load`` is used for a pool placed from scratch, when the members changed (a new
+    member, or a server of ``table`` that is no longer one: the change is then placed for the
+    load, moving at most ``spec.placement.maxMovedFraction`` of each layer's replicas beyond
+    what it forces) and when ``rebalance`` (the same budget, spent where nothing is forced);
+    otherwise the placement in force is a fixed point. Fewer members than ``redundancy``: the
+    assignment in force is kept (nothing to re-place onto).
 
     Slot budget: ``spec.placement.slotsPerServer``, or with 0 the budget of the desired size
     ``ceil(numExperts * redundancy / replicas)`` (not the ratchet of :func:`compute_placement`:
@@ -225,7 +231,7 @@ def member_placement(
     if len(members) < spec.redundancy or not members:
         return dict(zip(members, previous.servers, strict=True))
     fresh = not any(previous.servers)
-    use_load = expert_load if (fresh or rebalance) else None
+    use_load = expert_load if (fresh or rebalance or members_changed(members, table)) else None
     placement = place_experts(
         layers=spec.model.layers(),
         num_experts=spec.model.num_experts,
@@ -237,6 +243,15 @@ def member_placement(
         slots_per_server=spec.placement.slots_per_server
         or auto_slots(spec.model.num_experts, spec.redundancy, spec.replicas),
         domains=domains,
-        rebalance_swaps=spec.model.num_experts if rebalance else 0,
+        max_moved_fraction=spec.placement.max_moved_fraction,
+        rebalance=rebalance,
     )
     return dict(zip(members, placement.servers, strict=True))
+
+
+def members_changed(members: Sequence[str], table: RoutingTable | None) -> bool:
+    """Whether ``members`` differ from the servers ``table`` assigns experts to (a member
+    without experts joined, or a server with experts is no longer a member)."""
+    hosting = table.assignment() if table is not None else {}
+    held = {m for m, pairs in hosting.items() if pairs}
+    return held != set(members)

@@ -7,7 +7,10 @@ imported (prometheus-client picks its value class at import time).
 
 Names (keep exact; dashboards and issues refer to them):
 
-* ``eaas_expert_tokens_total{layer,expert}`` counter: expert load, counted on the expert server.
+* ``eaas_expert_tokens_total{layer,expert,server}`` counter: expert load, counted on the expert
+  server ``server`` (its ``--server-id``): the (token, expert) pairs it computed for that logical
+  expert, real tokens only (padding ids ``-1`` and rows refused or malformed are not counted; no
+  forward of the runtime's own, warm-up, graph capture or health probe, reaches it).
 * ``eaas_expert_server_batch_tokens`` histogram: tokens per dynamic batch on a server.
 * ``eaas_dispatch_seconds`` histogram: client-side round trip of one MoE layer call
   (dispatch + combine, all servers, including failover).
@@ -50,8 +53,8 @@ _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 EXPERT_TOKENS = Counter(
     "eaas_expert_tokens",
-    "Tokens computed per (layer, logical expert) on expert servers",
-    ["layer", "expert"],
+    "Tokens computed per (layer, logical expert) on an expert server (real tokens only)",
+    ["layer", "expert", "server"],
 )
 SERVER_BATCH_TOKENS = Histogram(
     "eaas_expert_server_batch_tokens",

@@ -190,6 +190,18 @@ class PlacementSpec(CrdModel):
         "force exceeds this (balancedness = mean / max per-server load, summed over MoE "
         "layers). 1: never.",
     )
+    max_moved_fraction: float = Field(
+        default=0.1,
+        ge=0.0,
+        le=1.0,
+        description="load-balanced: movement budget of a placement change with the expert load "
+        "known (scale-up or -down, a server lost, a rebalance). Per MoE layer, the replicas moved "
+        "beyond those the change forces (new servers filled, lost servers' replicas re-homed) are "
+        "at most this fraction of the layer's replicas, spent on the moves that most lower the "
+        "layer's most-loaded server; the result is never less balanced than the same change "
+        "made without the load. 0: no move beyond the forced ones; 1: effectively unlimited. With "
+        "assignment command-line every server whose experts change is replaced.",
+    )
     rebalance_interval_seconds: int = Field(
         default=300,
         ge=1,

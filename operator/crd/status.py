@@ -65,7 +65,9 @@ class LoadSummary(CrdModel):
         default=0, description="Mean per-server load (tokens/s)."
     )
     balancedness: float = Field(
-        default=1, description="Mean / max per-server load (1: perfectly balanced)."
+        default=1,
+        description="Mean / max per-server load per MoE layer, summed over layers "
+        "(sum of means / sum of maxima; 1: perfectly balanced).",
     )
     hottest_experts: list[str] = Field(
         default_factory=list,

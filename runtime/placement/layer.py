@@ -11,13 +11,25 @@ from .refine import fix_domains, refine
 
 
 def replica_counts(
-    w: Sequence[float], kept: Sequence[int], n: int, r: int, slots: int, exchange: bool
+    w: Sequence[float],
+    kept: Sequence[int],
+    n: int,
+    r: int,
+    slots: int,
+    exchange: bool,
+    cap: Sequence[int] | None = None,
 ) -> list[int]:
     """Replica count per expert: ``>= r``, ``<= n``, summing to ``min(slots, E * n)``, starting
-    from ``kept`` and moving one replica at a time (EPLB's greedy on load per replica)."""
+    from ``kept`` and moving one replica at a time (EPLB's greedy on load per replica).
+    ``cap``: when adding, no expert above ``cap[e]`` (the replicas the free slots can take
+    without a survivor making room), unless the caps cannot reach the total."""
     big_e = len(w)
     target = min(slots, big_e * n)
     cnt = [min(max(k, r), n) for k in kept]
+    if cap is not None and sum(max(c, min(x, n)) for c, x in zip(cnt, cap, strict=True)) >= target:
+        n_of = [max(c, min(x, n)) for c, x in zip(cnt, cap, strict=True)]
+    else:
+        n_of = [n] * big_e
     tot = sum(cnt)
     if tot > target:  # remove from the expert whose load per replica stays lowest
         heap = [(w[e] / (cnt[e] - 1), -e) for e in range(big_e) if cnt[e] > r]
@@ -30,13 +42,13 @@ def replica_counts(
             if cnt[e] > r:
                 heapq.heappush(heap, (w[e] / (cnt[e] - 1), ne))
     elif tot < target:  # add to the expert with the highest load per replica
-        heap = [(-w[e] / cnt[e], e) for e in range(big_e) if cnt[e] < n]
+        heap = [(-w[e] / cnt[e], e) for e in range(big_e) if cnt[e] < n_of[e]]
         heapq.heapify(heap)
         while tot < target:
             _, e = heapq.heappop(heap)
             cnt[e] += 1
             tot += 1
-            if cnt[e] < n:
+            if cnt[e] < n_of[e]:
                 heapq.heappush(heap, (-w[e] / cnt[e], e))
     # exchange: move a replica from a cold expert to a hot one while that lowers the maximum
     # load per replica (only acts when loads changed since the kept counts were made)
@@ -83,7 +95,19 @@ def place_layer(
         cnt = [r] * big_e
         t_all = big_e * r
     else:
-        cnt = replica_counts(w, kept, n, r, n * budget, exchange=swaps > 0)
+        # room: replicas of e the servers with a free slot can take (a scale-up then never
+        # makes a survivor hand a slot over, step 3's repair)
+        free = [s for s in range(n) if len(hold[s]) < budget]
+        room = list(kept)
+        if len(free) < n:
+            for e in range(big_e):
+                room[e] += len(free)
+            for s in free:
+                for e in hold[s]:
+                    room[e] -= 1
+        cnt = replica_counts(
+            w, kept, n, r, n * budget, exchange=swaps > 0, cap=room if len(free) < n else None
+        )
         t_all = sum(cnt)
     base, extra = divmod(t_all, n)  # with a budget: == budget each unless E * n < n * budget
     order = sorted(range(n), key=lambda s: (-len(hold[s]), total[s], s))

@@ -3,7 +3,7 @@ server sets one decode call reaches (dispatch columns)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from .core import LayerExpert, Placement
 
@@ -33,15 +33,29 @@ def server_loads(
     return out
 
 
-def balancedness(placement: Placement, expert_load: Mapping[LayerExpert, float] | None) -> float:
-    """Mean over max per-server load, summed over MoE layers: ``sum_l mean_s load[l][s] /
-    sum_l max_s load[l][s]`` (1.0 is perfect; layers run one after another, so every layer's
-    slowest server counts). Returns 1.0 for a placement without load."""
+def balancedness_of_loads(per_layer: Mapping[int, Sequence[float]]) -> float:
+    """Balancedness of measured or modelled per-server loads: ``per_layer[layer][s]`` is server
+    ``s``'s load in that MoE layer (tokens, or tokens/s; every layer lists the same servers).
+
+    ``sum_l mean_s load[l][s] / sum_l max_s load[l][s]``: mean over max server load per layer,
+    summed over layers (1.0 is perfect; layers run one after another, so every layer's slowest
+    server counts). Two layers on two servers with loads (100, 200) and (200, 100) give
+    ``300 / 400 = 0.75`` (the servers' totals, 300 each, would claim 1.0). Returns 1.0 without
+    load.
+    """
     mean = peak = 0.0
-    for loads in server_loads(placement, expert_load).values():
-        mean += sum(loads) / len(loads)
-        peak += max(loads)
+    for loads in per_layer.values():
+        if len(loads):
+            mean += sum(loads) / len(loads)
+            peak += max(loads)
     return mean / peak if peak > 0 else 1.0
+
+
+def balancedness(placement: Placement, expert_load: Mapping[LayerExpert, float] | None) -> float:
+    """:func:`balancedness_of_loads` of the per-server loads a placement gives an expert load
+    (:func:`server_loads`: an expert's load split evenly over its replicas). Returns 1.0 for a
+    placement without load."""
+    return balancedness_of_loads(server_loads(placement, expert_load))
 
 
 def dispatch_columns(placement: Placement) -> list[frozenset[int]]:

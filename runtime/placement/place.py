@@ -7,9 +7,11 @@ from collections.abc import Mapping, Sequence
 
 from .core import POLICIES, LayerExpert, Placement, PlacementError, auto_slots
 from .layer import place_layer
+from .rescale import FRESH_SWAPS, rescale_layer
 
-#: Refinement swaps per layer for a placement from scratch (a cap, never reached in practice).
-_FRESH_SWAPS = 64
+#: Default movement budget: replicas a change may move per MoE layer beyond what it forces, as a
+#: fraction of the layer's replicas (``spec.placement.maxMovedFraction``).
+DEFAULT_MAX_MOVED_FRACTION = 0.1
 
 
 def place_experts(
@@ -23,7 +25,8 @@ def place_experts(
     previous: Placement | None = None,
     slots_per_server: int | None = None,
     domains: Sequence[str] | None = None,
-    rebalance_swaps: int = 0,
+    max_moved_fraction: float | None = DEFAULT_MAX_MOVED_FRACTION,
+    rebalance: bool = False,
 ) -> Placement:
     """Compute a placement of every logical expert on at least ``redundancy`` distinct servers,
     incrementally from ``previous`` when given (see the module docstring for the algorithm and
@@ -50,16 +53,23 @@ def place_experts(
             expert are used.
         domains: failure domain (e.g. node name) of each server, ``len == num_servers``;
             default: every server its own domain.
-        rebalance_swaps: refinement swaps allowed per layer when ``previous`` is given (each
-            moves 2 replicas); a placement from scratch refines freely.
+        max_moved_fraction: movement budget of a load-aware change (``previous`` given,
+            ``load-balanced`` with ``expert_load``): per MoE layer, the replicas moved beyond
+            those the change forces (what the load-oblivious step moves) are at most
+            ``floor(max_moved_fraction * replicas of the layer)``, spent on the moves that most
+            lower the layer's maximum server load. None: unlimited. 0: the best of the
+            load-aware and the load-oblivious step, nothing more.
+        rebalance: also spend the budget where the change forces nothing (a load shift);
+            without it a layer the change does not touch keeps its placement (a placement in
+            force is a fixed point).
 
     Returns:
         A :class:`Placement`.
 
     Raises:
         PlacementError: ``num_servers < 1``, ``redundancy < 1``, ``redundancy > num_servers``,
-            ``num_experts < 1``, an unknown policy, a negative budget, or ``domains`` of the
-            wrong length.
+            ``num_experts < 1``, an unknown policy, a negative budget or
+            ``max_moved_fraction``, or ``domains`` of the wrong length.
     """
     layers = tuple(sorted(int(x) for x in layers))
     if num_servers < 1:
@@ -81,8 +91,8 @@ def place_experts(
         raise PlacementError(
             f"domains has {len(domains)} entries but there are {num_servers} servers"
         )
-    if rebalance_swaps < 0:
-        raise PlacementError(f"rebalance_swaps must be >= 0, got {rebalance_swaps}")
+    if max_moved_fraction is not None and not max_moved_fraction >= 0:
+        raise PlacementError(f"max_moved_fraction must be >= 0, got {max_moved_fraction}")
 
     n, big_e, r = num_servers, num_experts, redundancy
     dom_names = list(domains) if domains is not None else [str(s) for s in range(n)]
@@ -111,7 +121,9 @@ def place_experts(
 
     load_aware = policy == "load-balanced" and bool(expert_load)
     fresh = previous is None or not any(previous.servers)
-    swaps = _FRESH_SWAPS if fresh else rebalance_swaps
+    by_layer: dict[int, dict[int, float]] = {}
+    for (lay, e), v in (expert_load or {}).items() if load_aware else ():
+        by_layer.setdefault(lay, {})[e] = float(v)
 
     hosted: list[list[LayerExpert]] = [[] for _ in range(n)]
     total = [0] * n  # replicas per server over the layers placed so far (memory balance)
@@ -119,24 +131,22 @@ def place_experts(
     spread_ok = True
     for layer in layers:
         if load_aware:
-            assert expert_load is not None
-            known = [float(v) for (lay, _), v in expert_load.items() if lay == layer]
-            default = sum(known) / len(known) if known else 1.0
-            w = [max(0.0, float(expert_load.get((layer, e), default))) for e in range(big_e)]
+            known = by_layer.get(layer, {})
+            default = sum(known.values()) / len(known) if known else 1.0
+            w = [max(0.0, known.get(e, default)) for e in range(big_e)]
         else:
             w = [1.0] * big_e
-        servers, ok = place_layer(
-            w,
-            n,
-            r,
-            budget,
-            prev_layers[layer],
-            dom,
-            num_domains,
-            total,
-            changes,
-            swaps if load_aware else 0,
-        )
+        prev = prev_layers[layer]
+        if load_aware and not fresh:
+            servers, ok = rescale_layer(
+                w, n, r, budget, prev, dom, num_domains, total, changes, max_moved_fraction,
+                rebalance,
+            )  # fmt: skip
+        else:
+            swaps = FRESH_SWAPS if load_aware else 0
+            servers, ok = place_layer(
+                w, n, r, budget, prev, dom, num_domains, total, changes, swaps
+            )
         spread_ok &= ok
         for s, experts in enumerate(servers):
             total[s] += len(experts)

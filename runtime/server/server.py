@@ -25,7 +25,8 @@ Hosted experts may change while serving (:meth:`ExpertServer.add_experts` /
 experts from the routing table (:func:`eaas.runtime.server.main.learn_from_table`,
 :mod:`eaas.runtime.server.assignment`).
 
-Metrics (:mod:`eaas.runtime.metrics`): ``EXPERT_TOKENS{layer,expert}`` (expert load; added at
+Metrics (:mod:`eaas.runtime.metrics`): ``EXPERT_TOKENS{layer,expert,server}`` (expert load:
+the real (token, expert) pairs computed, padding ``-1`` and refused frames excluded; added at
 most every ``LOAD_METRICS_FLUSH_S`` while busy and when idle, see
 :meth:`ExpertServer.flush_load_metrics`),
 ``SERVER_BATCH_TOKENS`` (tokens per per-layer dynamic batch), ``SERVER_FRAMES``.
@@ -202,7 +203,9 @@ class ExpertServer:
         for key, c in pending.items():
             child = self._load_metrics.get(key)
             if child is None:
-                child = self._load_metrics[key] = EXPERT_TOKENS.labels(str(key[0]), str(key[1]))
+                child = self._load_metrics[key] = EXPERT_TOKENS.labels(
+                    str(key[0]), str(key[1]), self.server_id
+                )
             child.inc(c)  # type: ignore[attr-defined]
 
     def stop(self) -> None:

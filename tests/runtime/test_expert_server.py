@@ -155,7 +155,9 @@ def test_two_clients_are_batched_together(kind, tmp_path):
     # The forked server starts from this process's counter values: compare deltas.
     frames0 = REGISTRY.get_sample_value("eaas_expert_server_frames_total") or 0.0
     tokens0 = sum(
-        REGISTRY.get_sample_value("eaas_expert_tokens_total", {"layer": "1", "expert": str(e)})
+        REGISTRY.get_sample_value(
+            "eaas_expert_tokens_total", {"layer": "1", "expert": str(e), "server": "s-test"}
+        )
         or 0.0
         for e in range(4)
     )
@@ -199,7 +201,9 @@ def test_two_clients_are_batched_together(kind, tmp_path):
         return sum(
             float(v)
             for v in re.findall(
-                r'^eaas_expert_tokens_total\{expert="\d+",layer="1"\} (\S+)$', text, re.M
+                r'^eaas_expert_tokens_total\{expert="\d+",layer="1",server="s-test"\} (\S+)$',
+                text,
+                re.M,
             )
         )
 
