@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
+from eaas.operator.counters import CountingApiClient, WorkCounters
 from eaas.operator.crd import ExpertPoolSpec
 from eaas.operator.leader import LeaderElector
 from eaas.operator.load import LoadScraper
@@ -72,7 +73,11 @@ class PoolMemory:
         placement_load: ``(monotonic time, measured load)`` given to load-balanced placement,
             refreshed at most once per load window (a new load is a new placement input).
         load_driven: the pool's outcome follows the measured load (``spec.autoscaling`` or the
-            ``load-balanced`` policy): it keeps the ``resync_s`` steps.
+            ``load-balanced`` policy): while load is measured it gets a step once per load
+            window (:func:`eaas.operator.reconcile.daemon.run_daemon`).
+        pods_from_index: the running step reads the pods from the pod watch's index, not a
+            LIST (a step that would write pods starts again with a LIST:
+            :class:`StalePodView`).
         fleet_acks: fleet name -> acknowledged table versions of its Ready clients.
         published: the table this operator last wrote into the ConfigMap, handed to the
             fleets that use the pool (None: read the ConfigMap; dropped when the ConfigMap
@@ -88,16 +93,24 @@ class PoolMemory:
     load_driven: bool = False
     fleet_acks: dict[str, list[int]] = field(default_factory=dict)
     published: PublishedTable | None = None
+    pods_from_index: bool = False
 
     def busy(self) -> bool:
         """Whether the pool needs a full step every ``resync_s`` rather than once per idle
-        resync: servers under suspicion (re-probed), a staged table (the servers' weight
-        confirmations are polled), or an outcome that follows the measured load."""
-        return bool(self.suspects) or self.staged is not None or self.load_driven
+        resync: servers under suspicion (re-probed) or a staged table (the servers' weight
+        confirmations are polled). A load-driven pool steps once per load window while load
+        is measured (not here: it needs the scraper)."""
+        return bool(self.suspects) or self.staged is not None
 
     def client_acks(self) -> list[int]:
         """Acknowledged table versions of the Ready clients of every fleet using the pool."""
         return [v for acks in self.fleet_acks.values() for v in acks]
+
+
+class StalePodView(Exception):
+    """A step that read its pods from the watch's index wants to create, delete or relabel
+    pods: it starts again with a LIST (writes act on what the API server has now, never on a
+    view that may lag behind the operator's own last writes)."""
 
 
 @dataclass
@@ -144,6 +157,12 @@ class OperatorState:
         scraper: the expert-load scraper (:mod:`eaas.operator.load`), keyed by
             ``(namespace, pool)``.
         metrics_runner: the external metrics API listener (None: not served).
+        counters: the work counters served on ``GET /metrics`` (:mod:`eaas.operator.counters`).
+        pods_seen: ``(namespace, pod name)`` -> the server pod as the watch last delivered it
+            (what the operator uses of it; a watch event that changes none of it wakes
+            nothing).
+        pod_index: kopf's index of expert-server pods, ``(namespace, pool)`` -> their bodies
+            (set by the pool daemons; None: steps LIST their pods).
     """
 
     settings: Settings = field(default_factory=Settings)
@@ -163,6 +182,9 @@ class OperatorState:
     loop: asyncio.AbstractEventLoop | None = None
     scraper: LoadScraper | None = None
     metrics_runner: Any = None
+    counters: WorkCounters = field(default_factory=WorkCounters)
+    pod_index: Any = None
+    pods_seen: dict[tuple[str, str], ObservedPod] = field(default_factory=dict)
     _api: k8s.ApiClient | None = None
     _pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -191,8 +213,25 @@ class OperatorState:
                 k8s_config.load_incluster_config()
             except k8s_config.ConfigException:
                 k8s_config.load_kube_config()
-            self._api = k8s.ApiClient()
+            self._api = CountingApiClient(self.counters)
         return self._api
+
+    def server_pods(self, namespace: str, pool: str) -> list[dict[str, Any]] | None:
+        """The server pods of pool ``namespace/pool`` as the pod watch last delivered them
+        (kopf's index, copied on kopf's event loop: it changes there), or None when there is
+        no index yet (the caller LISTs). Call it from a worker thread, not the loop.
+
+        Raises:
+            TimeoutError: the event loop did not answer within 60 s.
+        """
+        index, loop = self.pod_index, self.loop
+        if index is None or loop is None or not loop.is_running():
+            return None
+
+        async def snapshot() -> list[dict[str, Any]]:
+            return [dict(body) for body in index.get((namespace, pool), ())]
+
+        return asyncio.run_coroutine_threadsafe(snapshot(), loop).result(timeout=60)
 
     def executor(self) -> concurrent.futures.ThreadPoolExecutor:
         """Threads for concurrent pod creations and server calls (a 40-server pool: 40 POSTs)."""
@@ -250,23 +289,39 @@ class OperatorState:
         wakes every pool (its servers on that node leave or rejoin the routing tables)."""
         if labels is None:
             self.node_labels.pop(name, None)
-        else:
+        elif self.node_labels.get(name) != labels:
             self.node_labels[name] = labels
         if self.node_ready.get(name) != ready:
             self.node_ready[name] = ready
             self.wake_pools()
 
+    def note_pod(self, namespace: str, name: str, observed: ObservedPod | None) -> bool:
+        """Record what the operator uses of a server pod (``observed`` None: deleted); True
+        when that differs from what the pod watch delivered before (its pool must step)."""
+        key = (namespace, name)
+        if observed is None:
+            self.pods_seen.pop(key, None)
+            return True
+        if self.pods_seen.get(key) == observed:
+            return False
+        self.pods_seen[key] = observed
+        return True
+
     def note_configmap(
         self, namespace: str, pool: str, name: str, resource_version: str, deleted: bool
-    ) -> None:
+    ) -> bool:
         """A ConfigMap of pool ``namespace/pool`` changed (from the ConfigMap watch): when it is
         the routing-table ConfigMap and not as the pool's reconciler last wrote or read it, the
-        fleets read the ConfigMap again until the pool's next step (which the change wakes)."""
+        fleets read the ConfigMap again until the pool's next step. Returns whether the pool
+        must step: False only for the routing-table ConfigMap as the pool last wrote or read
+        it (the watch echoing the operator's own write)."""
         memory = self.pools.get((namespace, pool))
         if memory is None or memory.published is None or name != table_configmap_name(pool):
-            return
+            return True
         if deleted or resource_version != memory.published.resource_version:
             memory.published = None
+            return True
+        return False
 
     def node_domains(self, topology_key: str) -> dict[str, str]:
         """Node name -> its value of label ``topology_key`` (nodes without it are left out)."""

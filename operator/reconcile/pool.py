@@ -36,7 +36,7 @@ from eaas.operator.reconcile.steps import (
     write_table,
 )
 from eaas.operator.reconcile.table_pool import reconcile_table_pool
-from eaas.operator.state import OperatorState
+from eaas.operator.state import OperatorState, StalePodView
 from eaas.operator.status import invalid_spec_status, pool_status
 from eaas.operator.table import next_routing_table
 from eaas.runtime.placement import PlacementError, auto_slots
@@ -87,13 +87,51 @@ def announce_spec(body: kopf.Body, reason: str, state: OperatorState) -> None:
 def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf.Logger) -> None:
     """One reconcile step of ExpertPool ``namespace/name``.
 
-    Reads the pool, its pods and its routing-table ConfigMap; creates/deletes/relabels pods as
-    :func:`plan_pods` decides; publishes a new routing table when the live set changed; writes
-    the status when it changed. Pools with ``spec.placement.assignment: routing-table`` go to
+    Reads the pool, its pods (from the pod watch's index; a step that would then write pods
+    starts again with a LIST: :class:`~eaas.operator.state.StalePodView`) and its
+    routing-table ConfigMap; creates/deletes/relabels pods as :func:`plan_pods` decides;
+    publishes a new routing table when the live set changed; writes the status when it
+    changed. Pools with ``spec.placement.assignment: routing-table`` go to
     :func:`eaas.operator.reconcile.table_pool.reconcile_table_pool`.
 
     Raises:
         ApiException: any API error but 404/409 on create/delete (the daemon logs and retries).
+    """
+    try:
+        _reconcile_pool(state, namespace, name, logger, from_index=True)
+    except StalePodView:
+        _reconcile_pool(state, namespace, name, logger, from_index=False)
+
+
+def pool_pods(
+    state: OperatorState, core: k8s.CoreV1Api, namespace: str, name: str, from_index: bool
+) -> list[dict[str, Any]]:
+    """The pool's server pods: from the pod watch's index when ``from_index`` and there is one
+    (:meth:`OperatorState.server_pods`), else a LIST by label. Sets the pool's
+    ``pods_from_index``.
+
+    Raises:
+        ApiException: the LIST failed.
+    """
+    memory = state.pool(namespace, name)
+    pods = state.server_pods(namespace, name) if from_index else None
+    memory.pods_from_index = pods is not None
+    if pods is None:
+        state.counters.add("eaas_operator_pod_lists_total")
+        pods = raw(
+            core.list_namespaced_pod, namespace, label_selector=selector_string(server_labels(name))
+        )["items"]
+    return pods
+
+
+def _reconcile_pool(
+    state: OperatorState, namespace: str, name: str, logger: kopf.Logger, from_index: bool
+) -> None:
+    """:func:`reconcile_pool`, its pods read as :func:`pool_pods` says.
+
+    Raises:
+        StalePodView: the pods came from the index and the plan writes pods.
+        ApiException: as :func:`reconcile_pool`.
     """
     custom = k8s.CustomObjectsApi(state.api())
     core = k8s.CoreV1Api(state.api())
@@ -104,9 +142,7 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
     memory = state.pool(namespace, name)
     old_status = body.get("status") or {}
     old_conditions = old_status.get("conditions") or []
-    pods = raw(
-        core.list_namespaced_pod, namespace, label_selector=selector_string(server_labels(name))
-    )["items"]
+    pods = pool_pods(state, core, namespace, name, from_index)
     observed = [ObservedPod.from_pod(p, state.node_ready) for p in pods]
     # a same-named older pool's pods: the garbage collector's job
     observed = [p for p in observed if p.owner_uid == owner.uid]

@@ -18,7 +18,7 @@ from eaas.operator.monitor import health_url, probe_health
 from eaas.operator.names import Owner
 from eaas.operator.pods import PodPlan
 from eaas.operator.reconcile.load import ensure_hpa, load_status
-from eaas.operator.state import OperatorState, PublishedTable
+from eaas.operator.state import OperatorState, PublishedTable, StalePodView
 from eaas.operator.table import configmap_too_large, routing_table_configmap
 from eaas.runtime.tables.table import RoutingTable
 from eaas.runtime.tables.watch import TABLE_KEY
@@ -77,9 +77,15 @@ def apply_pod_plan(
     """Create, delete and relabel expert-server pods as ``plan`` says (Events for each kind).
 
     Raises:
+        StalePodView: the step read its pods from the watch's index and the plan writes pods
+            (the step starts again with a LIST).
         ApiException: any API error but 409 on create and 404/409 on delete.
     """
     namespace = body["metadata"]["namespace"]
+    if (plan.create or plan.delete or plan.relabel) and state.pool(
+        namespace, body["metadata"]["name"]
+    ).pods_from_index:
+        raise StalePodView(f"pod writes planned for {namespace}/{body['metadata']['name']}")
 
     def create(manifest: dict[str, Any]) -> None:
         try:
@@ -188,6 +194,7 @@ def write_table(
         event(body, "RoutingTableTooLarge", too_large, warning=True)
         return (previous or table), too_large
     written = write_table_cm(core, state.tables, manifest, table, cm)
+    state.counters.add("eaas_operator_table_writes_total")
     state.pool(owner.namespace, owner.name).published = PublishedTable(
         resource_version=written["metadata"]["resourceVersion"],
         version=table.version,
