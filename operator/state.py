@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -25,8 +26,8 @@ from eaas.operator.counters import CountingApiClient, WorkCounters
 from eaas.operator.crd import ExpertPoolSpec
 from eaas.operator.leader import LeaderElector
 from eaas.operator.load import LoadScraper
-from eaas.operator.names import table_configmap_name
-from eaas.operator.pods import ObservedPod
+from eaas.operator.names import Owner, server_name, table_configmap_name
+from eaas.operator.pods import ObservedPod, server_pod
 from eaas.operator.pool_placement import compute_placement
 from eaas.operator.push import PushRetry
 from eaas.operator.server_push import ServerTableState
@@ -75,6 +76,11 @@ class PoolMemory:
         load_driven: the pool's outcome follows the measured load (``spec.autoscaling`` or the
             ``load-balanced`` policy): while load is measured it gets a step once per load
             window (:func:`eaas.operator.reconcile.daemon.run_daemon`).
+        observed: pod uid -> ``(resourceVersion, ObservedPod)`` of the last step's pods (a pod
+            the API server did not change is not parsed again; :meth:`OperatorState.observe`).
+        manifests: ``(spec key, server index, experts)`` -> desired pod manifest of the last
+            step (a server whose experts did not change is not built again;
+            :meth:`OperatorState.desired_pods`).
         pods_from_index: the running step reads the pods from the pod watch's index, not a
             LIST (a step that would write pods starts again with a LIST:
             :class:`StalePodView`).
@@ -94,6 +100,10 @@ class PoolMemory:
     fleet_acks: dict[str, list[int]] = field(default_factory=dict)
     published: PublishedTable | None = None
     pods_from_index: bool = False
+    observed: dict[str, tuple[str, ObservedPod]] = field(default_factory=dict)
+    manifests: dict[tuple[Hashable, int, tuple[LayerExpert, ...]], dict[str, Any]] = field(
+        default_factory=dict
+    )
 
     def busy(self) -> bool:
         """Whether the pool needs a full step every ``resync_s`` rather than once per idle
@@ -342,6 +352,45 @@ class OperatorState:
         while len(self.placements) > PLACEMENT_CACHE:
             self.placements.popitem(last=False)
         return value
+
+    def observe(self, namespace: str, pool: str, pods: list[dict[str, Any]]) -> list[ObservedPod]:
+        """:meth:`ObservedPod.from_pod` of each pod with :attr:`node_ready`, parsed again only
+        when the pod's ``resourceVersion`` changed (the pool's memory keeps this step's)."""
+        memory = self.pool(namespace, pool)
+        held, memory.observed = memory.observed, {}
+        out = []
+        for pod in pods:
+            meta = pod.get("metadata") or {}
+            uid, version = meta.get("uid", ""), meta.get("resourceVersion", "")
+            hit = held.get(uid)
+            if hit is not None and version and hit[0] == version:
+                observed = hit[1]
+            else:
+                observed = ObservedPod.from_pod(pod)
+            memory.observed[uid] = (version, observed)
+            node_ready = self.node_ready.get(observed.node, True)
+            if observed.node_ready != node_ready:
+                observed = dataclasses.replace(observed, node_ready=node_ready)
+            out.append(observed)
+        return out
+
+    def desired_pods(
+        self, owner: Owner, spec: ExpertPoolSpec, placement: Placement, revision: str
+    ) -> dict[str, dict[str, Any]]:
+        """:func:`desired_server_pods`, each server's manifest built again only when its
+        experts (or the spec, owner or revision) changed (the pool's memory keeps this step's).
+        The manifests are shared with the next step: read them, never change them."""
+        memory = self.pool(owner.namespace, owner.name)
+        spec_key = (owner, spec.model_dump_json(), revision)
+        held, memory.manifests = memory.manifests, {}
+        out = {}
+        for s, experts in enumerate(placement.servers):
+            key = (spec_key, s, experts)
+            manifest = held.get(key)
+            if manifest is None:
+                manifest = server_pod(owner, spec, s, experts, revision)
+            memory.manifests[key] = out[server_name(owner.name, s)] = manifest
+        return out
 
     def placement(
         self,

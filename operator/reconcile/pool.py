@@ -22,7 +22,6 @@ from eaas.operator.names import Owner, selector_string, server_labels
 from eaas.operator.overlay import OverlayError
 from eaas.operator.pods import (
     ObservedPod,
-    desired_server_pods,
     plan_pods,
     table_assignment,
 )
@@ -38,7 +37,7 @@ from eaas.operator.reconcile.steps import (
 from eaas.operator.reconcile.table_pool import reconcile_table_pool
 from eaas.operator.state import OperatorState, StalePodView
 from eaas.operator.status import invalid_spec_status, pool_status
-from eaas.operator.table import next_routing_table
+from eaas.operator.table import build_routing_table, next_routing_table
 from eaas.runtime.placement import PlacementError, auto_slots
 from eaas.runtime.tables.table import RoutingTable
 
@@ -143,7 +142,7 @@ def _reconcile_pool(
     old_status = body.get("status") or {}
     old_conditions = old_status.get("conditions") or []
     pods = pool_pods(state, core, namespace, name, from_index)
-    observed = [ObservedPod.from_pod(p, state.node_ready) for p in pods]
+    observed = state.observe(namespace, name, pods)
     # a same-named older pool's pods: the garbage collector's job
     observed = [p for p in observed if p.owner_uid == owner.uid]
     try:
@@ -158,7 +157,7 @@ def _reconcile_pool(
         load = placement_load(state, core, body, spec, logger)
         placement = state.placement(spec, observed, load)
         revision = placement_revision(spec)
-        desired = desired_server_pods(owner, spec, placement, revision)
+        desired = state.desired_pods(owner, spec, placement, revision)
     except (ValidationError, PlacementError, OverlayError) as exc:
         status = invalid_spec_status(
             owner, str(exc).splitlines()[0], old_conditions, now(), old_status
@@ -208,7 +207,9 @@ def publish_table(
     """
     cm, previous, annotated = read_pool_table(state, core, owner, logger)
     floor = max(int(old_status.get("routingTableVersion") or 0), annotated)
-    table, changed = next_routing_table(spec, live, previous, floor)
+    key = ("table", spec.model_dump_json(), tuple((p.index, p.name, p.ip, p.experts) for p in live))
+    candidate = state.memoized(key, lambda: build_routing_table(spec, live, 0))
+    table, changed = next_routing_table(spec, live, previous, floor, candidate=candidate)
     if not changed and cm is not None:
         return table, ""
     return write_table(state, core, body, owner, table, cm, previous)

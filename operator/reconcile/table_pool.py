@@ -145,8 +145,13 @@ def _plan_pods(
     client_acks = s.client_acks
     if client_acks and min(client_acks) < (published.version if published else 0):
         in_use |= {p.name for p in observed}  # some client is on an older table: hold all
+    revision = placement_revision(s.spec)
+    desired = s.state.memoized(  # the same manifests whatever the placement: build them once
+        ("table-pods", s.owner, s.spec.model_dump_json(), revision),
+        lambda: desired_table_pods(s.owner, s.spec, revision),
+    )
     plan = plan_pods(
-        desired_table_pods(s.owner, s.spec, placement_revision(s.spec)),
+        desired,
         observed_t,
         max_unavailable=max(1, s.spec.redundancy - 1),
         in_use=in_use,
