@@ -81,6 +81,8 @@ class PoolMemory:
         manifests: ``(spec key, server index, experts)`` -> desired pod manifest of the last
             step (a server whose experts did not change is not built again;
             :meth:`OperatorState.desired_pods`).
+        table_cm: the routing-table ConfigMap as this operator last wrote or read it (read
+            again only when the ConfigMap watch shows another change: ``published`` dropped).
         pods_from_index: the running step reads the pods from the pod watch's index, not a
             LIST (a step that would write pods starts again with a LIST:
             :class:`StalePodView`).
@@ -100,6 +102,7 @@ class PoolMemory:
     fleet_acks: dict[str, list[int]] = field(default_factory=dict)
     published: PublishedTable | None = None
     pods_from_index: bool = False
+    table_cm: dict[str, Any] | None = None
     observed: dict[str, tuple[str, ObservedPod]] = field(default_factory=dict)
     manifests: dict[tuple[Hashable, int, tuple[LayerExpert, ...]], dict[str, Any]] = field(
         default_factory=dict

@@ -165,12 +165,13 @@ def _reconcile_pool(
         write_status(custom, namespace, name, old_status, status)
         return
     plan = plan_pods(desired, observed, max_unavailable=max(1, spec.redundancy - 1))
-    apply_pod_plan(state, core, body, plan, logger)
-
     deleted = {n for n, _, _ in plan.delete}
     down = take_reports(state, body, pods, logger)
     live = [p for p in observed if p.live and p.name not in deleted and p.name not in down]
+    # the table before the pod writes: a dead server leaves it at once (from the pod index,
+    # before the LIST a replacement needs), a pod the plan deletes before it goes
     table, table_error = publish_table(state, core, body, owner, spec, live, old_status, logger)
+    apply_pod_plan(state, core, body, plan, logger)
 
     status = pool_status(
         owner=owner,
