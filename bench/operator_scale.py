@@ -340,24 +340,42 @@ def _serves(port: int) -> bool:
 
 
 def markdown(results: list[dict]) -> str:
-    rows = ["| servers | phase | wall s | operator CPU-s | note |", "|---:|---|---:|---:|---|"]
+    """The results as a Markdown table (work: reconcile steps / pod LISTs / table writes)."""
+
+    def work(phase: dict) -> str:
+        w = phase.get("work") or {}
+        return (
+            f"{w.get('reconcile_steps', 0)} / {w.get('pod_lists', 0)} / {w.get('table_writes', 0)}"
+        )
+
+    rows = [
+        "| servers | phase | wall s | operator CPU-s | steps / LISTs / table writes | note |",
+        "|---:|---|---:|---:|---|---|",
+    ]
     for r in results:
         n = r["servers"]
+        ready = r["ready"]
         rows.append(
-            f"| {n} | apply -> Ready | {r['ready']['wall_s']:.1f} | {r['ready']['cpu_s']:.1f} | |"
+            f"| {n} | apply -> Ready | {ready['wall_s']:.1f} | {ready['cpu_s']:.1f} | {work(ready)} | |"
         )
         for i, idle in enumerate(r["idle"]):
             rows.append(
                 f"| {n} | idle run {i + 1} | {idle['wall_s']:.0f} | {idle['cpu_s']:.2f} | "
-                f"{idle['share'] * 100:.2f}% of a core |"
+                f"{work(idle)} | {idle['share'] * 100:.2f}% of a core |"
             )
         k = r["kill"]
         rows.append(
-            f"| {n} | one server killed | {k['wall_s']:.1f} | {k['cpu_s']:.2f} | out of the table "
-            f"{k['table_s'] * 1000:.0f} ms after DELETED ({k['cpu_to_table_s']:.2f} CPU-s) |"
+            f"| {n} | one server killed | {k['wall_s']:.1f} | {k['cpu_s']:.2f} | {work(k)} | out of "
+            f"the table {k['table_s'] * 1000:.0f} ms after DELETED ({k['cpu_to_table_s']:.2f} CPU-s) |"
         )
-        for name in (f"scale -> {SMALL}", f"scale {SMALL} ->"):
-            rows.append(f"| {n} | {name} | {r[name]['wall_s']:.1f} | {r[name]['cpu_s']:.1f} | |")
+        for name, label in (
+            (f"scale -> {SMALL}", f"scale {n} -> {SMALL}"),
+            (f"scale {SMALL} ->", f"scale {SMALL} -> {n}"),
+        ):
+            ph = r[name]
+            rows.append(
+                f"| {n} | {label} | {ph['wall_s']:.1f} | {ph['cpu_s']:.1f} | {work(ph)} | |"
+            )
     return "\n".join(rows)
 
 

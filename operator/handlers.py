@@ -93,13 +93,13 @@ async def pool_daemon(
     stopped: kopf.DaemonStopped,
     logger: kopf.Logger,
     memo: Any,
-    server_pods: kopf.Index[tuple[str, str], dict[str, Any]],
-    **_: Any,
+    **kwargs: Any,
 ) -> None:
-    """Reconcile the pool now, on every wakeup and every ``resync_s`` seconds."""
+    """Reconcile the pool now, on every wakeup and every ``resync_s`` seconds. kopf passes the
+    index of :func:`server_pods` as ``kwargs["server_pods"]``."""
     ns = _namespace(namespace)
     state = _state(memo)
-    state.pod_index = server_pods  # the steps read their pods from it (no LIST per step)
+    state.pod_index = kwargs.get("server_pods")  # the steps read their pods from it, no LIST
     await daemon.run_daemon(state, "pool", ns, name, stopped, reconcile_pool, logger)
 
 

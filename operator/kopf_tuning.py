@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Iterable
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -50,10 +50,10 @@ class SpecDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
         if picked:
             small["metadata"] = picked
         for spec in extra_fields or ():  # status fields a handler watches (none today)
-            path = spec.split(".") if isinstance(spec, str) else list(spec)
-            if path and path[0] == "status":
+            first = spec.split(".")[0] if isinstance(spec, str) else (list(spec or ()) or [""])[0]
+            if first == "status":
                 small.setdefault("status", body.get("status") or {})
-        return super().build(body=kopf.Body(small), extra_fields=extra_fields)
+        return super().build(body=kopf.Body(cast(kopf.RawBody, small)), extra_fields=extra_fields)
 
 
 class QuietWatchHandlers(logging.Filter):
