@@ -185,3 +185,48 @@ def test_a_server_whose_scrape_fails_backs_off():
         assert fails == 10 and retry_at - time.monotonic() <= RETRY_MAX_S
     finally:
         scraper.stop()
+
+
+def test_observed_pods_are_parsed_again_only_when_their_resource_version_changes():
+    state = OperatorState()
+    pod = _pod()
+    pod["metadata"]["resourceVersion"] = "1"
+    (first,) = state.observe("ns", "p", [pod])
+    (again,) = state.observe("ns", "p", [pod])
+    assert again is first and first.live
+    state.node_ready["n"] = False  # the node's readiness applies without a new parse
+    (on_dead_node,) = state.observe("ns", "p", [pod])
+    assert not on_dead_node.node_ready and not on_dead_node.live
+    state.node_ready["n"] = True
+    changed = _pod(ready="False")
+    changed["metadata"]["resourceVersion"] = "2"
+    (second,) = state.observe("ns", "p", [changed])
+    assert second == ObservedPod.from_pod(changed) and not second.ready
+    assert list(state.pool("ns", "p").observed) == ["u"]  # only this step's pods are kept
+
+
+def test_desired_manifests_are_built_again_only_for_servers_whose_experts_changed():
+    from eaas.operator.crd import ExpertPoolSpec
+    from eaas.operator.names import Owner
+    from eaas.operator.pods import desired_server_pods
+    from eaas.runtime.placement import Placement
+
+    from helpers.k8s import TINY
+
+    spec = ExpertPoolSpec.model_validate(TINY["spec"])
+    owner = Owner("ExpertPool", "tiny", "ns", "uid")
+    state = OperatorState()
+    placement = state.placement(spec, [], None)
+    built = state.desired_pods(owner, spec, placement, "r1")
+    assert built == desired_server_pods(owner, spec, placement, "r1")
+    servers = list(placement.servers)
+    j = next(j for j in range(1, len(servers)) if servers[j] != servers[0])
+    servers[0], servers[j] = servers[j], servers[0]  # two servers swap their experts
+    moved = Placement(**{**placement.__dict__, "servers": tuple(servers)})
+    again = state.desired_pods(owner, spec, moved, "r1")
+    assert again == desired_server_pods(owner, spec, moved, "r1")
+    names = list(built)
+    kept = [n for i, n in enumerate(names) if i not in (0, j)]
+    assert kept and all(again[n] is built[n] for n in kept)
+    assert again[names[0]] is not built[names[0]] and again[names[0]] != built[names[0]]
+    assert state.desired_pods(owner, spec, moved, "r2")[kept[0]] is not built[kept[0]]
