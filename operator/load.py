@@ -53,8 +53,8 @@ METRIC = "eaas_expert_tokens_total"
 DEFAULT_TIMEOUT_S = 2.0
 #: A server whose scrape failed is tried again after ``interval * 2**failures`` seconds, at
 #: most this long (s): a pool of servers without a metrics endpoint (kwok pods, servers not up
-#: yet) costs a scrape per server per minute, not per interval.
-RETRY_MAX_S = 60.0
+#: yet) costs a scrape per server per five minutes, not per interval.
+RETRY_MAX_S = 300.0
 #: Hottest experts listed in the pool's status.
 HOTTEST = 5
 

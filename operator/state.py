@@ -35,6 +35,9 @@ from eaas.operator.settings import Settings
 from eaas.runtime.placement import LayerExpert, Placement
 from eaas.runtime.tables.table import RoutingTable
 
+#: A pool's step LISTs its pods at least this often (s), else it reads the pod index: the
+#: safety net of a watch that missed an event (as client-go's informer resync).
+LIST_RESYNC_S = 600.0
 #: Computed placements kept (a DeepSeek-V3 pool takes ~0.2 s of CPU per placement).
 PLACEMENT_CACHE = 64
 
@@ -81,6 +84,8 @@ class PoolMemory:
         manifests: ``(spec key, server index, experts)`` -> desired pod manifest of the last
             step (a server whose experts did not change is not built again;
             :meth:`OperatorState.desired_pods`).
+        listed_at: monotonic time of the pool's last pod LIST (the index is trusted for
+            :data:`LIST_RESYNC_S` after it: a watch that missed an event is repaired then).
         table_cm: the routing-table ConfigMap as this operator last wrote or read it (read
             again only when the ConfigMap watch shows another change: ``published`` dropped).
         pods_from_index: the running step reads the pods from the pod watch's index, not a
@@ -102,6 +107,7 @@ class PoolMemory:
     fleet_acks: dict[str, list[int]] = field(default_factory=dict)
     published: PublishedTable | None = None
     pods_from_index: bool = False
+    listed_at: float = -1e18
     table_cm: dict[str, Any] | None = None
     observed: dict[str, tuple[str, ObservedPod]] = field(default_factory=dict)
     manifests: dict[tuple[Hashable, int, tuple[LayerExpert, ...]], dict[str, Any]] = field(

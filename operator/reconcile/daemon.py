@@ -73,8 +73,10 @@ async def run_daemon(
     woken, failed, last_step = True, False, -1e18
     try:
         while not stopped:
-            due = _due(state, kind, (namespace, name), woken, failed, time.monotonic() - last_step)
             try:
+                due = _due(
+                    state, kind, (namespace, name), woken, failed, time.monotonic() - last_step
+                )
                 if state.is_leader() and due:  # a standby operator watches but never acts
                     last_step, failed = time.monotonic(), True
                     state.counters.add("eaas_operator_reconcile_steps_total", kind=kind)

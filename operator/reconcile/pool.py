@@ -4,6 +4,7 @@ are on the servers' command lines (a ``routing-table`` pool goes on in
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import kopf
@@ -35,7 +36,7 @@ from eaas.operator.reconcile.steps import (
     write_table,
 )
 from eaas.operator.reconcile.table_pool import reconcile_table_pool
-from eaas.operator.state import OperatorState, StalePodView
+from eaas.operator.state import LIST_RESYNC_S, OperatorState, StalePodView
 from eaas.operator.status import invalid_spec_status, pool_status
 from eaas.operator.table import build_routing_table, next_routing_table
 from eaas.runtime.placement import PlacementError, auto_slots
@@ -105,17 +106,20 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
 def pool_pods(
     state: OperatorState, core: k8s.CoreV1Api, namespace: str, name: str, from_index: bool
 ) -> list[dict[str, Any]]:
-    """The pool's server pods: from the pod watch's index when ``from_index`` and there is one
-    (:meth:`OperatorState.server_pods`), else a LIST by label. Sets the pool's
+    """The pool's server pods: from the pod watch's index when ``from_index``, there is one
+    (:meth:`OperatorState.server_pods`) and the last LIST is under
+    :data:`~eaas.operator.state.LIST_RESYNC_S` old, else a LIST by label. Sets the pool's
     ``pods_from_index``.
 
     Raises:
         ApiException: the LIST failed.
     """
     memory = state.pool(namespace, name)
-    pods = state.server_pods(namespace, name) if from_index else None
+    fresh = time.monotonic() - memory.listed_at < LIST_RESYNC_S
+    pods = state.server_pods(namespace, name) if from_index and fresh else None
     memory.pods_from_index = pods is not None
     if pods is None:
+        memory.listed_at = time.monotonic()
         state.counters.add("eaas_operator_pod_lists_total")
         pods = raw(
             core.list_namespaced_pod, namespace, label_selector=selector_string(server_labels(name))
