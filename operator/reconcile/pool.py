@@ -158,6 +158,9 @@ def _reconcile_pool(
         if table_assignment(spec):
             reconcile_table_pool(state, core, custom, body, owner, spec, observed, pods, logger)
             return
+        down = take_reports(state, body, pods, logger)
+        live = [p for p in observed if p.live and p.name not in down]
+        drop_dead_servers(state, core, body, owner, spec, live, old_status, logger)
         load = placement_load(state, core, body, spec, logger)
         placement = state.placement(spec, observed, load)
         revision = placement_revision(spec)
@@ -170,10 +173,8 @@ def _reconcile_pool(
         return
     plan = plan_pods(desired, observed, max_unavailable=max(1, spec.redundancy - 1))
     deleted = {n for n, _, _ in plan.delete}
-    down = take_reports(state, body, pods, logger)
-    live = [p for p in observed if p.live and p.name not in deleted and p.name not in down]
-    # the table before the pod writes: a dead server leaves it at once (from the pod index,
-    # before the LIST a replacement needs), a pod the plan deletes before it goes
+    live = [p for p in live if p.name not in deleted]
+    # the table before the pod writes: a pod the plan deletes leaves it before it goes
     table, table_error = publish_table(state, core, body, owner, spec, live, old_status, logger)
     apply_pod_plan(state, core, body, plan, logger)
 
@@ -191,6 +192,28 @@ def _reconcile_pool(
         node_domains=state.node_domains(spec.placement.topology_key),
     )
     finish_status(state, custom, body, owner, spec, old_status, status, table.version, logger)
+
+
+def drop_dead_servers(
+    state: OperatorState,
+    core: k8s.CoreV1Api,
+    body: dict[str, Any],
+    owner: Owner,
+    spec: ExpertPoolSpec,
+    live: list[ObservedPod],
+    old_status: dict[str, Any],
+    logger: kopf.Logger,
+) -> None:
+    """Publish at once a table without the servers of the published one that are no longer
+    ``live`` (dead, deleted, on a NotReady node, confirmed down), before the step computes a
+    placement and replaces them (a load-balanced placement of a large pool takes seconds).
+
+    Raises:
+        ApiException: as :func:`write_table`.
+    """
+    _, previous, _ = read_pool_table(state, core, owner, logger)
+    if previous is not None and not set(previous.servers) <= {p.name for p in live}:
+        publish_table(state, core, body, owner, spec, live, old_status, logger)
 
 
 def publish_table(
