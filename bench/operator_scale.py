@@ -48,6 +48,7 @@ from operator_ready import kubectl, load_example  # noqa: E402
 GPUS_PER_NODE = 32
 SMALL = 64
 POOL = "scale"
+PHASES = ("ready", "idle", "kill", "scale")
 
 
 def free_port() -> int:
@@ -251,7 +252,14 @@ def kill_one(core: Any, custom: Any, namespace: str, servers: int, op: Any, port
     }
 
 
-def run_size(servers: int, idle_s: float, idle_runs: int, log: Path | None) -> dict:
+def run_size(
+    servers: int,
+    idle_s: float,
+    idle_runs: int,
+    log: Path | None,
+    policy: str = "load-balanced",
+    phases: tuple[str, ...] = PHASES,
+) -> dict:
     from kubernetes import client as k8s
     from kubernetes import config as k8s_config
 
@@ -284,6 +292,8 @@ def run_size(servers: int, idle_s: float, idle_runs: int, log: Path | None) -> d
         pool["spec"]["model"].pop("persistentVolumeClaim", None)
         pool["spec"]["model"]["uri"] = "/models/DeepSeek-V3"
         pool["spec"]["resources"] = {"requests": {"cpu": "1", "memory": "1Gi"}}
+        pool["spec"]["placement"]["policy"] = policy
+        result["policy"] = policy
         with Phase(op, port) as p:
             kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(pool))
             wait("apply -> Ready", lambda: ready(custom, namespace, servers), op)
@@ -291,7 +301,7 @@ def run_size(servers: int, idle_s: float, idle_runs: int, log: Path | None) -> d
         print(f"[{servers}] apply -> Ready {p.wall_s:.1f} s, {p.cpu_s:.1f} CPU-s", flush=True)
         time.sleep(15)
         result["idle"] = []
-        for _ in range(idle_runs):
+        for _ in range(idle_runs if "idle" in phases else 0):
             with Phase(op, port) as p:
                 time.sleep(idle_s)
             share = p.cpu_s / p.wall_s
@@ -302,6 +312,8 @@ def run_size(servers: int, idle_s: float, idle_runs: int, log: Path | None) -> d
                 f"[{servers}] idle {share * 100:.2f}% of a core over {p.wall_s:.0f} s {p.work}",
                 flush=True,
             )
+        if "kill" not in phases:
+            return result
         result["kill"] = kill_one(core, custom, namespace, servers, op, port)
         k = result["kill"]
         print(
@@ -310,6 +322,8 @@ def run_size(servers: int, idle_s: float, idle_runs: int, log: Path | None) -> d
             flush=True,
         )
         for name, replicas in ((f"scale -> {SMALL}", SMALL), (f"scale {SMALL} ->", servers)):
+            if "scale" not in phases:
+                break
             with Phase(op, port) as p:
                 custom.patch_namespaced_custom_object(
                     "eaas.io",
@@ -353,7 +367,7 @@ def markdown(results: list[dict]) -> str:
         "|---:|---|---:|---:|---|---|",
     ]
     for r in results:
-        n = r["servers"]
+        n = f"{r['servers']} ({r.get('policy', 'load-balanced')})"
         ready = r["ready"]
         rows.append(
             f"| {n} | apply -> Ready | {ready['wall_s']:.1f} | {ready['cpu_s']:.1f} | {work(ready)} | |"
@@ -363,16 +377,20 @@ def markdown(results: list[dict]) -> str:
                 f"| {n} | idle run {i + 1} | {idle['wall_s']:.0f} | {idle['cpu_s']:.2f} | "
                 f"{work(idle)} | {idle['share'] * 100:.2f}% of a core |"
             )
-        k = r["kill"]
+        k = r.get("kill")
+        if k is None:
+            continue
         rows.append(
             f"| {n} | one server killed | {k['wall_s']:.1f} | {k['cpu_s']:.2f} | {work(k)} | out of "
             f"the table {k['table_s'] * 1000:.0f} ms after DELETED ({k['cpu_to_table_s']:.2f} CPU-s) |"
         )
         for name, label in (
-            (f"scale -> {SMALL}", f"scale {n} -> {SMALL}"),
-            (f"scale {SMALL} ->", f"scale {SMALL} -> {n}"),
+            (f"scale -> {SMALL}", f"scale N -> {SMALL}"),
+            (f"scale {SMALL} ->", f"scale {SMALL} -> N"),
         ):
-            ph = r[name]
+            ph = r.get(name)
+            if ph is None:
+                continue
             rows.append(
                 f"| {n} | {label} | {ph['wall_s']:.1f} | {ph['cpu_s']:.1f} | {work(ph)} | |"
             )
@@ -393,7 +411,7 @@ def plot(results: list[dict], png: Path) -> None:
     for i, (ph, lab) in enumerate(zip(phases, labels, strict=True)):
         a.bar(
             [x + i * width for x in range(len(sizes))],
-            [r[ph]["cpu_s"] for r in results],
+            [r[ph]["cpu_s"] if ph in r else float("nan") for r in results],
             width,
             label=lab,
         )
@@ -429,11 +447,18 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--png", type=Path, help="plot the results here")
     ap.add_argument("--log", type=Path, help="append the operator's log to this file")
+    ap.add_argument("--policy", default="load-balanced", help="the pool's placement policy")
+    ap.add_argument(
+        "--phases", default=",".join(PHASES), help="of ready,idle,kill,scale (ready always)"
+    )
     args = ap.parse_args()
     results = []
+    phases = tuple(args.phases.split(","))
     for servers in [int(s) for s in args.sizes.split(",")]:
         if not args.up:
-            results.append(run_size(servers, args.idle_s, args.idle_runs, args.log))
+            results.append(
+                run_size(servers, args.idle_s, args.idle_runs, args.log, args.policy, phases)
+            )
             continue
         from eaas import testbed as tbmod
 
@@ -441,7 +466,9 @@ def main() -> int:
             tb = tbmod.up(state_dir=Path(tmp) / "state", process_nodes="none", attached=True)
             os.environ.update({k: tb.env()[k] for k in ("KUBECONFIG", "PATH")})
             try:
-                results.append(run_size(servers, args.idle_s, args.idle_runs, args.log))
+                results.append(
+                    run_size(servers, args.idle_s, args.idle_runs, args.log, args.policy, phases)
+                )
             finally:
                 tbmod.down(state_dir=tb.state_dir)
         if args.json:

@@ -78,7 +78,8 @@ async def run_daemon(
                     state, kind, (namespace, name), woken, failed, time.monotonic() - last_step
                 )
                 if state.is_leader() and due:  # a standby operator watches but never acts
-                    last_step, failed = time.monotonic(), True
+                    # a wakeup is consumed by a step only (not while this replica cannot act)
+                    last_step, failed, woken = time.monotonic(), True, False
                     state.counters.add("eaas_operator_reconcile_steps_total", kind=kind)
                     await asyncio.to_thread(step, state, namespace, name, logger)
                     failed = False
@@ -99,7 +100,7 @@ async def run_daemon(
                 await asyncio.wait_for(event.wait(), timeout=state.settings.resync.resync_s)
             except asyncio.TimeoutError:
                 pass
-            woken = event.is_set()
+            woken = woken or event.is_set()
             event.clear()
     finally:
         state.wakeups.pop((kind, namespace, name), None)
