@@ -230,3 +230,42 @@ def test_desired_manifests_are_built_again_only_for_servers_whose_experts_change
     assert kept and all(again[n] is built[n] for n in kept)
     assert again[names[0]] is not built[names[0]] and again[names[0]] != built[names[0]]
     assert state.desired_pods(owner, spec, moved, "r2")[kept[0]] is not built[kept[0]]
+
+
+def test_a_wakeup_while_not_leading_waits_for_the_next_step_not_the_idle_resync():
+    import asyncio
+
+    from eaas.operator.reconcile.daemon import run_daemon
+
+    state = OperatorState(
+        settings=Settings(resync=ResyncSettings(resync_s=0.02, idle_resync_s=1e6))
+    )
+    leading = [False]
+    state.elector = type("Elector", (), {"is_leader": lambda self: leading[0]})()  # type: ignore[assignment]
+    steps: list[str] = []
+    stop = type("Stop", (), {"flag": False, "__bool__": lambda self: self.flag})()
+
+    async def main() -> None:
+        task = asyncio.create_task(
+            run_daemon(
+                state,
+                "pool",
+                "ns",
+                "p",
+                stop,
+                lambda *a: steps.append("step"),
+                logging.getLogger("t"),
+            )  # type: ignore[arg-type]
+        )
+        await asyncio.sleep(0.2)
+        assert steps == []  # woken (first run), but a standby never acts
+        leading[0] = True
+        await asyncio.sleep(0.2)
+        assert steps == ["step"]  # the pending wakeup, not the idle resync
+        state.wake("pool", "ns", "p")
+        await asyncio.sleep(0.2)
+        assert steps == ["step", "step"]
+        stop.flag = True
+        await asyncio.wait_for(task, timeout=5)
+
+    asyncio.run(main())
