@@ -240,7 +240,7 @@ def test_a_wakeup_while_not_leading_waits_for_the_next_step_not_the_idle_resync(
     state = OperatorState(
         settings=Settings(resync=ResyncSettings(resync_s=0.02, idle_resync_s=1e6))
     )
-    leading = [False]
+    leading = [True]
     state.elector = type("Elector", (), {"is_leader": lambda self: leading[0]})()  # type: ignore[assignment]
     steps: list[str] = []
     stop = type("Stop", (), {"flag": False, "__bool__": lambda self: self.flag})()
@@ -258,13 +258,14 @@ def test_a_wakeup_while_not_leading_waits_for_the_next_step_not_the_idle_resync(
             )  # type: ignore[arg-type]
         )
         await asyncio.sleep(0.2)
-        assert steps == []  # woken (first run), but a standby never acts
-        leading[0] = True
-        await asyncio.sleep(0.2)
-        assert steps == ["step"]  # the pending wakeup, not the idle resync
+        assert steps == ["step"]  # the first step
+        leading[0] = False  # e.g. a missed Lease renewal
         state.wake("pool", "ns", "p")
         await asyncio.sleep(0.2)
-        assert steps == ["step", "step"]
+        assert steps == ["step"]  # a standby never acts
+        leading[0] = True
+        await asyncio.sleep(0.2)
+        assert steps == ["step", "step"]  # the pending wakeup, not the idle resync
         stop.flag = True
         await asyncio.wait_for(task, timeout=5)
 
