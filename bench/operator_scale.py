@@ -429,7 +429,7 @@ def plot(results: list[dict], png: Path) -> None:
     b.set_xscale("log", base=2)
     b.set_xlabel("servers")
     b.set_ylabel("% of one core")
-    b.set_ylim(0, 1.2)
+    b.set_ylim(0, max([1.2] + [i["share"] * 115 for r in results for i in r["idle"]]))
     b.legend(fontsize=8)
     b.set_title("idle")
     fig.tight_layout()
