@@ -39,7 +39,35 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run(servers: int, idle_s: float, profile: Path | None, namespace: str = "bench-idle") -> int:
+def print_collapsed(path: Path, top: int = 25) -> None:
+    """The functions of py-spy's collapsed stacks (``-f raw``) with the most samples, inclusive
+    (each function once per stack) and where the stacks end (self)."""
+    inclusive: dict[str, int] = {}
+    own: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        n, frames = int(count), stack.split(";")
+        total += n
+        for f in set(frames):
+            inclusive[f] = inclusive.get(f, 0) + n
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+    for title, table in (("inclusive", inclusive), ("self", own)):
+        print(f"py-spy, idle window, {total} samples, top by {title}:")
+        for f, n in sorted(table.items(), key=lambda kv: -kv[1])[:top]:
+            print(f"  {100 * n / max(total, 1):5.1f}%  {f}")
+
+
+def run(
+    servers: int,
+    idle_s: float,
+    profile: Path | None,
+    log: Path | None = None,
+    py_spy: Path | None = None,
+    namespace: str = "bench-idle",
+) -> int:
     kubectl("apply", "-f", str(ROOT / "deploy/crds"))
     kubectl("wait", "--for=condition=Established", "crd/expertpools.eaas.io", "--timeout=60s")
     nodes = add_gpu_nodes(-(-servers // 8), first_index=8)  # podCIDR 127.1.<i>: i <= 255
@@ -49,7 +77,8 @@ def run(servers: int, idle_s: float, profile: Path | None, namespace: str = "ben
         cmd += ["-m", "cProfile", "-o", str(profile)]
     cmd += ["-m", "eaas.cli", "operator"]
     env = {**os.environ, "EAAS_OPERATOR_RESYNC_S": "2"}
-    op = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    sink = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115
+    op = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
     kubectl("create", "namespace", namespace, check=False)
     try:
         pool = load_example("deepseek-v3-pool.yaml")
@@ -70,9 +99,29 @@ def run(servers: int, idle_s: float, profile: Path | None, namespace: str = "ben
             time.sleep(2)
         print(f"pool of {servers} servers Ready in {time.monotonic() - t0:.0f}s; settling 10 s")
         time.sleep(10)
+        print(f"idle window from {time.strftime('%H:%M:%S')}", flush=True)
         c0, w0 = cpu_seconds(op.pid), time.monotonic()
+        spy = None
+        if py_spy is not None:  # samples the idle window, every thread (not in the CPU figure)
+            spy = subprocess.Popen(
+                [
+                    str(Path(sys.executable).with_name("py-spy")),
+                    "record",
+                    "--nonblocking",
+                    "-r",
+                    "20",
+                    "-d",
+                    str(int(idle_s)),
+                ]
+                + ["-f", "raw", "-o", str(py_spy), "-p", str(op.pid)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         time.sleep(idle_s)
         c1, w1 = cpu_seconds(op.pid), time.monotonic()
+        if spy is not None:
+            spy.wait(timeout=60)
+            print_collapsed(py_spy)
         share = (c1 - c0) / (w1 - w0)
         print(
             f"operator idle with one {servers}-server pool: {share * 60:.2f} CPU-s per minute "
@@ -100,17 +149,21 @@ def main() -> int:
     ap.add_argument("--idle-s", type=float, default=60.0)
     ap.add_argument("--profile", action="store_true", help="run the operator under cProfile")
     ap.add_argument("--up", action="store_true", help="start a private kwok-node testbed")
+    ap.add_argument("--log", type=Path, help="write the operator's log to this file")
+    ap.add_argument(
+        "--py-spy", type=Path, help="sample the idle window with py-spy into this file (raw)"
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="eaas-idle-") as tmp:
         profile = Path(tmp) / "operator.prof" if args.profile else None
         if not args.up:
-            return run(args.servers, args.idle_s, profile)
+            return run(args.servers, args.idle_s, profile, args.log, args.py_spy)
         from eaas import testbed as tbmod
 
         tb = tbmod.up(state_dir=Path(tmp) / "state", process_nodes="none", attached=True)
         os.environ.update({k: tb.env()[k] for k in ("KUBECONFIG", "PATH")})
         try:
-            return run(args.servers, args.idle_s, profile)
+            return run(args.servers, args.idle_s, profile, args.log, args.py_spy)
         finally:
             tbmod.down(state_dir=tb.state_dir)
 

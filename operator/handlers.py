@@ -28,6 +28,7 @@ import kopf
 from eaas.operator.crd import GROUP, LABEL_POOL, LABEL_ROLE, VERSION
 from eaas.operator.kube import FLEETS, POOLS
 from eaas.operator.names import SERVER_ROLE
+from eaas.operator.pods import ObservedPod
 from eaas.operator.reconcile import daemon
 from eaas.operator.reconcile.fleet import reconcile_fleet
 from eaas.operator.reconcile.pool import announce_spec, reconcile_pool
@@ -92,17 +93,43 @@ async def pool_daemon(
     stopped: kopf.DaemonStopped,
     logger: kopf.Logger,
     memo: Any,
-    **_: Any,
+    **kwargs: Any,
 ) -> None:
-    """Reconcile the pool now, on every wakeup and every ``resync_s`` seconds."""
+    """Reconcile the pool now, on every wakeup and every ``resync_s`` seconds. kopf passes the
+    index of :func:`server_pods` as ``kwargs["server_pods"]``."""
     ns = _namespace(namespace)
-    await daemon.run_daemon(_state(memo), "pool", ns, name, stopped, reconcile_pool, logger)
+    state = _state(memo)
+    state.pod_index = kwargs.get("server_pods")  # the steps read their pods from it, no LIST
+    await daemon.run_daemon(state, "pool", ns, name, stopped, reconcile_pool, logger)
+
+
+@kopf.index("", "v1", "pods", labels={LABEL_POOL: kopf.PRESENT, LABEL_ROLE: SERVER_ROLE})
+def server_pods(
+    namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """Every expert-server pod by ``(namespace, pool)``, as the watch last delivered it (kopf
+    keeps the index, drops deleted pods, and starts no daemon before its first LIST is in)."""
+    return {(_namespace(namespace), labels[LABEL_POOL]): dict(body)}
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_POOL: kopf.PRESENT, LABEL_ROLE: SERVER_ROLE})
-async def server_pod_event(namespace: str | None, labels: kopf.Labels, memo: Any, **_: Any) -> None:
-    """Any change of an expert-server pod (readiness, IP, deletion) wakes its pool."""
-    _state(memo).wake("pool", _namespace(namespace), labels[LABEL_POOL])
+async def server_pod_event(
+    namespace: str | None,
+    name: str,
+    labels: kopf.Labels,
+    body: kopf.Body,
+    type: str | None,
+    memo: Any,
+    **_: Any,
+) -> None:
+    """A change of an expert-server pod that the operator uses (readiness, IP, phase,
+    restarts, labels and annotations, deletion: :class:`~eaas.operator.pods.ObservedPod`)
+    wakes its pool; other updates of the pod cost nothing more."""
+    state, ns = _state(memo), _namespace(namespace)
+    state.counters.add("eaas_operator_watch_events_total", resource="pods")
+    observed = None if type == "DELETED" else ObservedPod.from_pod(body)
+    if state.note_pod(ns, name, observed):
+        state.wake("pool", ns, labels[LABEL_POOL])
 
 
 @kopf.on.event("", "v1", "configmaps", labels={LABEL_POOL: kopf.PRESENT})
@@ -115,12 +142,14 @@ async def pool_configmap_event(
     memo: Any,
     **_: Any,
 ) -> None:
-    """A ConfigMap of a pool (its routing table: edited or deleted by hand) changed: reconcile
-    the pool now rather than at its next idle resync (:mod:`eaas.operator.resync`)."""
-    ns, pool = _namespace(namespace), labels[LABEL_POOL]
+    """A ConfigMap of a pool (its routing table: edited or deleted by hand; its expert load)
+    changed: reconcile the pool now rather than at its next idle resync
+    (:mod:`eaas.operator.resync`). The event of the operator's own table write wakes nothing."""
+    state, ns, pool = _state(memo), _namespace(namespace), labels[LABEL_POOL]
+    state.counters.add("eaas_operator_watch_events_total", resource="configmaps")
     version = str(meta.get("resourceVersion") or "")
-    _state(memo).note_configmap(ns, pool, name, version, deleted=type == "DELETED")
-    _state(memo).wake("pool", ns, pool)
+    if state.note_configmap(ns, pool, name, version, deleted=type == "DELETED"):
+        state.wake("pool", ns, pool)
 
 
 @kopf.on.event("", "v1", "nodes")
@@ -129,7 +158,9 @@ async def node_event(
 ) -> None:
     """Track node readiness. A node going NotReady (or Unknown: its kubelet stopped reporting)
     takes its expert servers out of the routing tables at once, long before their pods are
-    evicted; every pool is woken when a node's readiness flips."""
+    evicted; every pool is woken when a node's readiness flips. A heartbeat (the same
+    readiness) costs nothing more."""
+    _state(memo).counters.add("eaas_operator_watch_events_total", resource="nodes")
     ready = type != "DELETED" and any(
         c.get("type") == "Ready" and c.get("status") == "True"
         for c in (status.get("conditions") or [])

@@ -51,6 +51,10 @@ log = logging.getLogger("eaas.operator.load")
 METRIC = "eaas_expert_tokens_total"
 #: Per-GET timeout of one scrape (s).
 DEFAULT_TIMEOUT_S = 2.0
+#: A server whose scrape failed is tried again after ``interval * 2**failures`` seconds, at
+#: most this long (s): a pool of servers without a metrics endpoint (kwok pods, servers not up
+#: yet) costs a scrape per server per five minutes, not per interval.
+RETRY_MAX_S = 300.0
 #: Hottest experts listed in the pool's status.
 HOTTEST = 5
 
@@ -335,6 +339,7 @@ class LoadScraper:
         self._targets: dict[Any, tuple[float, dict[str, tuple[str, str]]]] = {}
         self._windows: dict[str, CounterWindow] = {}
         self._loads: dict[Any, PoolLoad] = {}
+        self._failing: dict[str, tuple[int, float, str]] = {}  # uid -> (failures, retry at, why)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -379,6 +384,14 @@ class LoadScraper:
         with self._lock:
             self._targets[pool] = (time.monotonic(), dict(targets))
 
+    def keep(self, pool: Any) -> None:
+        """Renew ``pool``'s registration with its targets unchanged (its daemon runs, but an
+        idle pool steps, and calls :meth:`set_targets`, only every few minutes)."""
+        with self._lock:
+            held = self._targets.get(pool)
+            if held is not None:
+                self._targets[pool] = (time.monotonic(), held[1])
+
     def load(self, pool: Any) -> PoolLoad:
         """The pool's last computed load (empty before the first two scrapes)."""
         with self._lock:
@@ -394,8 +407,9 @@ class LoadScraper:
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))
 
     def scrape_once(self) -> None:
-        """One round: GET every target (bounded concurrency, each with the timeout), append
-        the samples, drop the old ones, recompute every pool's :class:`PoolLoad`."""
+        """One round: GET every target (bounded concurrency, each with the timeout) but those
+        backing off after failures (:data:`RETRY_MAX_S`), append the samples, drop the old
+        ones, recompute every pool's :class:`PoolLoad`."""
         now = time.monotonic()
         with self._lock:
             for pool, (seen, _) in list(self._targets.items()):
@@ -403,10 +417,12 @@ class LoadScraper:
                     del self._targets[pool]
                     self._loads.pop(pool, None)
             targets = {pool: dict(t) for pool, (_, t) in self._targets.items()}
+            failing = dict(self._failing)
         jobs = {
             uid: self._pool.submit(self._fetch, url, self.timeout_s)
             for t in targets.values()
             for uid, (_, url) in t.items()
+            if failing.get(uid, (0, 0.0, ""))[1] <= now  # failing servers back off
         }
         results: dict[str, tuple[float, dict[LayerExpert, float] | None, str]] = {}
         for uid, fut in jobs.items():
@@ -420,14 +436,22 @@ class LoadScraper:
             live = {uid for t in targets.values() for uid in t}
             for uid in set(self._windows) - live:
                 del self._windows[uid]
-            for uid, (at, counters, _) in results.items():
+            for uid in set(self._failing) - live:
+                del self._failing[uid]
+            for uid, (at, counters, why) in results.items():
                 if counters is not None:
+                    self._failing.pop(uid, None)
                     window = self._windows.setdefault(uid, CounterWindow(self.window_s))
                     window.add(CounterSample(at, counters))
+                else:
+                    fails = self._failing.get(uid, (0, 0.0, ""))[0] + 1
+                    delay = min(self.interval_s * 2**fails, RETRY_MAX_S)
+                    self._failing[uid] = (fails, at + delay, why)
             for pool, t in targets.items():
                 load = PoolLoad(window_s=self.window_s, updated_s=time.monotonic())
                 for uid, (name, _) in t.items():
-                    err = results.get(uid, (0.0, None, "not scraped"))[2]
+                    held_error = self._failing.get(uid, (0, 0.0, "not scraped"))[2]
+                    err = results[uid][2] if uid in results else held_error
                     if err:
                         load.errors[name] = err
                     held = self._windows.get(uid)

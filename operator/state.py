@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -21,12 +22,13 @@ from typing import Any, TypeVar
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
+from eaas.operator.counters import CountingApiClient, WorkCounters
 from eaas.operator.crd import ExpertPoolSpec
 from eaas.operator.drain import ElasticMemory
 from eaas.operator.leader import LeaderElector
 from eaas.operator.load import LoadScraper
-from eaas.operator.names import table_configmap_name
-from eaas.operator.pods import ObservedPod
+from eaas.operator.names import Owner, server_name, table_configmap_name
+from eaas.operator.pods import ObservedPod, server_pod
 from eaas.operator.pool_placement import compute_placement
 from eaas.operator.push import PushRetry
 from eaas.operator.server_push import ServerTableState
@@ -34,6 +36,9 @@ from eaas.operator.settings import Settings
 from eaas.runtime.placement import LayerExpert, Placement
 from eaas.runtime.tables.table import RoutingTable
 
+#: A pool's step LISTs its pods at least this often (s), else it reads the pod index: the
+#: safety net of a watch that missed an event (as client-go's informer resync).
+LIST_RESYNC_S = 600.0
 #: Computed placements kept (a DeepSeek-V3 pool takes ~0.2 s of CPU per placement).
 PLACEMENT_CACHE = 64
 
@@ -73,7 +78,20 @@ class PoolMemory:
         placement_load: ``(monotonic time, measured load)`` given to load-balanced placement,
             refreshed at most once per load window (a new load is a new placement input).
         load_driven: the pool's outcome follows the measured load (``spec.autoscaling`` or the
-            ``load-balanced`` policy): it keeps the ``resync_s`` steps.
+            ``load-balanced`` policy): while load is measured it gets a step once per load
+            window (:func:`eaas.operator.reconcile.daemon.run_daemon`).
+        observed: pod uid -> ``(resourceVersion, ObservedPod)`` of the last step's pods (a pod
+            the API server did not change is not parsed again; :meth:`OperatorState.observe`).
+        manifests: ``(spec key, server index, experts)`` -> desired pod manifest of the last
+            step (a server whose experts did not change is not built again;
+            :meth:`OperatorState.desired_pods`).
+        listed_at: monotonic time of the pool's last pod LIST (the index is trusted for
+            :data:`LIST_RESYNC_S` after it: a watch that missed an event is repaired then).
+        table_cm: the routing-table ConfigMap as this operator last wrote or read it (read
+            again only when the ConfigMap watch shows another change: ``published`` dropped).
+        pods_from_index: the running step reads the pods from the pod watch's index, not a
+            LIST (a step that would write pods starts again with a LIST:
+            :class:`StalePodView`).
         fleet_acks: fleet name -> acknowledged table versions of its Ready clients.
         published: the table this operator last wrote into the ConfigMap, handed to the
             fleets that use the pool (None: read the ConfigMap; dropped when the ConfigMap
@@ -94,21 +112,31 @@ class PoolMemory:
     published: PublishedTable | None = None
     elastic: ElasticMemory = field(default_factory=ElasticMemory)
     held: dict[str, str] = field(default_factory=dict)
+    pods_from_index: bool = False
+    listed_at: float = -1e18
+    table_cm: dict[str, Any] | None = None
+    observed: dict[str, tuple[str, ObservedPod]] = field(default_factory=dict)
+    manifests: dict[tuple[Hashable, int, tuple[LayerExpert, ...]], dict[str, Any]] = field(
+        default_factory=dict
+    )
 
     def busy(self) -> bool:
         """Whether the pool needs a full step every ``resync_s`` rather than once per idle
-        resync: servers under suspicion or held by fail static (re-probed), a staged table (the servers' weight
-        confirmations are polled), or an outcome that follows the measured load."""
-        return (
-            bool(self.suspects or self.held)
-            or self.staged is not None
-            or self.load_driven
-            or self.elastic.busy()
-        )
+        resync: servers under suspicion or held by fail static (re-probed), a staged table (the
+        servers' weight confirmations are polled), a replica change settling or a server
+        draining. A load-driven pool steps once per load window while load is measured (not
+        here: it needs the scraper)."""
+        return bool(self.suspects or self.held) or self.staged is not None or self.elastic.busy()
 
     def client_acks(self) -> list[int]:
         """Acknowledged table versions of the Ready clients of every fleet using the pool."""
         return [v for acks in self.fleet_acks.values() for v in acks]
+
+
+class StalePodView(Exception):
+    """A step that read its pods from the watch's index wants to create, delete or relabel
+    pods: it starts again with a LIST (writes act on what the API server has now, never on a
+    view that may lag behind the operator's own last writes)."""
 
 
 @dataclass
@@ -155,6 +183,12 @@ class OperatorState:
         scraper: the expert-load scraper (:mod:`eaas.operator.load`), keyed by
             ``(namespace, pool)``.
         metrics_runner: the external metrics API listener (None: not served).
+        counters: the work counters served on ``GET /metrics`` (:mod:`eaas.operator.counters`).
+        pods_seen: ``(namespace, pod name)`` -> the server pod as the watch last delivered it
+            (what the operator uses of it; a watch event that changes none of it wakes
+            nothing).
+        pod_index: kopf's index of expert-server pods, ``(namespace, pool)`` -> their bodies
+            (set by the pool daemons; None: steps LIST their pods).
     """
 
     settings: Settings = field(default_factory=Settings)
@@ -174,6 +208,9 @@ class OperatorState:
     loop: asyncio.AbstractEventLoop | None = None
     scraper: LoadScraper | None = None
     metrics_runner: Any = None
+    counters: WorkCounters = field(default_factory=WorkCounters)
+    pod_index: Any = None
+    pods_seen: dict[tuple[str, str], ObservedPod] = field(default_factory=dict)
     _api: k8s.ApiClient | None = None
     _pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -202,8 +239,25 @@ class OperatorState:
                 k8s_config.load_incluster_config()
             except k8s_config.ConfigException:
                 k8s_config.load_kube_config()
-            self._api = k8s.ApiClient()
+            self._api = CountingApiClient(self.counters)
         return self._api
+
+    def server_pods(self, namespace: str, pool: str) -> list[dict[str, Any]] | None:
+        """The server pods of pool ``namespace/pool`` as the pod watch last delivered them
+        (kopf's index, copied on kopf's event loop: it changes there), or None when there is
+        no index yet (the caller LISTs). Call it from a worker thread, not the loop.
+
+        Raises:
+            TimeoutError: the event loop did not answer within 60 s.
+        """
+        index, loop = self.pod_index, self.loop
+        if index is None or loop is None or not loop.is_running():
+            return None
+
+        async def snapshot() -> list[dict[str, Any]]:
+            return [dict(body) for body in index.get((namespace, pool), ())]
+
+        return asyncio.run_coroutine_threadsafe(snapshot(), loop).result(timeout=60)
 
     def executor(self) -> concurrent.futures.ThreadPoolExecutor:
         """Threads for concurrent pod creations and server calls (a 40-server pool: 40 POSTs)."""
@@ -261,23 +315,39 @@ class OperatorState:
         wakes every pool (its servers on that node leave or rejoin the routing tables)."""
         if labels is None:
             self.node_labels.pop(name, None)
-        else:
+        elif self.node_labels.get(name) != labels:
             self.node_labels[name] = labels
         if self.node_ready.get(name) != ready:
             self.node_ready[name] = ready
             self.wake_pools()
 
+    def note_pod(self, namespace: str, name: str, observed: ObservedPod | None) -> bool:
+        """Record what the operator uses of a server pod (``observed`` None: deleted); True
+        when that differs from what the pod watch delivered before (its pool must step)."""
+        key = (namespace, name)
+        if observed is None:
+            self.pods_seen.pop(key, None)
+            return True
+        if self.pods_seen.get(key) == observed:
+            return False
+        self.pods_seen[key] = observed
+        return True
+
     def note_configmap(
         self, namespace: str, pool: str, name: str, resource_version: str, deleted: bool
-    ) -> None:
+    ) -> bool:
         """A ConfigMap of pool ``namespace/pool`` changed (from the ConfigMap watch): when it is
         the routing-table ConfigMap and not as the pool's reconciler last wrote or read it, the
-        fleets read the ConfigMap again until the pool's next step (which the change wakes)."""
+        fleets read the ConfigMap again until the pool's next step. Returns whether the pool
+        must step: False only for the routing-table ConfigMap as the pool last wrote or read
+        it (the watch echoing the operator's own write)."""
         memory = self.pools.get((namespace, pool))
         if memory is None or memory.published is None or name != table_configmap_name(pool):
-            return
+            return True
         if deleted or resource_version != memory.published.resource_version:
             memory.published = None
+            return True
+        return False
 
     def node_domains(self, topology_key: str) -> dict[str, str]:
         """Node name -> its value of label ``topology_key`` (nodes without it are left out)."""
@@ -298,6 +368,45 @@ class OperatorState:
         while len(self.placements) > PLACEMENT_CACHE:
             self.placements.popitem(last=False)
         return value
+
+    def observe(self, namespace: str, pool: str, pods: list[dict[str, Any]]) -> list[ObservedPod]:
+        """:meth:`ObservedPod.from_pod` of each pod with :attr:`node_ready`, parsed again only
+        when the pod's ``resourceVersion`` changed (the pool's memory keeps this step's)."""
+        memory = self.pool(namespace, pool)
+        held, memory.observed = memory.observed, {}
+        out = []
+        for pod in pods:
+            meta = pod.get("metadata") or {}
+            uid, version = meta.get("uid", ""), meta.get("resourceVersion", "")
+            hit = held.get(uid)
+            if hit is not None and version and hit[0] == version:
+                observed = hit[1]
+            else:
+                observed = ObservedPod.from_pod(pod)
+            memory.observed[uid] = (version, observed)
+            node_ready = self.node_ready.get(observed.node, True)
+            if observed.node_ready != node_ready:
+                observed = dataclasses.replace(observed, node_ready=node_ready)
+            out.append(observed)
+        return out
+
+    def desired_pods(
+        self, owner: Owner, spec: ExpertPoolSpec, placement: Placement, revision: str
+    ) -> dict[str, dict[str, Any]]:
+        """:func:`desired_server_pods`, each server's manifest built again only when its
+        experts (or the spec, owner or revision) changed (the pool's memory keeps this step's).
+        The manifests are shared with the next step: read them, never change them."""
+        memory = self.pool(owner.namespace, owner.name)
+        spec_key = (owner, spec.model_dump_json(), revision)
+        held, memory.manifests = memory.manifests, {}
+        out = {}
+        for s, experts in enumerate(placement.servers):
+            key = (spec_key, s, experts)
+            manifest = held.get(key)
+            if manifest is None:
+                manifest = server_pod(owner, spec, s, experts, revision)
+            memory.manifests[key] = out[server_name(owner.name, s)] = manifest
+        return out
 
     def placement(
         self,

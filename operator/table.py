@@ -39,15 +39,18 @@ def next_routing_table(
     live: Sequence[ObservedPod],
     previous: RoutingTable | None,
     floor_version: int = 0,
+    candidate: RoutingTable | None = None,
 ) -> tuple[RoutingTable, bool]:
-    """The table to publish and whether it differs from ``previous``.
+    """The table to publish and whether it differs from ``previous``. ``candidate``:
+    :func:`build_routing_table` of ``live`` when the caller has it already (memoized).
 
     The version is strictly increasing across content changes: a changed table gets
     ``max(previous.version, floor_version) + 1`` (``floor_version``: the last version recorded
     anywhere else, e.g. the pool's status, so a lost ConfigMap never makes it go back). An
     unchanged table is returned as ``previous`` itself.
     """
-    candidate = build_routing_table(spec, live, 0)
+    if candidate is None:
+        candidate = build_routing_table(spec, live, 0)
     if previous is not None and previous.same_replicas(candidate):
         return previous, False
     version = max(previous.version if previous else 0, floor_version) + 1

@@ -13,6 +13,7 @@ import kopf
 from kubernetes.client.rest import ApiException
 
 from eaas.operator.crd import LABEL_POOL
+from eaas.operator.kopf_tuning import QuietWatchHandlers, SpecDiffBaseStorage
 from eaas.operator.leader import LeaderElector
 from eaas.operator.load import LoadScraper
 from eaas.operator.reconcile.load import start_external_metrics
@@ -21,6 +22,10 @@ from eaas.operator.resync import step_due
 from eaas.operator.state import OperatorState
 
 Step = Callable[[OperatorState, str, str, kopf.Logger], None]
+
+#: The watch-event handlers (:mod:`eaas.operator.handlers`): one call per pod, ConfigMap or
+#: node event, logged at DEBUG only.
+WATCH_HANDLERS = ("server_pod_event", "pool_configmap_event", "node_event", "server_pods")
 
 
 def _due(
@@ -32,11 +37,23 @@ def _due(
     since_last_step_s: float,
 ) -> bool:
     """Whether the daemon runs a full step now: fleets always; pools on events, else once per
-    idle resync (:mod:`eaas.operator.resync`)."""
+    idle resync (:mod:`eaas.operator.resync`), more often while busy: servers under suspicion,
+    a staged table, or (a load-driven pool) measured load, once per load window."""
     if kind != "pool":
         return True
     memory = state.pools.get(key)
-    busy = memory is not None and memory.busy()
+    scraper = state.scraper
+    busy = memory is not None and (
+        memory.busy()
+        or (
+            memory.load_driven
+            and scraper is not None
+            and since_last_step_s >= scraper.window_s
+            and bool(scraper.load(key).per_server)
+        )
+    )
+    if scraper is not None:
+        scraper.keep(key)  # an idle pool's servers stay scraped between its rare steps
     return step_due(woken, failed, busy, since_last_step_s, state.settings.resync.idle_resync_s)
 
 
@@ -56,10 +73,14 @@ async def run_daemon(
     woken, failed, last_step = True, False, -1e18
     try:
         while not stopped:
-            due = _due(state, kind, (namespace, name), woken, failed, time.monotonic() - last_step)
             try:
+                due = _due(
+                    state, kind, (namespace, name), woken, failed, time.monotonic() - last_step
+                )
                 if state.is_leader() and due:  # a standby operator watches but never acts
-                    last_step, failed = time.monotonic(), True
+                    # a wakeup is consumed by a step only (not while this replica cannot act)
+                    last_step, failed, woken = time.monotonic(), True, False
+                    state.counters.add("eaas_operator_reconcile_steps_total", kind=kind)
                     await asyncio.to_thread(step, state, namespace, name, logger)
                     failed = False
             except ApiException as exc:
@@ -79,15 +100,17 @@ async def run_daemon(
                 await asyncio.wait_for(event.wait(), timeout=state.settings.resync.resync_s)
             except asyncio.TimeoutError:
                 pass
-            woken = event.is_set()
+            woken = woken or event.is_set()
             event.clear()
     finally:
         state.wakeups.pop((kind, namespace, name), None)
 
 
 def configure_kopf(settings: kopf.OperatorSettings, state: OperatorState) -> None:
-    """kopf's settings: annotation-based persistence, standalone (our own Lease election; kopf
-    peering freezes equal-priority peers), quick watches of labelled pods and ConfigMaps."""
+    """kopf's settings: annotation-based persistence with a small diff-base (spec, labels and
+    annotations of the custom objects only: :mod:`eaas.operator.kopf_tuning`), standalone (our
+    own Lease election; kopf peering freezes equal-priority peers), quick watches of labelled
+    pods and ConfigMaps, no INFO line per watch event."""
     settings.peering.standalone = True
     settings.posting.level = logging.INFO  # only explicit kopf.info/warn calls post Events
     settings.watching.server_timeout = state.settings.resync.watch_timeout_s
@@ -96,9 +119,15 @@ def configure_kopf(settings: kopf.OperatorSettings, state: OperatorState) -> Non
     settings.watching.label_selectors["v1", "configmaps"] = LABEL_POOL
     settings.persistence.finalizer = "eaas.io/operator"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="eaas.io")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+    # kopf's default diff-base deep-copies every watched body (status included) per event
+    settings.persistence.diffbase_storage = SpecDiffBaseStorage(
         prefix="eaas.io", key="last-handled-configuration"
     )
+    quiet = QuietWatchHandlers(WATCH_HANDLERS)
+    if not any(
+        isinstance(f, QuietWatchHandlers) for f in logging.getLogger("kopf.objects").filters
+    ):
+        logging.getLogger("kopf.objects").addFilter(quiet)
     settings.execution.max_workers = 32
     settings.background.cancellation_polling = 1
 

@@ -4,6 +4,7 @@ are on the servers' command lines (a ``routing-table`` pool goes on in
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import kopf
@@ -22,7 +23,6 @@ from eaas.operator.names import Owner, selector_string, server_labels
 from eaas.operator.overlay import OverlayError
 from eaas.operator.pods import (
     ObservedPod,
-    desired_server_pods,
     plan_pods,
     table_assignment,
 )
@@ -38,9 +38,9 @@ from eaas.operator.reconcile.steps import (
     write_table,
 )
 from eaas.operator.reconcile.table_pool import reconcile_table_pool
-from eaas.operator.state import OperatorState
+from eaas.operator.state import LIST_RESYNC_S, OperatorState, StalePodView
 from eaas.operator.status import invalid_spec_status, pool_status
-from eaas.operator.table import next_routing_table
+from eaas.operator.table import build_routing_table, next_routing_table
 from eaas.runtime.placement import PlacementError, auto_slots
 from eaas.runtime.tables.table import RoutingTable
 
@@ -89,13 +89,54 @@ def announce_spec(body: kopf.Body, reason: str, state: OperatorState) -> None:
 def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf.Logger) -> None:
     """One reconcile step of ExpertPool ``namespace/name``.
 
-    Reads the pool, its pods and its routing-table ConfigMap; creates/deletes/relabels pods as
-    :func:`plan_pods` decides; publishes a new routing table when the live set changed; writes
-    the status when it changed. Pools with ``spec.placement.assignment: routing-table`` go to
+    Reads the pool, its pods (from the pod watch's index; a step that would then write pods
+    starts again with a LIST: :class:`~eaas.operator.state.StalePodView`) and its
+    routing-table ConfigMap; creates/deletes/relabels pods as :func:`plan_pods` decides;
+    publishes a new routing table when the live set changed; writes the status when it
+    changed. Pools with ``spec.placement.assignment: routing-table`` go to
     :func:`eaas.operator.reconcile.table_pool.reconcile_table_pool`.
 
     Raises:
         ApiException: any API error but 404/409 on create/delete (the daemon logs and retries).
+    """
+    try:
+        _reconcile_pool(state, namespace, name, logger, from_index=True)
+    except StalePodView:
+        _reconcile_pool(state, namespace, name, logger, from_index=False)
+
+
+def pool_pods(
+    state: OperatorState, core: k8s.CoreV1Api, namespace: str, name: str, from_index: bool
+) -> list[dict[str, Any]]:
+    """The pool's server pods: from the pod watch's index when ``from_index``, there is one
+    (:meth:`OperatorState.server_pods`) and the last LIST is under
+    :data:`~eaas.operator.state.LIST_RESYNC_S` old, else a LIST by label. Sets the pool's
+    ``pods_from_index``.
+
+    Raises:
+        ApiException: the LIST failed.
+    """
+    memory = state.pool(namespace, name)
+    fresh = time.monotonic() - memory.listed_at < LIST_RESYNC_S
+    pods = state.server_pods(namespace, name) if from_index and fresh else None
+    memory.pods_from_index = pods is not None
+    if pods is None:
+        memory.listed_at = time.monotonic()
+        state.counters.add("eaas_operator_pod_lists_total")
+        pods = raw(
+            core.list_namespaced_pod, namespace, label_selector=selector_string(server_labels(name))
+        )["items"]
+    return pods
+
+
+def _reconcile_pool(
+    state: OperatorState, namespace: str, name: str, logger: kopf.Logger, from_index: bool
+) -> None:
+    """:func:`reconcile_pool`, its pods read as :func:`pool_pods` says.
+
+    Raises:
+        StalePodView: the pods came from the index and the plan writes pods.
+        ApiException: as :func:`reconcile_pool`.
     """
     custom = k8s.CustomObjectsApi(state.api())
     core = k8s.CoreV1Api(state.api())
@@ -106,10 +147,8 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
     memory = state.pool(namespace, name)
     old_status = body.get("status") or {}
     old_conditions = old_status.get("conditions") or []
-    pods = raw(
-        core.list_namespaced_pod, namespace, label_selector=selector_string(server_labels(name))
-    )["items"]
-    observed = [ObservedPod.from_pod(p, state.node_ready) for p in pods]
+    pods = pool_pods(state, core, namespace, name, from_index)
+    observed = state.observe(namespace, name, pods)
     # a same-named older pool's pods: the garbage collector's job
     observed = [p for p in observed if p.owner_uid == owner.uid]
     try:
@@ -122,10 +161,16 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
             reconcile_table_pool(state, core, custom, body, owner, spec, observed, pods, logger)
             return
         acted = acted_spec(state, memory, spec)  # a new spec.replicas once it settled
+        down = take_reports(state, body, pods, logger)
+        live = [p for p in observed if p.live and p.name not in down]
+        _, previous, _ = read_pool_table(state, core, owner, logger)
+        # fail static: servers the API only says are unavailable stay unless the probe confirms
+        live, held = hold_back(state, body, acted, observed, live, previous, down, logger)
+        drop_dead_servers(state, core, body, owner, acted, live, old_status, logger)
         load = placement_load(state, core, body, acted, logger)
         placement = state.placement(acted, observed, load)
         revision = placement_revision(acted)
-        desired = desired_server_pods(owner, acted, placement, revision)
+        desired = state.desired_pods(owner, acted, placement, revision)
     except (ValidationError, PlacementError, OverlayError) as exc:
         status = invalid_spec_status(
             owner, str(exc).splitlines()[0], old_conditions, now(), old_status
@@ -133,14 +178,11 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
         write_status(custom, namespace, name, old_status, status)
         return
     plan = plan_pods(desired, observed, max_unavailable=max(1, spec.redundancy - 1))
-    apply_pod_plan(state, core, body, plan, logger)
-
     deleted = {n for n, _, _ in plan.delete}
-    down = take_reports(state, body, pods, logger)
-    live = [p for p in observed if p.live and p.name not in deleted and p.name not in down]
-    read = read_pool_table(state, core, owner, logger)
-    live, held = hold_back(state, body, acted, observed, live, read[1], down | deleted, logger)
-    table, table_error = publish_table(state, core, body, owner, acted, live, old_status, read)
+    live = [p for p in live if p.name not in deleted]
+    # the table before the pod writes: a pod the plan deletes leaves it before it goes
+    table, table_error = publish_table(state, core, body, owner, acted, live, old_status, logger)
+    apply_pod_plan(state, core, body, plan, logger)
 
     status = pool_status(
         owner=owner,
@@ -159,6 +201,28 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
     finish_status(state, custom, body, owner, spec, old_status, status, table.version, logger)
 
 
+def drop_dead_servers(
+    state: OperatorState,
+    core: k8s.CoreV1Api,
+    body: dict[str, Any],
+    owner: Owner,
+    spec: ExpertPoolSpec,
+    live: list[ObservedPod],
+    old_status: dict[str, Any],
+    logger: kopf.Logger,
+) -> None:
+    """Publish at once a table without the servers of the published one that are no longer
+    ``live`` (dead, deleted, on a NotReady node, confirmed down), before the step computes a
+    placement and replaces them (a load-balanced placement of a large pool takes seconds).
+
+    Raises:
+        ApiException: as :func:`write_table`.
+    """
+    _, previous, _ = read_pool_table(state, core, owner, logger)
+    if previous is not None and not set(previous.servers) <= {p.name for p in live}:
+        publish_table(state, core, body, owner, spec, live, old_status, logger)
+
+
 def publish_table(
     state: OperatorState,
     core: k8s.CoreV1Api,
@@ -167,19 +231,20 @@ def publish_table(
     spec: ExpertPoolSpec,
     live: list[ObservedPod],
     old_status: dict[str, Any],
-    read: tuple[dict[str, Any] | None, RoutingTable | None, int],
+    logger: kopf.Logger,
 ) -> tuple[RoutingTable, str]:
-    """Create or update the routing-table ConfigMap if the live set changed. ``read``: the
-    pool's ConfigMap, table and annotated version (:func:`read_pool_table`). Returns the table
+    """Create or update the routing-table ConfigMap if the live set changed. Returns the table
     in force and, when the new table cannot be stored (too large), why (a Warning event says it
     too; the previous table stays in force).
 
     Raises:
         ApiException: as :func:`write_table`.
     """
-    cm, previous, annotated = read
+    cm, previous, annotated = read_pool_table(state, core, owner, logger)
     floor = max(int(old_status.get("routingTableVersion") or 0), annotated)
-    table, changed = next_routing_table(spec, live, previous, floor)
+    key = ("table", spec.model_dump_json(), tuple((p.index, p.name, p.ip, p.experts) for p in live))
+    candidate = state.memoized(key, lambda: build_routing_table(spec, live, 0))
+    table, changed = next_routing_table(spec, live, previous, floor, candidate=candidate)
     if not changed and cm is not None:
         return table, ""
     return write_table(state, core, body, owner, table, cm, previous)

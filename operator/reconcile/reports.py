@@ -63,7 +63,7 @@ def operator_metrics(state: OperatorState) -> str:
     """Prometheus text exposition (version 0.0.4) of ``GET /metrics`` on the report listener:
     ``eaas_operator_leader`` (1 on the replica holding the Lease, else 0) and
     ``eaas_operator_routing_table_version{namespace, configmap}`` (the newest table version this
-    replica has read)."""
+    replica has read), and the work counters (:mod:`eaas.operator.counters`)."""
     lines = [
         "# HELP eaas_operator_leader 1 if this replica holds the leader Lease and acts, else 0.",
         "# TYPE eaas_operator_leader gauge",
@@ -76,6 +76,7 @@ def operator_metrics(state: OperatorState) -> str:
             f'eaas_operator_routing_table_version{{namespace="{ns}",configmap="{cm}"}} '
             f"{table.version}"
         )
+    lines += state.counters.exposition()
     return "\n".join(lines) + "\n"
 
 

@@ -13,16 +13,24 @@ from kubernetes.client.rest import ApiException
 
 from eaas.operator.crd import LABEL_PLACEMENT_REVISION, ExpertPoolSpec
 from eaas.operator.fleet import ack_summary
-from eaas.operator.kube import event, read_table_cm, table_version_of, write_status, write_table_cm
+from eaas.operator.kube import (
+    event,
+    parse_table,
+    read_table_cm,
+    table_version_of,
+    write_status,
+    write_table_cm,
+)
 from eaas.operator.monitor import health_url, probe_health
 from eaas.operator.names import Owner
 from eaas.operator.pods import PodPlan
 from eaas.operator.reconcile.load import ensure_hpa, load_status
 from eaas.operator.reconcile.network_policy import ensure_network_policy
-from eaas.operator.state import OperatorState, PublishedTable
+from eaas.operator.state import OperatorState, PublishedTable, StalePodView
 from eaas.operator.table import configmap_too_large, routing_table_configmap
 from eaas.runtime.tables.table import RoutingTable
 from eaas.runtime.tables.watch import TABLE_KEY
+from eaas.runtime.tables.wire import RoutingTableError
 
 #: A server confirmed down is re-probed (to bring it back) only after this many seconds (s).
 SUSPECT_REPROBE_S = 3.0
@@ -79,9 +87,15 @@ def apply_pod_plan(
     """Create, delete and relabel expert-server pods as ``plan`` says (Events for each kind).
 
     Raises:
+        StalePodView: the step read its pods from the watch's index and the plan writes pods
+            (the step starts again with a LIST).
         ApiException: any API error but 409 on create and 404/409 on delete.
     """
     namespace = body["metadata"]["namespace"]
+    if (plan.create or plan.delete or plan.relabel) and state.pool(
+        namespace, body["metadata"]["name"]
+    ).pods_from_index:
+        raise StalePodView(f"pod writes planned for {namespace}/{body['metadata']['name']}")
 
     def create(manifest: dict[str, Any]) -> None:
         try:
@@ -190,6 +204,8 @@ def write_table(
         event(body, "RoutingTableTooLarge", too_large, warning=True)
         return (previous or table), too_large
     written = write_table_cm(core, state.tables, manifest, table, cm)
+    state.counters.add("eaas_operator_table_writes_total")
+    state.pool(owner.namespace, owner.name).table_cm = written
     state.pool(owner.namespace, owner.name).published = PublishedTable(
         resource_version=written["metadata"]["resourceVersion"],
         version=table.version,
@@ -210,9 +226,25 @@ def read_pool_table(
 ) -> tuple[dict[str, Any] | None, RoutingTable | None, int]:
     """:func:`eaas.operator.kube.read_table_cm` of the pool, and the ConfigMap as read handed to
     the fleets that use the pool (they are woken when it differs from what they were handed:
-    the ConfigMap was written by someone else)."""
-    cm, table, annotated = read_table_cm(core, state.tables, owner, logger)
+    the ConfigMap was written by someone else).
+
+    No GET while the ConfigMap is as this operator last wrote or read it (the ConfigMap watch
+    drops :attr:`PoolMemory.published` on any other change: :meth:`OperatorState.note_configmap`);
+    a change the watch has not delivered yet makes the next write fail with 409 (optimistic
+    concurrency), and the step after it reads the ConfigMap again."""
     memory = state.pool(owner.namespace, owner.name)
+    held = memory.table_cm
+    if (
+        memory.published is not None
+        and held is not None
+        and held["metadata"]["resourceVersion"] == memory.published.resource_version
+    ):
+        try:
+            return held, parse_table(state.tables, owner.namespace, held), table_version_of(held)
+        except RoutingTableError:
+            pass  # cannot be (this operator wrote it): read it again
+    cm, table, annotated = read_table_cm(core, state.tables, owner, logger)
+    memory.table_cm = cm
     if cm is None or table is None:
         memory.published = None
         return cm, table, annotated

@@ -159,7 +159,11 @@ def _plan_pods(
     client_acks = s.client_acks
     if client_acks and min(client_acks) < (published.version if published else 0):
         in_use |= {p.name for p in observed}  # some client is on an older table: hold all
-    desired = desired_table_pods(s.owner, s.spec, placement_revision(s.spec))
+    revision = placement_revision(s.spec)
+    desired = s.state.memoized(  # the same manifests whatever the placement: build them once
+        ("table-pods", s.owner, s.spec.model_dump_json(), revision),
+        lambda: desired_table_pods(s.owner, s.spec, revision),
+    )
     hashes = {n: m["metadata"]["annotations"][ANNOTATION_SPEC_HASH] for n, m in desired.items()}
     leaving = replacements(s.memory, observed_t, hashes, s.spec.redundancy)
     held_pods = hold_undrained(
