@@ -26,6 +26,7 @@ from eaas.operator.names import (
 from eaas.operator.overlay import apply_pod_template
 from eaas.operator.pods import nvshmem_uid_file, world_layout
 from eaas.operator.status import set_condition
+from eaas.operator.vllm_fleet import vllm_container
 from eaas.runtime.options import PROGRAM, AttentionClientOptions
 from eaas.runtime.options.nvshmem_world import client_env
 
@@ -147,6 +148,16 @@ def fleet_deployment(
             "failureThreshold": 2,
         },
     }
+    if spec.engine == "vllm":  # vllm serve with the eaas.vllm plugin (vllm_fleet.py)
+        container["command"], env, ports = vllm_container(
+            spec,
+            pool,
+            namespace=owner.namespace,
+            client_id=f"$({POD_NAME_ENV})",
+            failure_report_url=url,
+        )
+        container["env"] += env  # after the pod name its client id expands from
+        container["ports"] += ports
     if spec.resources:
         container["resources"] = spec.resources
     volumes: list[dict[str, Any]] = [
