@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import shlex
 from dataclasses import dataclass
 
 from eaas.runtime.common.dtypes import check_serving_dtype
@@ -56,6 +57,10 @@ class ServeOptions:
             microseconds >= 0; :attr:`spin_us` is the parsed value.
         server_sched_policy: the expert servers' ``--sched-policy`` (``batch`` or ``other``).
         server_cpus: ``"auto"`` (pin each expert server to one CPU) or ``"none"``.
+        engine: ``"eaas"`` (the attention clients of this repository) or ``"vllm"`` (one
+            ``vllm serve`` with the eaas.vllm plugin instead of them: docs/vllm.md).
+        vllm: the ``vllm`` command ``--engine vllm`` runs (a path or a name on ``PATH``).
+        vllm_args: more ``vllm serve`` arguments (one string, split like a shell does).
 
     Raises (at construction):
         ValueError: a bad ``--transport``, ``--attention-clients``, ``--server-cpus``,
@@ -86,6 +91,9 @@ class ServeOptions:
     client_spin_us: str | float | None = "default"
     server_sched_policy: str = "batch"
     server_cpus: str = "auto"
+    engine: str = "eaas"
+    vllm: str = "vllm"
+    vllm_args: str = ""
 
     def __post_init__(self) -> None:
         check_dispatch_timeout(self.dispatch_timeout)
@@ -108,6 +116,19 @@ class ServeOptions:
             )
         if self.spin_us is not None and self.transport != "shm":  # spin_us: ValueError if bad
             raise ValueError("--client-spin-us acts on --transport shm only")
+        if self.engine not in ("eaas", "vllm"):
+            raise ValueError(f"--engine must be eaas or vllm, got {self.engine!r}")
+        try:
+            shlex.split(self.vllm_args)
+        except ValueError as exc:
+            raise ValueError(f"--vllm-args: {exc}") from None
+        if self.vllm_args and self.engine != "vllm":
+            raise ValueError("--vllm-args acts with --engine vllm only")
+        if self.engine == "vllm" and (self.attention_clients != 1 or self.double_batch_overlap):
+            raise ValueError(
+                "--engine vllm runs one vllm serve: --attention-clients must be 1 and "
+                "--double-batch-overlap is the eaas engine's"
+            )
 
     @property
     def spin_us(self) -> float | None:

@@ -134,7 +134,15 @@ class ExpertFleet:
         procs: server id -> its process.
     """
 
-    def __init__(self, model_dir: str, workdir: Path, servers: int = 4, replicas: int = 2):
+    def __init__(
+        self,
+        model_dir: str,
+        workdir: Path,
+        servers: int = 4,
+        replicas: int = 2,
+        *,
+        wait: bool = True,
+    ):
         from eaas.runtime.models.arch import read_model_info
 
         info = read_model_info(model_dir)
@@ -158,12 +166,24 @@ class ExpertFleet:
                     self.procs[sid] = subprocess.Popen(
                         cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd="/"
                     )
-            for sid, p in self.procs.items():
-                _wait_line(workdir / f"{sid}.log", p, " ready on ", 180, f"expert server {sid}")
         except BaseException:
             self.stop()
             raise
         self.publish(self.table)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout: float = 600.0) -> ExpertFleet:
+        """Wait for every server's ready line (SIGTERM all of them on failure)."""
+        try:
+            for sid, p in self.procs.items():
+                _wait_line(
+                    self.workdir / f"{sid}.log", p, " ready on ", timeout, f"expert server {sid}"
+                )
+        except BaseException:
+            self.stop()
+            raise
+        return self
 
     def publish(self, table: RoutingTable) -> None:
         """Write ``table`` to :attr:`table_path` atomically (the plugin polls the file)."""

@@ -26,7 +26,8 @@ from eaas.runtime.models.attention import load_attention_model
 from helpers.engine import generate_greedy
 from helpers.vllm import VLLM_ENV, ExpertFleet, plugin_env
 
-pytestmark = pytest.mark.vllm
+# the module's fixture starts 12 expert servers and two vLLM processes: minutes on a busy machine
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 ARCHS = ("deepseek_v3", "qwen3_moe", "mixtral")
 PROMPTS = [[5, 17, 42, 99, 3], [7, 8, 9], [100, 200, 300, 400, 500, 600, 700, 11, 12, 13]]
@@ -68,8 +69,12 @@ def results(vllm_python, vllm_models, tmp_path_factory):
             "alone",
             False,
         )
-        for a in ARCHS:
-            fleets[a] = ExpertFleet(vllm_models[a], work / f"fleet-{a}", servers=4, replicas=2)
+        for a in ARCHS:  # all 12 servers start side by side
+            fleets[a] = ExpertFleet(
+                vllm_models[a], work / f"fleet-{a}", servers=4, replicas=2, wait=False
+            )
+        for f in fleets.values():
+            f.wait_ready()
         runs = [{"name": a, "model": vllm_models[a], "env": plugin_env(fleets[a])} for a in ARCHS]
         procs["eaas"] = _driver(
             vllm_python,

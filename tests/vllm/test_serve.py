@@ -23,7 +23,7 @@ from helpers.common import free_port, wait_until
 from helpers.e2e import metric_sum, metric_values
 from helpers.vllm import ExpertFleet, VllmServer, plugin_env
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]  # vLLM's start: minutes when busy
 
 TOKEN = "s3cret-push-token"
 STREAMS = 16
