@@ -208,3 +208,35 @@ def test_table_without_the_dead_server_is_applied_from_the_file(stack):
     h = httpx.get(f"{side}/health", timeout=10).json()
     assert "expert-1" not in h["servers"] and h["uncovered_experts"] == 0
     assert server.greedy_ids([1, 2, 3], 4)
+
+
+def test_no_live_replica_ends_requests_with_an_error_never_a_hang(stack):
+    """Last (it stops vLLM's engine): with expert-1 gone, SIGKILL expert-2 too, so the experts
+    whose two replicas were on them have none. The plugin's /health turns 503 at once; a request
+    needing them ends with an error (vLLM has no per-request failure path from inside a forward
+    pass: its engine stops), within the dispatch deadline's order, not a hang; vLLM's log names
+    the cause."""
+    server, fleet, side, _ = stack
+    fleet.kill("expert-2")
+    assert wait_until(
+        lambda: httpx.get(f"{side}/health", timeout=10).status_code == 503, 60, 0.2
+    ), "the plugin's /health did not turn 503 with experts uncovered"
+    h = httpx.get(f"{side}/health", timeout=10).json()
+    assert h["status"] == "degraded" and h["uncovered_experts"] > 0
+    t0 = time.monotonic()
+    outs = []
+    for p in _prompts()[:4]:  # one of them needs an uncovered expert
+        try:
+            server.complete(p, MAX_TOKENS, timeout=120)
+            outs.append("ok")
+        except httpx.HTTPStatusError as exc:
+            outs.append(exc.response.status_code)
+            break
+        except httpx.TransportError as exc:
+            outs.append(repr(exc))
+            break
+    assert outs[-1] != "ok", outs
+    assert time.monotonic() - t0 < 120
+    assert wait_until(
+        lambda: "eaas: 503 no_live_replica" in server.log.read_text(errors="replace"), 30, 0.2
+    )
