@@ -110,7 +110,7 @@ class RemoteRoutedExperts(RoutedExperts):
     Raises (at construction):
         NotImplementedError: a quantized checkpoint, expert parallelism or EPLB (their weight
             layouts and expert maps are vLLM's own; the expert servers serve the
-            checkpoint's unquantized experts).
+            checkpoint's unquantized experts), or a parallel MoE (tp / dp / pcp > 1).
     """
 
     def _get_quant_method(
@@ -133,6 +133,13 @@ class RemoteRoutedExperts(RoutedExperts):
             raise NotImplementedError(
                 f"eaas.vllm: {prefix}: expert parallelism / EPLB / redundant experts are vLLM's "
                 "own expert placement; with EaaS the expert servers hold the experts"
+            )
+        if par.tp_size > 1 or par.dp_size > 1 or par.pcp_size > 1:
+            # each rank would dispatch the whole layer and vLLM would all-reduce the copies
+            raise NotImplementedError(
+                f"eaas.vllm: {prefix}: tensor / data / context parallel MoE (tp {par.tp_size}, "
+                f"dp {par.dp_size}, pcp {par.pcp_size}) is not supported; run one rank per "
+                "vLLM process (scale with more attention pods instead)"
             )
         layer = layer_index(prefix)
         client = ExpertClient.get(
