@@ -1,8 +1,9 @@
 """vLLM with the eaas.vllm plugin computes what vLLM alone and our own engine compute.
 
 For the tiny DeepSeek-V3, Qwen3-MoE and Mixtral checkpoints (fp32): greedy tokens of vLLM whose
-routed experts run on 4 expert servers (redundancy 2) == vLLM alone == this repository's
-engine with local experts; the vLLM process holds no routed-expert weights, and its PSS is
+routed experts run on 4 expert servers (redundancy 2) == vLLM alone, and == this repository's
+engine with local experts (Qwen3-MoE, Mixtral; vLLM's own CPU DeepSeek-V3 differs from it, see
+VLLM_DIFFERS); the vLLM process holds no routed-expert weights, and its PSS is
 lower than vLLM alone's by at least those weights.
 
 vLLM runs offline (``LLM``, engine and worker in one process: one vLLM import for the three
@@ -111,10 +112,26 @@ def own_engine(vllm_models) -> dict[str, list[list[int]]]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_tokens_equal_vllm_alone_and_own_engine(results, own_engine, arch):
+def test_tokens_equal_vllm_alone(results, arch):
     eaas, alone = results["eaas"][arch]["ids"], results["alone"][arch]["ids"]
     assert all(len(ids) == MAX_TOKENS for ids in eaas)
     assert eaas == alone, f"{arch}: vLLM+EaaS {eaas} != vLLM alone {alone}"
+
+
+#: vLLM 0.32's CPU DeepSeek-V3 (MLA off: VLLM_MLA_DISABLE, the tiny latent ranks are below its
+#: kernels') already differs from transformers' on the tiny checkpoint without the plugin (our
+#: engine equals transformers' generate, tests/e2e), and its tokens change with the batch's
+#: other prompts: a vLLM difference, not the plugin's (vLLM+EaaS == vLLM alone above)
+VLLM_DIFFERS = pytest.mark.xfail(
+    strict=True, reason="vLLM 0.32 CPU DeepSeek-V3 (MLA off) != transformers on the tiny model"
+)
+
+
+@pytest.mark.parametrize(
+    "arch", [pytest.param("deepseek_v3", marks=VLLM_DIFFERS), "qwen3_moe", "mixtral"]
+)
+def test_tokens_equal_own_engine(results, own_engine, arch):
+    eaas = results["eaas"][arch]["ids"]
     assert eaas == own_engine[arch], f"{arch}: vLLM+EaaS {eaas} != own engine {own_engine[arch]}"
 
 
@@ -125,8 +142,10 @@ def test_no_routed_expert_weights_in_vllm(results, arch):
     assert weights > 0
     # with the plugin: nothing but the router's small tensors (the score-correction bias)
     assert eaas["routed_param_bytes"] < weights / 100, eaas
-    # every routed-expert checkpoint tensor was offered to the plugin and not kept
-    assert eaas["skipped_bytes"] == weights, (eaas["skipped_bytes"], weights)
+    # every routed-expert checkpoint tensor was offered to the plugin and not kept (vLLM
+    # alone's parameters but those small tensors)
+    expert_bytes = weights - eaas["routed_param_bytes"]
+    assert eaas["skipped_bytes"] == expert_bytes, (eaas["skipped_bytes"], expert_bytes)
 
 
 def test_pss_drops_by_the_routed_experts(results):
