@@ -151,7 +151,7 @@ class RemoteRoutedExperts(RoutedExperts):
         self.eaas_skipped_bytes = 0  # this layer's routed-expert checkpoint bytes not loaded
         return RemoteExpertsMethod(moe_config, layer, client)
 
-    def weight_loader(  # type: ignore[override]
+    def weight_loader(
         self,
         param: torch.nn.Parameter,
         loaded_weight: torch.Tensor,
