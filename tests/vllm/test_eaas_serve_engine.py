@@ -1,7 +1,7 @@
 """``eaas serve --engine vllm``: serve's expert servers and routing table, with one
 ``vllm serve`` + the eaas.vllm plugin in the attention clients' place.
 
-The tiny DeepSeek-V3 (fp32), 4 expert servers with 2 replicas: a greedy completion equals our
+The tiny Qwen3-MoE (fp32), 4 expert servers with 2 replicas: a greedy completion equals our
 own engine's tokens, the plugin's port reports serve's table, and SIGTERM stops everything.
 """
 
@@ -31,13 +31,15 @@ PROMPT = [5, 17, 42, 99, 3, 250, 7]
 MAX_TOKENS = 16
 
 
-def test_serve_engine_vllm(vllm_python, model_dir, tmp_path):
+def test_serve_engine_vllm(vllm_python, vllm_models, tmp_path):
+    model_dir = vllm_models["qwen3_moe"]  # vLLM's CPU DeepSeek-V3 differs (test_exactness.py)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EAAS_", "PROMETHEUS_"))}
     env.update(VLLM_ENV)
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "eaas", "serve", "--engine", "vllm"]
     cmd += ["--vllm", str(vllm_python / "bin" / "vllm"), "--port", str(port)]
+    cmd += ["--model", model_dir]
     cmd += ["--expert-servers", "4", "--replicas", "2", "--max-num-batched-tokens", "256"]
     cmd += ["--vllm-args", "--enforce-eager --max-model-len 256 --max-num-seqs 8"]
     with open(log, "wb") as f:
@@ -69,6 +71,7 @@ def test_serve_engine_vllm(vllm_python, model_dir, tmp_path):
         h = httpx.get(f"{plugin.group(1)}/health", timeout=10).json()
         assert h["status"] == "ok" and h["routing_table_version"] == 1
         assert sorted(h["servers"]) == [f"expert-{i}" for i in range(4)]
+        assert h["moe_layers"] == [1, 2]
         torch.set_num_threads(1)
         model, tok, _ = load_attention_model(model_dir, torch.float32)
         (want,) = generate_greedy(Engine(model, tok, client_id="ref"), [PROMPT], MAX_TOKENS, 300)

@@ -211,15 +211,20 @@ def test_table_without_the_dead_server_is_applied_from_the_file(stack):
 
 
 def test_no_live_replica_ends_requests_with_an_error_never_a_hang(stack):
-    """Last (it stops vLLM's engine): with expert-1 gone, SIGKILL expert-2 too and publish the
-    table without it, so the experts whose two replicas were on them have none. The plugin's
+    """Last (it stops vLLM's engine): with expert-1 gone, SIGKILL a server that holds the last
+    replica of some expert and publish the table without it, so those experts have none. The plugin's
     /health turns 503 at once; a request
     needing them ends with an error (vLLM has no per-request failure path from inside a forward
     pass: its engine stops), within the dispatch deadline's order, not a hang; vLLM's log names
     the cause."""
     server, fleet, side, _ = stack
-    fleet.kill("expert-2")
-    fleet.publish(fleet.table.without_servers(["expert-2"]).with_version(4))  # the monitor's part
+    # a server that holds the last replica of some expert (its other one was on expert-1)
+    last = sorted(
+        {reps[0] for per in fleet.table.layers.values() for reps in per if len(reps) == 1}
+    )
+    assert last, fleet.table
+    fleet.kill(last[0])
+    fleet.publish(fleet.table.without_servers([last[0]]).with_version(4))  # the monitor's part
     assert wait_until(
         lambda: httpx.get(f"{side}/health", timeout=10).status_code == 503, 60, 0.2
     ), "the plugin's /health did not turn 503 with experts uncovered"
