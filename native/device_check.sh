@@ -9,7 +9,10 @@
 #   3. python -m eaas.native.device_check: the table (kernel correctness, grouped GEMM
 #      time with 1/8/32 of 256 experts active, cudaipc round trip B=1/64/256 vs a device copy
 #      and DeepEP's published figures, CUDA-graph replay of a decode step's real MoE round trip
-#      over cudaipc vs eager send/recv).
+#      over cudaipc vs eager send/recv);
+#   4. opt-in (EAAS_DEVICE_CHECK_VLLM=1, its own < 5 min budget): native/device_check_vllm.sh,
+#      vLLM + the eaas.vllm plugin on this GPU with two expert-server processes (needs a vLLM
+#      GPU build named by VLLM_GPU_PYTHON; docs/vllm.md).
 # Usage: native/device_check.sh [OUT_DIR]   (default: $OUT if set, else ./device_check_out)
 # Exit status: 0 when every step passed.
 set -u
@@ -29,5 +32,9 @@ timeout 95 "$PY" -m pytest tests/gpu -q -p no:cacheprovider -n 0 -m gpu -rs \
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 echo "== 3. device table"
 timeout 140 "$PY" -m eaas.native.device_check --out "$OUT_DIR/device_table.md" || rc=1
+if [ "${EAAS_DEVICE_CHECK_VLLM:-0}" = 1 ]; then
+    echo "== 4. vLLM + eaas.vllm plugin"
+    bash native/device_check_vllm.sh "$OUT_DIR" || rc=1
+fi
 echo "== device_check.sh exit $rc (outputs in $OUT_DIR)"
 exit $rc

@@ -7,7 +7,14 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from eaas.operator.crd import ANNOTATION_SPEC_HASH, AttentionFleetSpec, Condition, ExpertPoolSpec
+from eaas.operator.crd import (
+    ANNOTATION_SPEC_HASH,
+    API_KEY_ENV,
+    VLLM_API_KEY_ENV,
+    AttentionFleetSpec,
+    Condition,
+    ExpertPoolSpec,
+)
 from eaas.operator.names import (
     CLIENT_ROLE,
     GPU_RESOURCE,
@@ -26,6 +33,7 @@ from eaas.operator.names import (
 from eaas.operator.overlay import apply_pod_template
 from eaas.operator.pods import nvshmem_uid_file, world_layout
 from eaas.operator.status import set_condition
+from eaas.operator.vllm_fleet import vllm_container
 from eaas.runtime.options import PROGRAM, AttentionClientOptions
 from eaas.runtime.options.nvshmem_world import client_env
 
@@ -150,7 +158,18 @@ def fleet_deployment(
         },
     }
     if spec.api_key_secret is not None:  # the kubelet reads the Secret; the operator never
-        container["env"].append(spec.api_key_secret.env())
+        name = VLLM_API_KEY_ENV if spec.engine == "vllm" else API_KEY_ENV
+        container["env"].append(spec.api_key_secret.env(name))
+    if spec.engine == "vllm":  # vllm serve with the eaas.vllm plugin (vllm_fleet.py)
+        container["command"], env, ports = vllm_container(
+            spec,
+            pool,
+            namespace=owner.namespace,
+            client_id=f"$({POD_NAME_ENV})",
+            failure_report_url=url,
+        )
+        container["env"] += env  # after the pod name its client id expands from
+        container["ports"] += ports
     if spec.resources:
         container["resources"] = spec.resources
     volumes: list[dict[str, Any]] = [

@@ -3,7 +3,7 @@ one pytest-xdist worker.
 
 **Tiers.** A test's tier is its top folder under ``tests/`` (:data:`TIERS`); the hook
 :func:`pytest_collection_modifyitems` adds that marker, so ``pytest -m unit`` (or ``e2e``, ``k8s``,
-``cluster``, ``gpu_cpu``) selects a tier. Feature markers (``engine``, ``elastic``) and ``gpu`` (the
+``cluster``, ``gpu_cpu``, ``vllm``) selects a tier. Feature markers (``engine``, ``elastic``) and ``gpu`` (the
 tests that need a CUDA GPU) are set on the tests themselves.
 
 **Checkpoints.** The tiny checkpoints are built once per session (:func:`model_dir`,
@@ -51,6 +51,7 @@ TIERS = {
     "k8s": "k8s",
     "cluster": "cluster",
     "gpu": "gpu_cpu",
+    "vllm": "vllm",
 }
 
 

@@ -41,7 +41,7 @@ from eaas.operator.crd.schema import (
     render_crds,
     write_crds,
 )
-from eaas.operator.crd.secret_ref import API_KEY_ENV, ApiKeySecretRef
+from eaas.operator.crd.secret_ref import API_KEY_ENV, VLLM_API_KEY_ENV, ApiKeySecretRef
 from eaas.operator.crd.spec import (
     DNS1123_SUBDOMAIN,
     MODEL_MOUNT_DIR,
@@ -76,6 +76,7 @@ from eaas.operator.crd.status import (
 
 __all__ = [
     "API_KEY_ENV",
+    "VLLM_API_KEY_ENV",
     "ApiKeySecretRef",
     "CrdModel",
     "K8S_OBJECT",

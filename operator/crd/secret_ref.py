@@ -15,6 +15,8 @@ from eaas.operator.crd.base import DNS1123_SUBDOMAIN, CrdModel
 #: The env var the attention clients read their API keys from (comma-separated; the same as
 #: ``eaas attention-client --api-key``).
 API_KEY_ENV = "EAAS_API_KEY"
+#: The env var ``vllm serve`` reads its API key from (``engine: vllm`` fleets; one key).
+VLLM_API_KEY_ENV = "VLLM_API_KEY"
 #: A Secret's data key (core/v1 validation: letters, digits, ``-``, ``_``, ``.``).
 SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
 
@@ -41,9 +43,10 @@ class ApiKeySecretRef(CrdModel):
         description="Key in the Secret's data holding the API key(s), comma-separated.",
     )
 
-    def env(self) -> dict[str, Any]:
-        """The container's core/v1 EnvVar ``EAAS_API_KEY`` from the Secret's key."""
+    def env(self, name: str = API_KEY_ENV) -> dict[str, Any]:
+        """The container's core/v1 EnvVar ``name`` (``EAAS_API_KEY``; ``VLLM_API_KEY`` for
+        ``engine: vllm``, where vLLM takes one key) from the Secret's key."""
         return {
-            "name": API_KEY_ENV,
+            "name": name,
             "valueFrom": {"secretKeyRef": {"name": self.name, "key": self.key}},
         }

@@ -558,6 +558,14 @@ class AttentionFleetSpec(CrdModel):
         description="Secret key holding the API key(s) of the clients' OpenAI API (the pods' "
         "EAAS_API_KEY, from a secretKeyRef). Unset: no key is asked for.",
     )
+    engine: Literal["eaas", "vllm"] = Field(
+        default="eaas",
+        description="The attention engine of the pods. eaas: `eaas attention-client`. vllm: "
+        "`vllm serve` with the eaas.vllm plugin (the image must hold vLLM and `eaas[vllm]`); "
+        "the plugin watches the same routing-table ConfigMap, takes pushes and answers "
+        "`/health` on port+1 (`port` must be below 65535); readiness is vLLM's `/health`. "
+        "Not with a pool whose transport is nvshmem.",
+    )
     pod_template: dict[str, Any] | None = Field(
         default=None,
         json_schema_extra=K8S_OBJECT,

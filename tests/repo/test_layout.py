@@ -17,6 +17,7 @@ SOURCES = {
     "operator": "eaas.operator",
     "testbed": "eaas.testbed",
     "native": "eaas.native",
+    "vllm_plugin": "eaas.vllm",
 }
 MAX_LINES = 600
 

