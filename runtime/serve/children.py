@@ -12,7 +12,7 @@ import selectors
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO
 
 from eaas.runtime.common.process import die_with_parent
@@ -70,6 +70,7 @@ class Child:
     server_id: str | None = None
     exit_logged: bool = False
     restarts: int = 0
+    extra: dict = field(default_factory=dict)  # per-role facts (a vllm child: its health URLs)
 
     @property
     def popen(self) -> subprocess.Popen:
