@@ -9,6 +9,7 @@ import typer
 
 from eaas.runtime.cli.common import (
     DEVICE_HELP,
+    ApiKeyOption,
     CpuBf16Option,
     DtypeOption,
     ModelOption,
@@ -141,6 +142,7 @@ def attention_client(
         "once, never busy-poll (shm; cudaipc keeps its adaptive spin while a core is free for "
         "it) (pays on cores oversubscribed by other work; docs/serving.md).",
     ),
+    api_key: ApiKeyOption = None,
     nvshmem_world: NvshmemWorldOption = None,
     nvshmem_pe: NvshmemPeOption = None,
     nvshmem_uid_file: NvshmemUidFileOption = None,

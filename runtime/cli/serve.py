@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from eaas.runtime.cli.common import CPU_BF16_HELP, options_from
+from eaas.runtime.cli.common import CPU_BF16_HELP, ApiKeyOption, options_from
 from eaas.runtime.options import ServeOptions
 from eaas.runtime.placement import PlacementError
 
@@ -118,6 +118,7 @@ def serve(
         "reaches on different CPUs (with >= 2 servers and CPUs and --server-threads 1); "
         "none: not pinned.",
     ),
+    api_key: ApiKeyOption = None,
 ) -> None:
     """Start a whole deployment on this machine: expert servers + attention clients."""
     options = options_from(ServeOptions, ctx)

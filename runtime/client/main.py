@@ -265,6 +265,7 @@ def run_attention_client(
         info.vocab_size,
         str(client_id),
         health_extra,
+        api_keys=o.api_key,
         **body,
     )
     app = create_app(server)

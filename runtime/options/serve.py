@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from eaas.runtime.common.dtypes import check_serving_dtype
+from eaas.runtime.options.api_key import check_api_keys
 from eaas.runtime.options.client import check_dispatch_timeout
 
 
@@ -56,6 +57,8 @@ class ServeOptions:
             microseconds >= 0; :attr:`spin_us` is the parsed value.
         server_sched_policy: the expert servers' ``--sched-policy`` (``batch`` or ``other``).
         server_cpus: ``"auto"`` (pin each expert server to one CPU) or ``"none"``.
+        api_key: the attention clients' API keys (``--api-key`` / ``$EAAS_API_KEY``), handed
+            to them in their environment, never on their command line.
 
     Raises (at construction):
         ValueError: a bad ``--transport``, ``--attention-clients``, ``--server-cpus``,
@@ -86,8 +89,10 @@ class ServeOptions:
     client_spin_us: str | float | None = "default"
     server_sched_policy: str = "batch"
     server_cpus: str = "auto"
+    api_key: tuple[str, ...] = field(default=(), metadata={"flag": False}, repr=False)
 
     def __post_init__(self) -> None:
+        self.api_key = check_api_keys(self.api_key)
         check_dispatch_timeout(self.dispatch_timeout)
         if self.transport not in ("shm", "tcp"):
             raise ValueError(f"--transport must be shm or tcp, got {self.transport!r}")
