@@ -118,6 +118,12 @@ def serve(
         "reaches on different CPUs (with >= 2 servers and CPUs and --server-threads 1); "
         "none: not pinned.",
     ),
+    served_model_name: str = typer.Option(
+        None,
+        "--served-model-name",
+        help="Model id in the API (/v1/models, the model field); default: the checkpoint "
+        "directory's name.",
+    ),
     api_key: ApiKeyOption = None,
 ) -> None:
     """Start a whole deployment on this machine: expert servers + attention clients."""

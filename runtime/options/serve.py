@@ -57,6 +57,7 @@ class ServeOptions:
             microseconds >= 0; :attr:`spin_us` is the parsed value.
         server_sched_policy: the expert servers' ``--sched-policy`` (``batch`` or ``other``).
         server_cpus: ``"auto"`` (pin each expert server to one CPU) or ``"none"``.
+        served_model_name: the clients' ``--served-model-name`` (the model id in the API).
         api_key: the attention clients' API keys (``--api-key`` / ``$EAAS_API_KEY``), handed
             to them in their environment, never on their command line.
 
@@ -89,6 +90,7 @@ class ServeOptions:
     client_spin_us: str | float | None = "default"
     server_sched_policy: str = "batch"
     server_cpus: str = "auto"
+    served_model_name: str | None = None
     api_key: tuple[str, ...] = field(default=(), metadata={"flag": False}, repr=False)
 
     def __post_init__(self) -> None:

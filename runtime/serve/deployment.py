@@ -225,6 +225,7 @@ class Deployment:
                     prefill_tokens_while_decoding=o.prefill_tokens_while_decoding,
                     double_batch_overlap=o.double_batch_overlap,
                     spin_us=o.spin_us,  # None unless --transport shm
+                    served_model_name=o.served_model_name,
                     api_key=o.api_key,  # in the child's environment, not its argv
                 )
                 name = f"attention-client-{c}"
