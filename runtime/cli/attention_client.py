@@ -71,7 +71,10 @@ def attention_client(
     cpu_bf16_compute: CpuBf16Option = DEFAULT.cpu_bf16_compute,
     threads: ThreadsOption = DEFAULT.threads,
     served_model_name: str = typer.Option(
-        None, "--served-model-name", help="Model id in the API (default: directory name)."
+        None,
+        "--served-model-name",
+        help="Model id in the API (default: directory name); several ids separated by commas "
+        "are aliases (the first is the one answers carry), as vLLM's list of names.",
     ),
     max_num_seqs: int = typer.Option(
         DEFAULT.max_num_seqs, "--max-num-seqs", help="Running sequences at most."

@@ -122,7 +122,8 @@ def serve(
         None,
         "--served-model-name",
         help="Model id in the API (/v1/models, the model field); default: the checkpoint "
-        "directory's name.",
+        "directory's name. Several ids separated by commas are aliases (the first is the one "
+        "answers carry).",
     ),
     api_key: ApiKeyOption = None,
 ) -> None:

@@ -195,6 +195,17 @@ def test_the_openapi_document_is_valid_with_bodies_and_unique_ids(open_api):
     assert set(ok) == {"application/json", "text/event-stream"}
 
 
+def test_model_aliases_are_accepted():
+    from eaas.runtime.client.api.prepare import RequestPreparer
+
+    rp = RequestPreparer(None, "tiny", 64, 10, aliases=("org/other",))
+    for name in ("tiny", "org/other", "", None):
+        rp.check_model(name)
+    with pytest.raises(Exception) as ei:
+        rp.check_model("gpt-17")
+    assert getattr(ei.value, "status", None) == 404
+
+
 def test_api_keys_from_the_flag_or_the_environment():
     assert api_keys_from(["a", "b"], {API_KEY_ENV: "c"}) == ("a", "b")  # the flag wins
     assert api_keys_from(None, {API_KEY_ENV: " c , d "}) == ("c", "d")

@@ -7,6 +7,7 @@ template fields: ``test_api_vllm.py``.
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -17,7 +18,7 @@ from eaas.runtime.client.sampling import SamplingParams, apply_penalties
 from eaas.runtime.models.reference import reference_generate, reference_logits
 
 from helpers.api import BAD_CHAT_FIELDS, NO_OP_FIELDS
-from helpers.e2e import serve_fixture, served_model_name
+from helpers.e2e import metric_sum, metric_values, serve_fixture, served_model_name
 
 pytestmark = [pytest.mark.engine, pytest.mark.api]
 
@@ -174,6 +175,36 @@ def test_tokens_as_token_ids_keep_every_top_logprob(oai, model_name, prompt_ids,
             model=model_name, prompt="Hi", extra_body={"return_tokens_as_token_ids": True}
         )
     assert ei.value.body["param"] == "return_tokens_as_token_ids"
+
+
+def _expert_tokens(base: str, settle: float = 60.0) -> float:
+    """``eaas_expert_tokens`` summed over every layer and expert, once the servers' counts stop
+    moving (a busy server adds its counts every 50 ms)."""
+    last, deadline = None, time.monotonic() + settle
+    while True:
+        now = metric_sum(metric_values(base), "eaas_expert_tokens_total")
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
+        time.sleep(0.3)
+
+
+def test_prompt_logprobs_come_from_the_same_prefill(deployment, model_name, prompt_ids):
+    """vLLM's ``prompt_logprobs`` cost no second pass: the expert servers compute exactly as many
+    tokens for a request with them as for the same request without (each prompt token goes
+    through every MoE layer once)."""
+    base = deployment.base_url
+    body = {"model": model_name, "prompt": prompt_ids, "max_tokens": 3, "temperature": 0}
+    work = []
+    for extra in ({}, {"prompt_logprobs": 3}, {}):
+        before = _expert_tokens(base)
+        r = _post(deployment, "/v1/completions", {**body, **extra})
+        assert r.status_code == 200, r.text
+        work.append(_expert_tokens(base) - before)
+        if extra:
+            rows = r.json()["choices"][0]["prompt_logprobs"]
+            assert len(rows) == len(prompt_ids) and rows[0] is None
+    assert work[0] > 0 and work[0] == work[1] == work[2], work
 
 
 def test_echo_with_logprobs_gives_prompt_logprobs(

@@ -413,3 +413,32 @@ def test_chat_template_field_edges(deployment, model_name):
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "chat_template_kwargs"
     _ok(deployment, model_name)
+
+
+def test_truncate_prompt_tokens(oai, model_name):
+    """vLLM's ``truncate_prompt_tokens`` keeps the last k prompt ids (``truncation_side``
+    ``left``, the default) or the first k (``right``)."""
+    ids = list(range(5, 13))
+    for side, want in (("left", ids[-4:]), ("right", ids[:4])):
+        r = oai.completions.create(
+            model=model_name,
+            prompt=ids,
+            max_tokens=1,
+            extra_body={
+                "return_token_ids": True,
+                "truncate_prompt_tokens": 4,
+                "truncation_side": side,
+            },
+        )
+        assert r.choices[0].prompt_token_ids == want and r.usage.prompt_tokens == 4, side
+
+
+def test_tokenize_passes_tools_to_the_template(deployment, model_name, tokenizer):
+    msgs = [{"role": "user", "content": "Weather?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    r = _post(deployment, "/tokenize", {"model": model_name, "messages": msgs, "tools": tools})
+    assert r.status_code == 200, r.text
+    text = tokenizer.apply_chat_template(
+        msgs, tools=tools, add_generation_prompt=True, tokenize=False
+    )
+    assert r.json()["tokens"] == tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -299,19 +299,18 @@ def create_app(server: OpenAIServer) -> FastAPI:
 
     app.include_router(table_push_router)  # PUT/GET /routing-table: push and acknowledge
 
-    def model_card() -> ModelCard:
-        return ModelCard(
-            id=server.model_name, created=server.created, max_model_len=server.max_context
-        )
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=server.created, max_model_len=server.max_context)
 
     @app.get("/v1/models", **route_doc("list_models", ModelList, (401,)))
     async def models():
-        return ModelList(data=[model_card()]).model_dump()
+        names = (server.model_name, *getattr(server, "aliases", ()))
+        return ModelList(data=[model_card(n) for n in names]).model_dump()
 
     @app.get("/v1/models/{model_id:path}", **route_doc("retrieve_model", ModelCard, (401, 404)))
     async def retrieve_model(model_id: str):
         server.requests.check_model(model_id or None)  # 404 model_not_found for another id
-        return model_card().model_dump()
+        return model_card(model_id or server.model_name).model_dump()
 
     @app.get("/version", **route_doc("version", VersionResponse, ()))
     async def version_endpoint():

@@ -77,6 +77,7 @@ def render_chat(
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
     add_special_tokens: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` under the tokenizer's chat template (or a plain fallback).
 
@@ -89,6 +90,8 @@ def render_chat(
         template_kwargs: extra template variables (``chat_template_kwargs``).
         add_special_tokens: tokenize the rendered text with the tokenizer's special tokens
             (``/tokenize``'s ``add_special_tokens``; off by default: the template adds them).
+        tools: tool definitions for the template (``/tokenize``'s ``tools``, as vLLM; only a
+            template that reads ``tools`` renders them).
 
     Raises:
         APIError: 400 naming ``chat_template_kwargs.<key>`` for a key the template does not
@@ -116,6 +119,7 @@ def render_chat(
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tokenize=False,
+            **({"tools": tools} if tools is not None else {}),
             **kwargs,
         )
     except RecursionError:  # transformers copies the variables recursively

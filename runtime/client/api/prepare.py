@@ -82,14 +82,23 @@ class RequestPreparer:
 
     Args:
         tokenizer: the model's tokenizer.
-        model_name: id accepted in ``model``.
+        model_name: id accepted in ``model`` (and carried by the answers).
+        aliases: other ids accepted in ``model`` (``--served-model-name a,b``).
         max_context: ``max_position_embeddings`` (prompt + completion tokens limit).
         vocab_size: valid token ids are ``[0, vocab_size)`` (the model's embedding rows).
     """
 
-    def __init__(self, tokenizer, model_name: str, max_context: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        model_name: str,
+        max_context: int,
+        vocab_size: int,
+        aliases: tuple[str, ...] = (),
+    ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.names = frozenset((model_name, *aliases))
         self.max_context = int(max_context)
         self.vocab_size = int(vocab_size)
         self._max_token_chars: int | None = None  # longest vocabulary entry (check_text_length)
@@ -97,7 +106,7 @@ class RequestPreparer:
     def check_model(self, model: str | None) -> None:
         """Raises: APIError 404 ``model_not_found`` for a model this server does not serve
         (``None`` and ``""`` name the served one, as vLLM)."""
-        if model and model != self.model_name:
+        if model and model not in self.names:
             raise APIError(
                 404,
                 f"The model '{model}' does not exist; this server serves '{self.model_name}'",
@@ -127,6 +136,14 @@ class RequestPreparer:
                 param=param,
                 code="context_length_exceeded",
             )
+
+    def truncate(self, ids: list[int], keep: int, side: str) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the last (``side`` ``"left"``) or first
+        (``"right"``) ``keep`` ids; ``-1`` keeps the context's length."""
+        keep = self.max_context if keep == -1 else keep
+        if len(ids) <= keep:
+            return ids
+        return ids[len(ids) - keep :] if side == "left" else ids[:keep]
 
     def check_ids(self, ids: list[int], param: str) -> None:
         """Raises: APIError 400 when an id is outside ``[0, vocab_size)``."""
@@ -255,9 +272,14 @@ class RequestPreparer:
                 text = ""
             if not ids:
                 raise bad(f"'{param}' tokenizes to zero tokens", param)
+            if req.truncate_prompt_tokens is not None:
+                cut = self.truncate(ids, req.truncate_prompt_tokens, req.truncation_side)
+                if len(cut) != len(ids):
+                    ids, text = cut, ""  # echo the prompt the model saw
             self.check_ids(ids, param)
             if req.echo and not text:
-                text = self.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
+                # as vLLM: the ids' text with their special tokens ([0, 0] -> "<s><s>")
+                text = self.tokenizer.decode(ids, skip_special_tokens=False)
             prompts.append(ids)
             echo_texts.append(text if req.echo else "")
         params: list[SamplingParams] = []
@@ -308,6 +330,8 @@ class RequestPreparer:
             req.continue_final_message,
             req.chat_template_kwargs,
         )
+        if req.truncate_prompt_tokens is not None:
+            ids = self.truncate(ids, req.truncate_prompt_tokens, req.truncation_side)
         self.check_ids(ids, "messages")
         key = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -350,6 +374,7 @@ class RequestPreparer:
                 req.continue_final_message,
                 req.chat_template_kwargs,
                 add_special_tokens=bool(req.add_special_tokens),  # vLLM: off for messages
+                tools=req.tools,
             )
         else:
             set_ = [

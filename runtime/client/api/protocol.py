@@ -92,7 +92,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_choice": (None,),
     "guided_grammar": (None,),
     "structured_outputs": (None,),
-    "truncate_prompt_tokens": (None,),
     "spaces_between_special_tokens": (None, True),
     "chat_template": (None,),
     "documents": (None,),
@@ -177,6 +176,9 @@ class _SamplingFields(_Strict):
     # prefill forward of this request
     prompt_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
     user: str | None = None  # OpenAI: an end-user id for the operator's records; no effect here
+    # vLLM: keep only this many prompt tokens (-1: the context), from the truncation_side end
+    truncate_prompt_tokens: Annotated[int, Field(strict=True, ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] = "left"
 
     @model_validator(mode="after")
     def _cross_field(self):
@@ -341,6 +343,8 @@ class TokenizeRequest(_ChatTemplateFields):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
+    # vLLM: tool definitions for a template that renders them (with messages)
+    tools: list[dict[str, Any]] | None = None
 
     @model_validator(mode="after")
     def _one_input(self):

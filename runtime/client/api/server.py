@@ -89,6 +89,7 @@ class OpenAIServer:
         max_request_body: largest request body in bytes (larger: 413 ``request_too_large``).
         api_keys: the keys ``Authorization: Bearer`` must carry on ``/v1/*``, ``/tokenize``,
             ``/detokenize`` (empty: no key needed; :mod:`.guard`).
+        aliases: other model ids accepted in ``model`` and listed by ``/v1/models``.
     """
 
     def __init__(
@@ -102,6 +103,7 @@ class OpenAIServer:
         health_extra=None,
         max_request_body: int = DEFAULT_MAX_REQUEST_BODY,
         api_keys: tuple[str, ...] = (),
+        aliases: tuple[str, ...] = (),
     ):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -113,7 +115,10 @@ class OpenAIServer:
         self.max_request_body = int(max_request_body)
         self.api_keys = tuple(api_keys)
         self.created = int(time.time())
-        self.requests = RequestPreparer(tokenizer, model_name, self.max_context, self.vocab_size)
+        self.aliases = tuple(a for a in aliases if a != model_name)
+        self.requests = RequestPreparer(
+            tokenizer, model_name, self.max_context, self.vocab_size, self.aliases
+        )
         self.logprobs = LogprobFormatter(tokenizer)
         self.shutting_down = False
         self._queues: set[asyncio.Queue] = set()  # event queues of the running requests
