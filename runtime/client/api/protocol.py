@@ -423,4 +423,5 @@ def parse(model: type[M], body: dict) -> M:
                 param,
                 "invalid_type",
             ) from None
-        raise bad(f"'{param}': {err.get('msg')}, got {inp!r}"[:500], param) from None
+        # pydantic's error type too (greater_than_equal, ...), as vLLM's messages carry it
+        raise bad(f"'{param}': {err.get('msg')} ({kind}), got {inp!r}"[:500], param) from None
