@@ -76,6 +76,8 @@ NOT_APPLICABLE: dict[str, str] = {
     r"test_complex_message_content": "asserts zephyr-7b's answer ('2')",
     r"test_more_than_one_prompt_logprobs_chat\[.*": "k entries (not k+1) only where the "
     "prompt token is zephyr-7b's top choice",
+    r"test_chat_session_with_echo_and_continue_final_message\[test_case1\]": "expects Qwen2 to "
+    "end the saying (finish_reason stop); the tiny random model runs to the context's end",
 }
 
 

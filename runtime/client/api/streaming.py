@@ -230,7 +230,9 @@ async def sse_body(
         if prep.chat:
             for ch in choices:
                 role = ChatChunkChoice(
-                    index=ch.index, delta=DeltaMessage(role=prep.role, content="")
+                    index=ch.index,
+                    delta=DeltaMessage(role=prep.role, content=""),
+                    token_ids=token_ids_of(prep, []),  # no token yet
                 )
                 d = _dump(gen, gen.chunk([role]), ch)
                 if prep.return_token_ids and ch.index == 0:  # vLLM: on the first chunk only
@@ -238,7 +240,11 @@ async def sse_body(
                 yield _data(d)
             echo = prep.echo_texts[0]
             for ch in choices if echo else ():  # vLLM's chat echo: the last message's text
-                part = ChatChunkChoice(index=ch.index, delta=DeltaMessage(content=echo))
+                part = ChatChunkChoice(
+                    index=ch.index,
+                    delta=DeltaMessage(content=echo),
+                    token_ids=token_ids_of(prep, []),
+                )
                 yield _data(_dump(gen, gen.chunk([part]), ch))
         left = len(choices)
         first = {ch.index for ch in choices}
