@@ -431,6 +431,19 @@ def test_truncate_prompt_tokens(oai, model_name):
             },
         )
         assert r.choices[0].prompt_token_ids == want and r.usage.prompt_tokens == 4, side
+    # found by the schema fuzzer: 0 left no prompt and failed in the engine (a 500)
+    bad = {"model": model_name, "prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 0}
+    for path, body in (
+        ("/v1/completions", bad),
+        (
+            "/v1/chat/completions",
+            {**bad, "prompt": None, "messages": [{"role": "user", "content": "Hi"}]},
+        ),
+    ):
+        r = httpx.post(f"{str(oai.base_url).removesuffix('/v1/')}{path}", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", (
+            r.text
+        )
 
 
 def test_tokenize_passes_tools_to_the_template(deployment, model_name, tokenizer):

@@ -197,6 +197,11 @@ class _SamplingFields(_Strict):
                 "return_tokens_as_token_ids",
                 "'return_tokens_as_token_ids' names the tokens of logprobs: it needs 'logprobs'",
             )
+        if self.truncate_prompt_tokens == 0:  # would leave no prompt at all
+            raise _FieldError(
+                "truncate_prompt_tokens",
+                "'truncate_prompt_tokens' must be -1 (the context) or >= 1, got 0",
+            )
         if self.prompt_logprobs is not None and self.stream:
             raise _FieldError(
                 "prompt_logprobs", "'prompt_logprobs' is not available with 'stream': true (vLLM)"
