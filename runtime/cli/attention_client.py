@@ -9,6 +9,7 @@ import typer
 
 from eaas.runtime.cli.common import (
     DEVICE_HELP,
+    ApiKeyOption,
     CpuBf16Option,
     DtypeOption,
     ModelOption,
@@ -70,7 +71,10 @@ def attention_client(
     cpu_bf16_compute: CpuBf16Option = DEFAULT.cpu_bf16_compute,
     threads: ThreadsOption = DEFAULT.threads,
     served_model_name: str = typer.Option(
-        None, "--served-model-name", help="Model id in the API (default: directory name)."
+        None,
+        "--served-model-name",
+        help="Model id in the API (default: directory name); several ids separated by commas "
+        "are aliases (the first is the one answers carry), as vLLM's list of names.",
     ),
     max_num_seqs: int = typer.Option(
         DEFAULT.max_num_seqs, "--max-num-seqs", help="Running sequences at most."
@@ -141,6 +145,7 @@ def attention_client(
         "once, never busy-poll (shm; cudaipc keeps its adaptive spin while a core is free for "
         "it) (pays on cores oversubscribed by other work; docs/serving.md).",
     ),
+    api_key: ApiKeyOption = None,
     nvshmem_world: NvshmemWorldOption = None,
     nvshmem_pe: NvshmemPeOption = None,
     nvshmem_uid_file: NvshmemUidFileOption = None,

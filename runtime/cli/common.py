@@ -10,6 +10,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
+from eaas.runtime.options.api_key import API_KEY_ENV, api_keys_from
 from eaas.runtime.options.nvshmem_world import WorldConfig, check_listen_pe
 
 # The torch-side modules (transport.nvshmem here) are imported inside the functions, in every
@@ -58,6 +59,20 @@ ThreadsOption = Annotated[
     int, typer.Option("--threads", min=0, help="torch intra-op threads (0: torch default).")
 ]
 
+#: ``--api-key`` of ``eaas attention-client`` and ``eaas serve`` (``options_from`` falls back to
+#: ``$EAAS_API_KEY`` when no flag is given: :func:`eaas.runtime.options.api_keys_from`).
+ApiKeyOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--api-key",
+        help="Require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (401 "
+        "otherwise; /health, /metrics, /version stay open). Repeat for several keys. Without "
+        f"the flag: ${API_KEY_ENV} (comma-separated keys). Prefer the variable: a flag shows "
+        "in ps.",
+        show_default=False,
+    ),
+]
+
 T = TypeVar("T")
 
 
@@ -71,6 +86,8 @@ def options_from(cls: type[T], ctx: typer.Context) -> T:
     values: dict[str, Any] = ctx.params
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     try:
+        if "api_key" in names:  # the flag, else the environment variable (the flag wins)
+            values = {**values, "api_key": api_keys_from(values.get("api_key"), os.environ)}
         return cls(**{n: values[n] for n in names})
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None

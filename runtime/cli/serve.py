@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from eaas.runtime.cli.common import CPU_BF16_HELP, options_from
+from eaas.runtime.cli.common import CPU_BF16_HELP, ApiKeyOption, options_from
 from eaas.runtime.options import ServeOptions
 from eaas.runtime.placement import PlacementError
 
@@ -142,6 +142,14 @@ def serve(
         help="More `vllm serve` arguments with --engine vllm, e.g. '--enforce-eager "
         "--max-model-len 4096' (split like a shell does).",
     ),
+    served_model_name: str = typer.Option(
+        None,
+        "--served-model-name",
+        help="Model id in the API (/v1/models, the model field); default: the checkpoint "
+        "directory's name. Several ids separated by commas are aliases (the first is the one "
+        "answers carry).",
+    ),
+    api_key: ApiKeyOption = None,
 ) -> None:
     """Start a whole deployment on this machine: expert servers + attention clients."""
     options = options_from(ServeOptions, ctx)

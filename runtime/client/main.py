@@ -251,7 +251,8 @@ def run_attention_client(
             out["reason"] = "no routing table yet"
         return out
 
-    name = o.served_model_name or Path(model_dir).name
+    names = [n.strip() for n in (o.served_model_name or "").split(",") if n.strip()]
+    name = names[0] if names else Path(model_dir).name
     body = {"max_request_body": parse_memory_size(o.max_request_body)} if o.max_request_body else {}
     server = OpenAIServer(
         engine,
@@ -261,6 +262,8 @@ def run_attention_client(
         info.vocab_size,
         str(client_id),
         health_extra,
+        api_keys=o.api_key,
+        aliases=tuple(names[1:]),
         **body,
     )
     app = create_app(server)

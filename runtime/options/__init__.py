@@ -7,6 +7,7 @@ flags, ``eaas serve`` and the operator's pod builders turn it into the child's c
 - :class:`~.serve.ServeOptions`: ``eaas serve`` (a whole deployment on one machine).
 """
 
+from eaas.runtime.options.api_key import API_KEY_ENV, api_keys_from
 from eaas.runtime.options.argv import PROGRAM, format_value, to_argv
 from eaas.runtime.options.client import (
     AttentionClientOptions,
@@ -17,10 +18,12 @@ from eaas.runtime.options.serve import ServeOptions, parse_client_spin
 from eaas.runtime.options.server import ExpertServerOptions
 
 __all__ = [
+    "API_KEY_ENV",
     "PROGRAM",
     "AttentionClientOptions",
     "ExpertServerOptions",
     "ServeOptions",
+    "api_keys_from",
     "check_dispatch_timeout",
     "client_id_of",
     "format_value",

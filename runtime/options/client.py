@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from eaas.runtime.common.dtypes import check_serving_dtype
+from eaas.runtime.options.api_key import api_key_environment, check_api_keys
 from eaas.runtime.options.argv import to_argv
 
 
@@ -61,7 +63,8 @@ class AttentionClientOptions:
         ValueError: a ``--dispatch-timeout`` not > 0, a ``--dtype`` other than float32 /
             bfloat16, a ``--spin-us`` not finite or < 0, no routing-table source without
             ``local_experts``, a ``--failure-report-url`` not http(s), an empty or out-of-range
-            ``--client-id``. The message names the flag.
+            ``--client-id``, an empty ``--api-key`` or one with a comma or whitespace. The
+            message names the flag.
     """
 
     model: str | None = None
@@ -92,8 +95,12 @@ class AttentionClientOptions:
     nvshmem_pe: int | None = None
     nvshmem_uid_file: str | None = None
     nvshmem_client_pes: int | None = None
+    #: keys of the API's ``Authorization: Bearer`` (``--api-key`` / ``$EAAS_API_KEY``; none: the
+    #: API is open). Never on the command line: :meth:`environment` carries them to the process.
+    api_key: tuple[str, ...] = field(default=(), metadata={"flag": False}, repr=False)
 
     def __post_init__(self) -> None:
+        self.api_key = check_api_keys(self.api_key)
         check_dispatch_timeout(self.dispatch_timeout)
         check_serving_dtype(self.dtype)
         if self.spin_us is not None and not (math.isfinite(self.spin_us) and self.spin_us >= 0):
@@ -121,3 +128,8 @@ class AttentionClientOptions:
         """``["attention-client", "--model", ...]``: the flags that differ from the defaults,
         plus ``--client-id`` and ``--port`` (prepend the program, e.g. ``eaas``)."""
         return to_argv(self, "attention-client", always=("client_id", "port"))
+
+    def environment(self, base: Mapping[str, str]) -> dict[str, str]:
+        """The environment to start the client with: ``base`` with ``$EAAS_API_KEY`` holding
+        :attr:`api_key` (removed when there is none), so the keys stay out of ``ps``."""
+        return api_key_environment(base, self.api_key)

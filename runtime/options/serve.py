@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from eaas.runtime.common.dtypes import check_serving_dtype
+from eaas.runtime.options.api_key import check_api_keys
 from eaas.runtime.options.client import check_dispatch_timeout
 
 
@@ -63,6 +64,9 @@ class ServeOptions:
             ``vllm serve`` with the eaas.vllm plugin instead of them: docs/vllm.md).
         vllm: the ``vllm`` command ``--engine vllm`` runs (a path or a name on ``PATH``).
         vllm_args: more ``vllm serve`` arguments (one string, split like a shell does).
+        served_model_name: the clients' ``--served-model-name`` (the model id in the API).
+        api_key: the attention clients' API keys (``--api-key`` / ``$EAAS_API_KEY``), handed
+            to them in their environment, never on their command line.
 
     Raises (at construction):
         ValueError: a bad ``--expert-servers``, ``--replicas`` (also more than
@@ -98,8 +102,11 @@ class ServeOptions:
     engine: str = "eaas"
     vllm: str = "vllm"
     vllm_args: str = ""
+    served_model_name: str | None = None
+    api_key: tuple[str, ...] = field(default=(), metadata={"flag": False}, repr=False)
 
     def __post_init__(self) -> None:
+        self.api_key = check_api_keys(self.api_key)
         check_dispatch_timeout(self.dispatch_timeout)
         if self.transport not in ("shm", "tcp"):
             raise ValueError(f"--transport must be shm or tcp, got {self.transport!r}")

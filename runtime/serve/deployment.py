@@ -238,9 +238,12 @@ class Deployment:
                     prefill_tokens_while_decoding=o.prefill_tokens_while_decoding,
                     double_batch_overlap=o.double_batch_overlap,
                     spin_us=o.spin_us,  # None unless --transport shm
+                    served_model_name=o.served_model_name,
+                    api_key=o.api_key,  # in the child's environment, not its argv
                 )
                 name = f"attention-client-{c}"
-                self.children.spawn(Child(name, "attention-client", py + client.argv()), env)
+                child = Child(name, "attention-client", py + client.argv())
+                self.children.spawn(child, client.environment(env))
             deadline = time.monotonic() + self.ready_timeout
             while not all(ch.ready for ch in self.children):
                 if self._stop_signal is not None:

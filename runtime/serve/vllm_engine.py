@@ -6,7 +6,10 @@ The child runs ``vllm serve MODEL`` on serve's API address with the plugin enabl
 file serve writes and re-publishes, serve's ``--dispatch-timeout`` and ``--client-spin-us``, and
 the plugin's own port (``EAAS_HTTP_PORT``: ``/health`` with the table version and the servers,
 ``/metrics``). Its role is ``attention-client`` (stopped first, its exit ends serve); it is ready
-when vLLM's ``GET /health`` answers 200 (vLLM prints no eaas ready line).
+when vLLM's ``GET /health`` answers 200 (vLLM prints no eaas ready line). serve's
+``--served-model-name`` (aliases: comma-separated) becomes vLLM's ``--served-model-name``, and one
+``--api-key`` vLLM's ``VLLM_API_KEY`` (in its environment, not on its command line; vLLM reads
+one key from there).
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ def vllm_child(o: ServeOptions, model_dir: str, table_path: Path) -> tuple[Child
 
     Raises:
         FileNotFoundError: ``--vllm`` is neither a file nor a command on ``PATH``.
+        ValueError: more than one ``--api-key`` (``VLLM_API_KEY`` holds one).
     """
+    if len(o.api_key) > 1:
+        raise ValueError("--engine vllm takes one --api-key (vLLM reads one from VLLM_API_KEY)")
     exe = shutil.which(o.vllm)
     if exe is None:
         raise FileNotFoundError(
@@ -44,11 +50,14 @@ def vllm_child(o: ServeOptions, model_dir: str, table_path: Path) -> tuple[Child
         client_id="vllm-0",
         spin_us=o.spin_us,
     )
-    argv = [exe, "serve", model_dir, "--served-model-name", Path(model_dir).name]
+    names = (o.served_model_name or Path(model_dir).name).split(",")
+    argv = [exe, "serve", model_dir, "--served-model-name", *names]
     argv += ["--host", o.host, "--port", str(o.port), "--dtype", o.dtype]
     argv += ["--max-num-batched-tokens", str(o.max_num_batched_tokens)]
     argv += shlex.split(o.vllm_args)
     env = {**plugin.env(), "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"}
+    if o.api_key:
+        env["VLLM_API_KEY"] = o.api_key[0]
     child = Child("vllm", ROLE, argv, extra={"health": f"http://{o.host}:{o.port}/health"})
     child.extra["plugin_health"] = f"http://{o.host}:{http_port}/health"
     log(f"vllm serve with the eaas.vllm plugin: {exe}; plugin port http://{o.host}:{http_port}")

@@ -21,7 +21,10 @@ from eaas.runtime.models.reference import reference_generate
 from eaas.runtime.serve import write_table
 from eaas.runtime.tables.table import RoutingTable
 
+from helpers.api import BAD_REQUEST_CODES, BAD_REQUESTS
 from helpers.e2e import metric_sum, metric_values, serve_fixture, served_model_name
+
+pytestmark = pytest.mark.api
 
 TEXTS = [
     "Hello world",
@@ -207,147 +210,7 @@ def test_sse_wire_format_ends_with_done(deployment, model_name):
 
 
 # ---- bad requests: OpenAI-style 400 and the server keeps serving --------------------------
-BAD = {
-    "empty_prompt": ("/v1/completions", {"prompt": "", "max_tokens": 4}, "prompt"),
-    "empty_messages": ("/v1/chat/completions", {"messages": [], "max_tokens": 4}, "messages"),
-    "beyond_context": (
-        "/v1/completions",
-        {"prompt": "Hello world", "max_tokens": 2048},
-        "max_tokens",
-    ),
-    # a list mixing strings and token-id lists: named as such (was "prompt[0]: not an int")
-    "mixed_prompt_kinds": ("/v1/completions", {"prompt": ["Hi", [5, 6]]}, "prompt"),
-    # the second of a batch of prompts is longer than the context: named by its index
-    "batched_prompt_beyond_context": (
-        "/v1/completions",
-        {"prompt": [[5, 6], [5] * 2049], "max_tokens": 1},
-        "prompt[1]",
-    ),
-    "max_tokens_zero": ("/v1/completions", {"prompt": "Hello", "max_tokens": 0}, "max_tokens"),
-    "max_tokens_negative": (
-        "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "x"}], "max_tokens": -3},
-        "max_tokens",
-    ),
-    "max_tokens_string": (
-        "/v1/completions",
-        {"prompt": "Hello", "max_tokens": "ten"},
-        "max_tokens",
-    ),
-    "messages_not_list": (
-        "/v1/chat/completions",
-        {"messages": "hello", "max_tokens": 4},
-        "messages",
-    ),
-    # unknown model: 404 model_not_found as OpenAI answers (tests/e2e/test_api_parity.py)
-    "malformed_json": ("/v1/completions", '{"prompt": "Hello", "max_tokens": 4', None),
-    # deeper than Python's recursion limit: json.loads raised RecursionError (was a plain 500)
-    "deeply_nested_json": (
-        "/v1/completions",
-        '{"prompt": "Hello", "max_tokens": 4, "stop": ' + "[" * 100_000 + "]" * 100_000 + "}",
-        None,
-    ),
-    "missing_prompt": ("/v1/completions", {"max_tokens": 4}, "prompt"),
-    "temperature_type": (
-        "/v1/completions",
-        {"prompt": "Hello", "temperature": "hot"},
-        "temperature",
-    ),
-    # seeds outside torch's range (signed or unsigned 64 bit) must not reach the engine (was 500)
-    "seed_too_big": (
-        "/v1/completions",
-        {"prompt": "Hello", "temperature": 1, "seed": 99999999999999999999999},
-        "seed",
-    ),
-    "seed_2_pow_64": (
-        "/v1/completions",
-        {"prompt": "Hello", "temperature": 1, "seed": 2**64},
-        "seed",
-    ),
-    "seed_too_negative": (
-        "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "x"}], "temperature": 1, "seed": -(2**63) - 1},
-        "seed",
-    ),
-    # Python's json (and json.dumps below) speaks NaN / Infinity; they must be 400, not 500
-    "temperature_nan": (
-        "/v1/completions",
-        {"prompt": "Hello", "temperature": float("nan")},
-        "temperature",
-    ),
-    "temperature_inf": (
-        "/v1/completions",
-        {"prompt": "Hello", "temperature": float("inf")},
-        "temperature",
-    ),
-    "top_p_nan": (
-        "/v1/completions",
-        {"prompt": "Hello", "temperature": 1, "top_p": float("nan")},
-        "top_p",
-    ),
-    "top_p_neg_inf": (
-        "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "x"}], "top_p": float("-inf")},
-        "top_p",
-    ),
-    # a lone UTF-16 surrogate escape is valid JSON but not text: tokenizers and JSON answers
-    # fail on it (was a plain-text 500 that closed the keep-alive connection)
-    "lone_surrogate_prompt": ("/v1/completions", {"prompt": "Hi \ud800"}, "prompt"),
-    "lone_surrogate_model": ("/v1/completions", {"model": "m\udfff", "prompt": "Hi"}, "model"),
-    "lone_surrogate_stop": (
-        "/v1/completions",
-        {"prompt": "Hi", "stop": ["a", "\udc00"]},
-        "stop[1]",
-    ),
-    "lone_surrogate_chat_content": (
-        "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]},
-        "messages[0].content[0].text",
-    ),
-    "lone_surrogate_field_name": ("/v1/completions", {"prompt": "Hi", "\ud800": 1}, None),
-    "lone_surrogate_tokenize": ("/tokenize", {"prompt": "\ud800"}, "prompt"),
-    # Python's json refuses ints of more than 4300 digits with a ValueError (was a plain 500)
-    "int_of_5000_digits": ("/v1/completions", '{"prompt": "Hi", "seed": ' + "1" * 5000 + "}", None),
-    # system/user messages need content (OpenAI allows null only for assistant tool calls)
-    "user_content_missing": (
-        "/v1/chat/completions",
-        {"messages": [{"role": "user"}], "max_tokens": 4},
-        "messages[0].content",
-    ),
-    "user_content_null": (
-        "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": None}], "max_tokens": 4},
-        "messages[0].content",
-    ),
-    "system_content_null": (
-        "/v1/chat/completions",
-        {
-            "messages": [{"role": "system", "content": None}, {"role": "user", "content": "x"}],
-            "max_tokens": 4,
-        },
-        "messages[0].content",
-    ),
-    "second_user_content_missing": (
-        "/v1/chat/completions",
-        {
-            "messages": [{"role": "system", "content": "Be terse."}, {"role": "user"}],
-            "max_tokens": 4,
-        },
-        "messages[1].content",
-    ),
-}
-# expected error code per case (others: any code)
-BAD_CODES = {
-    "beyond_context": "context_length_exceeded",
-    "deeply_nested_json": "invalid_json",
-    "int_of_5000_digits": "invalid_json",
-    "batched_prompt_beyond_context": "context_length_exceeded",
-    **{
-        c: "invalid_value"
-        for c in BAD
-        if c.startswith(("seed_", "temperature_nan", "temperature_inf", "top_p_"))
-    },
-}
+BAD, BAD_CODES = BAD_REQUESTS, BAD_REQUEST_CODES
 
 
 @pytest.mark.parametrize("case", sorted(BAD))

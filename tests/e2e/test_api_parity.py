@@ -1,16 +1,13 @@
 """OpenAI API parity with vLLM's server, through a real ``eaas serve`` (2 expert servers) and the
 official ``openai`` client; bad input found as a new user would, each followed by a request that
-succeeds; tokenizer loading of Qwen3-MoE checkpoints through a real ``eaas attention-client``.
+succeeds. Lone attention clients: ``test_api_clients.py``; vLLM's extensions and the chat
+template fields: ``test_api_vllm.py``.
 """
 
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -20,16 +17,10 @@ import torch
 from eaas.runtime.client.sampling import SamplingParams, apply_penalties
 from eaas.runtime.models.reference import reference_generate, reference_logits
 
-from helpers.e2e import (
-    free_port,
-    metric_sum,
-    metric_values,
-    serve_fixture,
-    served_model_name,
-    sigterm_and_wait,
-)
+from helpers.api import BAD_CHAT_FIELDS, NO_OP_FIELDS
+from helpers.e2e import metric_sum, metric_values, serve_fixture, served_model_name
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.api]
 
 PROMPT = "The expert server hosts a set of experts and"
 
@@ -184,6 +175,36 @@ def test_tokens_as_token_ids_keep_every_top_logprob(oai, model_name, prompt_ids,
             model=model_name, prompt="Hi", extra_body={"return_tokens_as_token_ids": True}
         )
     assert ei.value.body["param"] == "return_tokens_as_token_ids"
+
+
+def _expert_tokens(base: str, settle: float = 60.0) -> float:
+    """``eaas_expert_tokens`` summed over every layer and expert, once the servers' counts stop
+    moving (a busy server adds its counts every 50 ms)."""
+    last, deadline = None, time.monotonic() + settle
+    while True:
+        now = metric_sum(metric_values(base), "eaas_expert_tokens_total")
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
+        time.sleep(0.3)
+
+
+def test_prompt_logprobs_come_from_the_same_prefill(deployment, model_name, prompt_ids):
+    """vLLM's ``prompt_logprobs`` cost no second pass: the expert servers compute exactly as many
+    tokens for a request with them as for the same request without (each prompt token goes
+    through every MoE layer once)."""
+    base = deployment.base_url
+    body = {"model": model_name, "prompt": prompt_ids, "max_tokens": 3, "temperature": 0}
+    work = []
+    for extra in ({}, {"prompt_logprobs": 3}, {}):
+        before = _expert_tokens(base)
+        r = _post(deployment, "/v1/completions", {**body, **extra})
+        assert r.status_code == 200, r.text
+        work.append(_expert_tokens(base) - before)
+        if extra:
+            rows = r.json()["choices"][0]["prompt_logprobs"]
+            assert len(rows) == len(prompt_ids) and rows[0] is None
+    assert work[0] > 0 and work[0] == work[1] == work[2], work
 
 
 def test_echo_with_logprobs_gives_prompt_logprobs(
@@ -410,119 +431,10 @@ def test_stream_include_usage(oai, model_name, deployment):
 
 
 # ---- tokenize / detokenize / version -------------------------------------------------------------
-def test_tokenize_detokenize_version(deployment, model_name, tokenizer):
-    r = _post(deployment, "/tokenize", {"model": model_name, "prompt": PROMPT}).json()
-    assert r["tokens"] == tokenizer(PROMPT)["input_ids"] and r["count"] == len(r["tokens"])
-    assert r["max_model_len"] > 0
-    msgs = [{"role": "user", "content": "Hi"}]
-    c = _post(deployment, "/tokenize", {"model": model_name, "messages": msgs}).json()
-    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    assert c["tokens"] == tokenizer(text, add_special_tokens=False)["input_ids"]
-    d = _post(deployment, "/detokenize", {"model": model_name, "tokens": r["tokens"]}).json()
-    assert d["prompt"] == tokenizer.decode(r["tokens"])
-    bad = _post(deployment, "/detokenize", {"model": model_name, "tokens": [10**6]})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
-    v = httpx.get(f"{deployment.base_url}/version", timeout=10).json()
-    assert v["version"] and v["version"] != "unknown"
-
-
-def test_chat_template_fields(deployment, model_name, tokenizer, oai):
-    """vLLM's chat extensions reach the template as transformers' ``apply_chat_template`` takes
-    them: ``add_generation_prompt``, ``continue_final_message`` (prefill an assistant turn) and
-    ``chat_template_kwargs`` (template variables; the tiny model's template reads ``bos_token``).
-    A key the template does not read, or an argument of the call itself, is a 400 naming it."""
-    user = {"role": "user", "content": "Hi"}
-    prefill = [user, {"role": "assistant", "content": "The answer is"}]
-    cases = [
-        (
-            {"messages": [user], "add_generation_prompt": False},
-            [user],
-            {"add_generation_prompt": False},
-        ),
-        (
-            {"messages": prefill, "add_generation_prompt": False, "continue_final_message": True},
-            prefill,
-            {"add_generation_prompt": False, "continue_final_message": True},
-        ),
-        (
-            {"messages": [user], "chat_template_kwargs": {"bos_token": "<|user|>"}},
-            [user],
-            {"add_generation_prompt": True, "bos_token": "<|user|>"},
-        ),
-    ]
-    for body, msgs, kw in cases:
-        got = _post(deployment, "/tokenize", {"model": model_name, **body}).json()["tokens"]
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, **kw)
-        assert got == tokenizer(text, add_special_tokens=False)["input_ids"], body
-        # the same rendering is what a chat request generates from
-        r = _post(
-            deployment, "/v1/chat/completions", {"model": model_name, "max_tokens": 2, **body}
-        )
-        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(got), r.text
-    assert text.startswith("<|user|>")  # the last case's variable acted
-    for extra, param in (
-        (
-            {"chat_template_kwargs": {"enable_thinking": False}},
-            "chat_template_kwargs.enable_thinking",
-        ),
-        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
-        ({"continue_final_message": True}, "continue_final_message"),  # with the default True
-    ):
-        with pytest.raises(openai.BadRequestError) as ei:
-            oai.chat.completions.create(
-                model=model_name, messages=prefill, max_tokens=2, extra_body=extra
-            )
-        assert ei.value.body["param"] == param, ei.value.body
-    _ok(deployment, model_name)
 
 
 # ---- bad input: 400/404 naming the field, then a request that succeeds ---------------------------
-BAD = {
-    "tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", 400),
-    "response_format": ({"response_format": {"type": "json_object"}}, "response_format", 400),
-    "suffix": ({"suffix": "end"}, "suffix", 400),
-    "best_of": ({"best_of": 3}, "best_of", 400),
-    "unknown_field": ({"frobnicate": 1}, "frobnicate", 400),
-    "stream_options_no_stream": (
-        {"stream_options": {"include_usage": True}},
-        "stream_options",
-        400,
-    ),
-    "max_tokens_0_with_max_completion_tokens": (
-        {"max_tokens": 0, "max_completion_tokens": 4},
-        "max_tokens",
-        400,
-    ),
-    "max_tokens_and_max_completion_tokens_disagree": (
-        {"max_tokens": 3, "max_completion_tokens": 4},
-        "max_tokens",
-        400,
-    ),
-    "top_logprobs_without_logprobs": ({"top_logprobs": 2}, "top_logprobs", 400),
-    "logit_bias_out_of_vocab": ({"logit_bias": {"100000": 1}}, "logit_bias", 400),
-    "logit_bias_too_big": ({"logit_bias": {"5": 101}}, "logit_bias.5", 400),
-    # int() would read these as token 5 (or 50): several keys could bias one token past 100
-    **{
-        f"logit_bias_key_{name}": ({"logit_bias": {key: 1}}, "logit_bias", 400)
-        for name, key in (("plus", "+5"), ("space", " 5"), ("zero", "05"), ("underscore", "5_0"))
-    },
-    "logit_bias_key_arabic_digit": ({"logit_bias": {"\u0665": 1}}, "logit_bias", 400),
-    # more characters than any chat of 2048 tokens can have: refused before tokenizing
-    "messages_longer_than_any_context": (
-        {"messages": [{"role": "user", "content": "Hi " * 100_000}]},
-        "messages",
-        400,
-    ),
-    "stop_token_ids_out_of_vocab": ({"stop_token_ids": [100000]}, "stop_token_ids", 400),
-    "min_tokens_above_max": ({"min_tokens": 9, "max_tokens": 4}, "min_tokens", 400),
-    "top_k_below_minus_one": ({"top_k": -2}, "top_k", 400),
-    "stop_empty_string": ({"stop": ""}, "stop", 400),  # vLLM: stop cannot contain ""
-    "stop_list_with_empty_string": ({"stop": ["x", ""]}, "stop", 400),
-    "min_p_above_one": ({"min_p": 1.5}, "min_p", 400),
-    "repetition_penalty_zero": ({"repetition_penalty": 0}, "repetition_penalty", 400),
-    "presence_penalty_range": ({"presence_penalty": 3}, "presence_penalty", 400),
-    "unknown_model": ({"model": "gpt-17"}, "model", 404),
-}
+BAD = BAD_CHAT_FIELDS
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
@@ -580,23 +492,7 @@ def test_min_tokens_hold_when_every_token_is_a_stop_token(oai, model_name, token
     assert r.choices[0].finish_reason in ("stop", "length")
 
 
-# A known-but-unsupported field sent with its no-op value (what some OpenAI clients and SDKs
-# send by default) is accepted and changes nothing; any other value is a 400 naming the field.
-NO_OP = {
-    "/v1/chat/completions": [
-        ("tools", []),
-        ("tool_choice", "none"),
-        ("response_format", {"type": "text"}),
-        ("store", False),
-        ("metadata", {}),
-        ("service_tier", "auto"),
-        ("modalities", ["text"]),
-        ("use_beam_search", False),
-        ("length_penalty", 1.0),
-        ("spaces_between_special_tokens", True),
-    ],
-    "/v1/completions": [("suffix", ""), ("use_beam_search", False), ("bad_words", [])],
-}
+NO_OP = NO_OP_FIELDS
 
 
 @pytest.mark.parametrize("path", sorted(NO_OP))
@@ -621,162 +517,6 @@ def test_unsupported_field_with_its_no_op_value_is_accepted(deployment, model_na
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert (err["param"], err["code"]) == (field, "unsupported_parameter"), err
-
-
-# ---- Qwen3-MoE checkpoints: tokenizer.json wins; ids beyond the vocabulary are a 400 -------------
-def _qwen3(d: Path, tiny_dir: str, extra_token: bool) -> Path:
-    from tokenizers import Tokenizer
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(1)
-    cfg = Qwen3MoeConfig(
-        vocab_size=922,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-    )
-    Qwen3MoeForCausalLM(cfg).save_pretrained(d)
-    tok = Tokenizer.from_file(str(Path(tiny_dir) / "tokenizer.json"))
-    if extra_token:
-        tok.add_special_tokens(["<|endoftext|>"])  # id 922 == vocab_size: no embedding row
-        assert tok.token_to_id("<|endoftext|>") == 922
-    tok.save(str(d / "tokenizer.json"))
-    return d
-
-
-class _Client:
-    def __init__(self, model: Path | str, log: Path, extra: tuple[str, ...] = ()):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self._log = open(log, "wb")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "eaas",
-                "attention-client",
-                "--local-experts",
-                "--model",
-                str(model),
-                "--port",
-                str(self.port),
-                *extra,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-        )
-        line = self.proc.stdout.readline()
-        assert " ready on " in line, (line, log.read_text()[-2000:])
-
-    def stop(self) -> None:
-        sigterm_and_wait(self.proc, 30)
-        self.proc.stdout.close()
-        self._log.close()
-
-
-@pytest.fixture(scope="module")
-def qwen3_clients(tmp_path_factory, model_dir):
-    base = tmp_path_factory.mktemp("qwen3")
-    only_file = _qwen3(base / "only-tokenizer-json", model_dir, extra_token=False)
-    extra = _qwen3(base / "endoftext-922", model_dir, extra_token=True)
-    assert sorted(p.name for p in only_file.iterdir() if p.name.startswith("tokenizer")) == [
-        "tokenizer.json"
-    ]
-    clients = {
-        "only_file": _Client(only_file, base / "a.log"),
-        "extra": _Client(extra, base / "b.log"),
-    }
-    yield clients, only_file
-    for c in clients.values():
-        c.stop()
-
-
-def test_tokenizer_json_wins_over_qwen_class(qwen3_clients):
-    from tokenizers import Tokenizer
-
-    clients, d = qwen3_clients
-    c = clients["only_file"]
-    want = Tokenizer.from_file(str(d / "tokenizer.json")).encode("1 2 3 4 5").ids
-    assert len(want) == 6
-    r = httpx.post(f"{c.base}/tokenize", json={"prompt": "1 2 3 4 5"}, timeout=60).json()
-    assert r["tokens"] == want
-    g = httpx.post(
-        f"{c.base}/v1/completions", json={"prompt": "1 2 3 4 5", "max_tokens": 2}, timeout=120
-    )
-    assert g.status_code == 200 and g.json()["usage"]["prompt_tokens"] == 6
-
-
-def test_chat_template_field_edges(deployment, model_name):
-    """With ``prompt``, /tokenize refuses a chat template field set to a value that would act
-    (its default is accepted); kwargs nested deeper than transformers can copy are a 400."""
-    tok = f"{deployment.base_url}/tokenize"
-    base = {"model": model_name, "prompt": "Hi"}
-    for field, value in (("add_generation_prompt", True), ("continue_final_message", False)):
-        assert httpx.post(tok, json={**base, field: value}, timeout=60).status_code == 200
-    for field, value in (
-        ("add_generation_prompt", False),
-        ("continue_final_message", True),
-        ("chat_template_kwargs", {"bos_token": "x"}),
-    ):
-        r = httpx.post(tok, json={**base, field: value}, timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
-    deep = "[" * 600 + "]" * 600
-    head = json.dumps({"model": model_name, "messages": [{"role": "user", "content": "Hi"}]})
-    raw = head[:-1] + ', "chat_template_kwargs": {"bos_token": ' + deep + "}}"
-    for path in ("/tokenize", "/v1/chat/completions"):
-        r = httpx.post(
-            f"{deployment.base_url}{path}",
-            content=raw,
-            headers={"content-type": "application/json"},
-            timeout=60,
-        )
-        assert r.status_code == 400, r.text
-        assert r.json()["error"]["param"] == "chat_template_kwargs"
-    _ok(deployment, model_name)
-
-
-def test_chat_template_kwargs_without_a_template_is_400(qwen3_clients):
-    """A checkpoint with only tokenizer.json has no chat template (the plain fallback renders
-    chats): template variables cannot act there."""
-    c = qwen3_clients[0]["only_file"]
-    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    r = httpx.post(
-        f"{c.base}/v1/chat/completions",
-        json={**body, "chat_template_kwargs": {"enable_thinking": False}},
-        timeout=60,
-    )
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == "chat_template_kwargs.enable_thinking"
-    assert httpx.post(f"{c.base}/v1/chat/completions", json=body, timeout=120).status_code == 200
-
-
-def test_tokenizer_id_beyond_vocab_is_400(qwen3_clients):
-    c = qwen3_clients[0]["extra"]
-    for path, body, param in (
-        ("/v1/completions", {"prompt": "Hello <|endoftext|>", "max_tokens": 2}, "prompt"),
-        (
-            "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": "Hi <|endoftext|>"}], "max_tokens": 2},
-            "messages",
-        ),
-    ):
-        r = httpx.post(f"{c.base}{path}", json=body, timeout=60)
-        assert r.status_code == 400, r.text
-        err = r.json()["error"]
-        assert err["param"] == param and "922" in err["message"]
-        ok = httpx.post(
-            f"{c.base}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=120
-        )
-        assert ok.status_code == 200, ok.text
 
 
 def test_streamed_n_choices_with_usage(oai, model_name, prompt_ids, ref):
@@ -854,89 +594,3 @@ def test_temperature_below_sampling_eps_is_greedy(oai, model_name, prompt_ids, r
             model=model_name, prompt=prompt_ids, max_tokens=12, temperature=t, seed=7
         )
         assert r.choices[0].model_extra["token_ids"] == ref, t
-
-
-# ---- many clients give up at once: the running and waiting gauges return to 0 -----------------
-def _gauges(base: str) -> tuple[float, float]:
-    v = metric_values(base)
-    return metric_sum(v, "eaas_running_sequences"), metric_sum(v, "eaas_waiting_sequences")
-
-
-def _wait_gauges(base: str, want: tuple[float, float], timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while (got := _gauges(base)) != want:
-        assert time.monotonic() < deadline, (got, want)
-        time.sleep(0.05)
-
-
-def _open_stream(port: int, body: dict) -> socket.socket:
-    """A raw HTTP/1.1 streaming request whose connection the test closes when it likes (an
-    httpx stream blocks until the response head, which comes with the first token)."""
-    payload = json.dumps(body).encode()
-    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
-    sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        b"Content-Type: application/json\r\n"
-        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
-        + payload
-    )
-    return sock
-
-
-def _long_stream(max_tokens: int) -> dict:
-    """A greedy streamed completion that keeps decoding for ``max_tokens`` tokens."""
-    return {
-        "prompt": "Tell a long story",
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-    }
-
-
-def test_mass_disconnect_returns_running_and_waiting_to_zero(tmp_path, model_dir):
-    """With ``--max-num-seqs 2``, 5 long streams: 2 decode and 3 wait (``eaas_running_sequences``
-    and ``eaas_waiting_sequences``, as vLLM's ``num_requests_running`` / ``_waiting``); all five
-    clients disconnect at once (the waiting ones before their first token), both gauges return
-    to 0 and the next request succeeds."""
-    c = _Client(model_dir, tmp_path / "client.log", ("--max-num-seqs", "2"))
-    try:
-        body = _long_stream(1500)
-        socks = [_open_stream(c.port, body) for _ in range(5)]
-        try:
-            _wait_gauges(c.base, (2.0, 3.0))
-        finally:
-            for sock in socks:
-                sock.close()
-        _wait_gauges(c.base, (0.0, 0.0))
-        r = httpx.post(
-            f"{c.base}/v1/completions",
-            json={"prompt": "Hello", "max_tokens": 3, "temperature": 0},
-            timeout=60,
-        )
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["finish_reason"] == "length"
-    finally:
-        c.stop()
-
-
-def test_queued_stream_that_disconnects_leaves_the_queue(tmp_path, model_dir):
-    """A stream still waiting for its first token (``--max-num-seqs 1``, another stream
-    decoding) whose client disconnects leaves the waiting queue at once; it is not kept
-    until a slot frees and then prefilled for nobody (vLLM aborts it likewise)."""
-    c = _Client(model_dir, tmp_path / "client.log", ("--max-num-seqs", "1"))
-    try:
-        body = _long_stream(1900)
-        running = _open_stream(c.port, body)
-        try:
-            _wait_gauges(c.base, (1.0, 0.0))
-            queued = _open_stream(c.port, body)
-            _wait_gauges(c.base, (1.0, 1.0))
-            queued.close()
-            # the running stream is still decoding (1900 tokens) when the queued one is gone
-            _wait_gauges(c.base, (1.0, 0.0))
-        finally:
-            running.close()
-        _wait_gauges(c.base, (0.0, 0.0))
-    finally:
-        c.stop()

@@ -67,6 +67,18 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eaas.runtime import metrics
+from eaas.runtime.client.api.bodies import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    VersionResponse,
+)
+from eaas.runtime.client.api.guard import RequestGuard
+from eaas.runtime.client.api.openapi import install_openapi, route_doc
 from eaas.runtime.client.api.protocol import APIError, bad
 from eaas.runtime.client.api.responses import json_bytes, json_bytes_with_array
 from eaas.runtime.client.api.server import OpenAIServer
@@ -222,8 +234,15 @@ def _version() -> str:
 
 def create_app(server: OpenAIServer) -> FastAPI:
     """Build the FastAPI app around ``server`` (see the module docstring for the endpoints)."""
-    app = FastAPI(title="EaaS attention client", docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="EaaS attention client",
+        version=_version(),
+        description="OpenAI-compatible API of one attention client (docs/serving.md 'API').",
+        docs_url=None,
+        redoc_url=None,
+    )
     app.state.eaas = server
+    install_openapi(app)
 
     def count(req: Request, status: int) -> None:
         # a refused completion counts as a request too (generate counts the ones it answers)
@@ -245,6 +264,9 @@ def create_app(server: OpenAIServer) -> FastAPI:
             400, f"invalid request: {first.get('msg', str(exc))}", param=loc, code="invalid_value"
         )
 
+    # the key and the Content-Type are checked before any body is read (guard.py); the 500
+    # handler wraps everything
+    app.add_middleware(RequestGuard, keys=lambda: getattr(server, "api_keys", ()), count=count)
     app.add_middleware(_JSONServerErrors, count=count)
 
     @app.exception_handler(StarletteHTTPException)
@@ -277,26 +299,23 @@ def create_app(server: OpenAIServer) -> FastAPI:
 
     app.include_router(table_push_router)  # PUT/GET /routing-table: push and acknowledge
 
-    @app.get("/v1/models")
-    async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": server.model_name,
-                    "object": "model",
-                    "created": server.created,
-                    "owned_by": "eaas",
-                    "max_model_len": server.max_context,
-                }
-            ],
-        }
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=server.created, max_model_len=server.max_context)
 
-    @app.get("/version")
+    @app.get("/v1/models", **route_doc("list_models", ModelList, (401,)))
+    async def models():
+        names = (server.model_name, *getattr(server, "aliases", ()))
+        return ModelList(data=[model_card(n) for n in names]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}", **route_doc("retrieve_model", ModelCard, (401, 404)))
+    async def retrieve_model(model_id: str):
+        server.requests.check_model(model_id or None)  # 404 model_not_found for another id
+        return model_card(model_id or server.model_name).model_dump()
+
+    @app.get("/version", **route_doc("version", VersionResponse, ()))
     async def version_endpoint():
         return {"version": _version()}
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         out: dict[str, Any] = {
             "status": "ok",
@@ -316,24 +335,45 @@ def create_app(server: OpenAIServer) -> FastAPI:
             return JSONResponse(status_code=503, content=out)
         return out
 
-    @app.get("/metrics")
+    # GET and HEAD are two operations (one route for both gave them one operation id)
+    health_answers = {503: {"model": HealthResponse, "description": "degraded"}}
+    health_doc = route_doc("health", HealthResponse, ())
+    health_doc["responses"].update(health_answers)
+    app.get("/health", **health_doc)(health)
+    head_doc = route_doc("health_head", None, ())
+    head_doc["responses"].update({503: {"description": "degraded"}})
+    app.head("/health", **head_doc)(health)
+
+    metrics_doc = route_doc("metrics", None, ())
+    metrics_doc["responses"][200]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+
+    @app.get("/metrics", **metrics_doc)
     async def metrics_endpoint():
         return Response(metrics.render_latest(), media_type=metrics.CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
+    gen_errors = (400, 401, 404, 413, 415, 503)
+
+    @app.post(
+        "/v1/completions", **route_doc("create_completion", CompletionResponse, gen_errors, True)
+    )
     async def completions(request: Request):
         # tokenizing a long prompt takes seconds: in a worker thread, so /health and the running
         # streams keep being served meanwhile
         prep = await asyncio.to_thread(server.prepare_completion, await _json_body(request))
         return await server.generate(request, prep)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        **route_doc("create_chat_completion", ChatCompletionResponse, gen_errors, True),
+    )
     async def chat_completions(request: Request):
         prep = await asyncio.to_thread(server.prepare_chat, await _json_body(request))
         return await server.generate(request, prep)
 
     # encoded in the worker thread too: a 30 MB prompt's token list stalled the event loop
-    @app.post("/tokenize")
+    tok_errors = (400, 401, 404, 413, 415)
+
+    @app.post("/tokenize", **route_doc("tokenize", TokenizeResponse, tok_errors))
     async def tokenize(request: Request):
         body = await _json_body(request)
 
@@ -346,7 +386,7 @@ def create_app(server: OpenAIServer) -> FastAPI:
         out = await asyncio.to_thread(encode)
         return Response(content=out, media_type="application/json")
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", **route_doc("detokenize", DetokenizeResponse, tok_errors))
     async def detokenize(request: Request):
         body = await _json_body(request)
         out = await asyncio.to_thread(lambda: json_bytes(server.detokenize(body).model_dump()))

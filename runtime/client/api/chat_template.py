@@ -32,8 +32,9 @@ def template_variables(template: str) -> frozenset[str] | None:
 
 
 def normalize_messages(msgs: list, param: str = "messages") -> list[dict]:
-    """``[{"role", "content"[, "name"]}]`` of the request's messages (``param`` names them in
-    errors).
+    """``[{"role", "content"[, "name"], **extra keys}]`` of the request's messages (``param``
+    names them in errors; keys a message carries beyond the declared ones are kept for the
+    template).
 
     Raises:
         APIError: 400 for a null or missing ``content`` outside assistant messages, and for tool
@@ -64,6 +65,7 @@ def normalize_messages(msgs: list, param: str = "messages") -> list[dict]:
         d = {"role": m.role, "content": content}
         if m.name is not None:
             d["name"] = m.name
+        d.update(m.model_extra or {})  # keys the template may read (vLLM passes them on)
         norm.append(d)
     return norm
 
@@ -74,6 +76,8 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    add_special_tokens: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` under the tokenizer's chat template (or a plain fallback).
 
@@ -84,6 +88,10 @@ def render_chat(
         continue_final_message: end inside the last message, which the model continues
             (transformers' ``apply_chat_template`` option of that name).
         template_kwargs: extra template variables (``chat_template_kwargs``).
+        add_special_tokens: tokenize the rendered text with the tokenizer's special tokens
+            (``/tokenize``'s ``add_special_tokens``; off by default: the template adds them).
+        tools: tool definitions for the template (``/tokenize``'s ``tools``, as vLLM; only a
+            template that reads ``tools`` renders them).
 
     Raises:
         APIError: 400 naming ``chat_template_kwargs.<key>`` for a key the template does not
@@ -104,13 +112,14 @@ def render_chat(
             text += "<|assistant|>\n"
         if getattr(tok, "bos_token", None):
             text = tok.bos_token + text
-        return list(tok(text, add_special_tokens=False)["input_ids"])
+        return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
     try:
         text = tok.apply_chat_template(
             messages,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tokenize=False,
+            **({"tools": tools} if tools is not None else {}),
             **kwargs,
         )
     except RecursionError:  # transformers copies the variables recursively
@@ -119,7 +128,7 @@ def render_chat(
         ) from None
     except (TemplateError, ValueError, TypeError) as exc:
         raise bad(f"the model's chat template refused these messages: {exc}", "messages") from None
-    return list(tok(text, add_special_tokens=False)["input_ids"])
+    return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 def check_template_kwargs(tokenizer, template: str | None, kwargs: dict[str, Any]) -> None:

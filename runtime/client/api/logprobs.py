@@ -5,18 +5,21 @@ logprobs as ``{token text: logprob}`` (:meth:`LogprobFormatter.completion_logpro
 ``echo``, the prompt tokens' first, as vLLM: :meth:`LogprobFormatter.echo_logprobs`). Chat:
 ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``
 (:meth:`LogprobFormatter.chat_logprobs`). A token is named by its text, or ``"token_id:<id>"``
-with vLLM's ``return_tokens_as_token_ids``.
+with vLLM's ``return_tokens_as_token_ids``. vLLM's ``prompt_logprobs`` (both routes):
+:meth:`LogprobFormatter.prompt_logprobs`.
 """
 
 from __future__ import annotations
 
-from eaas.runtime.client.api.prepare import Prepared
-from eaas.runtime.client.api.protocol import (
+from eaas.runtime.client.api.bodies import (
     ChatLogProbs,
     ChatTokenLogprob,
     CompletionLogProbs,
+    PromptLogprob,
+    PromptLogprobs,
     TopLogprob,
 )
+from eaas.runtime.client.api.prepare import Prepared
 from eaas.runtime.client.request import TokenEvent
 
 
@@ -109,7 +112,9 @@ class LogprobFormatter:
         first and offsets count from 0 over the token strings (as vLLM: ``offset`` is then
         ignored)."""
         assert prep.logprobs is not None
-        if not (first and prep.echo_texts[prompt] and prep.params[0].prompt_logprobs is not None):
+        # ``prep.echo``, not the echoed text: ids such as [0, 0, 0] decode to "" and their rows
+        # were dropped (2 entries instead of 7 for a 5-token prompt and 2 generated)
+        if not (first and prep.echo and prep.params[0].prompt_logprobs is not None):
             gen = self.completion_logprobs(events, offset, prep.logprobs, prep.tokens_as_ids)
             return gen, offset + sum(len(t) for t in gen.tokens)
         head = self.echo_logprobs(
@@ -126,6 +131,42 @@ class LogprobFormatter:
             tokens=head.tokens + gen.tokens,
             top_logprobs=head.top_logprobs + gen.top_logprobs,
         ), offset + sum(len(t) for t in gen.tokens)
+
+    def prompt_logprobs(
+        self,
+        prompt_ids: list[int],
+        rows: list[tuple[float, list[tuple[int, float]]] | None] | None,
+        k: int,
+    ) -> PromptLogprobs:
+        """vLLM's ``prompt_logprobs`` of a prompt: ``None`` for the first token, else
+        ``{str(token id): {logprob, rank, decoded_token}}`` with the prompt token and the ``k``
+        most likely (``rank`` from the top-``k`` list; ``None`` for a prompt token outside it).
+
+        Raises:
+            RuntimeError: the engine delivered no prompt logprobs although they were asked for.
+        """
+        if rows is None or len(rows) != len(prompt_ids):
+            raise RuntimeError("the engine returned no prompt logprobs for 'prompt_logprobs'")
+        out: PromptLogprobs = []
+        for i, t in enumerate(prompt_ids):
+            row = rows[i]
+            if i == 0 or row is None:
+                out.append(None)
+                continue
+            lp, tops = row
+            ranks = {tt: r for r, (tt, _) in enumerate(tops[:k], 1)}
+            entry = {
+                str(t): PromptLogprob(
+                    logprob=lp, rank=ranks.get(t), decoded_token=self.token_str(t)
+                )
+            }
+            for tt, tlp in tops[:k]:
+                entry.setdefault(
+                    str(tt),
+                    PromptLogprob(logprob=tlp, rank=ranks[tt], decoded_token=self.token_str(tt)),
+                )
+            out.append(entry)
+        return out
 
     def chat_logprobs(self, events: list[TokenEvent], as_ids: bool = False) -> ChatLogProbs:
         """Chat ``logprobs`` of ``events`` (each with its top logprobs).

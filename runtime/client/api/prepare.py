@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from eaas.runtime.client.api.bodies import DetokenizeResponse, TokenizeResponse
 from eaas.runtime.client.api.chat_template import normalize_messages, render_chat
 from eaas.runtime.client.api.protocol import (
     MAX_CHOICES,
@@ -22,9 +23,7 @@ from eaas.runtime.client.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    DetokenizeResponse,
     TokenizeRequest,
-    TokenizeResponse,
     _SamplingFields,
     bad,
     check_unsupported,
@@ -45,6 +44,13 @@ class Prepared:
         chat: chat completion (else text completion).
         logprobs: ``None`` or the number of top logprobs per token.
         tokens_as_ids: logprobs name tokens ``"token_id:<id>"`` (``return_tokens_as_token_ids``).
+        echo: ``echo`` was asked (the echoed text may be ``""``: ids that decode to nothing).
+        prompt_logprobs: ``None`` or vLLM's ``prompt_logprobs`` (top tokens per prompt token).
+        return_token_ids: vLLM's ``return_token_ids`` (``None``: not sent).
+        role: the role of the answer (chat: ``assistant``, or the last message's role with
+            ``add_generation_prompt: false``, as vLLM).
+        max_tokens: per prompt, the ``max_tokens`` its choices use (``None``: ``params``'),
+            so that the default of 16 is clamped to each prompt's room.
     """
 
     prompts: list[list[int]]
@@ -56,6 +62,11 @@ class Prepared:
     chat: bool
     logprobs: int | None
     tokens_as_ids: bool = False
+    echo: bool = False
+    prompt_logprobs: int | None = None
+    return_token_ids: bool | None = None
+    role: str = "assistant"
+    max_tokens: list[int] | None = None
 
 
 def sampling_temperature(value: float | None) -> float:
@@ -71,21 +82,31 @@ class RequestPreparer:
 
     Args:
         tokenizer: the model's tokenizer.
-        model_name: id accepted in ``model``.
+        model_name: id accepted in ``model`` (and carried by the answers).
+        aliases: other ids accepted in ``model`` (``--served-model-name a,b``).
         max_context: ``max_position_embeddings`` (prompt + completion tokens limit).
         vocab_size: valid token ids are ``[0, vocab_size)`` (the model's embedding rows).
     """
 
-    def __init__(self, tokenizer, model_name: str, max_context: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        model_name: str,
+        max_context: int,
+        vocab_size: int,
+        aliases: tuple[str, ...] = (),
+    ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.names = frozenset((model_name, *aliases))
         self.max_context = int(max_context)
         self.vocab_size = int(vocab_size)
         self._max_token_chars: int | None = None  # longest vocabulary entry (check_text_length)
 
     def check_model(self, model: str | None) -> None:
-        """Raises: APIError 404 ``model_not_found`` for a model this server does not serve."""
-        if model is not None and model != self.model_name:
+        """Raises: APIError 404 ``model_not_found`` for a model this server does not serve
+        (``None`` and ``""`` name the served one, as vLLM)."""
+        if model and model not in self.names:
             raise APIError(
                 404,
                 f"The model '{model}' does not exist; this server serves '{self.model_name}'",
@@ -116,6 +137,14 @@ class RequestPreparer:
                 code="context_length_exceeded",
             )
 
+    def truncate(self, ids: list[int], keep: int, side: str) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the last (``side`` ``"left"``) or first
+        (``"right"``) ``keep`` ids; ``-1`` keeps the context's length."""
+        keep = self.max_context if keep == -1 else keep
+        if len(ids) <= keep:
+            return ids
+        return ids[len(ids) - keep :] if side == "left" else ids[:keep]
+
     def check_ids(self, ids: list[int], param: str) -> None:
         """Raises: APIError 400 when an id is outside ``[0, vocab_size)``."""
         bad_ids = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -127,11 +156,18 @@ class RequestPreparer:
             )
 
     def sampling_params(
-        self, req: _SamplingFields, n_prompt: int, max_tokens: int | None, key: str, param: str
+        self,
+        req: _SamplingFields,
+        n_prompt: int,
+        max_tokens: int | None,
+        key: str,
+        param: str,
+        default: int | None = None,
     ) -> tuple[list[SamplingParams], int]:
         """The ``n`` sampling parameters of a prompt of ``n_prompt`` tokens and the
-        ``max_tokens`` they use (``None``: what the context leaves). ``key`` names the
-        ``max_tokens`` field in errors, ``param`` the prompt.
+        ``max_tokens`` they use (``None``: ``default`` clamped to the room the context leaves,
+        or all of that room without a default). ``key`` names the ``max_tokens`` field in
+        errors, ``param`` the prompt.
 
         Raises:
             APIError: 400 ``context_length_exceeded``; 400 for ``min_tokens`` over
@@ -147,8 +183,8 @@ class RequestPreparer:
                 param=param,
                 code="context_length_exceeded",
             )
-        if max_tokens is None:
-            max_tokens = room
+        if max_tokens is None:  # not sent: a default never makes the request fail
+            max_tokens = room if default is None else min(default, room)
         if n_prompt + max_tokens > self.max_context:
             raise APIError(
                 400,
@@ -236,21 +272,33 @@ class RequestPreparer:
                 text = ""
             if not ids:
                 raise bad(f"'{param}' tokenizes to zero tokens", param)
+            if req.truncate_prompt_tokens is not None:
+                cut = self.truncate(ids, req.truncate_prompt_tokens, req.truncation_side)
+                if len(cut) != len(ids):
+                    ids, text = cut, ""  # echo the prompt the model saw
             self.check_ids(ids, param)
             if req.echo and not text:
-                text = self.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
+                # as vLLM: the ids' text with their special tokens ([0, 0] -> "<s><s>")
+                text = self.tokenizer.decode(ids, skip_special_tokens=False)
             prompts.append(ids)
             echo_texts.append(text if req.echo else "")
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
         params: list[SamplingParams] = []
+        per_prompt: list[int] = []
         for i, ids in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            ps, _ = self.sampling_params(req, len(ids), max_tokens, "max_tokens", param)
-            params = ps  # identical per prompt apart from the length checks
+            # OpenAI's default of 16 when not sent, clamped to the room a long prompt leaves (a
+            # 2040-token prompt of a 2048 context got a 400 naming a field never sent)
+            ps, mt = self.sampling_params(req, len(ids), req.max_tokens, "max_tokens", param, 16)
+            params = ps  # identical per prompt apart from max_tokens
+            per_prompt.append(mt)
+        # echoed prompt tokens carry logprobs too: the engine computes them in the prefill
+        # forward, as it does vLLM's prompt_logprobs (one k serves both)
+        want = [
+            k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None
+        ]
         for sp in params:
             sp.logprobs = req.logprobs
-            if req.echo and req.logprobs is not None:  # echoed prompt tokens carry logprobs too
-                sp.prompt_logprobs = req.logprobs
+            sp.prompt_logprobs = max(want) if want else None
         so = req.stream_options
         return Prepared(
             prompts,
@@ -262,6 +310,10 @@ class RequestPreparer:
             False,
             req.logprobs,
             req.return_tokens_as_token_ids,
+            echo=req.echo,
+            prompt_logprobs=req.prompt_logprobs,
+            return_token_ids=req.return_token_ids,
+            max_tokens=per_prompt,
         )
 
     def prepare_chat(self, body: dict) -> Prepared:
@@ -278,6 +330,8 @@ class RequestPreparer:
             req.continue_final_message,
             req.chat_template_kwargs,
         )
+        if req.truncate_prompt_tokens is not None:
+            ids = self.truncate(ids, req.truncate_prompt_tokens, req.truncation_side)
         self.check_ids(ids, "messages")
         key = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -285,10 +339,16 @@ class RequestPreparer:
         lp = (req.top_logprobs or 0) if req.logprobs else None
         for sp in params:
             sp.logprobs = lp
+            sp.prompt_logprobs = req.prompt_logprobs
+        # vLLM: without a generation prompt the answer continues the last message, in its role
+        role = "assistant" if req.add_generation_prompt else messages[-1]["role"]
+        echo = ""
+        if req.echo and messages[-1]["role"] == role:
+            echo = messages[-1]["content"]
         so = req.stream_options
         return Prepared(
             [ids],
-            [""],
+            [echo],
             params,
             req.stream,
             bool(so and so.include_usage),
@@ -296,6 +356,10 @@ class RequestPreparer:
             True,
             lp,
             req.return_tokens_as_token_ids,
+            echo=req.echo,
+            prompt_logprobs=req.prompt_logprobs,
+            return_token_ids=req.return_token_ids,
+            role=role,
         )
 
     def tokenize(self, body: dict) -> TokenizeResponse:
@@ -309,14 +373,9 @@ class RequestPreparer:
                 req.add_generation_prompt,
                 req.continue_final_message,
                 req.chat_template_kwargs,
+                add_special_tokens=bool(req.add_special_tokens),  # vLLM: off for messages
+                tools=req.tools,
             )
-            if req.add_special_tokens:
-                raise bad(
-                    "'add_special_tokens' with 'messages' is not supported (the chat template "
-                    "adds them)",
-                    "add_special_tokens",
-                    "unsupported_parameter",
-                )
         else:
             set_ = [
                 key

@@ -72,7 +72,6 @@ def bad(message: str, param: str | None, code: str = "invalid_value") -> APIErro
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
     "functions": (None, []),
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
@@ -83,10 +82,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "reasoning_effort": (None,),
     "service_tier": (None, "auto", "default"),
     "store": (None, False),
-    "metadata": (None, {}),
     "web_search_options": (None,),
-    "user": (None,),
-    "prompt_logprobs": (None,),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
     "allowed_token_ids": (None,),
@@ -96,7 +92,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_choice": (None,),
     "guided_grammar": (None,),
     "structured_outputs": (None,),
-    "truncate_prompt_tokens": (None,),
     "spaces_between_special_tokens": (None, True),
     "chat_template": (None,),
     "documents": (None,),
@@ -175,6 +170,15 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM)
+    # vLLM: true adds prompt_token_ids; false sets token_ids to null (absent: token_ids only)
+    return_token_ids: bool | None = None
+    # vLLM: logprobs of every prompt token after the first, k most likely each, computed in the
+    # prefill forward of this request
+    prompt_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
+    user: str | None = None  # OpenAI: an end-user id for the operator's records; no effect here
+    # vLLM: keep only this many prompt tokens (-1: the context), from the truncation_side end
+    truncate_prompt_tokens: Annotated[int, Field(strict=True, ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] = "left"
 
     @model_validator(mode="after")
     def _cross_field(self):
@@ -192,6 +196,15 @@ class _SamplingFields(_Strict):
             raise _FieldError(
                 "return_tokens_as_token_ids",
                 "'return_tokens_as_token_ids' names the tokens of logprobs: it needs 'logprobs'",
+            )
+        if self.truncate_prompt_tokens == 0:  # would leave no prompt at all
+            raise _FieldError(
+                "truncate_prompt_tokens",
+                "'truncate_prompt_tokens' must be -1 (the context) or >= 1, got 0",
+            )
+        if self.prompt_logprobs is not None and self.stream:
+            raise _FieldError(
+                "prompt_logprobs", "'prompt_logprobs' is not available with 'stream': true (vLLM)"
             )
         if self.best_of is not None and self.best_of != self.n:
             raise _FieldError(
@@ -217,7 +230,6 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a list of those."""
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    max_tokens: Annotated[int, Field(strict=True, ge=1)] | None = 16
     echo: bool = False
     logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
 
@@ -244,14 +256,17 @@ class TextPart(_Strict):
 class ChatMessage(BaseModel):
     """One message; ``content`` is checked by the server (null allowed only for assistant).
 
+    ``role`` is any non-empty string (``system``, ``user``, ``assistant``, ``tool``,
+    ``developer`` or a role of the model's own chat template); keys beyond the declared ones are
+    passed to the chat template as they are (as vLLM does: a template may read them).
     ``refusal``, ``audio`` and ``function_call`` are accepted only as null, ``annotations`` as
     null or ``[]``: what an assistant message of the ``openai`` client carries after
     ``.model_dump()`` (a reply sent back as history); a refusal, audio, a function call or
     annotations are not supported (400 ``unsupported_parameter`` naming the field).
     """
 
-    model_config = ConfigDict(strict=True, extra="forbid")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Annotated[str, Field(min_length=1)]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
@@ -301,6 +316,10 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
     logprobs: bool = False
+    # vLLM: the answer starts with the last message's content when it has the answer's role
+    echo: bool = False
+    metadata: dict[str, str] | None = None  # OpenAI: tags for stored completions; no effect
+    parallel_tool_calls: bool | None = None  # OpenAI: acts with tools only (none here)
     top_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
 
     @model_validator(mode="after")
@@ -329,6 +348,8 @@ class TokenizeRequest(_ChatTemplateFields):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
+    # vLLM: tool definitions for a template that renders them (with messages)
+    tools: list[dict[str, Any]] | None = None
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -342,120 +363,6 @@ class DetokenizeRequest(_Strict):
 
     model: str | None = None
     tokens: list[StrictInt]
-
-
-# ---- responses -----------------------------------------------------------------------------
-class UsageInfo(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int = 0
-    total_tokens: int
-
-
-class CompletionLogProbs(BaseModel):
-    """Completions ``logprobs``: parallel lists, one entry per generated token."""
-
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogProbs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] = Field(default_factory=list)
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatMessageOut
-    logprobs: ChatLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] = Field(default_factory=list)
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] = Field(default_factory=list)
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-
-
-class CompletionChunk(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
 
 
 # ---- parsing -------------------------------------------------------------------------------
@@ -521,4 +428,5 @@ def parse(model: type[M], body: dict) -> M:
                 param,
                 "invalid_type",
             ) from None
-        raise bad(f"'{param}': {err.get('msg')}, got {inp!r}"[:500], param) from None
+        # pydantic's error type too (greater_than_equal, ...), as vLLM's messages carry it
+        raise bad(f"'{param}': {err.get('msg')} ({kind}), got {inp!r}"[:500], param) from None

@@ -15,10 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from eaas.runtime.client.api.logprobs import LogprobFormatter
-from eaas.runtime.client.api.prepare import Prepared
-from eaas.runtime.client.api.protocol import (
-    APIError,
+from eaas.runtime.client.api.bodies import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -26,8 +23,12 @@ from eaas.runtime.client.api.protocol import (
     CompletionChoice,
     CompletionChunk,
     CompletionResponse,
+    PromptLogprobs,
     UsageInfo,
 )
+from eaas.runtime.client.api.logprobs import LogprobFormatter
+from eaas.runtime.client.api.prepare import Prepared
+from eaas.runtime.client.api.protocol import APIError
 from eaas.runtime.client.dispatch import NoLiveReplicaError
 from eaas.runtime.client.request import GenerationRequest, TokenEvent
 
@@ -143,8 +144,35 @@ def build_response(
 ) -> ChatCompletionResponse | CompletionResponse:
     """The body of a finished generation (every choice has its final event)."""
     choices = [_final_choice(gen, fmt, ch) for ch in gen.choices]
-    cls = ChatCompletionResponse if gen.prep.chat else CompletionResponse
-    return cls(id=gen.id, created=gen.created, model=gen.model, choices=choices, usage=gen.usage())
+    if gen.prep.chat:
+        first = gen.choices[0]
+        return ChatCompletionResponse(
+            id=gen.id,
+            created=gen.created,
+            model=gen.model,
+            choices=choices,
+            usage=gen.usage(),
+            prompt_logprobs=prompt_logprobs_of(gen, fmt, first),
+            prompt_token_ids=list(gen.prep.prompts[0]) if gen.prep.return_token_ids else None,
+        )
+    return CompletionResponse(
+        id=gen.id, created=gen.created, model=gen.model, choices=choices, usage=gen.usage()
+    )
+
+
+def prompt_logprobs_of(gen: Generation, fmt: LogprobFormatter, ch: Choice) -> PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs`` of ``ch``'s prompt (from its first event), or ``None`` when
+    the request did not ask for them."""
+    k = gen.prep.prompt_logprobs
+    if k is None:
+        return None
+    rows = ch.events[0].prompt_logprobs if ch.events else None
+    return fmt.prompt_logprobs(gen.prep.prompts[ch.prompt], rows, k)
+
+
+def token_ids_of(prep: Prepared, ids: list[int]) -> list[int] | None:
+    """A choice's ``token_ids``: ``ids``, or ``None`` with ``return_token_ids: false``."""
+    return None if prep.return_token_ids is False else ids
 
 
 def _final_choice(gen: Generation, fmt: LogprobFormatter, ch: Choice) -> Any:
@@ -153,18 +181,24 @@ def _final_choice(gen: Generation, fmt: LogprobFormatter, ch: Choice) -> Any:
     end: dict[str, Any] = {
         "finish_reason": ch.finish,
         "stop_reason": ch.stop_reason,
-        "token_ids": list(ch.req.output_ids),
+        "token_ids": token_ids_of(prep, list(ch.req.output_ids)),
     }
+    echo = prep.echo_texts[ch.prompt]
     if prep.chat:
         lp = None if prep.logprobs is None else fmt.chat_logprobs(ch.events, prep.tokens_as_ids)
-        return ChatChoice(
-            index=ch.index, message=ChatMessageOut(content=ch.req.text), logprobs=lp, **end
-        )
-    echo = prep.echo_texts[ch.prompt]
+        msg = ChatMessageOut(role=prep.role, content=echo + ch.req.text)
+        return ChatChoice(index=ch.index, message=msg, logprobs=lp, **end)
     clp = None
     if prep.logprobs is not None:
         clp = fmt.choice_logprobs(prep, ch.prompt, ch.events, len(echo), True)[0]
-    return CompletionChoice(index=ch.index, text=echo + ch.req.text, logprobs=clp, **end)
+    return CompletionChoice(
+        index=ch.index,
+        text=echo + ch.req.text,
+        logprobs=clp,
+        prompt_logprobs=prompt_logprobs_of(gen, fmt, ch),
+        prompt_token_ids=list(prep.prompts[ch.prompt]) if prep.return_token_ids else None,
+        **end,
+    )
 
 
 def encode_response(resp: ChatCompletionResponse | CompletionResponse) -> bytes:

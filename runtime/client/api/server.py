@@ -10,20 +10,20 @@ request (each its own engine request), then answers from their token events: a J
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import time
 import uuid
+from collections.abc import Callable
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from eaas.runtime import metrics
+from eaas.runtime.client.api.bodies import DetokenizeResponse, TokenizeResponse
 from eaas.runtime.client.api.logprobs import LogprobFormatter
 from eaas.runtime.client.api.prepare import Prepared, RequestPreparer
-from eaas.runtime.client.api.protocol import (
-    APIError,
-    DetokenizeResponse,
-    TokenizeResponse,
-)
+from eaas.runtime.client.api.protocol import APIError
 from eaas.runtime.client.api.responses import (
     Choice,
     Generation,
@@ -40,7 +40,35 @@ from eaas.runtime.client.api.streaming import (
     watch_disconnect,
 )
 from eaas.runtime.client.engine import Engine
-from eaas.runtime.client.request import ErrorEvent
+from eaas.runtime.client.request import ErrorEvent, GenerationRequest
+
+log = logging.getLogger("eaas.client.api")
+
+
+def event_callback(
+    box: EventMailbox, q: asyncio.Queue, idx: int, request: Callable[[], GenerationRequest | None]
+) -> Callable[[object], None]:
+    """The engine's callback for choice ``idx``: posts ``(idx, event)`` to ``q`` through ``box``.
+
+    Once the event loop is closed (Ctrl-C during a stream: the loop ends while the engine thread
+    still emits), there is nobody to answer: the choice's engine request (``request()``) is
+    cancelled and the event dropped, instead of ``RuntimeError: Event loop is closed`` reaching
+    the engine, which logged it with a traceback for every token left.
+    """
+
+    def on_event(ev) -> None:
+        try:
+            box.post(q, (idx, ev))
+        except RuntimeError:
+            if not box.loop.is_closed():
+                raise
+            req = request()
+            if req is not None and not req.done:
+                req.cancel()
+            log.debug("choice %d: event after the event loop closed, dropped", idx)
+
+    return on_event
+
 
 #: Largest request body accepted (bytes); larger ones get 413 ``request_too_large``
 #: (``attention-client --max-request-body``). Generous: a full 128k-token prompt is ~1 MiB.
@@ -59,6 +87,9 @@ class OpenAIServer:
         client_id: label of this client (metrics, /health).
         health_extra: callable returning extra /health fields (e.g. the dispatcher's view).
         max_request_body: largest request body in bytes (larger: 413 ``request_too_large``).
+        api_keys: the keys ``Authorization: Bearer`` must carry on ``/v1/*``, ``/tokenize``,
+            ``/detokenize`` (empty: no key needed; :mod:`.guard`).
+        aliases: other model ids accepted in ``model`` and listed by ``/v1/models``.
     """
 
     def __init__(
@@ -71,6 +102,8 @@ class OpenAIServer:
         client_id: str,
         health_extra=None,
         max_request_body: int = DEFAULT_MAX_REQUEST_BODY,
+        api_keys: tuple[str, ...] = (),
+        aliases: tuple[str, ...] = (),
     ):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -80,8 +113,12 @@ class OpenAIServer:
         self.client_id = str(client_id)
         self.health_extra = health_extra
         self.max_request_body = int(max_request_body)
+        self.api_keys = tuple(api_keys)
         self.created = int(time.time())
-        self.requests = RequestPreparer(tokenizer, model_name, self.max_context, self.vocab_size)
+        self.aliases = tuple(a for a in aliases if a != model_name)
+        self.requests = RequestPreparer(
+            tokenizer, model_name, self.max_context, self.vocab_size, self.aliases
+        )
         self.logprobs = LogprobFormatter(tokenizer)
         self.shutting_down = False
         self._queues: set[asyncio.Queue] = set()  # event queues of the running requests
@@ -148,11 +185,17 @@ class OpenAIServer:
         for p in range(len(prep.prompts)):
             for i in range(n):
                 idx = len(choices)
+                params = prep.params[i]
+                if prep.max_tokens is not None and prep.max_tokens[p] != params.max_tokens:
+                    params = dataclasses.replace(params, max_tokens=prep.max_tokens[p])
+                made: list[GenerationRequest] = []  # the request, once submit returns it
 
-                def on_event(ev, _idx=idx) -> None:
-                    box.post(q, (_idx, ev))
+                def request_of(m: list[GenerationRequest] = made) -> GenerationRequest | None:
+                    return m[0] if m else None
 
-                req = self.engine.submit(prep.prompts[p], prep.params[i], on_event)
+                on_event = event_callback(box, q, idx, request_of)
+                req = self.engine.submit(prep.prompts[p], params, on_event)
+                made.append(req)
                 choices.append(Choice(index=idx, prompt=p, req=req))
         rid = ("chatcmpl-" if prep.chat else "cmpl-") + uuid.uuid4().hex[:24]
         return Generation(prep, choices, rid, int(time.time()), self.model_name)

@@ -20,8 +20,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from eaas.runtime import metrics
-from eaas.runtime.client.api.logprobs import LogprobFormatter
-from eaas.runtime.client.api.protocol import (
+from eaas.runtime.client.api.bodies import (
     ChatChunkChoice,
     ChatCompletionChunk,
     CompletionChoice,
@@ -29,7 +28,8 @@ from eaas.runtime.client.api.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from eaas.runtime.client.api.responses import Choice, Generation, exc_error
+from eaas.runtime.client.api.logprobs import LogprobFormatter
+from eaas.runtime.client.api.responses import Choice, Generation, exc_error, token_ids_of
 from eaas.runtime.client.request import ErrorEvent, TokenEvent
 
 log = logging.getLogger("eaas.client.api")
@@ -144,6 +144,10 @@ def _dump(gen: Generation, chunk: ChatCompletionChunk | CompletionChunk, ch: Cho
     """``chunk`` as a dict with the ``usage`` that ``stream_options`` asks for."""
     prep = gen.prep
     d = chunk.model_dump()
+    for c in d["choices"]:  # vLLM's prompt keys ride on a choice's first chunk only
+        for key in ("prompt_token_ids", "prompt_logprobs"):
+            if key in c and c[key] is None:
+                del c[key]
     if prep.continuous_usage:
         # as vLLM: this choice's prompt and the tokens it has streamed so far
         pt, ct = len(prep.prompts[ch.prompt]), len(ch.events)
@@ -179,7 +183,7 @@ def _event_chunk(
                     else None,
                     finish_reason=ev.finish_reason,
                     stop_reason=ev.stop_reason,
-                    token_ids=[ev.token_id],
+                    token_ids=token_ids_of(prep, [ev.token_id]),
                 )
             ]
         )
@@ -197,7 +201,10 @@ def _event_chunk(
                 logprobs=lp,
                 finish_reason=ev.finish_reason,
                 stop_reason=ev.stop_reason,
-                token_ids=[ev.token_id],
+                token_ids=token_ids_of(prep, [ev.token_id]),
+                prompt_token_ids=list(prep.prompts[ch.prompt])
+                if first and prep.return_token_ids
+                else None,
             )
         ]
     )
@@ -223,9 +230,22 @@ async def sse_body(
         if prep.chat:
             for ch in choices:
                 role = ChatChunkChoice(
-                    index=ch.index, delta=DeltaMessage(role="assistant", content="")
+                    index=ch.index,
+                    delta=DeltaMessage(role=prep.role, content=""),
+                    token_ids=token_ids_of(prep, []),  # no token yet
                 )
-                yield _data(_dump(gen, gen.chunk([role]), ch))
+                d = _dump(gen, gen.chunk([role]), ch)
+                if prep.return_token_ids and ch.index == 0:  # vLLM: on the first chunk only
+                    d["prompt_token_ids"] = list(prep.prompts[0])
+                yield _data(d)
+            echo = prep.echo_texts[0]
+            for ch in choices if echo else ():  # vLLM's chat echo: the last message's text
+                part = ChatChunkChoice(
+                    index=ch.index,
+                    delta=DeltaMessage(content=echo),
+                    token_ids=token_ids_of(prep, []),
+                )
+                yield _data(_dump(gen, gen.chunk([part]), ch))
         left = len(choices)
         first = {ch.index for ch in choices}
         while left:
