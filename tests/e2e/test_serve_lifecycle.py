@@ -62,8 +62,8 @@ def test_sigterm_stops_clients_before_servers_and_requests_see_no_dead_replica(t
     else:
         assert last["choices"][0]["finish_reason"] == "length", last
     log = sp.log()
-    client_stop = [m.start() for m in re.finditer(r"attention-client \d+ stopped", log)]
-    server_stop = [m.start() for m in re.finditer(r"expert-server \S+ stopped", log)]
+    client_stop = [m.start() for m in re.finditer(r"attention-client \d+ stopped$", log, re.M)]
+    server_stop = [m.start() for m in re.finditer(r"expert-server \S+ stopped$", log, re.M)]
     assert client_stop and len(server_stop) == 2, log[-3000:]
     assert max(client_stop) < min(server_stop), log[-3000:]
 

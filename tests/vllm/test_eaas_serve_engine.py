@@ -46,7 +46,9 @@ def test_serve_engine_vllm(vllm_python, vllm_models, tmp_path):
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd="/", env=env)
     try:
         deadline = time.monotonic() + 600
-        while not re.search(r"^serving \S+ on http://", log.read_text(errors="replace"), re.M):
+        while not re.search(
+            r"\[eaas serve\] serving \S+ on http://", log.read_text(errors="replace")
+        ):
             assert proc.poll() is None, log.read_text()[-4000:]
             assert time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.5)
