@@ -65,7 +65,7 @@ def _server_pid(sp: ServeProcess, server_id: str) -> int | None:
 
 def test_healthy_start_from_a_folder_with_eaas_in_it(deployment):
     """The children run the installed package (``python -P -m eaas``), not the folder's decoy;
-    every output line has the one format; nothing is marked down before it ever served."""
+    every output line has the one format; a server not reached yet is no warning."""
     wait_all_connected(lambda: _health(deployment))
     log = deployment.log()
     assert "the eaas/ folder of the working directory was imported" not in log, log[-3000:]
@@ -73,7 +73,9 @@ def test_healthy_start_from_a_folder_with_eaas_in_it(deployment):
     assert sum(" -P -m eaas expert-server " in c for c in cmds) == 3, cmds
     bad = [line for line in log.splitlines() if not LINE.match(line)]
     assert not bad, bad[:20]
-    assert "marked down" not in log.replace("INFO", ""), log[-3000:]
+    # a server not reached yet may be noted (at info, no WARNING prefix), never as a failure
+    early = [line for line in log.splitlines() if "marked down" in line]
+    assert all("not reached yet" in line for line in early), early
     assert "WARNING" not in log, log[-3000:]
     assert "(3 expert servers, 2 replicas, 1 client)" in log
 
