@@ -1,17 +1,17 @@
-"""The operator against a real API server (testbed: kube-apiserver, etcd, controller-manager,
-scheduler, kwok nodes). The operator runs as a real process (``eaas operator``); the tests drive
-it with ``kubectl`` like a user would and check what lands in the API server.
+"""An ExpertPool's life under the operator against a real API server (testbed: kube-apiserver,
+etcd, controller-manager, scheduler, kwok nodes): apply, scale, replace, roll, dead nodes, an
+operator killed mid-reconcile, delete. The operator runs as a real process (``eaas operator``);
+the tests drive it with ``kubectl`` like a user would and check what lands in the API server.
+Specs: test_pool_spec.py; fleets: test_attention_fleet.py; the chart: test_helm_render.py.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
 import time
 
 import pytest
-import yaml
 
 from helpers.k8s import (
     ROOT,
@@ -402,82 +402,6 @@ def test_dead_node_leaves_the_routing_table(ns, operator):
     assert on_node <= set(after["table"].servers)
 
 
-@pytest.mark.parametrize(
-    "mutate,field",
-    [
-        (lambda s: s.update(replicas=0), "spec.replicas"),
-        (lambda s: s.update(replicas=-3), "spec.replicas"),
-        (
-            lambda s: s.update(replicas=3, redundancy=4),
-            "spec.redundancy must not exceed spec.replicas",
-        ),
-        (lambda s: s.update(placement={"policy": "random"}), "spec.placement.policy"),
-        (lambda s: s.pop("model"), "spec.model"),
-        (lambda s: s["model"].pop("uri"), "spec.model.uri"),
-        (
-            lambda s: s["model"].update(hostPath="/srv", persistentVolumeClaim="w"),
-            "give at most one of hostPath and persistentVolumeClaim",
-        ),
-        (
-            lambda s: s["model"].update(hostPath="/srv"),
-            "uri must be relative to the volume's root",
-        ),
-        (
-            lambda s: s["model"].update(persistentVolumeClaim="Weights_Claim", uri="tiny"),
-            "spec.model.persistentVolumeClaim",
-        ),
-        (lambda s: s.update(redundancy=0), "spec.redundancy"),
-        (lambda s: s.update(port=70000), "spec.port"),
-        (
-            lambda s: s.update(
-                autoscaling={"minReplicas": 3, "maxReplicas": 2, "targetLoadPerServer": 10}
-            ),
-            "spec.autoscaling.minReplicas must not exceed maxReplicas",
-        ),
-        (
-            lambda s: s.update(
-                autoscaling={"minReplicas": 1, "maxReplicas": 4, "targetLoadPerServer": 10}
-            ),
-            "spec.autoscaling.minReplicas must be at least spec.redundancy",
-        ),
-        (
-            lambda s: s.update(autoscaling={"minReplicas": 2, "maxReplicas": 4}),
-            "spec.autoscaling.targetLoadPerServer",
-        ),
-    ],
-    ids=[
-        "replicas0",
-        "replicasNeg",
-        "redundancy>replicas",
-        "policy",
-        "noModel",
-        "noUri",
-        "twoSources",
-        "absoluteUriInVolume",
-        "claimName",
-        "redundancy0",
-        "port",
-        "autoscalingMin>Max",
-        "autoscalingMin<redundancy",
-        "autoscalingNoTarget",
-    ],
-)
-def test_invalid_specs_rejected(ns, operator, mutate, field):
-    m = pool_manifest("bad")
-    mutate(m["spec"])
-    r = apply(m, ns, check=False)
-    assert r.returncode != 0, "API server accepted an invalid spec"
-    assert field in r.stderr, r.stderr
-    assert get("expertpool", "bad", ns) is None
-    assert pods(ns, "bad") == []
-
-
-def test_overlong_name_rejected(ns, operator):
-    r = apply(pool_manifest("p" * 53), ns, check=False)
-    assert r.returncode != 0 and "metadata.name must be at most 52 characters" in r.stderr, r.stderr
-    assert apply(pool_manifest("p" * 52, replicas=2), ns).returncode == 0
-
-
 def test_operator_killed_mid_reconcile(ns, operator):
     apply(pool_manifest("crash", replicas=16), ns)
     wait_for("some pods created", lambda: len(pods(ns, "crash")) > 0, timeout=30, interval=0.02)
@@ -522,173 +446,3 @@ def test_delete_pool_garbage_collects(ns, operator):
     wait_for(
         "routing table gone", lambda: get("configmap", "gc-routing-table", ns) is None, timeout=60
     )
-
-
-def test_attention_fleet(ns, operator):
-    kubectl(
-        "apply",
-        "-n",
-        ns,
-        "-f",
-        str(ROOT / "deploy/examples/tiny-pool.yaml"),
-        "-f",
-        str(ROOT / "deploy/examples/tiny-fleet.yaml"),
-    )
-    pool = wait_for("pool Ready", lambda: converged(ns, "tiny"), timeout=90)
-    dep = wait_for("deployment", lambda: get("deployment", "tiny-clients", ns), timeout=30)
-    pod_spec = dep["spec"]["template"]["spec"]
-    c = pod_spec["containers"][0]
-    assert c["command"][:10] == [
-        "eaas",
-        "attention-client",
-        "--model",
-        "/models/tiny",
-        "--client-id",
-        "$(EAAS_POD_NAME)",  # one id per replica: the kubelet expands the pod name
-        "--routing-table-configmap",
-        f"{ns}/tiny-routing-table",
-        "--push-token-file",
-        "/etc/eaas/push-token/token",
-    ]
-    env = {e["name"]: e for e in c["env"]}
-    assert env["EAAS_POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
-    assert pod_spec["serviceAccountName"] == "tiny-clients-client"
-    vol = next(v for v in pod_spec["volumes"] if v["name"] == "push-token")
-    assert vol["secret"]["secretName"] == "tiny-clients-push-token"
-    secret = wait_for(
-        "push token", lambda: get("secret", "tiny-clients-push-token", ns), timeout=30
-    )
-    assert len(secret["data"]["token"]) >= 40
-    role = get("role", "tiny-clients-client", ns)
-    assert role["rules"][0]["resourceNames"] == ["tiny-routing-table"]
-    assert get("rolebinding", "tiny-clients-client", ns)["subjects"][0]["name"] == (
-        "tiny-clients-client"
-    )
-    assert dep["spec"]["replicas"] == 2
-    svc = get("service", "tiny-clients", ns)
-    assert svc["spec"]["ports"][0]["port"] == 8000
-    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
-
-    def fleet_ready():
-        f = get("attentionfleet", "tiny-clients", ns)
-        st = (f or {}).get("status") or {}
-        ok = any(c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions", []))
-        return f if ok and st.get("readyReplicas") == 2 else None
-
-    fleet = wait_for("fleet Ready", fleet_ready, timeout=90)
-    assert (
-        fleet["status"]["routingTableVersion"] == table(ns, "tiny").version >= pool["table"].version
-    )
-    # client pods are not mistaken for expert servers
-    assert len(pods(ns, "tiny")) == 4
-    # scaling the fleet goes through to the Deployment
-    kubectl("scale", "attentionfleet/tiny-clients", "-n", ns, "--replicas=3")
-    wait_for(
-        "deployment scaled",
-        lambda: get("deployment", "tiny-clients", ns)["spec"]["replicas"] == 3,
-        timeout=30,
-    )
-
-
-def test_helm_chart(testbed, crds):
-    chart = str(ROOT / "deploy/helm/eaas-operator")
-    r = subprocess.run(["helm", "lint", chart], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
-    r = subprocess.run(
-        [
-            "helm",
-            "template",
-            "eaas",
-            chart,
-            "--namespace",
-            "eaas-system",
-            "--include-crds",
-            "--set",
-            "watchNamespaces={a,b}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
-    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
-    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
-    assert ("CustomResourceDefinition", "expertpools.eaas.io") in kinds
-    assert ("CustomResourceDefinition", "attentionfleets.eaas.io") in kinds
-    assert {k for k, _ in kinds} >= {
-        "ServiceAccount",
-        "ClusterRole",
-        "ClusterRoleBinding",
-        "Deployment",
-    }
-    crd = next(d for d in docs if d["metadata"]["name"] == "expertpools.eaas.io")
-    assert crd == yaml.safe_load((ROOT / "deploy/crds/expertpool.yaml").read_text())
-    dep = next(d for d in docs if d["kind"] == "Deployment")
-    cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert cmd[:2] == ["eaas", "operator"] and "--namespace=a" in cmd and "--namespace=b" in cmd
-    role = next(d for d in docs if d["kind"] == "ClusterRole")
-    granted = {
-        (g, res) for rule in role["rules"] for g in rule["apiGroups"] for res in rule["resources"]
-    }
-    for need in [
-        ("eaas.io", "expertpools"),
-        ("eaas.io", "expertpools/status"),
-        ("eaas.io", "attentionfleets"),
-        ("", "pods"),
-        ("", "configmaps"),
-        ("apps", "deployments"),
-        ("", "services"),
-        ("", "events"),
-    ]:
-        assert need in granted, need
-    # the real API server accepts the rendered objects
-    kubectl("create", "namespace", "eaas-helm-test", check=False)
-    try:
-        r = subprocess.run(
-            # without the `helm test` hook: a server dry run of its pod fails on its
-            # ServiceAccount, which a dry run does not create (tests/cluster/test_helm.py runs it)
-            ["helm", "template", "eaas", chart, "--namespace", "eaas-helm-test", "--skip-tests"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        kubectl("apply", "--dry-run=server", "-n", "eaas-helm-test", "-f", "-", input=r.stdout)
-    finally:
-        kubectl("delete", "namespace", "eaas-helm-test", "--wait=false", check=False)
-
-
-def test_pod_template_overlay_and_model_volume(ns, operator):
-    """spec.model.hostPath and spec.podTemplate reach the real pods; an overlay key
-    the operator cannot apply gives status Degraded/InvalidSpec naming the field, and no pod."""
-    overlay = {
-        "metadata": {"labels": {"team": "ml"}},
-        "spec": {
-            "imagePullSecrets": [{"name": "regcred"}],
-            "containers": [{"name": "expert-server", "env": [{"name": "X", "value": "1"}]}],
-        },
-    }
-    m = pool_manifest("ovl", replicas=2, podTemplate=overlay)
-    m["spec"]["model"].update(hostPath="/srv/models", uri="tiny")
-    apply(m, ns)
-    got = wait_for("overlay pool Ready", lambda: converged(ns, "ovl"), timeout=90)
-    for p in got["pods"]:
-        assert p["metadata"]["labels"]["team"] == "ml"
-        assert p["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
-        c = p["spec"]["containers"][0]
-        assert {"name": "X", "value": "1"} in c["env"]
-        assert c["command"][c["command"].index("--model") + 1] == "/models/tiny"
-        vol = next(v for v in p["spec"]["volumes"] if v["name"] == "model")
-        assert vol["hostPath"] == {"path": "/srv/models", "type": "Directory"}
-        assert c["livenessProbe"]["httpGet"]["path"] == "/health"
-
-    bad = pool_manifest("badovl", replicas=2, podTemplate={"spec": {"hostNetwork": True}})
-    apply(bad, ns)
-
-    def invalid():
-        st = (get("expertpool", "badovl", ns) or {}).get("status") or {}
-        deg = next((c for c in st.get("conditions", []) if c["type"] == "Degraded"), None)
-        return deg if deg and deg["reason"] == "InvalidSpec" else None
-
-    deg = wait_for("InvalidSpec status", invalid, timeout=60)
-    assert "spec.podTemplate.spec.hostNetwork" in deg["message"]
-    assert pods(ns, "badovl") == []
