@@ -24,6 +24,7 @@ from eaas.runtime.models.arch import read_model_info
 from eaas.runtime.models.compute import check_policy
 from eaas.runtime.models.tiny import default_model_dir
 from eaas.runtime.options import AttentionClientOptions, ExpertServerOptions, ServeOptions
+from eaas.runtime.options.api_key import api_key_environment
 from eaas.runtime.placement import SCHED_POLICIES, place_experts, spread_over_cpus
 from eaas.runtime.serve.children import Child, Children, log, module_command
 from eaas.runtime.serve.restarts import RestartBackoff
@@ -158,7 +159,9 @@ class Deployment:
 
     # ---- start ----------------------------------------------------------------------------
     def _env(self) -> dict:
-        env = dict(os.environ)
+        """The children's base environment: serve's own, without its API keys (only the
+        attention clients get them, through their options: an expert server needs none)."""
+        env = api_key_environment(os.environ, ())  # without $EAAS_API_KEY
         env["PROMETHEUS_MULTIPROC_DIR"] = str(self._live_dir() / "metrics")
         env["PYTHONUNBUFFERED"] = "1"
         env[LOG_FORMAT_ENV] = "plain"  # serve's relay adds the time stamp and the child's name

@@ -62,15 +62,20 @@ def model_name(deployment):
     return r.json()["data"][0]["id"]
 
 
-def test_the_key_reaches_the_clients_in_their_environment_only(deployment):
+def test_the_key_reaches_the_clients_in_their_environment_only_and_no_server(deployment):
     kids = descendants(deployment.proc.pid)
     clients = [pid for pid, cmd in kids.items() if "attention-client" in cmd]
     assert clients and len(kids) >= 3, kids
     for cmd in kids.values():
         assert not any(k in cmd for k in KEYS), cmd  # ps shows no key
-    for pid in clients:
+    servers = [pid for pid, cmd in kids.items() if "expert-server" in cmd]
+    assert len(servers) == 2, kids
+    for pid in clients + servers:
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        assert f"EAAS_API_KEY={','.join(KEYS)}".encode() in env
+        keys = [v for v in env if v.startswith(b"EAAS_API_KEY=")]
+        # least privilege: an expert server answers no API request and gets no key
+        want = [f"EAAS_API_KEY={','.join(KEYS)}".encode()] if pid in clients else []
+        assert keys == want, (kids[pid], keys)
 
 
 def test_no_key_wrong_key_right_key(deployment, model_name):
