@@ -25,6 +25,7 @@ import re
 from typing import Any
 
 import torch
+from vllm.config import get_current_vllm_config
 from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
@@ -33,6 +34,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.utils import set_weight_attrs
 
 from eaas.vllm.client import ExpertClient
+from eaas.vllm.scheduler import fails_requests
 
 log = logging.getLogger("eaas.vllm")
 
@@ -148,6 +150,10 @@ class RemoteRoutedExperts(RoutedExperts):
             num_experts=moe_config.num_logical_experts,
         )
         client.add_layer(layer)
+        # end only the affected requests when vLLM's scheduler is ours (eaas.vllm.scheduler)
+        client.fail_requests = fails_requests(
+            get_current_vllm_config().scheduler_config.scheduler_cls
+        )
         self.eaas_skipped_bytes = 0  # this layer's routed-expert checkpoint bytes not loaded
         return RemoteExpertsMethod(moe_config, layer, client)
 
