@@ -89,6 +89,18 @@ class ExpertClient:
             return c
 
     @classmethod
+    def current(cls) -> ExpertClient:
+        """The process's client (created by the first MoE layer).
+
+        Raises:
+            RuntimeError: none yet (no remote MoE layer was built in this process).
+        """
+        c = cls._instance
+        if c is None:
+            raise RuntimeError("eaas.vllm: no expert client in this process (no MoE layer built)")
+        return c
+
+    @classmethod
     def reset(cls) -> None:
         """Close the process's client (if any): the next :meth:`get` reads ``os.environ``
         again. For a process that builds several models one after the other (vLLM's offline

@@ -53,6 +53,34 @@ def layer_index(layer_name: str) -> int:
     return int(m.group(1))
 
 
+@torch.library.custom_op("eaas::remote_routed_experts", mutates_args=())
+def remote_routed_experts(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int
+) -> torch.Tensor:
+    """The routed experts of MoE layer ``layer`` on the expert servers, as one torch custom op
+    (``torch.ops.eaas.remote_routed_experts``): ``x`` ``[T, H]``, ``topk_ids`` / ``topk_weights``
+    ``[T, k]`` -> a new ``[T, H]`` tensor in ``x.dtype``.
+
+    An opaque op, so ``torch.compile`` never traces the dispatcher's host I/O: vLLM's CPU
+    build calls the MoE layer's body directly inside the compiled model (no ``moe_forward``
+    custom op there), and dynamo would otherwise trace into it and fail. Its fake (meta)
+    implementation gives the shape for tracing.
+
+    Raises:
+        RuntimeError: no :class:`~eaas.vllm.client.ExpertClient` in this process.
+        NoLiveReplica: as :meth:`~eaas.vllm.client.ExpertClient.run`.
+    """
+    client = ExpertClient.current()
+    return client.run(layer, x, topk_ids, topk_weights)
+
+
+@remote_routed_experts.register_fake
+def _remote_routed_experts_fake(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int
+) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 class RemoteExpertsMethod(FusedMoEMethodBase):
     """The ``FusedMoEMethodBase`` of a remote layer: no weights; ``apply`` dispatches.
 
@@ -103,7 +131,7 @@ class RemoteExpertsMethod(FusedMoEMethodBase):
         Raises:
             NoLiveReplicaError: a selected expert has no live replica (after failover).
         """
-        return self.client.run(self.layer, x, topk_ids, topk_weights)
+        return torch.ops.eaas.remote_routed_experts(x, topk_ids, topk_weights, self.layer)
 
 
 class RemoteRoutedExperts(RoutedExperts):
