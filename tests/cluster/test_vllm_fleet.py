@@ -42,8 +42,10 @@ def operator(cluster, tmp_path_factory):
     )
     op.start()
     yield op
-    wait_namespaces_deleted()  # while the operator runs: it removes the pools' finalizers
-    op.stop()
+    try:
+        wait_namespaces_deleted()  # while the operator runs: it removes the pools' finalizers
+    finally:
+        op.stop()
 
 
 def _log(state_dir: Path, pod: dict) -> str:
