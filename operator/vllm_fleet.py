@@ -6,7 +6,14 @@ The plugin is configured by environment variables
 watches the pool's routing-table ConfigMap, accepts pushes with the fleet's token and answers
 ``/health`` / ``/routing-table`` / ``/metrics`` on :func:`push_port` (the API port + 1), reports
 failed expert servers to the operator, and uses the pool's dispatch deadline. vLLM serves the
-OpenAI API on ``spec.port``; readiness is vLLM's ``/health``.
+OpenAI API on ``spec.port``; readiness is vLLM's ``/health``. ``vllm serve`` runs with
+``--dtype float32`` (the pool's servers' dtype) and the plugin's scheduler
+(``--scheduler-cls``, :data:`SCHEDULER_CLS`), so a request that needs an expert without a live
+replica ends with an error and the others go on.
+
+``vllm`` is found through the container's ``PATH`` (the image's; on the testbed's process nodes,
+which have no images, a ``PATH`` in the pod template overlay's ``env`` names the vLLM venv's
+``bin``: docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -18,6 +25,11 @@ from eaas.operator.crd import AttentionFleetSpec, ExpertPoolSpec
 from eaas.operator.names import PUSH_TOKEN_KEY, PUSH_TOKEN_MOUNT_DIR, table_configmap_name
 from eaas.operator.overlay import OverlayError
 from eaas.runtime.options.vllm import VllmPluginOptions
+
+#: vLLM's scheduler with the plugin's per-request failure (``eaas.vllm.scheduler``; the operator
+#: never imports the plugin, so the name is spelled here): a request whose tokens need an expert
+#: without a live replica ends with an error, the others go on (docs/vllm.md)
+SCHEDULER_CLS = "eaas.vllm.scheduler.Scheduler"
 
 
 def push_port(spec: AttentionFleetSpec) -> int:
@@ -61,7 +73,10 @@ def vllm_container(
         ),
     )
     command = ["vllm", "serve", model, "--served-model-name", PurePosixPath(model).name]
-    command += ["--host", "0.0.0.0", "--port", str(spec.port)]
+    # the pool's expert servers compute in float32 (ExpertPool has no dtype): vLLM's "auto" would
+    # downcast a float32 checkpoint and send bf16 hidden states to them
+    command += ["--dtype", "float32"]
+    command += ["--host", "0.0.0.0", "--port", str(spec.port), "--scheduler-cls", SCHEDULER_CLS]
     env = [{"name": k, "value": v} for k, v in sorted(plugin.env().items())]
     env.append({"name": "VLLM_NO_USAGE_STATS", "value": "1"})
     ports = [{"name": "eaas", "containerPort": push_port(spec), "protocol": "TCP"}]

@@ -43,6 +43,9 @@ def register() -> None:
     options = VllmPluginOptions.from_env(os.environ)
     if not options.enabled:
         return
+    # vLLM counts NaNs per request in the logits: the channel by which the worker's layers tell
+    # eaas.vllm.scheduler which requests lost an expert (a no-op with another scheduler)
+    os.environ.setdefault("VLLM_COMPUTE_NANS_IN_LOGITS", "1")
     from eaas.vllm.experts import install  # lazy: torch and vLLM only when enabled
 
     install()

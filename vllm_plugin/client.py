@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any, ClassVar
 
 import torch
@@ -39,11 +40,16 @@ log = logging.getLogger("eaas.vllm")
 
 
 class NoLiveReplica(RuntimeError):
-    """A selected expert has no live replica: the engine step cannot be computed.
+    """A selected expert has no live replica and this vLLM cannot fail single requests (no
+    :mod:`eaas.vllm.scheduler`): the engine step cannot be computed.
 
-    The message starts with ``eaas: 503 no_live_replica``: vLLM ends the requests of that step
-    with it (vLLM has no per-request failure path from inside a forward pass).
+    The message starts with ``eaas: 503 no_live_replica``; vLLM's engine stops with it.
     """
+
+
+#: seconds after NaN rows were written during which each layer call checks its input for them
+#: (a poisoned request may run one more step under async scheduling before it is finished)
+POISON_WINDOW_S = 60.0
 
 
 class ExpertClient:
@@ -83,6 +89,18 @@ class ExpertClient:
             return c
 
     @classmethod
+    def current(cls) -> ExpertClient:
+        """The process's client (created by the first MoE layer).
+
+        Raises:
+            RuntimeError: none yet (no remote MoE layer was built in this process).
+        """
+        c = cls._instance
+        if c is None:
+            raise RuntimeError("eaas.vllm: no expert client in this process (no MoE layer built)")
+        return c
+
+    @classmethod
     def reset(cls) -> None:
         """Close the process's client (if any): the next :meth:`get` reads ``os.environ``
         again. For a process that builds several models one after the other (vLLM's offline
@@ -98,6 +116,11 @@ class ExpertClient:
         o = self.options = options
         self.hidden_size, self.dtype, self.num_experts = int(hidden_size), dtype, int(num_experts)
         self.moe_layers: set[int] = set()
+        #: end only the affected requests (NaN rows, :mod:`eaas.vllm.scheduler`) instead of
+        #: raising :class:`NoLiveReplica`; set by the layers from vLLM's config
+        self.fail_requests = False
+        self.failed_rows = 0  # token rows answered with NaN (no live replica)
+        self._poisoned_at = -POISON_WINDOW_S
         self.skipped_bytes = 0  # routed-expert checkpoint bytes the layers did not load
         self.token = BearerToken(o.push_token_file) if o.push_token_file else None
         if self.token is not None:
@@ -155,20 +178,65 @@ class ExpertClient:
         """One MoE layer's routed experts: ``x`` ``[T, H]``, ``topk_ids`` / ``topk_weights``
         ``[T, k]`` (any int / float dtype) -> ``[T, H]`` in ``x.dtype``.
 
+        With :attr:`fail_requests`, the rows of tokens that selected an expert without a live
+        replica (and rows that already hold NaN: tokens of a request failed in an earlier
+        layer) are NaN and every other row is computed; vLLM's scheduler then ends those
+        tokens' requests with an error (:mod:`eaas.vllm.scheduler`).
+
         Raises:
-            NoLiveReplica: some selected expert has no live replica (after failover).
+            NoLiveReplica: some selected expert has no live replica (after failover) and
+                :attr:`fail_requests` is off.
         """
         if x.shape[0] == 0:
             return torch.zeros_like(x)
+        x = x.contiguous()
+        ids = topk_ids.to(torch.int64)
+        w = topk_weights.to(torch.float32)
+        bad: torch.Tensor | None = None
+        if self.fail_requests and time.monotonic() - self._poisoned_at < POISON_WINDOW_S:
+            nan_rows = torch.isnan(x).any(dim=1)
+            if bool(nan_rows.any()):
+                bad = nan_rows.cpu()
         try:
-            return self.dispatcher.dispatch(
-                layer,
-                x.contiguous(),
-                topk_ids.to(torch.int64),
-                topk_weights.to(torch.float32),
-            )
+            if bad is None:
+                return self.dispatcher.dispatch(layer, x, ids, w)
         except NoLiveReplicaError as exc:
-            raise NoLiveReplica(f"eaas: 503 no_live_replica: {exc}") from exc
+            if not self.fail_requests:
+                raise NoLiveReplica(f"eaas: 503 no_live_replica: {exc}") from exc
+            log.error("eaas: 503 no_live_replica: %s: its tokens' requests end with an error", exc)
+            bad = torch.zeros(x.shape[0], dtype=torch.bool)
+        return self._run_without(layer, x, ids, w, bad)
+
+    def _run_without(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, bad: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`run` with the rows ``bad`` ``[T]`` bool (CPU) and every row that selects an
+        uncovered expert of ``layer`` answered NaN; the others dispatched (retried while
+        failover finds more experts without a replica)."""
+        ids_cpu = ids.cpu()
+        uncovered = {u["expert"] for u in self.dispatcher.uncovered() if u["layer"] == layer}
+        for _ in range(self.num_experts + 1):
+            if uncovered:
+                lost = torch.tensor(sorted(uncovered), dtype=torch.int64)
+                bad = bad | torch.isin(ids_cpu, lost).any(dim=1)
+            keep = ~bad
+            if not bool(keep.any()):
+                out = torch.zeros_like(x)
+                break
+            rows = keep.nonzero().squeeze(1).to(x.device)
+            try:
+                out = torch.zeros_like(x)
+                out[rows] = self.dispatcher.dispatch(layer, x[rows], ids[rows], w[rows])
+                break
+            except NoLiveReplicaError as exc:
+                uncovered.add(exc.expert)
+        else:  # pragma: no cover - every expert uncovered is the loop's last round
+            out = torch.zeros_like(x)
+            bad = torch.ones_like(bad)
+        out[bad.to(x.device)] = float("nan")
+        self.failed_rows += int(bad.sum())
+        self._poisoned_at = time.monotonic()
+        return out
 
     def health(self) -> tuple[int, dict]:
         """``(HTTP status, body)`` of ``GET /health``: 503 ``degraded`` while some expert has
@@ -179,6 +247,8 @@ class ExpertClient:
             "engine": "vllm",
             "moe_layers": sorted(self.moe_layers),
             "routed_expert_bytes_not_loaded": self.skipped_bytes,
+            "fails_requests": self.fail_requests,
+            "failed_token_rows": self.failed_rows,
             **d.health(),
         }
         if d.table is None:

@@ -25,6 +25,7 @@ import re
 from typing import Any
 
 import torch
+from vllm.config import get_current_vllm_config
 from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
@@ -33,6 +34,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.utils import set_weight_attrs
 
 from eaas.vllm.client import ExpertClient
+from eaas.vllm.scheduler import fails_requests
 
 log = logging.getLogger("eaas.vllm")
 
@@ -49,6 +51,34 @@ def layer_index(layer_name: str) -> int:
     if m is None:
         raise ValueError(f"eaas.vllm: no layer index in the MoE layer name {layer_name!r}")
     return int(m.group(1))
+
+
+@torch.library.custom_op("eaas::remote_routed_experts", mutates_args=())
+def remote_routed_experts(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int
+) -> torch.Tensor:
+    """The routed experts of MoE layer ``layer`` on the expert servers, as one torch custom op
+    (``torch.ops.eaas.remote_routed_experts``): ``x`` ``[T, H]``, ``topk_ids`` / ``topk_weights``
+    ``[T, k]`` -> a new ``[T, H]`` tensor in ``x.dtype``.
+
+    An opaque op, so ``torch.compile`` never traces the dispatcher's host I/O: vLLM's CPU
+    build calls the MoE layer's body directly inside the compiled model (no ``moe_forward``
+    custom op there), and dynamo would otherwise trace into it and fail. Its fake (meta)
+    implementation gives the shape for tracing.
+
+    Raises:
+        RuntimeError: no :class:`~eaas.vllm.client.ExpertClient` in this process.
+        NoLiveReplica: as :meth:`~eaas.vllm.client.ExpertClient.run`.
+    """
+    client = ExpertClient.current()
+    return client.run(layer, x, topk_ids, topk_weights)
+
+
+@remote_routed_experts.register_fake
+def _remote_routed_experts_fake(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int
+) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 class RemoteExpertsMethod(FusedMoEMethodBase):
@@ -101,7 +131,7 @@ class RemoteExpertsMethod(FusedMoEMethodBase):
         Raises:
             NoLiveReplicaError: a selected expert has no live replica (after failover).
         """
-        return self.client.run(self.layer, x, topk_ids, topk_weights)
+        return torch.ops.eaas.remote_routed_experts(x, topk_ids, topk_weights, self.layer)
 
 
 class RemoteRoutedExperts(RoutedExperts):
@@ -148,6 +178,10 @@ class RemoteRoutedExperts(RoutedExperts):
             num_experts=moe_config.num_logical_experts,
         )
         client.add_layer(layer)
+        # end only the affected requests when vLLM's scheduler is ours (eaas.vllm.scheduler)
+        client.fail_requests = fails_requests(
+            get_current_vllm_config().scheduler_config.scheduler_cls
+        )
         self.eaas_skipped_bytes = 0  # this layer's routed-expert checkpoint bytes not loaded
         return RemoteExpertsMethod(moe_config, layer, client)
 

@@ -229,6 +229,7 @@ class VllmServer:
         eaas_env: dict[str, str] | None = None,
         *,
         max_num_seqs: int = 16,
+        extra_args: tuple[str, ...] = (),
     ):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -248,7 +249,7 @@ class VllmServer:
         cmd = [str(venv / "bin" / "vllm"), "serve", model_dir, "--served-model-name", self.name]
         cmd += ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256"]
         cmd += ["--max-num-seqs", str(max_num_seqs), "--seed", "0"]
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), *extra_args]
         self._log = open(log, "wb")
         # its own process group: vLLM's engine core and worker are its children
         self.proc = subprocess.Popen(

@@ -5,14 +5,19 @@ experts on 4 expert servers with 2 replicas each; the plugin's port (``EAAS_HTTP
 a push token; failure reports to a receiver in this process. In order: health and the table
 in use, the authenticated push endpoint and its acknowledgement, 16 concurrent streams through
 a SIGKILL of one expert server (every stream completes with the reference text; failover,
-marked-down and failure-report evidence), then a routing table without the dead server.
+marked-down and failure-report evidence), then a routing table without the dead server, and
+last an expert without any live replica: only the requests that need it fail (vLLM's scheduler
+with the plugin's per-request failure, ``--scheduler-cls eaas.vllm.scheduler.Scheduler``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -26,6 +31,11 @@ from helpers.vllm import ExpertFleet, VllmServer, plugin_env
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]  # vLLM's start: minutes when busy
 
 TOKEN = "s3cret-push-token"
+#: one-token prompts (1 token in, 1 out): each selects 2 experts per MoE layer, so some avoid
+#: an uncovered expert
+SHORT = [[(37 * i) % 1000 + 3] for i in range(32)]
+#: the 16 streams' texts with every expert covered (the first test that needs them runs them)
+REFERENCE: list[dict] = []
 STREAMS = 16
 MAX_TOKENS = 40
 
@@ -75,7 +85,13 @@ def stack(vllm_python, vllm_models, tmp_path_factory):
         EAAS_CLIENT_ID="vllm-test",
         EAAS_DISPATCH_TIMEOUT="10",
     )
-    server = VllmServer(vllm_python, vllm_models["qwen3_moe"], work / "vllm.log", env)
+    server = VllmServer(
+        vllm_python,
+        vllm_models["qwen3_moe"],
+        work / "vllm.log",
+        env,
+        extra_args=("--scheduler-cls", "eaas.vllm.scheduler.Scheduler"),
+    )
     try:
         server.wait_ready()
         yield server, fleet, f"http://127.0.0.1:{http_port}", reports
@@ -169,8 +185,7 @@ def _run_streams(server: VllmServer, on_started=None) -> list[dict]:
 
 def test_sigkill_of_an_expert_server_under_16_streams(stack):
     server, fleet, side, reports = stack
-    reference = _run_streams(server)
-    assert all("text" in o for o in reference), reference
+    reference = _reference(server)
     failovers0 = metric_sum(metric_values(side), "eaas_failovers_total")
     t_kill: list[float] = []
 
@@ -210,40 +225,104 @@ def test_table_without_the_dead_server_is_applied_from_the_file(stack):
     assert server.greedy_ids([1, 2, 3], 4)
 
 
-def test_no_live_replica_ends_requests_with_an_error_never_a_hang(stack):
-    """Last (it stops vLLM's engine): with expert-1 gone, SIGKILL a server that holds the last
-    replica of some expert and publish the table without it, so those experts have none. The plugin's
-    /health turns 503 at once; a request
-    needing them ends with an error (vLLM has no per-request failure path from inside a forward
-    pass: its engine stops), within the dispatch deadline's order, not a hang; vLLM's log names
-    the cause."""
+def _uncover(fleet: ExpertFleet) -> list[str]:
+    """SIGKILL every live server holding a replica of one expert (the first expert of the
+    first MoE layer whose replicas are fewest) and publish the table without them (the
+    monitor's part): that expert has no live replica left. Returns the servers killed."""
+    t = fleet.table
+    reps = min((r for per in t.layers.values() for r in per), key=len)
+    victims = sorted(set(reps))
+    for sid in victims:
+        fleet.kill(sid)
+    fleet.publish(t.without_servers(victims).with_version(t.version + 1))
+    return victims
+
+
+def _restart(fleet: ExpertFleet, sid: str) -> None:
+    """Start server ``sid`` again with its first command line (same socket, same experts)."""
+    old = fleet.procs[sid]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    log = fleet.workdir / f"{sid}.log"
+    with open(log, "ab") as f:
+        fleet.procs[sid] = subprocess.Popen(
+            old.args, stdout=f, stderr=subprocess.STDOUT, env=env, cwd="/"
+        )
+
+
+def _reference(server: VllmServer) -> list[dict]:
+    if not REFERENCE:
+        REFERENCE.extend(_run_streams(server))
+    assert all("text" in o for o in REFERENCE), REFERENCE
+    return REFERENCE
+
+
+def _short_round(server: VllmServer) -> list[object]:
+    """The :data:`SHORT` prompts at once, 1 greedy token each (the prompt's only token and
+    nothing else goes through the MoE layers): its token ids, or the HTTP status it failed
+    with."""
+
+    def one(p: list[int]) -> object:
+        try:
+            return server.greedy_ids(p, 1)
+        except httpx.HTTPStatusError as exc:
+            return exc.response.status_code
+
+    with ThreadPoolExecutor(len(SHORT)) as ex:
+        return list(ex.map(one, SHORT))
+
+
+def test_no_live_replica_fails_only_the_affected_requests(stack):
+    """Last: with redundancy 1 for some expert (every server holding it SIGKILLed, the table
+    without them), 32 one-token requests at once: those whose token selects that expert end
+    with vLLM's 500, the others complete with the reference token; 16 concurrent streams: the
+    requests whose tokens select that expert end with an error (vLLM's 500 ``Internal server error`` event in the stream, never a hang),
+    vLLM does not stop (its engine and /health stay up, the plugin's /health is 503 with the
+    expert uncovered); once the servers are back in a table every stream completes with the
+    reference text again."""
     server, fleet, side, _ = stack
-    # a server that holds the last replica of some expert (its other one was on expert-1)
-    last = sorted(
-        {reps[0] for per in fleet.table.layers.values() for reps in per if len(reps) == 1}
-    )
-    assert last, fleet.table
-    fleet.kill(last[0])
-    fleet.publish(fleet.table.without_servers([last[0]]).with_version(4))  # the monitor's part
+    reference = _reference(server)
+    short_ref = _short_round(server)
+    assert all(isinstance(r, list) for r in short_ref), short_ref
+    before = fleet.table
+    victims = _uncover(fleet)
     assert wait_until(
         lambda: httpx.get(f"{side}/health", timeout=10).status_code == 503, 60, 0.2
-    ), "the plugin's /health did not turn 503 with experts uncovered"
+    ), "the plugin's /health did not turn 503 with an expert uncovered"
     h = httpx.get(f"{side}/health", timeout=10).json()
-    assert h["status"] == "degraded" and h["uncovered_experts"] > 0
-    t0 = time.monotonic()
-    outs = []
-    for p in _prompts()[:4]:  # one of them needs an uncovered expert
-        try:
-            server.complete(p, MAX_TOKENS, timeout=120)
-            outs.append("ok")
-        except httpx.HTTPStatusError as exc:
-            outs.append(exc.response.status_code)
-            break
-        except httpx.TransportError as exc:
-            outs.append(repr(exc))
-            break
-    assert outs[-1] != "ok", outs
-    assert time.monotonic() - t0 < 120
+    assert h["status"] == "degraded" and h["uncovered_experts"] > 0 and h["fails_requests"]
+    # one-token requests in one batch: those whose token selects the uncovered expert fail
+    # (vLLM's 500), the others in the same steps complete with the reference token
+    short = _short_round(server)
+    failed = [i for i, r in enumerate(short) if not isinstance(r, list)]
+    print(f"one-token requests: {len(failed)} of {len(SHORT)} failed")
+    assert failed and len(failed) < len(SHORT), short
+    assert all(short[i] == 500 for i in failed), short
+    assert all(r == short_ref[i] for i, r in enumerate(short) if i not in failed)
+    outs = _run_streams(server)  # a hang fails here (threads joined with a timeout)
+    errors = [o["error"] for o in outs if "error" in o]
+    print(f"streams of {MAX_TOKENS} tokens: {len(errors)} of {STREAMS} failed")
+    assert errors, "no request needed the uncovered expert"
+    assert all("Internal server error" in e for e in errors), errors
+    wrong = [
+        i
+        for i, (o, r) in enumerate(zip(outs, reference, strict=True))
+        if "text" in o and o["text"] != r["text"]
+    ]
+    assert not wrong, f"streams {wrong} completed with other text than the reference"
+    assert server.proc.poll() is None, server.tail()
+    assert httpx.get(f"{server.base_url}/health", timeout=30).status_code == 200
+    log = server.log.read_text(errors="replace")
+    assert "eaas: 503 no_live_replica" in log and "EngineDeadError" not in log
+    assert httpx.get(f"{side}/health", timeout=10).json()["failed_token_rows"] > 0
+
+    for sid in victims:  # back: vLLM serves every request again, exactly
+        _restart(fleet, sid)
+    fleet.wait_ready()
+    fleet.publish(before.with_version(fleet.table.version + 1))
     assert wait_until(
-        lambda: "eaas: 503 no_live_replica" in server.log.read_text(errors="replace"), 30, 0.2
-    )
+        lambda: httpx.get(f"{side}/health", timeout=10).status_code == 200, 90, 0.5
+    ), httpx.get(f"{side}/health", timeout=10).text
+    outs = _run_streams(server)
+    assert not [o["error"] for o in outs if "error" in o]
+    assert [o["text"] for o in outs] == [r["text"] for r in reference]
