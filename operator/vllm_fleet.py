@@ -24,12 +24,7 @@ from typing import Any
 from eaas.operator.crd import AttentionFleetSpec, ExpertPoolSpec
 from eaas.operator.names import PUSH_TOKEN_KEY, PUSH_TOKEN_MOUNT_DIR, table_configmap_name
 from eaas.operator.overlay import OverlayError
-from eaas.runtime.options.vllm import VllmPluginOptions
-
-#: vLLM's scheduler with the plugin's per-request failure (``eaas.vllm.scheduler``; the operator
-#: never imports the plugin, so the name is spelled here): a request whose tokens need an expert
-#: without a live replica ends with an error, the others go on (docs/vllm.md)
-SCHEDULER_CLS = "eaas.vllm.scheduler.Scheduler"
+from eaas.runtime.options.vllm import SCHEDULER_CLS, VllmPluginOptions
 
 
 def push_port(spec: AttentionFleetSpec) -> int:

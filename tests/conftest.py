@@ -14,12 +14,17 @@ pyproject.toml's ``addopts``): most tests wait on processes and control-plane st
 CPU, so two workers cut the wall time on a 2-core machine. :class:`ModuleScheduling` decides who
 runs what:
 
-* the two control-plane tiers (``tests/k8s``: kube-apiserver + etcd + kwok; ``tests/cluster``:
-  the testbed with process nodes) are ONE unit, run in collection order on one worker, exactly
-  as without xdist: their session-scoped testbeds are started and stopped one after the other
-  (the cluster tier stops its own after its last test), never two at once;
+* each control-plane tier (``tests/k8s``: kube-apiserver + etcd + kwok; ``tests/cluster``:
+  the testbed with process nodes) is ONE unit, run whole in collection order on one worker
+  with its own session-scoped testbed (stopped after the tier's last test,
+  :class:`helpers.tier.TierTestbed`); the two testbeds may run side by side, one per worker
+  (own state dirs, ports and pod networks);
 * every other module is a unit of its own: it runs whole on one worker, in its order, with its
   module-scoped fixtures (an ``eaas serve`` shared by a module's tests) set up once.
+
+The cluster tier is the longest unit, then the k8s tier: they are handed out first
+(:data:`_FIRST`), the modules after them by test count (xdist's order), so the worker that gets
+the k8s tier takes the other modules while the cluster tier runs.
 
 ``pytest -n 0`` runs the whole suite in one process. (xdist's ``--dist loadgroup`` would express
 this with ``xdist_group`` marks, but with pytest 9 the group suffix it adds to a test's node id
@@ -37,7 +42,10 @@ from eaas.runtime.models.tiny import default_model_dir
 
 from helpers.checkpoints import small_mixtral, small_qwen3
 
-_CONTROL_PLANE = ("tests/k8s/", "tests/cluster/")
+#: control-plane tiers: folder -> work unit (each runs whole on one worker)
+_CONTROL_PLANE = {"tests/cluster/": "cluster", "tests/k8s/": "k8s"}
+#: units handed out before the others, longest first
+_FIRST = ("cluster", "k8s")
 
 TESTS = Path(__file__).resolve().parent
 #: top folder under tests/ -> the tier marker its tests get (declared in pyproject.toml)
@@ -68,13 +76,22 @@ def pytest_collection_modifyitems(config, items):
 
 
 class ModuleScheduling(LoadScopeScheduling):
-    """xdist's load-by-scope scheduler with the units above: ``"control-plane"`` for both
-    control-plane tiers, the module's path for any other test (node ids are relative to the
-    repository root, e.g. ``tests/e2e/test_push.py::test_version_1_in_use``)."""
+    """xdist's load-by-scope scheduler with the units above: ``"cluster"`` and ``"k8s"`` for
+    the control-plane tiers, the module's path for any other test (node ids are relative to
+    the repository root, e.g. ``tests/e2e/test_push.py::test_version_1_in_use``)."""
 
     def _split_scope(self, nodeid: str) -> str:
         path = nodeid.split("::", 1)[0]
-        return "control-plane" if path.startswith(_CONTROL_PLANE) else path
+        for folder, unit in _CONTROL_PLANE.items():
+            if path.startswith(folder):
+                return unit
+        return path
+
+    def _assign_work_unit(self, node) -> None:
+        for unit in reversed(_FIRST):  # the longest units first
+            if unit in self.workqueue:
+                self.workqueue.move_to_end(unit, last=False)
+        super()._assign_work_unit(node)
 
 
 def pytest_xdist_make_scheduler(config, log):

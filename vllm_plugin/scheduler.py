@@ -37,10 +37,12 @@ from vllm.platforms import current_platform
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 
+from eaas.runtime.options.vllm import SCHEDULER_CLS
+
 log = logging.getLogger("eaas.vllm")
 
-#: ``--scheduler-cls`` value that turns on per-request failure
-SCHEDULER_QUALNAME = "eaas.vllm.scheduler.Scheduler"
+#: ``--scheduler-cls`` value that turns on per-request failure (this class's qualified name)
+SCHEDULER_QUALNAME = SCHEDULER_CLS
 #: vLLM's variable that makes the model runner count NaNs per request (set by the plugin when
 #: unset, :func:`eaas.vllm.register`)
 NANS_ENV = "VLLM_COMPUTE_NANS_IN_LOGITS"

@@ -32,6 +32,11 @@ ENV = {
     "spin_us": "EAAS_SPIN_US",
 }
 
+#: ``vllm serve --scheduler-cls`` value of the plugin's scheduler (``eaas.vllm.scheduler``): a
+#: request whose tokens need an expert without a live replica ends with an error, the others go
+#: on (docs/vllm.md). ``eaas serve --engine vllm`` and the operator's vllm pods pass it.
+SCHEDULER_CLS = "eaas.vllm.scheduler.Scheduler"
+
 _NUMBERS: dict[str, type] = {"http_port": int, "dispatch_timeout": float, "spin_us": float}
 
 

@@ -9,7 +9,8 @@ seconds. ``KUBECONFIG`` and ``PATH`` point at it while the tier runs.
 
 One testbed serves the whole tier (starting one takes 10-20 s on a 2-core machine): the
 fixture is session-scoped, and :func:`pytest_runtest_teardown` stops it right after the tier's
-last test, so it is gone before the kwok-only ``testbed`` of ``tests/k8s`` starts. Each module
+last test (:class:`helpers.tier.TierTestbed`). The kwok-only ``testbed`` of ``tests/k8s`` may run
+beside it on the other pytest-xdist worker (its own state dir, ports and pod network). Each module
 works in its own namespaces and starts (and stops) its own operator. Everything it started,
 containers included, dies with the test process (PR_SET_PDEATHSIG); a process left after
 teardown fails the test (:func:`helpers.k8s.running_testbed`, shared with ``tests/k8s``).
@@ -17,41 +18,29 @@ teardown fails the test (:func:`helpers.k8s.running_testbed`, shared with ``test
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
 
-from helpers.k8s import running_testbed
+from helpers.tier import TierTestbed
 
-TIER = Path(__file__).resolve().parent
-# the running testbed's context while the tier runs (closed after its last test)
-_running: list[contextlib.ExitStack] = []
+_TESTBED = TierTestbed(Path(__file__).parent)
 
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
-    stack = contextlib.ExitStack()
-    tb = stack.enter_context(
-        running_testbed(
-            tmp_path_factory,
-            "cluster",
-            gpu_nodes=4,
-            cpu_nodes=1,
-            process_nodes="all",
-            restart_backoff_s=1.0,
-        )
+    tb = _TESTBED.start(
+        tmp_path_factory,
+        "cluster",
+        gpu_nodes=4,
+        cpu_nodes=1,
+        process_nodes="all",
+        restart_backoff_s=1.0,
     )
-    _running.append(stack)
     try:
         yield tb
     finally:
-        _stop()  # not stopped yet: the session ended inside the tier (-x, -k, interrupt)
-
-
-def _stop() -> None:
-    while _running:
-        _running.pop().close()
+        _TESTBED.stop()  # not stopped yet: the session ended inside the tier (-x, -k, interrupt)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -59,6 +48,5 @@ def pytest_runtest_teardown(item, nextitem):
     """After a test of this tier (hooks of this conftest run only for its items): once the
     module-scoped fixtures are torn down, stop the testbed when no test of the tier follows."""
     result = yield
-    if nextitem is None or TIER not in Path(nextitem.path).resolve().parents:
-        _stop()
+    _TESTBED.after_test(nextitem)
     return result

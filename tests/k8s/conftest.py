@@ -3,9 +3,9 @@
 ``testbed`` (session scope) starts etcd, kube-apiserver, kube-controller-manager,
 kube-scheduler and kwok on loopback in a private temp state dir (so it never clashes with a
 user's ``eaas testbed up``), with 4 GPU/RDMA nodes and 1 CPU node, all kwok nodes (pods turn
-Ready without running; the process-node tier is ``tests/cluster``), and stops it at the end
-of the session (the components get PR_SET_PDEATHSIG, so even a SIGKILLed pytest leaves
-nothing running). It sets ``KUBECONFIG`` and prepends the testbed bin dir to ``PATH`` in
+Ready without running; the process-node tier is ``tests/cluster``), and stops it right after
+the tier's last test (:class:`helpers.tier.TierTestbed`; the components get PR_SET_PDEATHSIG,
+so even a SIGKILLed pytest leaves nothing running). It sets ``KUBECONFIG`` and prepends the testbed bin dir to ``PATH`` in
 ``os.environ`` for the whole session, so ``kubectl``, ``helm`` and the kubernetes Python client
 in tests and in subprocesses talk to the testbed. Start, stop and log keeping are
 :func:`helpers.k8s.running_testbed`'s, shared with ``tests/cluster``.
@@ -19,18 +19,31 @@ must mean the operator was tested against a real API server).
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import pytest
 
-from helpers.k8s import Operator, apply_crds, kubectl, running_testbed
+from helpers.k8s import Operator, apply_crds, kubectl
+from helpers.tier import TierTestbed
+
+_TESTBED = TierTestbed(Path(__file__).parent)
 
 
 @pytest.fixture(scope="session")
 def testbed(tmp_path_factory):
-    with running_testbed(
-        tmp_path_factory, "testbed", gpu_nodes=4, cpu_nodes=1, process_nodes="none"
-    ) as tb:
+    tb = _TESTBED.start(tmp_path_factory, "testbed", gpu_nodes=4, cpu_nodes=1, process_nodes="none")
+    try:
         yield tb
+    finally:
+        _TESTBED.stop()  # not stopped yet: the session ended inside the tier
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test of this tier: stop the testbed when no test of the tier follows."""
+    result = yield
+    _TESTBED.after_test(nextitem)
+    return result
 
 
 @pytest.fixture(scope="module")
