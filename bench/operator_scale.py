@@ -110,6 +110,9 @@ def counters(port: int) -> dict[str, int]:
         if name == "api_calls" and 'resource="' in name_labels:
             resource = name_labels.split('resource="', 1)[1].split('"', 1)[0]
             name = f"api_calls[{resource}]"
+        if name == "load_scrapes" and 'result="' in name_labels:
+            result = name_labels.split('result="', 1)[1].split('"', 1)[0]
+            name = f"load_scrapes[{result}]"
         out[name] = out.get(name, 0) + int(float(value))
     return out
 
@@ -134,6 +137,11 @@ class Phase:
         self.cpu_s = cpu_seconds(self.op.pid) - self.c0
         self.wall_s = time.monotonic() - self.w0
         self.work = delta(self.k0, counters(self.port))
+        self.load = os.getloadavg()[0]  # the machine's 1-minute load average at the phase's end
+
+    def row(self) -> dict[str, Any]:
+        """The phase as a result row: CPU-s, wall s, work counters, load average."""
+        return {"cpu_s": self.cpu_s, "wall_s": self.wall_s, "work": self.work, "load": self.load}
 
 
 def ready(custom: Any, namespace: str, replicas: int) -> bool:
@@ -249,6 +257,7 @@ def kill_one(core: Any, custom: Any, namespace: str, servers: int, op: Any, port
         "table_from_call_s": seen["left"] - t_call,
         "cpu_to_table_s": left.cpu_s,
         "work": phase.work,
+        "load": phase.load,
     }
 
 
@@ -297,7 +306,7 @@ def run_size(
         with Phase(op, port) as p:
             kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(pool))
             wait("apply -> Ready", lambda: ready(custom, namespace, servers), op)
-        result["ready"] = {"cpu_s": p.cpu_s, "wall_s": p.wall_s, "work": p.work}
+        result["ready"] = p.row()
         print(f"[{servers}] apply -> Ready {p.wall_s:.1f} s, {p.cpu_s:.1f} CPU-s", flush=True)
         time.sleep(15)
         result["idle"] = []
@@ -305,9 +314,7 @@ def run_size(
             with Phase(op, port) as p:
                 time.sleep(idle_s)
             share = p.cpu_s / p.wall_s
-            result["idle"].append(
-                {"cpu_s": p.cpu_s, "wall_s": p.wall_s, "share": share, "work": p.work}
-            )
+            result["idle"].append({**p.row(), "share": share})
             print(
                 f"[{servers}] idle {share * 100:.2f}% of a core over {p.wall_s:.0f} s {p.work}",
                 flush=True,
@@ -334,7 +341,7 @@ def run_size(
                     {"spec": {"replicas": replicas}},
                 )
                 wait(name, lambda r=replicas: ready(custom, namespace, r), op)
-            result[name] = {"cpu_s": p.cpu_s, "wall_s": p.wall_s, "work": p.work}
+            result[name] = p.row()
             print(f"[{servers}] {name}: {p.wall_s:.1f} s, {p.cpu_s:.1f} CPU-s", flush=True)
     finally:
         op.send_signal(2)
@@ -362,26 +369,31 @@ def markdown(results: list[dict]) -> str:
             f"{w.get('reconcile_steps', 0)} / {w.get('pod_lists', 0)} / {w.get('table_writes', 0)}"
         )
 
+    def load(phase: dict) -> str:
+        return f"{phase['load']:.1f}" if "load" in phase else ""
+
     rows = [
-        "| servers | phase | wall s | operator CPU-s | steps / LISTs / table writes | note |",
-        "|---:|---|---:|---:|---|---|",
+        "| servers | phase | wall s | operator CPU-s | steps / LISTs / table writes | load avg "
+        "| note |",
+        "|---:|---|---:|---:|---|---:|---|",
     ]
     for r in results:
         n = f"{r['servers']} ({r.get('policy', 'load-balanced')})"
         ready = r["ready"]
         rows.append(
-            f"| {n} | apply -> Ready | {ready['wall_s']:.1f} | {ready['cpu_s']:.1f} | {work(ready)} | |"
+            f"| {n} | apply -> Ready | {ready['wall_s']:.1f} | {ready['cpu_s']:.1f} | {work(ready)} | "
+            f"{load(ready)} | |"
         )
         for i, idle in enumerate(r["idle"]):
             rows.append(
                 f"| {n} | idle run {i + 1} | {idle['wall_s']:.0f} | {idle['cpu_s']:.2f} | "
-                f"{work(idle)} | {idle['share'] * 100:.2f}% of a core |"
+                f"{work(idle)} | {load(idle)} | {idle['share'] * 100:.2f}% of a core |"
             )
         k = r.get("kill")
         if k is None:
             continue
         rows.append(
-            f"| {n} | one server killed | {k['wall_s']:.1f} | {k['cpu_s']:.2f} | {work(k)} | out of "
+            f"| {n} | one server killed | {k['wall_s']:.1f} | {k['cpu_s']:.2f} | {work(k)} | {load(k)} | out of "
             f"the table {k['table_s'] * 1000:.0f} ms after DELETED ({k['cpu_to_table_s']:.2f} CPU-s) |"
         )
         for name, label in (
@@ -392,7 +404,7 @@ def markdown(results: list[dict]) -> str:
             if ph is None:
                 continue
             rows.append(
-                f"| {n} | {label} | {ph['wall_s']:.1f} | {ph['cpu_s']:.1f} | {work(ph)} | |"
+                f"| {n} | {label} | {ph['wall_s']:.1f} | {ph['cpu_s']:.1f} | {work(ph)} | {load(ph)} | |"
             )
     return "\n".join(rows)
 
