@@ -22,6 +22,7 @@ Usage::
 
     python bench/operator_scale.py --up [--sizes 256,1024,4096] [--idle-s 60] [--idle-runs 2]
         [--json out.json] [--png docs/measurements/operator-scale.png]
+    python bench/operator_scale.py --render a.json,b.json --png docs/measurements/operator-scale.png
 """
 
 from __future__ import annotations
@@ -157,6 +158,7 @@ def ready(custom: Any, namespace: str, replicas: int) -> bool:
     return (
         any(c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions", []))
         and st.get("readyReplicas") == replicas
+        and st.get("replicas") == replicas  # a scale-down is done: no server beyond them left
         and st.get("observedGeneration") == pool["metadata"]["generation"]
         and pool["spec"]["replicas"] == replicas
     )
@@ -319,15 +321,14 @@ def run_size(
                 f"[{servers}] idle {share * 100:.2f}% of a core over {p.wall_s:.0f} s {p.work}",
                 flush=True,
             )
-        if "kill" not in phases:
-            return result
-        result["kill"] = kill_one(core, custom, namespace, servers, op, port)
-        k = result["kill"]
-        print(
-            f"[{servers}] kill: out of the table {k['table_s'] * 1000:.0f} ms after DELETED, "
-            f"back {k['wall_s']:.1f} s, {k['cpu_s']:.2f} CPU-s {k['work']}",
-            flush=True,
-        )
+        if "kill" in phases:
+            result["kill"] = kill_one(core, custom, namespace, servers, op, port)
+            k = result["kill"]
+            print(
+                f"[{servers}] kill: out of the table {k['table_s'] * 1000:.0f} ms after DELETED, "
+                f"back {k['wall_s']:.1f} s, {k['cpu_s']:.2f} CPU-s {k['work']}",
+                flush=True,
+            )
         for name, replicas in ((f"scale -> {SMALL}", SMALL), (f"scale {SMALL} ->", servers)):
             if "scale" not in phases:
                 break
@@ -342,7 +343,7 @@ def run_size(
                 )
                 wait(name, lambda r=replicas: ready(custom, namespace, r), op)
             result[name] = p.row()
-            print(f"[{servers}] {name}: {p.wall_s:.1f} s, {p.cpu_s:.1f} CPU-s", flush=True)
+            print(f"[{servers}] {name}: {p.wall_s:.1f} s, {p.cpu_s:.1f} CPU-s {p.work}", flush=True)
     finally:
         op.send_signal(2)
         try:
@@ -390,12 +391,12 @@ def markdown(results: list[dict]) -> str:
                 f"{work(idle)} | {load(idle)} | {idle['share'] * 100:.2f}% of a core |"
             )
         k = r.get("kill")
-        if k is None:
-            continue
-        rows.append(
-            f"| {n} | one server killed | {k['wall_s']:.1f} | {k['cpu_s']:.2f} | {work(k)} | {load(k)} | out of "
-            f"the table {k['table_s'] * 1000:.0f} ms after DELETED ({k['cpu_to_table_s']:.2f} CPU-s) |"
-        )
+        if k is not None:
+            rows.append(
+                f"| {n} | one server killed | {k['wall_s']:.1f} | {k['cpu_s']:.2f} | {work(k)} | "
+                f"{load(k)} | out of the table {k['table_s'] * 1000:.0f} ms after DELETED "
+                f"({k['cpu_to_table_s']:.2f} CPU-s) |"
+            )
         for name, label in (
             (f"scale -> {SMALL}", f"scale N -> {SMALL}"),
             (f"scale {SMALL} ->", f"scale {SMALL} -> N"),
@@ -434,8 +435,12 @@ def plot(results: list[dict], png: Path) -> None:
     a.legend(fontsize=8)
     a.set_title("per phase")
     for j in range(max(len(r["idle"]) for r in results)):
+        have = [r for r in results if len(r["idle"]) > j]
         b.plot(
-            sizes, [r["idle"][j]["share"] * 100 for r in results], "o-", label=f"idle run {j + 1}"
+            [r["servers"] for r in have],
+            [r["idle"][j]["share"] * 100 for r in have],
+            "o-",
+            label=f"idle run {j + 1}",
         )
     b.axhline(1.0, color="grey", ls="--", lw=1, label="1% of a core")
     b.set_xscale("log", base=2)
@@ -463,7 +468,25 @@ def main() -> int:
     ap.add_argument(
         "--phases", default=",".join(PHASES), help="of ready,idle,kill,scale (ready always)"
     )
+    ap.add_argument(
+        "--render",
+        help="no run: the table (and --png) of these result files (comma-separated), merged by "
+        "pool size (a phase from the first file that has it)",
+    )
     args = ap.parse_args()
+    if args.render:
+        merged: dict[int, dict] = {}
+        for f in args.render.split(","):
+            for r in json.loads(Path(f).read_text()):
+                held = merged.setdefault(r["servers"], {"idle": []})
+                for key, value in r.items():
+                    if key not in held or (key == "idle" and not held["idle"]):
+                        held[key] = value
+        rendered = [merged[n] for n in sorted(merged)]
+        print(markdown(rendered))
+        if args.png:
+            plot(rendered, args.png)
+        return 0
     results = []
     phases = tuple(args.phases.split(","))
     for servers in [int(s) for s in args.sizes.split(",")]:
