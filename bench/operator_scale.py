@@ -22,6 +22,7 @@ Usage::
 
     python bench/operator_scale.py --up [--sizes 256,1024,4096] [--idle-s 60] [--idle-runs 2]
         [--json out.json] [--png docs/measurements/operator-scale.png]
+    python bench/operator_scale.py --render a.json,b.json --png docs/measurements/operator-scale.png
 """
 
 from __future__ import annotations
@@ -110,6 +111,9 @@ def counters(port: int) -> dict[str, int]:
         if name == "api_calls" and 'resource="' in name_labels:
             resource = name_labels.split('resource="', 1)[1].split('"', 1)[0]
             name = f"api_calls[{resource}]"
+        if name == "load_scrapes" and 'result="' in name_labels:
+            result = name_labels.split('result="', 1)[1].split('"', 1)[0]
+            name = f"load_scrapes[{result}]"
         out[name] = out.get(name, 0) + int(float(value))
     return out
 
@@ -134,6 +138,11 @@ class Phase:
         self.cpu_s = cpu_seconds(self.op.pid) - self.c0
         self.wall_s = time.monotonic() - self.w0
         self.work = delta(self.k0, counters(self.port))
+        self.load = os.getloadavg()[0]  # the machine's 1-minute load average at the phase's end
+
+    def row(self) -> dict[str, Any]:
+        """The phase as a result row: CPU-s, wall s, work counters, load average."""
+        return {"cpu_s": self.cpu_s, "wall_s": self.wall_s, "work": self.work, "load": self.load}
 
 
 def ready(custom: Any, namespace: str, replicas: int) -> bool:
@@ -149,6 +158,7 @@ def ready(custom: Any, namespace: str, replicas: int) -> bool:
     return (
         any(c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions", []))
         and st.get("readyReplicas") == replicas
+        and st.get("replicas") == replicas  # a scale-down is done: no server beyond them left
         and st.get("observedGeneration") == pool["metadata"]["generation"]
         and pool["spec"]["replicas"] == replicas
     )
@@ -249,6 +259,7 @@ def kill_one(core: Any, custom: Any, namespace: str, servers: int, op: Any, port
         "table_from_call_s": seen["left"] - t_call,
         "cpu_to_table_s": left.cpu_s,
         "work": phase.work,
+        "load": phase.load,
     }
 
 
@@ -297,7 +308,7 @@ def run_size(
         with Phase(op, port) as p:
             kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(pool))
             wait("apply -> Ready", lambda: ready(custom, namespace, servers), op)
-        result["ready"] = {"cpu_s": p.cpu_s, "wall_s": p.wall_s, "work": p.work}
+        result["ready"] = p.row()
         print(f"[{servers}] apply -> Ready {p.wall_s:.1f} s, {p.cpu_s:.1f} CPU-s", flush=True)
         time.sleep(15)
         result["idle"] = []
@@ -305,22 +316,19 @@ def run_size(
             with Phase(op, port) as p:
                 time.sleep(idle_s)
             share = p.cpu_s / p.wall_s
-            result["idle"].append(
-                {"cpu_s": p.cpu_s, "wall_s": p.wall_s, "share": share, "work": p.work}
-            )
+            result["idle"].append({**p.row(), "share": share})
             print(
                 f"[{servers}] idle {share * 100:.2f}% of a core over {p.wall_s:.0f} s {p.work}",
                 flush=True,
             )
-        if "kill" not in phases:
-            return result
-        result["kill"] = kill_one(core, custom, namespace, servers, op, port)
-        k = result["kill"]
-        print(
-            f"[{servers}] kill: out of the table {k['table_s'] * 1000:.0f} ms after DELETED, "
-            f"back {k['wall_s']:.1f} s, {k['cpu_s']:.2f} CPU-s {k['work']}",
-            flush=True,
-        )
+        if "kill" in phases:
+            result["kill"] = kill_one(core, custom, namespace, servers, op, port)
+            k = result["kill"]
+            print(
+                f"[{servers}] kill: out of the table {k['table_s'] * 1000:.0f} ms after DELETED, "
+                f"back {k['wall_s']:.1f} s, {k['cpu_s']:.2f} CPU-s {k['work']}",
+                flush=True,
+            )
         for name, replicas in ((f"scale -> {SMALL}", SMALL), (f"scale {SMALL} ->", servers)):
             if "scale" not in phases:
                 break
@@ -334,8 +342,8 @@ def run_size(
                     {"spec": {"replicas": replicas}},
                 )
                 wait(name, lambda r=replicas: ready(custom, namespace, r), op)
-            result[name] = {"cpu_s": p.cpu_s, "wall_s": p.wall_s, "work": p.work}
-            print(f"[{servers}] {name}: {p.wall_s:.1f} s, {p.cpu_s:.1f} CPU-s", flush=True)
+            result[name] = p.row()
+            print(f"[{servers}] {name}: {p.wall_s:.1f} s, {p.cpu_s:.1f} CPU-s {p.work}", flush=True)
     finally:
         op.send_signal(2)
         try:
@@ -362,28 +370,33 @@ def markdown(results: list[dict]) -> str:
             f"{w.get('reconcile_steps', 0)} / {w.get('pod_lists', 0)} / {w.get('table_writes', 0)}"
         )
 
+    def load(phase: dict) -> str:
+        return f"{phase['load']:.1f}" if "load" in phase else ""
+
     rows = [
-        "| servers | phase | wall s | operator CPU-s | steps / LISTs / table writes | note |",
-        "|---:|---|---:|---:|---|---|",
+        "| servers | phase | wall s | operator CPU-s | steps / LISTs / table writes | load avg "
+        "| note |",
+        "|---:|---|---:|---:|---|---:|---|",
     ]
     for r in results:
         n = f"{r['servers']} ({r.get('policy', 'load-balanced')})"
         ready = r["ready"]
         rows.append(
-            f"| {n} | apply -> Ready | {ready['wall_s']:.1f} | {ready['cpu_s']:.1f} | {work(ready)} | |"
+            f"| {n} | apply -> Ready | {ready['wall_s']:.1f} | {ready['cpu_s']:.1f} | {work(ready)} | "
+            f"{load(ready)} | |"
         )
         for i, idle in enumerate(r["idle"]):
             rows.append(
                 f"| {n} | idle run {i + 1} | {idle['wall_s']:.0f} | {idle['cpu_s']:.2f} | "
-                f"{work(idle)} | {idle['share'] * 100:.2f}% of a core |"
+                f"{work(idle)} | {load(idle)} | {idle['share'] * 100:.2f}% of a core |"
             )
         k = r.get("kill")
-        if k is None:
-            continue
-        rows.append(
-            f"| {n} | one server killed | {k['wall_s']:.1f} | {k['cpu_s']:.2f} | {work(k)} | out of "
-            f"the table {k['table_s'] * 1000:.0f} ms after DELETED ({k['cpu_to_table_s']:.2f} CPU-s) |"
-        )
+        if k is not None:
+            rows.append(
+                f"| {n} | one server killed | {k['wall_s']:.1f} | {k['cpu_s']:.2f} | {work(k)} | "
+                f"{load(k)} | out of the table {k['table_s'] * 1000:.0f} ms after DELETED "
+                f"({k['cpu_to_table_s']:.2f} CPU-s) |"
+            )
         for name, label in (
             (f"scale -> {SMALL}", f"scale N -> {SMALL}"),
             (f"scale {SMALL} ->", f"scale {SMALL} -> N"),
@@ -392,7 +405,7 @@ def markdown(results: list[dict]) -> str:
             if ph is None:
                 continue
             rows.append(
-                f"| {n} | {label} | {ph['wall_s']:.1f} | {ph['cpu_s']:.1f} | {work(ph)} | |"
+                f"| {n} | {label} | {ph['wall_s']:.1f} | {ph['cpu_s']:.1f} | {work(ph)} | {load(ph)} | |"
             )
     return "\n".join(rows)
 
@@ -422,8 +435,12 @@ def plot(results: list[dict], png: Path) -> None:
     a.legend(fontsize=8)
     a.set_title("per phase")
     for j in range(max(len(r["idle"]) for r in results)):
+        have = [r for r in results if len(r["idle"]) > j]
         b.plot(
-            sizes, [r["idle"][j]["share"] * 100 for r in results], "o-", label=f"idle run {j + 1}"
+            [r["servers"] for r in have],
+            [r["idle"][j]["share"] * 100 for r in have],
+            "o-",
+            label=f"idle run {j + 1}",
         )
     b.axhline(1.0, color="grey", ls="--", lw=1, label="1% of a core")
     b.set_xscale("log", base=2)
@@ -451,7 +468,25 @@ def main() -> int:
     ap.add_argument(
         "--phases", default=",".join(PHASES), help="of ready,idle,kill,scale (ready always)"
     )
+    ap.add_argument(
+        "--render",
+        help="no run: the table (and --png) of these result files (comma-separated), merged by "
+        "pool size (a phase from the first file that has it)",
+    )
     args = ap.parse_args()
+    if args.render:
+        merged: dict[int, dict] = {}
+        for f in args.render.split(","):
+            for r in json.loads(Path(f).read_text()):
+                held = merged.setdefault(r["servers"], {"idle": []})
+                for key, value in r.items():
+                    if key not in held or (key == "idle" and not held["idle"]):
+                        held[key] = value
+        rendered = [merged[n] for n in sorted(merged)]
+        print(markdown(rendered))
+        if args.png:
+            plot(rendered, args.png)
+        return 0
     results = []
     phases = tuple(args.phases.split(","))
     for servers in [int(s) for s in args.sizes.split(",")]:

@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from eaas.operator.counters import WorkCounters
 from eaas.operator.monitor import health_url
 from eaas.operator.settings import (
     DEFAULT_CONCURRENCY,
@@ -55,6 +56,12 @@ DEFAULT_TIMEOUT_S = 2.0
 #: most this long (s): a pool of servers without a metrics endpoint (kwok pods, servers not up
 #: yet) costs a scrape per server per five minutes, not per interval.
 RETRY_MAX_S = 300.0
+#: While no server of a pool has answered a scrape yet (kwok pods, servers that serve no
+#: metrics, a wrong port), a round GETs at most this many of its servers, those waiting the
+#: longest: such a pool costs a few GETs per round whatever its size (a 1,024-server pool of
+#: kwok pods: 1,024 refused GETs per back-off step before); every server is scraped from the
+#: round after the first answer.
+PROBE_SERVERS = 4
 #: Hottest experts listed in the pool's status.
 HOTTEST = 5
 
@@ -310,6 +317,8 @@ class LoadScraper:
         timeout_s: per-GET timeout (s).
         max_concurrency: concurrent GETs at most.
         fetch: ``(url, timeout_s) -> text`` (default :func:`fetch_metrics`).
+        counters: where each round adds its GETs (``eaas_operator_load_scrapes_total{result}``,
+            ``ok`` or ``failed``; None: not counted).
     """
 
     def __init__(
@@ -319,6 +328,7 @@ class LoadScraper:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_concurrency: int = DEFAULT_CONCURRENCY,
         fetch: Callable[[str, float], str] = fetch_metrics,
+        counters: WorkCounters | None = None,
     ) -> None:
         if interval_s <= 0 or window_s <= 0 or timeout_s <= 0 or max_concurrency < 1:
             raise ValueError(
@@ -335,6 +345,7 @@ class LoadScraper:
         self.timeout_s = timeout_s
         self.max_concurrency = max_concurrency
         self._fetch = fetch
+        self.counters = counters
         self._lock = threading.Lock()
         self._targets: dict[Any, tuple[float, dict[str, tuple[str, str]]]] = {}
         self._windows: dict[str, CounterWindow] = {}
@@ -347,8 +358,11 @@ class LoadScraper:
         )
 
     @classmethod
-    def from_settings(cls, settings: LoadSettings) -> LoadScraper:
-        """A scraper with ``settings`` (:class:`eaas.operator.settings.LoadSettings`).
+    def from_settings(
+        cls, settings: LoadSettings, counters: WorkCounters | None = None
+    ) -> LoadScraper:
+        """A scraper with ``settings`` (:class:`eaas.operator.settings.LoadSettings`), counting
+        its GETs in ``counters``.
 
         Raises:
             ValueError: the constraints of the constructor.
@@ -357,6 +371,7 @@ class LoadScraper:
             interval_s=settings.scrape_s,
             window_s=settings.window_s,
             max_concurrency=settings.concurrency,
+            counters=counters,
         )
 
     @classmethod
@@ -408,8 +423,9 @@ class LoadScraper:
 
     def scrape_once(self) -> None:
         """One round: GET every target (bounded concurrency, each with the timeout) but those
-        backing off after failures (:data:`RETRY_MAX_S`), append the samples, drop the old
-        ones, recompute every pool's :class:`PoolLoad`."""
+        backing off after failures (:data:`RETRY_MAX_S`) and, in a pool none of whose servers
+        answered yet, all but :data:`PROBE_SERVERS`; append the samples, drop the old ones,
+        recompute every pool's :class:`PoolLoad`."""
         now = time.monotonic()
         with self._lock:
             for pool, (seen, _) in list(self._targets.items()):
@@ -418,12 +434,18 @@ class LoadScraper:
                     self._loads.pop(pool, None)
             targets = {pool: dict(t) for pool, (_, t) in self._targets.items()}
             failing = dict(self._failing)
-        jobs = {
-            uid: self._pool.submit(self._fetch, url, self.timeout_s)
-            for t in targets.values()
-            for uid, (_, url) in t.items()
-            if failing.get(uid, (0, 0.0, ""))[1] <= now  # failing servers back off
-        }
+            answered = set(self._windows)  # pods that gave a sample since they became targets
+        due: list[tuple[str, str]] = []
+        for t in targets.values():
+            waiting = sorted(
+                (retry_at, uid, url)
+                for uid, (_, url) in t.items()
+                if (retry_at := failing.get(uid, (0, 0.0, ""))[1]) <= now  # failing: back off
+            )
+            if not answered.intersection(t):  # nothing answered yet: probe a few
+                waiting = waiting[:PROBE_SERVERS]
+            due += [(uid, url) for _, uid, url in waiting]
+        jobs = {uid: self._pool.submit(self._fetch, url, self.timeout_s) for uid, url in due}
         results: dict[str, tuple[float, dict[LayerExpert, float] | None, str]] = {}
         for uid, fut in jobs.items():
             try:
@@ -431,6 +453,12 @@ class LoadScraper:
                 results[uid] = (time.monotonic(), parse_expert_tokens(text), "")
             except (OSError, ValueError, concurrent.futures.TimeoutError) as exc:
                 results[uid] = (time.monotonic(), None, str(exc) or type(exc).__name__)
+        if self.counters is not None and results:
+            failed = sum(1 for _, counters, _ in results.values() if counters is None)
+            self.counters.add(
+                "eaas_operator_load_scrapes_total", len(results) - failed, result="ok"
+            )
+            self.counters.add("eaas_operator_load_scrapes_total", failed, result="failed")
         now = time.monotonic()
         with self._lock:
             live = {uid for t in targets.values() for uid in t}

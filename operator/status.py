@@ -53,8 +53,9 @@ def pool_status(
 
     Conditions:
 
-    * ``Ready``: True iff ``spec.replicas`` up-to-date servers are live and every logical expert
-      has ``redundancy`` live replicas in the published table.
+    * ``Ready``: True iff ``spec.replicas`` up-to-date servers are live, no server beyond
+      ``spec.replicas`` is left (a scale-down is done), and every logical expert has
+      ``redundancy`` live replicas in the published table.
     * ``Progressing``: True while pods are created, replaced, removed or not yet Ready
       (reasons ScalingUp, ScalingDown, RePlacing, WaitingForServers); False/Reconciled when done.
     * ``Degraded``: True if some expert has no live replica (ExpertsUncovered), the routing table
@@ -76,7 +77,10 @@ def pool_status(
     missing = spec.replicas - len([p for p in existing if p.name in desired_names])
 
     gen = owner.generation
-    all_ready = len(ready) == spec.replicas and below == 0 and not plan.excess
+    # servers beyond spec.replicas (a scale-down not acted on yet: the new count settles first,
+    # or leaving servers draining) keep the pool from Ready, as ScalingDown
+    beyond = [p for p in existing if p.name not in desired_names]
+    all_ready = len(ready) == spec.replicas and below == 0 and not plan.excess and not beyond
     if all_ready:
         ready_c = Condition(
             type="Ready",
@@ -100,15 +104,17 @@ def pool_status(
             type="Ready",
             status="False",
             reason="ServersNotReady",
-            message=f"{len(ready)}/{spec.replicas} expert servers ready and up to date",
+            message=f"{len(ready)}/{spec.replicas} expert servers ready and up to date"
+            + (f"; {len(beyond)} beyond spec.replicas still to leave" if beyond else ""),
             observed_generation=gen,
         )
 
     prog: tuple[ConditionStatus, str, str]  # (status, reason, message)
     if missing > 0:
         prog = ("True", "ScalingUp", f"creating {missing} expert server(s)")
-    elif plan.excess:
-        prog = ("True", "ScalingDown", f"removing {len(plan.excess)} expert server(s)")
+    elif plan.excess or beyond:
+        leaving = max(len(plan.excess), len(beyond))
+        prog = ("True", "ScalingDown", f"removing {leaving} expert server(s)")
     elif plan.outdated:
         prog = (
             "True",

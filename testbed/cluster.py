@@ -23,7 +23,9 @@ What runs (all on 127.0.0.1, detached from the calling process, one log file eac
 * kwok — the kwok *controller* alone (not kwokctl), for *kwok nodes* (scale tests): it keeps
   those fake Node objects Ready (leases + status heartbeats) and moves pods bound to them to
   Running/Ready with pod IPs from the node's ``spec.podCIDR``, without running anything.
-  Stages are the kwok defaults (``kwok-stages.yaml``). Docs: https://kwok.sigs.k8s.io/docs/
+  Stages are the kwok defaults plus ``pod-ready-again`` (a Running pod the node controller
+  marked Ready=False is Ready again, as a kubelet re-reports it; ``kwok-stages.yaml``). Docs:
+  https://kwok.sigs.k8s.io/docs/
   (user/kwok-in-cluster, user/kwok-manage-nodes-and-pods, user/stages-configuration).
 
 Every node ``i`` gets ``spec.podCIDR`` 127.<net>.<i>.0/24, so pod IPs are loopback addresses.

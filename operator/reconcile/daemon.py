@@ -147,7 +147,7 @@ async def start(state: OperatorState) -> None:
     ).start()
     if state.settings.reports.listen:
         state.report_runner = await start_report_server(state)
-    state.scraper = LoadScraper.from_settings(state.settings.load).start()
+    state.scraper = LoadScraper.from_settings(state.settings.load, state.counters).start()
     if state.settings.metrics_api.listen:
         state.metrics_runner = await start_external_metrics(state)
 

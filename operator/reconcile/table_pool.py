@@ -16,6 +16,9 @@ make-before-break publishing of the routing table.
 3. :func:`two_phase_step` decides (:func:`_two_phase`): stage (push to servers, wait for their
    ``weights_version``), publish (ConfigMap + client pushes), release (servers drop experts only
    older versions used).
+4. The pod plan of step 1 is applied last: a server that died leaves the published table
+   before the step LISTs the pods to create its replacement (a step that read the pod index
+   and plans pod writes starts again with a LIST: :class:`~eaas.operator.state.StalePodView`).
 """
 
 from __future__ import annotations
@@ -123,6 +126,8 @@ def reconcile_table_pool(
     live, fs = hold_back(state, body, spec, observed, live, published, down | deleted, logger)
     candidate, rebalanced = _candidate(s, live, published, held, old_status, leaving)
     table, table_error = _two_phase(s, live, token, candidate, published, cm, floor, rebalanced)
+    # the pod writes after the table: a dead server leaves it before its replacement's LIST
+    apply_pod_plan(state, core, body, plan, logger)
     table = table or candidate  # nothing published yet: status counts what is being staged
     status = _status(
         dataclasses.replace(s, spec=wanted), live, observed_t, plan, table, table_error, old_status
@@ -143,8 +148,8 @@ def _pending(memory: PoolMemory, published: RoutingTable | None) -> RoutingTable
 def _plan_pods(
     s: _Step, observed: list[ObservedPod], published: RoutingTable | None
 ) -> tuple[PodPlan, list[ObservedPod], dict[str, Any], set[str]]:
-    """Step 1: the pod plan, applied. Pods carry the experts the published table gives them
-    (:func:`plan_pods`' coverage checks); those a client may still use, and leaving ones not
+    """Step 1: the pod plan (applied after the table: :func:`reconcile_table_pool`). Pods
+    carry the experts the published table gives them (:func:`plan_pods`' coverage checks); those a client may still use, and leaving ones not
     drained yet (:func:`hold_undrained`), are held. Returns the plan, the observed pods with
     their experts, the published assignment and the outdated live servers leaving the table to
     be replaced (:func:`replacements`)."""
@@ -175,7 +180,6 @@ def _plan_pods(
         max_unavailable=max(1, s.spec.redundancy - 1),
         in_use=in_use | held_pods,
     )
-    apply_pod_plan(s.state, s.core, s.body, plan, s.logger)
     return plan, observed_t, held, leaving
 
 

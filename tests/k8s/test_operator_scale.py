@@ -6,10 +6,12 @@ on kwok nodes, against the real API server, with the work counted (``GET /metric
   ``lastHeartbeatTime``, as a kubelet does) and pod updates the operator does not use (an
   annotation): each period costs the same few idle-resync steps, no pod LIST, no table write,
   the same API calls; the heartbeats wake nothing.
+* The load scraper: the pool's kwok pods serve no metrics, and each period costs at most a
+  few GETs per scrape round (``PROBE_SERVERS``), not one per server.
 * One server killed: a handful of steps and table writes (out, back in), the same as in a small
   pool, whatever the pool's size.
 
-Runs about two minutes on a quiet machine (the pool's 256 pods are most of it).
+The pool's 256 pods coming up are most of its time.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
+from eaas.operator.load import PROBE_SERVERS
+from eaas.operator.settings import DEFAULT_INTERVAL_S
 from eaas.testbed.nodes import GPU_ALLOCATABLE, GPU_LABELS, KWOK_ANNOTATION, PROCESS_LABEL
 
 from helpers.common import free_port
@@ -33,7 +37,7 @@ pytestmark = pytest.mark.scale
 SERVERS = 256
 NODES = SERVERS // 8
 #: The idle resync of the test's operator (s): one idle period is a few of them.
-IDLE_RESYNC_S = 6.0
+IDLE_RESYNC_S = 4.0
 PERIOD_S = 3 * IDLE_RESYNC_S
 HEARTBEATS = 3  # per period, to every node
 POOL = "big"
@@ -76,6 +80,7 @@ def _work(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
         "api_calls": api,
         "node_events": d("watch_events", resource="nodes"),
         "pod_events": d("watch_events", resource="pods"),
+        "scrapes": d("load_scrapes"),
     }
 
 
@@ -213,6 +218,8 @@ def test_idle_work_with_heartbeats_does_not_grow_with_time(core, gpu_nodes, big_
         assert p["steps"] <= PERIOD_S / IDLE_RESYNC_S + 1, periods
         assert p["pod_lists"] == 0 and p["table_writes"] == 0, periods
         assert p["api_calls"] <= 8 * p["steps"], periods  # a handful of GETs per idle step
+        # servers that never answered a scrape: a few probed per round, whatever the pool's size
+        assert p["scrapes"] <= PROBE_SERVERS * (PERIOD_S / DEFAULT_INTERVAL_S + 2), periods
     first, *later = periods
     for p in later:
         assert p["steps"] <= first["steps"] + 1, periods
