@@ -10,6 +10,10 @@ which has the ``vllm`` modules those tests import) and the adapter plugin
 ``bench/api_conformance_adapter.py`` (``RemoteOpenAIServer`` -> this server, ``get_tokenizer``
 -> the served checkpoint's tokenizer; vLLM's conftests off).
 
+vLLM's tests need ``pytest``, ``pytest-asyncio`` and ``pytest-timeout`` in that Python; where
+the venv has none, ``pip install --target DIR pytest pytest-asyncio pytest-timeout`` with it and
+set ``EAAS_CONFORMANCE_PYTHONPATH=DIR``.
+
 The tests are read at run time from a vLLM source tree ``DIR`` holding ``tests/`` (never copied
 into this repository). Get one of the release the venv has, e.g. from its sdist on PyPI
 (``pip download vllm==0.32.0 --no-deps --no-binary :all: --no-clean`` keeps the unpacked
@@ -164,7 +168,15 @@ def main() -> int:
     try:
         env = {
             **os.environ,
-            "PYTHONPATH": f"{BENCH}:{root}",
+            # the venv's own packages, and pytest / pytest-asyncio / pytest-timeout from
+            # EAAS_CONFORMANCE_PYTHONPATH where the venv has none (pip install --target DIR)
+            "PYTHONPATH": os.pathsep.join(
+                [
+                    str(BENCH),
+                    str(root),
+                    *filter(None, [os.environ.get("EAAS_CONFORMANCE_PYTHONPATH")]),
+                ]
+            ),
             "EAAS_CONFORMANCE_URL": serve.base_url,
             "EAAS_CONFORMANCE_MODEL": model,
             "EAAS_CONFORMANCE_KEY": KEY,

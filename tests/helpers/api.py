@@ -98,7 +98,7 @@ BAD_REQUESTS = {
         {"prompt": "Hello", "temperature": "hot"},
         "temperature",
     ),
-    # seeds outside torch's range (signed or unsigned 64 bit) must not reach the engine (was 500)
+    # seeds outside the signed 64-bit range are refused, as vLLM (was 500 past torch's range)
     "seed_too_big": (
         "/v1/completions",
         {"prompt": "Hello", "temperature": 1, "seed": 99999999999999999999999},
@@ -107,6 +107,11 @@ BAD_REQUESTS = {
     "seed_2_pow_64": (
         "/v1/completions",
         {"prompt": "Hello", "temperature": 1, "seed": 2**64},
+        "seed",
+    ),
+    "seed_2_pow_63": (
+        "/v1/completions",
+        {"prompt": "Hello", "temperature": 1, "seed": 2**63},
         "seed",
     ),
     "seed_too_negative": (
