@@ -70,6 +70,8 @@ class SamplingParams:
         skip_special_tokens: leave special tokens out of the text.
         allowed_token_ids: ``None`` = all; else only these ids can be sampled (vLLM's
             ``allowed_token_ids``; logprobs stay raw, as vLLM's).
+        logprob_token_ids: with ``logprobs``: report these ids' raw logprobs (in this order) in
+            place of the ``logprobs`` most likely (vLLM's ``logprob_token_ids``).
         grammar: ``None`` or a compiled structured-output constraint
             (:class:`eaas.runtime.client.structured.Grammar`); the engine keeps the sequence
             inside it.
@@ -95,6 +97,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     allowed_token_ids: Collection[int] | None = None
     grammar: Any = None
+    logprob_token_ids: Sequence[int] | None = None
     # per request, built once: (logit_bias ids, values) and the ids min_tokens masks (per eos set)
     _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
     _min_mask: tuple[frozenset[int], torch.Tensor] | None = field(
@@ -307,7 +310,11 @@ def sample(
             if k is None:
                 continue
             lps[b] = chosen[b]
-            tops[b] = list(zip(ti[b][:k], tv[b][:k], strict=True))
+            ids = params[b].logprob_token_ids
+            if ids:  # these tokens' raw logprobs instead of the top k (vLLM)
+                tops[b] = list(zip(ids, raw_lp[b, list(ids)].tolist(), strict=True))
+            else:
+                tops[b] = list(zip(ti[b][:k], tv[b][:k], strict=True))
     return SampleOutput(token_ids, lps, tops)
 
 

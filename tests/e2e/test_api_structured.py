@@ -206,3 +206,30 @@ def test_beam_search_returns_the_reference_beams(oai, model_name, model_dir, tok
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model=model_name, prompt="Hi", extra_body={"length_penalty": 2.0})
     assert e.value.body["param"] == "length_penalty"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprob_token_ids_with_allowed_token_ids(oai, model_name, stream):
+    """vLLM's own test with ids of the tiny vocabulary: the listed ids' logprobs (and the sampled
+    token's) in place of the top 5; the only allowed token is the one sampled."""
+    r = oai.completions.create(
+        model=model_name,
+        prompt="Hello",
+        max_tokens=1,
+        temperature=0,
+        logprobs=5,
+        stream=stream,
+        extra_body={
+            "logprob_token_ids": [500],
+            "allowed_token_ids": [42],
+            "return_tokens_as_token_ids": True,
+        },
+    )
+    lp = (list(r)[0] if stream else r).choices[0].logprobs
+    assert lp.tokens == ["token_id:42"]
+    assert set(lp.top_logprobs[0]) == {"token_id:42", "token_id:500"}
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(
+            model=model_name, prompt="Hi", extra_body={"logprob_token_ids": [500]}
+        )
+    assert e.value.body["param"] == "logprob_token_ids"

@@ -202,8 +202,17 @@ BAD_REQUEST_CODES = {
 
 # ---- chat fields: (extra body, the param named, status) ----------------------------------------
 BAD_CHAT_FIELDS = {
-    "tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", 400),
-    "response_format": ({"response_format": {"type": "json_object"}}, "response_format", 400),
+    # tools default to tool_choice "auto", which needs a tool-call parser (vLLM refuses it too)
+    "tools_with_auto_tool_choice": (
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        "tool_choice",
+        400,
+    ),
+    "response_format_json_schema_without_schema": (
+        {"response_format": {"type": "json_schema"}},
+        "response_format.json_schema",
+        400,
+    ),
     "suffix": ({"suffix": "end"}, "suffix", 400),
     "best_of": ({"best_of": 3}, "best_of", 400),
     "unknown_field": ({"frobnicate": 1}, "frobnicate", 400),

@@ -222,6 +222,7 @@ class RequestPreparer:
             bias[t] = float(v)
         stop_ids = frozenset(req.stop_token_ids or ())  # the engine tests every token against it
         self.check_ids(sorted(stop_ids), "stop_token_ids")
+        self.check_ids(req.logprob_token_ids or [], "logprob_token_ids")
         allowed = None
         if req.allowed_token_ids is not None:
             self.check_ids(req.allowed_token_ids, "allowed_token_ids")
@@ -245,6 +246,7 @@ class RequestPreparer:
             logit_bias=bias,
             skip_special_tokens=req.skip_special_tokens,
             allowed_token_ids=allowed,
+            logprob_token_ids=tuple(req.logprob_token_ids or ()) or None,
         )
         out = []
         for i in range(req.n):
@@ -346,8 +348,10 @@ class RequestPreparer:
             k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None
         ]
         grammar = self.grammar(req)
+        # logprob_token_ids replace the top `logprobs` (vLLM: their count is what is listed)
+        k = len(req.logprob_token_ids) if req.logprob_token_ids else req.logprobs
         for sp in params:
-            sp.logprobs = req.logprobs
+            sp.logprobs = k
             sp.prompt_logprobs = max(want) if want else None
             sp.grammar = grammar
         so = req.stream_options
@@ -359,7 +363,7 @@ class RequestPreparer:
             bool(so and so.include_usage),
             bool(so and so.include_usage and so.continuous_usage_stats),
             False,
-            req.logprobs,
+            k,
             req.return_tokens_as_token_ids,
             echo=req.echo,
             prompt_logprobs=req.prompt_logprobs,

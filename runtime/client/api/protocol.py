@@ -82,7 +82,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "store": (None, False),
     "web_search_options": (None,),
     "bad_words": (None, []),
-    "logprob_token_ids": (None, []),
     "guided_json": (None,),
     "guided_regex": (None,),
     "guided_choice": (None,),
@@ -252,6 +251,8 @@ class _SamplingFields(_Strict):
     # vLLM: keep only this many prompt tokens (-1: the context), from the truncation_side end
     truncate_prompt_tokens: Annotated[int, Field(strict=True, ge=-1)] | None = None
     truncation_side: Literal["left", "right"] = "left"
+    # vLLM: with logprobs, these ids' logprobs in place of the top k (at most 128)
+    logprob_token_ids: Annotated[list[StrictInt], Field(max_length=128)] | None = None
     # vLLM: only these token ids can be sampled (a logits mask; logprobs stay raw)
     allowed_token_ids: Annotated[list[StrictInt], Field(min_length=1)] | None = None
     # vLLM: beam search of n beams (runtime/client/api/beam.py), scored with length_penalty
@@ -287,8 +288,10 @@ class _SamplingFields(_Strict):
             raise _FieldError(
                 "prompt_logprobs", "'prompt_logprobs' is not available with 'stream': true (vLLM)"
             )
+        lp = getattr(self, "logprobs", None)
+        if self.logprob_token_ids and (lp is None or lp is False):
+            raise _FieldError("logprob_token_ids", "'logprob_token_ids' needs 'logprobs' (as vLLM)")
         if self.use_beam_search:
-            lp = getattr(self, "logprobs", None)
             for key, on in (
                 ("stream", self.stream),
                 ("logprobs", lp is not None and lp is not False),
@@ -297,6 +300,7 @@ class _SamplingFields(_Strict):
                 ("structured_outputs", self.structured_outputs is not None),
                 ("response_format", self.response_format not in (None,)),
                 ("allowed_token_ids", self.allowed_token_ids is not None),
+                ("logprob_token_ids", bool(self.logprob_token_ids)),
                 ("tool_choice", getattr(self, "tool_choice", None) not in (None, "none")),
             ):
                 if on:
