@@ -136,7 +136,12 @@ class GrammarCompiler:
         Raises:
             GrammarError: the constraint does not compile (400 naming ``param``).
         """
-        c = self._get()
+        try:
+            c = self._get()
+        except ImportError:
+            raise GrammarError(
+                param, f"'{param}' needs the xgrammar package on the server (eaas[runtime])"
+            ) from None
         seps = None if any_whitespace else (",", ":")
         try:
             if kind in ("json", "json_object"):
