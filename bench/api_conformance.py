@@ -10,6 +10,10 @@ which has the ``vllm`` modules those tests import) and the adapter plugin
 ``bench/api_conformance_adapter.py`` (``RemoteOpenAIServer`` -> this server, ``get_tokenizer``
 -> the served checkpoint's tokenizer; vLLM's conftests off).
 
+vLLM's tests need ``pytest``, ``pytest-asyncio`` and ``pytest-timeout`` in that Python; where
+the venv has none, ``pip install --target DIR pytest pytest-asyncio pytest-timeout`` with it and
+set ``EAAS_CONFORMANCE_PYTHONPATH=DIR``.
+
 The tests are read at run time from a vLLM source tree ``DIR`` holding ``tests/`` (never copied
 into this repository). Get one of the release the venv has, e.g. from its sdist on PyPI
 (``pip download vllm==0.32.0 --no-deps --no-binary :all: --no-clean`` keeps the unpacked
@@ -78,6 +82,14 @@ NOT_APPLICABLE: dict[str, str] = {
     "prompt token is zephyr-7b's top choice",
     r"test_chat_session_with_echo_and_continue_final_message\[test_case1\]": "expects Qwen2 to "
     "end the saying (finish_reason stop); the tiny random model runs to the context's end",
+    r"test_response_format_json_(object|schema)": "asserts the model's answer {'result': 2} (the "
+    "answer parses as JSON here too: the mask guarantees that, not the model)",
+    r"test_logprob_token_ids(_stream)?": "token id 5000 is in facebook/opt-125m's vocabulary, "
+    "not in the tiny model's 922 (a 400 in vLLM too); tests/e2e/test_api_structured.py runs "
+    "it with ids of the tiny vocabulary",
+    r"test_chat_completion_with_tool_use": "tool_choice 'auto' needs vLLM's flags "
+    "--enable-auto-tool-choice --tool-call-parser (a 400 without them, as here) and asserts "
+    "Qwen's chat template and tool-call text",
 }
 
 
@@ -164,7 +176,15 @@ def main() -> int:
     try:
         env = {
             **os.environ,
-            "PYTHONPATH": f"{BENCH}:{root}",
+            # the venv's own packages, and pytest / pytest-asyncio / pytest-timeout from
+            # EAAS_CONFORMANCE_PYTHONPATH where the venv has none (pip install --target DIR)
+            "PYTHONPATH": os.pathsep.join(
+                [
+                    str(BENCH),
+                    str(root),
+                    *filter(None, [os.environ.get("EAAS_CONFORMANCE_PYTHONPATH")]),
+                ]
+            ),
             "EAAS_CONFORMANCE_URL": serve.base_url,
             "EAAS_CONFORMANCE_MODEL": model,
             "EAAS_CONFORMANCE_KEY": KEY,

@@ -25,6 +25,10 @@ nano-vllm's ``LLMEngine.step``):
 The request type and its events live in :mod:`eaas.runtime.client.request`; the cache and
 prefill budgets in :mod:`eaas.runtime.client.budgets`.
 
+Structured outputs: a request with a grammar (:mod:`eaas.runtime.client.structured`) gets a
+matcher on its first sampled step; its mask is applied to the step's logits before sampling and
+the sampled token advances it; the sequence stops once the grammar completed.
+
 Sampling: one call per forward into :func:`eaas.runtime.client.sampling.sample` over all rows
 (logits processors, penalties, greedy / seeded sampling, logprobs); a seeded request draws from
 its own ``torch.Generator``, so it is reproducible whatever else is in the batch.
@@ -72,6 +76,7 @@ from eaas.runtime.client.sampling import (
 )
 from eaas.runtime.client.scheduler import Scheduler, StepCostModel, StepPlan
 from eaas.runtime.client.scheduler import Sequence as Seq
+from eaas.runtime.client.structured import GrammarState, apply_grammar_masks
 
 log = logging.getLogger("eaas.client.engine")
 
@@ -268,6 +273,10 @@ class EngineBase:
         for r in reqs:
             if r._generator is None and r.params.seed is not None and r.params.temperature > 0:
                 r._generator = make_generator(r.params.seed)
+            if r._grammar is None and r.params.grammar is not None:
+                r._grammar = GrammarState(r.params.grammar, self.eos_token_ids)
+        if any(r._grammar is not None for r in reqs):
+            logits = apply_grammar_masks(logits, [r._grammar for r in reqs])  # (B, vocab)
         return sample(
             logits,
             [r.params for r in reqs],
@@ -316,6 +325,9 @@ class EngineBase:
             stop_token, stop_reason = True, tok
         elif not p.ignore_eos and tok in self.eos_token_ids:
             stop_token = True
+        g = req._grammar
+        if g is not None and (not g.accept(tok) or g.terminated):
+            stop_token = True  # grammar complete, or refused a token another stage forced
         length = at_limit or len(req.output_ids) >= p.max_tokens
         delta, matched = req._detok.step(tok, stop_token=stop_token, final=length)
         finish = None

@@ -19,6 +19,7 @@ import torch
 
 from eaas.runtime.client.detokenizer import IncrementalDetokenizer
 from eaas.runtime.client.sampling import SamplingParams
+from eaas.runtime.client.structured import GrammarState
 
 
 @dataclass
@@ -86,6 +87,7 @@ class GenerationRequest:
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
     _generator: torch.Generator | None = None
     _detok: IncrementalDetokenizer | None = None
+    _grammar: GrammarState | None = None  # with params.grammar: the sequence's matcher
 
     def cancel(self) -> None:
         """Abort (e.g. the HTTP client disconnected): the sequence leaves the batch next step."""

@@ -7,7 +7,9 @@ a stage pass through unchanged. The order follows vLLM's v1 sampler
 
 1. ``logprobs`` / ``top_logprobs`` are taken from the **raw** logits (``log_softmax`` before any
    processor, vLLM's default ``logprobs_mode="raw_logprobs"``).
-2. ``logit_bias`` (added), ``min_tokens`` (EOS and ``stop_token_ids`` masked to ``-inf`` while
+   A structured-output row's grammar mask (:mod:`eaas.runtime.client.structured`) is applied
+   by the engine before this call, as vLLM applies its bitmask before the sampler.
+2. ``allowed_token_ids`` (every other token ``-inf``), ``logit_bias`` (added), ``min_tokens`` (EOS and ``stop_token_ids`` masked to ``-inf`` while
    fewer than ``min_tokens`` tokens were generated).
 3. Penalties: ``repetition_penalty`` over prompt and output tokens (CTRL, Keskar et al. 2019:
    positive logits divided, negative multiplied), then ``frequency_penalty`` (times the count of
@@ -26,12 +28,15 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 # temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``): dividing float32 logits by a
 # temperature of ~1e-38 overflows them to inf/nan and the draw degenerates to token 0
 SAMPLING_EPS = 1e-5
+#: logprobs are reported at least this (OpenAI's minimum; vLLM's serving clamps -inf to it)
+MIN_LOGPROB = -9999.0
 
 
 @dataclass
@@ -63,6 +68,13 @@ class SamplingParams:
             its raw logprob given the tokens before it and the ``k`` most likely tokens there
             (``echo`` with ``logprobs``; vLLM's ``prompt_logprobs``).
         skip_special_tokens: leave special tokens out of the text.
+        allowed_token_ids: ``None`` = all; else only these ids can be sampled (vLLM's
+            ``allowed_token_ids``; logprobs stay raw, as vLLM's).
+        logprob_token_ids: with ``logprobs``: report these ids' raw logprobs (in this order) in
+            place of the ``logprobs`` most likely (vLLM's ``logprob_token_ids``).
+        grammar: ``None`` or a compiled structured-output constraint
+            (:class:`eaas.runtime.client.structured.Grammar`); the engine keeps the sequence
+            inside it.
     """
 
     max_tokens: int = 16
@@ -83,11 +95,23 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    allowed_token_ids: Collection[int] | None = None
+    grammar: Any = None
+    logprob_token_ids: Sequence[int] | None = None
     # per request, built once: (logit_bias ids, values) and the ids min_tokens masks (per eos set)
     _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
     _min_mask: tuple[frozenset[int], torch.Tensor] | None = field(
         default=None, repr=False, compare=False
     )
+    _allowed: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def allowed_mask(self, vocab_size: int) -> torch.Tensor:
+        """``[V]`` bool, True where ``allowed_token_ids`` forbids the token; built once."""
+        if self._allowed is None or self._allowed.numel() != vocab_size:
+            m = torch.ones(vocab_size, dtype=torch.bool)
+            m[torch.tensor(sorted(self.allowed_token_ids or ()), dtype=torch.int64)] = False
+            self._allowed = m
+        return self._allowed
 
     def bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``logit_bias`` as ``(ids int64 [n], values float32 [n])``, built on first use."""
@@ -179,6 +203,8 @@ def _apply_bias_and_min_tokens(
     # one tensor op per row that uses a stage, with the request's ids built once (a request may
     # carry the whole vocabulary in logit_bias or stop_token_ids)
     for b, (p, n) in enumerate(zip(params, output_lens, strict=True)):
+        if p.allowed_token_ids is not None:
+            logits[b].masked_fill_(p.allowed_mask(V), float("-inf"))
         if p.logit_bias:
             ids, vals = p.bias_tensors()
             logits[b].index_add_(0, ids, vals.to(logits.dtype))
@@ -246,7 +272,8 @@ def sample(
     want_lp = [p.logprobs for p in params]
     raw_lp = None
     if any(k is not None for k in want_lp):
-        raw_lp = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
+        # a token a grammar masked has -inf: reported as -9999.0, OpenAI's floor (as vLLM)
+        raw_lp = torch.log_softmax(logits.float(), dim=-1).clamp_(min=MIN_LOGPROB)  # (B, V)
 
     x = logits.float().clone()  # (B, V)
     x = _apply_bias_and_min_tokens(x, params, [len(o) for o in output_ids], eos_token_ids)
@@ -283,7 +310,11 @@ def sample(
             if k is None:
                 continue
             lps[b] = chosen[b]
-            tops[b] = list(zip(ti[b][:k], tv[b][:k], strict=True))
+            ids = params[b].logprob_token_ids
+            if ids:  # these tokens' raw logprobs instead of the top k (vLLM)
+                tops[b] = list(zip(ids, raw_lp[b, list(ids)].tolist(), strict=True))
+            else:
+                tops[b] = list(zip(ti[b][:k], tv[b][:k], strict=True))
     return SampleOutput(token_ids, lps, tops)
 
 

@@ -67,7 +67,11 @@ def complete_ids(deployment, model_name, prompt_ids, max_tokens=MAX_TOKENS):
     c = client(deployment)
     try:
         r = c.completions.create(
-            model=model_name, prompt=prompt_ids, max_tokens=max_tokens, temperature=0
+            model=model_name,
+            prompt=prompt_ids,
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_body={"return_token_ids": True},
         )
     finally:
         c.close()
@@ -123,7 +127,13 @@ def test_two_clients_share_the_servers(deployment, model_name, prompts, referenc
 
 def test_openai_completion_text_prompt(deployment, model_name, tokenizer, model_dir):
     c = client(deployment)
-    r = c.completions.create(model=model_name, prompt="Hello world", max_tokens=8, temperature=0)
+    r = c.completions.create(
+        model=model_name,
+        prompt="Hello world",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
     ref = reference_generate(model_dir, [tokenizer("Hello world")["input_ids"]], 8)[0]
     assert r.object == "text_completion"
     assert r.choices[0].model_extra["token_ids"] == ref
@@ -142,7 +152,13 @@ def test_openai_chat(deployment, model_name, tokenizer, model_dir):
         {"role": "user", "content": "Name an expert."},
     ]
     c = client(deployment)
-    r = c.chat.completions.create(model=model_name, messages=messages, max_tokens=10, temperature=0)
+    r = c.chat.completions.create(
+        model=model_name,
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
     pids = _chat_prompt_ids(tokenizer, messages)
     ref = reference_generate(model_dir, [pids], 10)[0]
     assert r.object == "chat.completion"
@@ -156,7 +172,12 @@ def test_openai_chat(deployment, model_name, tokenizer, model_dir):
 def test_streaming_completion(deployment, model_name, prompts, references, tokenizer):
     c = client(deployment)
     stream = c.completions.create(
-        model=model_name, prompt=prompts[1], max_tokens=MAX_TOKENS, temperature=0, stream=True
+        model=model_name,
+        prompt=prompts[1],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body={"return_token_ids": True},
     )
     texts, ids, finishes = [], [], []
     for chunk in stream:
@@ -175,7 +196,12 @@ def test_streaming_chat(deployment, model_name, tokenizer, model_dir):
     ref = reference_generate(model_dir, [_chat_prompt_ids(tokenizer, messages)], 12)[0]
     c = client(deployment)
     stream = c.chat.completions.create(
-        model=model_name, messages=messages, max_tokens=12, temperature=0, stream=True
+        model=model_name,
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        extra_body={"return_token_ids": True},
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -237,15 +263,28 @@ def test_bad_request_is_400_and_server_keeps_serving(deployment, model_name, cas
     # the server keeps serving
     ok = httpx.post(
         f"{deployment.base_url}/v1/completions",
-        json={"model": model_name, "prompt": "Hello", "max_tokens": 2, "temperature": 0},
+        json={
+            "model": model_name,
+            "prompt": "Hello",
+            "max_tokens": 2,
+            "temperature": 0,
+            "return_token_ids": True,
+        },
         timeout=60,
     )
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) >= 1
 
 
-@pytest.mark.parametrize("seed", [0, -1, -(2**63), 2**63, 2**64 - 1])
-def test_seed_edges_of_the_64_bit_range_are_accepted(deployment, model_name, seed):
-    body = {"model": model_name, "prompt": "Hello", "max_tokens": 2, "temperature": 1, "seed": seed}
+@pytest.mark.parametrize("seed", [0, -1, -(2**63), 2**63 - 1])
+def test_seed_edges_of_the_signed_64_bit_range_are_accepted(deployment, model_name, seed):
+    body = {
+        "model": model_name,
+        "prompt": "Hello",
+        "max_tokens": 2,
+        "temperature": 1,
+        "seed": seed,
+        "return_token_ids": True,
+    }
     r = [
         httpx.post(f"{deployment.base_url}/v1/completions", json=body, timeout=60) for _ in range(2)
     ]

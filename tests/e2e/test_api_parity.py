@@ -56,7 +56,13 @@ def _ok(deployment, model_name):
     """A request that succeeds (the server keeps serving after a bad one)."""
     r = httpx.post(
         f"{deployment.base_url}/v1/completions",
-        json={"model": model_name, "prompt": "Hello", "max_tokens": 2, "temperature": 0},
+        json={
+            "model": model_name,
+            "prompt": "Hello",
+            "max_tokens": 2,
+            "temperature": 0,
+            "return_token_ids": True,
+        },
         timeout=60,
     )
     assert r.status_code == 200, r.text
@@ -74,7 +80,7 @@ def test_n_choices_with_derived_seeds(oai, model_name, prompt_ids):
         prompt=prompt_ids,
         max_tokens=6,
         temperature=1.0,
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
     )
     r = oai.completions.create(n=3, seed=11, **kw)
     assert [c.index for c in r.choices] == [0, 1, 2]
@@ -95,22 +101,38 @@ def test_n_greedy_chat_and_batched_prompts(oai, model_name, deployment, prompt_i
         n=2,
         max_tokens=4,
         temperature=0,
+        extra_body={"return_token_ids": True},
     )
     assert [c.index for c in r.choices] == [0, 1]
     assert r.choices[0].message.content == r.choices[1].message.content
     b = oai.completions.create(
-        model=model_name, prompt=[prompt_ids, prompt_ids[:3]], max_tokens=12, temperature=0
+        model=model_name,
+        prompt=[prompt_ids, prompt_ids[:3]],
+        max_tokens=12,
+        temperature=0,
+        extra_body={"return_token_ids": True},
     )
     assert len(b.choices) == 2 and b.choices[0].model_extra["token_ids"] == ref
 
 
 def test_echo_prepends_the_prompt(oai, model_name, tokenizer, prompt_ids, ref):
     r = oai.completions.create(
-        model=model_name, prompt=PROMPT, max_tokens=12, temperature=0, echo=True
+        model=model_name,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        echo=True,
+        extra_body={"return_token_ids": True},
     )
     assert r.choices[0].text == PROMPT + tokenizer.decode(ref, skip_special_tokens=True)
     s = oai.completions.create(
-        model=model_name, prompt=PROMPT, max_tokens=12, temperature=0, echo=True, stream=True
+        model=model_name,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        echo=True,
+        stream=True,
+        extra_body={"return_token_ids": True},
     )
     assert "".join(c.choices[0].text for c in s) == r.choices[0].text
 
@@ -120,7 +142,12 @@ def test_completion_logprobs_equal_the_reference(
     oai, model_name, model_dir, prompt_ids, ref, tokenizer
 ):
     r = oai.completions.create(
-        model=model_name, prompt=prompt_ids, max_tokens=12, temperature=0, logprobs=3
+        model=model_name,
+        prompt=prompt_ids,
+        max_tokens=12,
+        temperature=0,
+        logprobs=3,
+        extra_body={"return_token_ids": True},
     )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ref)
@@ -146,7 +173,7 @@ def test_tokens_as_token_ids_keep_every_top_logprob(oai, model_name, prompt_ids,
         max_tokens=6,
         temperature=0,
         logprobs=k,
-        extra_body={"return_tokens_as_token_ids": True},
+        extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True},
     )
     lp = r.choices[0].logprobs
     assert lp.tokens == [f"token_id:{t}" for t in ref[:6]]
@@ -159,7 +186,7 @@ def test_tokens_as_token_ids_keep_every_top_logprob(oai, model_name, prompt_ids,
         temperature=0,
         logprobs=True,
         top_logprobs=2,
-        extra_body={"return_tokens_as_token_ids": True},
+        extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True},
     )
     content, ids = c.choices[0].logprobs.content, c.choices[0].model_extra["token_ids"]
     assert len(content) == len(ids) == 3
@@ -172,7 +199,9 @@ def test_tokens_as_token_ids_keep_every_top_logprob(oai, model_name, prompt_ids,
             assert top.bytes == list(tokenizer.decode([tid_top]).encode())
     with pytest.raises(openai.BadRequestError) as ei:  # nothing to name without logprobs
         oai.completions.create(
-            model=model_name, prompt="Hi", extra_body={"return_tokens_as_token_ids": True}
+            model=model_name,
+            prompt="Hi",
+            extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True},
         )
     assert ei.value.body["param"] == "return_tokens_as_token_ids"
 
@@ -213,7 +242,13 @@ def test_echo_with_logprobs_gives_prompt_logprobs(
     """As vLLM: the echoed prompt tokens come first in ``logprobs``, the first one's ``null``."""
     n = 4
     r = oai.completions.create(
-        model=model_name, prompt=prompt_ids, max_tokens=n, temperature=0, echo=True, logprobs=2
+        model=model_name,
+        prompt=prompt_ids,
+        max_tokens=n,
+        temperature=0,
+        echo=True,
+        logprobs=2,
+        extra_body={"return_token_ids": True},
     )
     lp = r.choices[0].logprobs
     ids = prompt_ids + ref[:n]
@@ -236,6 +271,7 @@ def test_echo_with_logprobs_gives_prompt_logprobs(
         echo=True,
         logprobs=2,
         stream=True,
+        extra_body={"return_token_ids": True},
     )
     toks, lps, offs = [], [], []
     for c in s:
@@ -245,7 +281,13 @@ def test_echo_with_logprobs_gives_prompt_logprobs(
             offs += c.choices[0].logprobs.text_offset
     assert toks == lp.tokens and offs == lp.text_offset
     assert lps[0] is None and lps[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
-    _ok_text = oai.completions.create(model=model_name, prompt="Hi", max_tokens=2, echo=True)
+    _ok_text = oai.completions.create(
+        model=model_name,
+        prompt="Hi",
+        max_tokens=2,
+        echo=True,
+        extra_body={"return_token_ids": True},
+    )
     assert _ok_text.choices[0].text.startswith("Hi")
 
 
@@ -291,6 +333,7 @@ def test_chat_logprobs_and_top_logprobs(oai, model_name):
         temperature=0,
         logprobs=True,
         top_logprobs=2,
+        extra_body={"return_token_ids": True},
     )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
@@ -306,6 +349,7 @@ def test_chat_logprobs_and_top_logprobs(oai, model_name):
         temperature=0,
         logprobs=True,
         stream=True,
+        extra_body={"return_token_ids": True},
     )
     streamed = [c.choices[0].logprobs.content[0].token for c in s if c.choices[0].logprobs]
     assert streamed == [x.token for x in content]
@@ -325,14 +369,19 @@ def test_penalties_follow_the_reference_step_by_step(oai, model_name, model_dir,
         temperature=0,
         presence_penalty=0.4,
         frequency_penalty=0.8,
-        extra_body={"repetition_penalty": 1.3, "ignore_eos": True},
+        extra_body={"return_token_ids": True, "repetition_penalty": 1.3, "ignore_eos": True},
     )
     assert r.choices[0].model_extra["token_ids"] == out
 
 
 def test_logit_bias_top_k_min_p(oai, model_name, prompt_ids, ref):
     r = oai.completions.create(
-        model=model_name, prompt=prompt_ids, max_tokens=4, temperature=0, logit_bias={"77": 100}
+        model=model_name,
+        prompt=prompt_ids,
+        max_tokens=4,
+        temperature=0,
+        logit_bias={"77": 100},
+        extra_body={"return_token_ids": True},
     )
     assert r.choices[0].model_extra["token_ids"] == [77] * 4
     for extra in ({"top_k": 1}, {"min_p": 1.0}):
@@ -342,7 +391,7 @@ def test_logit_bias_top_k_min_p(oai, model_name, prompt_ids, ref):
             max_tokens=12,
             temperature=1.5,
             seed=3,
-            extra_body=extra,
+            extra_body={**extra, "return_token_ids": True},
         )
         assert s.choices[0].model_extra["token_ids"] == ref, extra  # only the top token survives
 
@@ -357,7 +406,11 @@ def test_stop_token_ids_and_include_stop_str(oai, model_name, prompt_ids, ref, t
             prompt=prompt_ids,
             max_tokens=12,
             temperature=0,
-            extra_body={"stop_token_ids": [stop_id], "include_stop_str_in_output": include},
+            extra_body={
+                "return_token_ids": True,
+                "stop_token_ids": [stop_id],
+                "include_stop_str_in_output": include,
+            },
         )
         ch = r.choices[0]
         assert ch.model_extra["token_ids"] == ref[: j + 1]
@@ -372,7 +425,7 @@ def test_stop_token_ids_and_include_stop_str(oai, model_name, prompt_ids, ref, t
             max_tokens=12,
             temperature=0,
             stop=[stop],
-            extra_body={"include_stop_str_in_output": include},
+            extra_body={"return_token_ids": True, "include_stop_str_in_output": include},
         )
         cut = full.index(stop) + (len(stop) if include else 0)
         assert r.choices[0].text == full[:cut]
@@ -385,7 +438,7 @@ def test_min_tokens_defers_stop_tokens(oai, model_name, prompt_ids, ref):
         prompt=prompt_ids,
         max_tokens=8,
         temperature=0,
-        extra_body={"stop_token_ids": [ref[0]], "min_tokens": 4},
+        extra_body={"return_token_ids": True, "stop_token_ids": [ref[0]], "min_tokens": 4},
     )
     ids = r.choices[0].model_extra["token_ids"]
     assert len(ids) >= 4 and ref[0] not in ids[:4]
@@ -401,7 +454,7 @@ def test_skip_special_tokens(oai, model_name, tokenizer):
             max_tokens=2,
             temperature=0,
             logit_bias={str(pad): 100},
-            extra_body={"skip_special_tokens": skip, "ignore_eos": True},
+            extra_body={"return_token_ids": True, "skip_special_tokens": skip, "ignore_eos": True},
         )
         assert r.choices[0].model_extra["token_ids"] == [pad, pad]
         texts[skip] = r.choices[0].text
@@ -418,13 +471,18 @@ def test_stream_include_usage(oai, model_name, deployment):
             temperature=0,
             stream=True,
             stream_options={"include_usage": True},
+            extra_body={"return_token_ids": True},
         )
     )
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
     assert all(c.usage is None for c in chunks[:-1])
     with pytest.raises(openai.BadRequestError) as ei:  # stream_options without stream
         oai.completions.create(
-            model=model_name, prompt="Hi", max_tokens=2, stream_options={"include_usage": True}
+            model=model_name,
+            prompt="Hi",
+            max_tokens=2,
+            stream_options={"include_usage": True},
+            extra_body={"return_token_ids": True},
         )
     assert ei.value.body["param"] == "stream_options"
     _ok(deployment, model_name)
@@ -452,17 +510,36 @@ def test_bad_chat_field_is_rejected_by_name(deployment, model_name, case):
 
 def test_completion_only_bad_fields(deployment, model_name, oai):
     with pytest.raises(openai.NotFoundError):
-        oai.completions.create(model="gpt-17", prompt="Hi", max_tokens=2)
+        oai.completions.create(
+            model="gpt-17", prompt="Hi", max_tokens=2, extra_body={"return_token_ids": True}
+        )
     with pytest.raises(openai.BadRequestError) as ei:
-        oai.completions.create(model=model_name, prompt="Hi", max_tokens=2, suffix="x")
+        oai.completions.create(
+            model=model_name,
+            prompt="Hi",
+            max_tokens=2,
+            suffix="x",
+            extra_body={"return_token_ids": True},
+        )
     assert ei.value.body["param"] == "suffix"
     # prompts x n is bounded: 1000 prompts x 128 was 128,000 engine requests from 10 KB
     with pytest.raises(openai.BadRequestError) as ei:
-        oai.completions.create(model=model_name, prompt=[[5]] * 33, n=128, max_tokens=1)
+        oai.completions.create(
+            model=model_name,
+            prompt=[[5]] * 33,
+            n=128,
+            max_tokens=1,
+            extra_body={"return_token_ids": True},
+        )
     assert ei.value.body["param"] == "n" and "4224" in ei.value.body["message"]
     # a text far longer than any prompt of 2048 tokens is refused before it is tokenized
     with pytest.raises(openai.BadRequestError) as ei:
-        oai.completions.create(model=model_name, prompt=["Hi", "Hi " * 100_000], max_tokens=1)
+        oai.completions.create(
+            model=model_name,
+            prompt=["Hi", "Hi " * 100_000],
+            max_tokens=1,
+            extra_body={"return_token_ids": True},
+        )
     err = ei.value.body
     assert (err["param"], err["code"]) == ("prompt[1]", "context_length_exceeded"), err
     _ok(deployment, model_name)
@@ -478,7 +555,7 @@ def test_min_tokens_hold_when_every_token_is_a_stop_token(oai, model_name, token
         prompt="Hi",
         max_tokens=8,
         temperature=0,
-        extra_body={"stop_token_ids": ids, "min_tokens": 5},
+        extra_body={"return_token_ids": True, "stop_token_ids": ids, "min_tokens": 5},
     )
     ch = r.choices[0]
     assert len(ch.model_extra["token_ids"]) == 6 and ch.finish_reason == "stop"
@@ -487,7 +564,7 @@ def test_min_tokens_hold_when_every_token_is_a_stop_token(oai, model_name, token
         prompt="Hi",
         max_tokens=4,
         temperature=0,
-        extra_body={"stop_token_ids": [2] * 200_000, "ignore_eos": True},
+        extra_body={"return_token_ids": True, "stop_token_ids": [2] * 200_000, "ignore_eos": True},
     )
     assert r.choices[0].finish_reason in ("stop", "length")
 
@@ -497,7 +574,7 @@ NO_OP = NO_OP_FIELDS
 
 @pytest.mark.parametrize("path", sorted(NO_OP))
 def test_unsupported_field_with_its_no_op_value_is_accepted(deployment, model_name, path):
-    base = {"model": model_name, "max_tokens": 3, "temperature": 0}
+    base = {"model": model_name, "max_tokens": 3, "temperature": 0, "return_token_ids": True}
     base |= (
         {"prompt": PROMPT}
         if path == "/v1/completions"
@@ -511,8 +588,8 @@ def test_unsupported_field_with_its_no_op_value_is_accepted(deployment, model_na
         assert r.status_code == 200, (field, value, r.text)
         assert r.json()["choices"][0]["token_ids"] == want, (field, value)
     # the same fields with a value that would act are still refused by name
-    acting = {"tools": [{"type": "function", "function": {"name": "f"}}], "suffix": "x"}
-    field = "tools" if path == "/v1/chat/completions" else "suffix"
+    acting = {"functions": [{"name": "f"}], "suffix": "x"}
+    field = "functions" if path == "/v1/chat/completions" else "suffix"
     r = _post(deployment, path, {**base, field: acting[field]})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
@@ -529,6 +606,7 @@ def test_streamed_n_choices_with_usage(oai, model_name, prompt_ids, ref):
             n=2,
             stream=True,
             stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"return_token_ids": True},
         )
     )
     ids: dict[int, list[int]] = {0: [], 1: []}
@@ -559,6 +637,7 @@ def test_streamed_chat_continuous_usage_starts_at_zero(oai, model_name):
             n=2,
             stream=True,
             stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"return_token_ids": True},
         )
     )
     seen: dict[int, int] = {0: 0, 1: 0}
@@ -578,7 +657,14 @@ def test_streamed_chat_continuous_usage_starts_at_zero(oai, model_name):
 def test_top_k_beyond_the_vocabulary_keeps_every_token(deployment, model_name):
     """``top_k`` >= the vocabulary size is the same as 0 (all tokens). A top_k of 2**63 or more
     overflowed the batch's int64 tensor and failed every request in that engine step."""
-    body = {"model": model_name, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": 3}
+    body = {
+        "model": model_name,
+        "prompt": PROMPT,
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": 3,
+        "return_token_ids": True,
+    }
     want = _post(deployment, "/v1/completions", {**body, "top_k": 0}).json()["choices"][0]
     for k in (10**6, 2**63, 10**40):
         r = _post(deployment, "/v1/completions", {**body, "top_k": k})
@@ -591,6 +677,11 @@ def test_temperature_below_sampling_eps_is_greedy(oai, model_name, prompt_ids, r
     ``_SAMPLING_EPS`` (1e-5) it now means greedy, as in vLLM."""
     for t in (1e-40, 1e-6):
         r = oai.completions.create(
-            model=model_name, prompt=prompt_ids, max_tokens=12, temperature=t, seed=7
+            model=model_name,
+            prompt=prompt_ids,
+            max_tokens=12,
+            temperature=t,
+            seed=7,
+            extra_body={"return_token_ids": True},
         )
         assert r.choices[0].model_extra["token_ids"] == ref, t

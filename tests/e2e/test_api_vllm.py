@@ -119,7 +119,13 @@ def test_echo_logprobs_of_a_prompt_that_decodes_to_nothing(deployment, model_nam
 def test_default_max_tokens_is_clamped_to_the_room_left(deployment, model_name):
     """Without ``max_tokens`` a completion gets OpenAI's 16, but never more than the context
     leaves: a 2040-token prompt of a 2048-token context got a 400 on a field never sent."""
-    body = {"model": model_name, "prompt": [5] * 2040, "ignore_eos": True, "temperature": 0}
+    body = {
+        "model": model_name,
+        "prompt": [5] * 2040,
+        "ignore_eos": True,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     r = _post(deployment, "/v1/completions", body)
     assert r.status_code == 200, r.text
     ch = r.json()["choices"][0]
@@ -147,8 +153,8 @@ def test_responses_carry_vllms_prompt_keys_as_null(oai, model_name):
 
 
 def test_return_token_ids(oai, model_name, tokenizer):
-    """``true``: the prompt's ids too (completions: per choice; chat: on the response and on the
-    first streamed chunk only); ``false``: ``token_ids`` null; absent: ``token_ids`` only."""
+    """``true``: the generated and the prompt's ids (completions: per choice; chat: on the
+    response and on the first streamed chunk only); ``false`` or absent: both null (vLLM)."""
     ids = tokenizer(PROMPT)["input_ids"]
     msgs = [{"role": "user", "content": PROMPT}]
     chat_ids = _tokenize_chat(oai, model_name, msgs)
@@ -161,6 +167,10 @@ def test_return_token_ids(oai, model_name, tokenizer):
     c = oai.completions.create(model=model_name, prompt=PROMPT, max_tokens=3, extra_body=off)
     assert c.choices[0].token_ids is None and c.choices[0].prompt_token_ids is None
     m = oai.chat.completions.create(model=model_name, messages=msgs, max_tokens=3, extra_body=off)
+    assert m.choices[0].token_ids is None and m.prompt_token_ids is None
+    c = oai.completions.create(model=model_name, prompt=PROMPT, max_tokens=3)  # absent: as false
+    assert c.choices[0].token_ids is None and c.choices[0].prompt_token_ids is None
+    m = oai.chat.completions.create(model=model_name, messages=msgs, max_tokens=3)
     assert m.choices[0].token_ids is None and m.prompt_token_ids is None
     chunks = list(
         oai.chat.completions.create(

@@ -27,7 +27,13 @@ def test_serve_passes_cpu_bf16_compute_to_every_child(tmp_path):
         assert h["compute"]["cpu_bf16_compute"] == "fp32"
         r = httpx.post(
             f"{sp.base_url}/v1/completions",
-            json={"prompt": "Hello world", "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+            json={
+                "prompt": "Hello world",
+                "max_tokens": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
             timeout=120,
         )
         assert r.status_code == 200, r.text

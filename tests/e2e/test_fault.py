@@ -96,7 +96,13 @@ def test_kill_expert_server_while_streaming(deployment, model_name, tokenizer, m
     # a fresh request after the failure is still exact
     r = httpx.post(
         f"{deployment.base_url}/v1/completions",
-        json={"model": model_name, "prompt": prompts[3], "max_tokens": 8, "temperature": 0},
+        json={
+            "model": model_name,
+            "prompt": prompts[3],
+            "max_tokens": 8,
+            "temperature": 0,
+            "return_token_ids": True,
+        },
         timeout=60,
     )
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == refs[3][:8]

@@ -32,7 +32,12 @@ def _check_exact(base_url, tokenizer, model_dir):
     for p, ref in zip(prompts, refs, strict=False):
         r = httpx.post(
             f"{base_url}/v1/completions",
-            json={"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0},
+            json={
+                "prompt": p,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "return_token_ids": True,
+            },
             timeout=120,
         )
         assert r.status_code == 200, r.text

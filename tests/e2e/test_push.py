@@ -132,7 +132,13 @@ def put(dep, body: str | bytes, token: str | None = TOKEN) -> httpx.Response:
 
 def complete(dep) -> list[int]:
     c = openai.OpenAI(base_url=f"{dep['url']}/v1", api_key="unused", timeout=120, max_retries=0)
-    r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0)
+    r = c.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
     ids = r.choices[0].model_extra["token_ids"]
     assert len(ids) == 6
     return ids

@@ -39,7 +39,13 @@ def test_serve_double_batch_overlap_greedy_equals_reference(deployment, model_di
     def complete(p):
         c = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
         try:
-            return c.completions.create(model=name, prompt=p, max_tokens=MAX_TOKENS, temperature=0)
+            return c.completions.create(
+                model=name,
+                prompt=p,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body={"return_token_ids": True},
+            )
         finally:
             c.close()
 

@@ -98,7 +98,7 @@ BAD_REQUESTS = {
         {"prompt": "Hello", "temperature": "hot"},
         "temperature",
     ),
-    # seeds outside torch's range (signed or unsigned 64 bit) must not reach the engine (was 500)
+    # seeds outside the signed 64-bit range are refused, as vLLM (was 500 past torch's range)
     "seed_too_big": (
         "/v1/completions",
         {"prompt": "Hello", "temperature": 1, "seed": 99999999999999999999999},
@@ -107,6 +107,11 @@ BAD_REQUESTS = {
     "seed_2_pow_64": (
         "/v1/completions",
         {"prompt": "Hello", "temperature": 1, "seed": 2**64},
+        "seed",
+    ),
+    "seed_2_pow_63": (
+        "/v1/completions",
+        {"prompt": "Hello", "temperature": 1, "seed": 2**63},
         "seed",
     ),
     "seed_too_negative": (
@@ -197,8 +202,17 @@ BAD_REQUEST_CODES = {
 
 # ---- chat fields: (extra body, the param named, status) ----------------------------------------
 BAD_CHAT_FIELDS = {
-    "tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", 400),
-    "response_format": ({"response_format": {"type": "json_object"}}, "response_format", 400),
+    # tools default to tool_choice "auto", which needs a tool-call parser (vLLM refuses it too)
+    "tools_with_auto_tool_choice": (
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        "tool_choice",
+        400,
+    ),
+    "response_format_json_schema_without_schema": (
+        {"response_format": {"type": "json_schema"}},
+        "response_format.json_schema",
+        400,
+    ),
     "suffix": ({"suffix": "end"}, "suffix", 400),
     "best_of": ({"best_of": 3}, "best_of", 400),
     "unknown_field": ({"frobnicate": 1}, "frobnicate", 400),

@@ -219,6 +219,7 @@ def stream_completion(base_url, model_name, prompt_ids, out: dict, started: thre
                 "max_tokens": FAILOVER_MAX_TOKENS,
                 "temperature": 0,
                 "stream": True,
+                "return_token_ids": True,
             },
             timeout=120,
         ) as r:

@@ -76,6 +76,7 @@ class StreamLoad:
                     max_tokens=self.max_tokens,
                     temperature=0,
                     stream=True,
+                    extra_body={"return_token_ids": True},
                 )
                 for chunk in stream:
                     ids = chunk.choices[0].model_extra.get("token_ids") or []

@@ -4,8 +4,8 @@ documents and every answer is built from).
 Shapes follow OpenAI's API reference and vLLM's server for its keys: every non-streamed
 completion choice carries ``prompt_logprobs`` and ``prompt_token_ids`` (``null`` unless asked
 for with ``prompt_logprobs`` / ``return_token_ids``), a chat completion carries them at the top
-level; ``token_ids`` (the generated ids) is on every choice unless ``return_token_ids: false``
-(then ``null``); ``stop_reason`` is the matched stop string or stop token id.
+level; ``token_ids`` (the generated ids) is on every choice, ``null`` unless
+``return_token_ids: true`` (as vLLM); ``stop_reason`` is the matched stop string or stop token id.
 
 A prompt logprob row (:data:`PromptLogprobs`) is vLLM's: ``null`` for the first prompt token,
 else ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` holding the prompt token and the
@@ -93,9 +93,24 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
+    """``tool_calls``: with ``tool_choice`` ``"required"`` or named (``content`` is then
+    ``""``), else ``[]`` (as vLLM)."""
+
     role: str = "assistant"
     content: str
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):

@@ -16,6 +16,7 @@ from typing import Any
 from eaas.runtime.client.api.bodies import DetokenizeResponse, TokenizeResponse
 from eaas.runtime.client.api.chat_template import normalize_messages, render_chat
 from eaas.runtime.client.api.protocol import (
+    COMPLETION_UNSUPPORTED,
     MAX_CHOICES,
     SEED_MAX,
     SEED_MIN,
@@ -23,6 +24,7 @@ from eaas.runtime.client.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    NamedToolChoice,
     TokenizeRequest,
     _SamplingFields,
     bad,
@@ -30,6 +32,7 @@ from eaas.runtime.client.api.protocol import (
     parse,
 )
 from eaas.runtime.client.sampling import SAMPLING_EPS, SamplingParams
+from eaas.runtime.client.structured import Grammar, GrammarCompiler, GrammarError
 
 
 @dataclass
@@ -51,6 +54,10 @@ class Prepared:
             ``add_generation_prompt: false``, as vLLM).
         max_tokens: per prompt, the ``max_tokens`` its choices use (``None``: ``params``'),
             so that the default of 16 is clamped to each prompt's room.
+        tool_call: chat with ``tool_choice`` ``"required"`` (``"required"``) or a named
+            function (its name): the answer becomes ``tool_calls``; else ``None``.
+        beam_search, length_penalty: vLLM's ``use_beam_search`` (``n`` beams per prompt,
+            :mod:`.beam`) and its score's length exponent.
     """
 
     prompts: list[list[int]]
@@ -67,6 +74,9 @@ class Prepared:
     return_token_ids: bool | None = None
     role: str = "assistant"
     max_tokens: list[int] | None = None
+    tool_call: str | None = None
+    beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 def sampling_temperature(value: float | None) -> float:
@@ -102,6 +112,7 @@ class RequestPreparer:
         self.max_context = int(max_context)
         self.vocab_size = int(vocab_size)
         self._max_token_chars: int | None = None  # longest vocabulary entry (check_text_length)
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size)
 
     def check_model(self, model: str | None) -> None:
         """Raises: APIError 404 ``model_not_found`` for a model this server does not serve
@@ -211,6 +222,11 @@ class RequestPreparer:
             bias[t] = float(v)
         stop_ids = frozenset(req.stop_token_ids or ())  # the engine tests every token against it
         self.check_ids(sorted(stop_ids), "stop_token_ids")
+        self.check_ids(req.logprob_token_ids or [], "logprob_token_ids")
+        allowed = None
+        if req.allowed_token_ids is not None:
+            self.check_ids(req.allowed_token_ids, "allowed_token_ids")
+            allowed = frozenset(req.allowed_token_ids)
         base = SamplingParams(
             max_tokens=max_tokens,
             temperature=sampling_temperature(req.temperature),
@@ -229,6 +245,8 @@ class RequestPreparer:
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=bias,
             skip_special_tokens=req.skip_special_tokens,
+            allowed_token_ids=allowed,
+            logprob_token_ids=tuple(req.logprob_token_ids or ()) or None,
         )
         out = []
         for i in range(req.n):
@@ -240,9 +258,42 @@ class RequestPreparer:
             out.append(dataclasses.replace(base, seed=seed))
         return out, max_tokens
 
+    def grammar(self, req: _SamplingFields, schema: dict | None = None) -> Grammar | None:
+        """The request's compiled constraint: ``structured_outputs``, ``response_format``
+        (``json_object`` / ``json_schema``, as vLLM maps them) or a tool call's ``schema``;
+        ``None`` without one.
+
+        Raises:
+            APIError: 400 naming the field whose constraint does not compile.
+        """
+        so, rf = req.structured_outputs, req.response_format
+        any_ws, no_extra = True, False
+        spec: Any
+        if schema is not None:
+            kind, spec, param = "json", schema, "tools"
+        elif so is not None:
+            ((kind, spec),) = so.constraints().items()
+            param = f"structured_outputs.{kind}"
+            any_ws, no_extra = not so.disable_any_whitespace, so.disable_additional_properties
+        elif rf is not None and rf.type == "json_object":
+            kind, spec, param = "json_object", None, "response_format"
+        elif rf is not None and rf.type == "json_schema":
+            assert rf.json_schema is not None
+            kind, spec, param = "json", rf.json_schema.schema_, "response_format.json_schema"
+        else:
+            return None
+        if kind == "json_object" and spec is False:
+            return None
+        if kind == "json" and no_extra and isinstance(spec, dict):
+            spec = _no_additional_properties(spec)
+        try:
+            return self.grammars.compile(kind, spec, param, any_whitespace=any_ws)
+        except GrammarError as exc:
+            raise bad(str(exc), exc.param) from None
+
     def prepare_completion(self, body: dict) -> Prepared:
         """Validate a ``/v1/completions`` body. Raises: APIError (400 / 404)."""
-        body = check_unsupported(body)
+        body = check_unsupported(body, COMPLETION_UNSUPPORTED)
         req = parse(CompletionRequest, body)
         self.check_model(req.model)
         p = req.prompt
@@ -296,9 +347,13 @@ class RequestPreparer:
         want = [
             k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None
         ]
+        grammar = self.grammar(req)
+        # logprob_token_ids replace the top `logprobs` (vLLM: their count is what is listed)
+        k = len(req.logprob_token_ids) if req.logprob_token_ids else req.logprobs
         for sp in params:
-            sp.logprobs = req.logprobs
+            sp.logprobs = k
             sp.prompt_logprobs = max(want) if want else None
+            sp.grammar = grammar
         so = req.stream_options
         return Prepared(
             prompts,
@@ -308,12 +363,14 @@ class RequestPreparer:
             bool(so and so.include_usage),
             bool(so and so.include_usage and so.continuous_usage_stats),
             False,
-            req.logprobs,
+            k,
             req.return_tokens_as_token_ids,
             echo=req.echo,
             prompt_logprobs=req.prompt_logprobs,
             return_token_ids=req.return_token_ids,
             max_tokens=per_prompt,
+            beam_search=req.use_beam_search,
+            length_penalty=req.length_penalty,
         )
 
     def prepare_chat(self, body: dict) -> Prepared:
@@ -323,13 +380,30 @@ class RequestPreparer:
         self.check_model(req.model)
         messages = normalize_messages(req.messages)
         self.check_text_length(sum(len(m["content"]) for m in messages), "messages")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         ids = render_chat(
             self.tokenizer,
             messages,
             req.add_generation_prompt,
             req.continue_final_message,
             req.chat_template_kwargs,
+            tools=tools,
         )
+        tool_call, schema = None, None
+        if req.stream and req.tool_choice not in (None, "none"):
+            raise bad(
+                "'tool_choice' 'required' or a named function is not available with "
+                "'stream': true on this server (send the request without streaming)",
+                "tool_choice",
+                "unsupported_parameter",
+            )
+        if isinstance(req.tool_choice, NamedToolChoice):
+            tool_call = req.tool_choice.function.name
+            fn = next(t.function for t in req.tools or () if t.function.name == tool_call)
+            schema = _params_schema(fn.parameters)
+        elif req.tool_choice == "required":
+            tool_call = "required"
+            schema = _tools_schema(req.tools or [], req.parallel_tool_calls)
         if req.truncate_prompt_tokens is not None:
             ids = self.truncate(ids, req.truncate_prompt_tokens, req.truncation_side)
         self.check_ids(ids, "messages")
@@ -337,9 +411,11 @@ class RequestPreparer:
         mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params, _ = self.sampling_params(req, len(ids), mt, key, "messages")
         lp = (req.top_logprobs or 0) if req.logprobs else None
+        grammar = self.grammar(req, schema)
         for sp in params:
             sp.logprobs = lp
             sp.prompt_logprobs = req.prompt_logprobs
+            sp.grammar = grammar
         # vLLM: without a generation prompt the answer continues the last message, in its role
         role = "assistant" if req.add_generation_prompt else messages[-1]["role"]
         echo = ""
@@ -360,6 +436,9 @@ class RequestPreparer:
             prompt_logprobs=req.prompt_logprobs,
             return_token_ids=req.return_token_ids,
             role=role,
+            tool_call=tool_call,
+            beam_search=req.use_beam_search,
+            length_penalty=req.length_penalty,
         )
 
     def tokenize(self, body: dict) -> TokenizeResponse:
@@ -401,3 +480,60 @@ class RequestPreparer:
         self.check_model(req.model)
         self.check_ids(req.tokens, "tokens")
         return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+
+def _params_schema(params: dict | None) -> dict:
+    """A tool's ``parameters`` schema (none: an empty object, as vLLM)."""
+    return params if params else {"type": "object", "properties": {}}
+
+
+def _tools_schema(tools: list, parallel: bool | None) -> dict:
+    """vLLM's schema for ``tool_choice: "required"``: a non-empty array of
+    ``{"name": <one tool's name>, "parameters": <its schema>}`` (one item at most with
+    ``parallel_tool_calls: false``); the tools' ``$defs`` merged at the top.
+
+    Raises:
+        APIError: 400 on ``tools`` when two tools define one ``$defs`` name differently.
+    """
+    items: list[dict] = []
+    defs: dict[str, Any] = {}
+    for t in tools:
+        params = dict(_params_schema(t.function.parameters))
+        for k, v in (params.pop("$defs", None) or {}).items():
+            if k in defs and defs[k] != v:
+                raise bad(f"tools define '$defs.{k}' with different schemas", "tools")
+            defs[k] = v
+        items.append(
+            {
+                "properties": {
+                    "name": {"type": "string", "enum": [t.function.name]},
+                    "parameters": params,
+                },
+                "required": ["name", "parameters"],
+            }
+        )
+    schema: dict = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+    if parallel is False:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _no_additional_properties(schema: dict) -> dict:
+    """``schema`` with ``additionalProperties: false`` on every object that does not set it
+    (vLLM's ``disable_additional_properties``)."""
+
+    def walk(x):
+        if isinstance(x, dict):
+            out = {k: walk(v) for k, v in x.items()}
+            if (out.get("type") == "object" or "properties" in out) and (
+                "additionalProperties" not in out
+            ):
+                out["additionalProperties"] = False
+            return out
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        return x
+
+    return walk(schema)

@@ -21,8 +21,9 @@ from typing import Annotated, Any, Literal, TypeVar
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-# torch.Generator.manual_seed takes signed or unsigned 64-bit seeds
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# signed 64 bit, as vLLM (``_INT64_MIN`` / ``_INT64_MAX`` of its protocol): a seed outside is a
+# 400 naming ``seed`` (torch would take unsigned 64-bit seeds too; vLLM's clients expect the 400)
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20  # OpenAI: top_logprobs <= 20 (chat); completions logprobs <= 5, vLLM 20
 MAX_N = 128  # OpenAI's limit of n
 MAX_CHOICES = 4096  # prompts x n of one completions request (each choice is an engine request)
@@ -70,11 +71,8 @@ def bad(message: str, param: str | None, code: str = "invalid_value") -> APIErro
 # ---- known but unsupported fields ----------------------------------------------------------
 # field -> values that mean "off" (accepted); any other value is a 400 naming the field.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "suffix": (None, ""),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -83,18 +81,19 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "service_tier": (None, "auto", "default"),
     "store": (None, False),
     "web_search_options": (None,),
-    "use_beam_search": (None, False),
-    "length_penalty": (None, 1, 1.0),
-    "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "guided_json": (None,),
     "guided_regex": (None,),
     "guided_choice": (None,),
     "guided_grammar": (None,),
-    "structured_outputs": (None,),
     "spaces_between_special_tokens": (None, True),
     "chat_template": (None,),
     "documents": (None,),
+}
+#: refused on /v1/completions only (chat implements them: tool_choice named / "required")
+COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
 }
 
 
@@ -143,6 +142,79 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: exactly one constraint (``json``, ``regex``, ``choice``,
+    ``grammar``, ``json_object``) and its options; compiled with xgrammar
+    (:mod:`eaas.runtime.client.structured`)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        if self.structural_tag is not None:
+            raise _FieldError(
+                "structured_outputs.structural_tag",
+                "'structured_outputs.structural_tag' is not supported by this server",
+            )
+        if self.whitespace_pattern is not None:  # vLLM refuses it with xgrammar too
+            raise _FieldError(
+                "structured_outputs.whitespace_pattern",
+                "'structured_outputs.whitespace_pattern' is not supported (xgrammar backend)",
+            )
+        if len(self.constraints()) != 1:
+            raise _FieldError(
+                "structured_outputs",
+                "'structured_outputs' needs exactly one of 'json', 'regex', 'choice', 'grammar' "
+                f"and 'json_object', got {len(self.constraints())}",
+            )
+        return self
+
+    def constraints(self) -> dict[str, Any]:
+        """``{kind: spec}`` of the constraints set (one after validation)."""
+        out = {
+            "json": self.json_,
+            "regex": self.regex,
+            "choice": self.choice,
+            "grammar": self.grammar,
+            "json_object": self.json_object,
+        }
+        return {k: v for k, v in out.items() if v is not None}
+
+
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object)
+    or ``json_schema`` (its ``schema``), as vLLM maps them to structured outputs."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise _FieldError(
+                "response_format.json_schema",
+                "'response_format' of type 'json_schema' needs 'json_schema'",
+            )
+        return self
+
+
 class _SamplingFields(_Strict):
     """Fields shared by completions and chat (OpenAI + vLLM extensions)."""
 
@@ -170,7 +242,7 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM)
-    # vLLM: true adds prompt_token_ids; false sets token_ids to null (absent: token_ids only)
+    # vLLM: true adds token_ids (the generated ids) and prompt_token_ids; else both are null
     return_token_ids: bool | None = None
     # vLLM: logprobs of every prompt token after the first, k most likely each, computed in the
     # prefill forward of this request
@@ -179,6 +251,16 @@ class _SamplingFields(_Strict):
     # vLLM: keep only this many prompt tokens (-1: the context), from the truncation_side end
     truncate_prompt_tokens: Annotated[int, Field(strict=True, ge=-1)] | None = None
     truncation_side: Literal["left", "right"] = "left"
+    # vLLM: with logprobs, these ids' logprobs in place of the top k (at most 128)
+    logprob_token_ids: Annotated[list[StrictInt], Field(max_length=128)] | None = None
+    # vLLM: only these token ids can be sampled (a logits mask; logprobs stay raw)
+    allowed_token_ids: Annotated[list[StrictInt], Field(min_length=1)] | None = None
+    # vLLM: beam search of n beams (runtime/client/api/beam.py), scored with length_penalty
+    use_beam_search: bool = False
+    length_penalty: Annotated[float, Field(allow_inf_nan=False)] = 1.0
+    # guided decoding, as vLLM (xgrammar): structured_outputs, or OpenAI's response_format
+    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _cross_field(self):
@@ -205,6 +287,33 @@ class _SamplingFields(_Strict):
         if self.prompt_logprobs is not None and self.stream:
             raise _FieldError(
                 "prompt_logprobs", "'prompt_logprobs' is not available with 'stream': true (vLLM)"
+            )
+        lp = getattr(self, "logprobs", None)
+        if self.logprob_token_ids and (lp is None or lp is False):
+            raise _FieldError("logprob_token_ids", "'logprob_token_ids' needs 'logprobs' (as vLLM)")
+        if self.use_beam_search:
+            for key, on in (
+                ("stream", self.stream),
+                ("logprobs", lp is not None and lp is not False),
+                ("echo", getattr(self, "echo", False)),
+                ("prompt_logprobs", self.prompt_logprobs is not None),
+                ("structured_outputs", self.structured_outputs is not None),
+                ("response_format", self.response_format not in (None,)),
+                ("allowed_token_ids", self.allowed_token_ids is not None),
+                ("logprob_token_ids", bool(self.logprob_token_ids)),
+                ("tool_choice", getattr(self, "tool_choice", None) not in (None, "none")),
+            ):
+                if on:
+                    raise _FieldError(
+                        key, f"'{key}' is not available with 'use_beam_search' on this server"
+                    )
+        elif self.length_penalty != 1.0:
+            raise _FieldError("length_penalty", "'length_penalty' needs 'use_beam_search'")
+        rf = self.response_format
+        if self.structured_outputs is not None and rf is not None and rf.type != "text":
+            raise _FieldError(
+                "response_format",
+                "give either 'response_format' or 'structured_outputs', not both",
             )
         if self.best_of is not None and self.best_of != self.n:
             raise _FieldError(
@@ -310,8 +419,42 @@ class _ChatTemplateFields(_Strict):
         return self
 
 
+class FunctionDef(_Strict):
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    """A tool of ``tools``: ``{"type": "function", "function": {name, description,
+    parameters}}`` (OpenAI)."""
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolChoiceFunction(_Strict):
+    name: Annotated[str, Field(min_length=1)]
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
 class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
-    """``POST /v1/chat/completions``."""
+    """``POST /v1/chat/completions``.
+
+    ``tools`` are rendered by the chat template; ``tool_choice`` ``"none"`` (the default
+    without tools), ``"required"`` (the answer is a JSON array of ``{"name", "parameters"}``
+    calls, guided by its schema, as vLLM) or a named function (the answer is that function's
+    ``parameters`` object); ``"auto"`` needs a tool-call parser for the model's own format,
+    which this server does not have (400, as vLLM without ``--enable-auto-tool-choice``).
+    """
+
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
@@ -319,11 +462,32 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     # vLLM: the answer starts with the last message's content when it has the answer's role
     echo: bool = False
     metadata: dict[str, str] | None = None  # OpenAI: tags for stored completions; no effect
-    parallel_tool_calls: bool | None = None  # OpenAI: acts with tools only (none here)
+    parallel_tool_calls: bool | None = None  # false: tool_choice 'required' makes one call
     top_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
 
     @model_validator(mode="after")
     def _chat_fields(self):
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise _FieldError("tool_choice", "'tool_choice' needs 'tools'")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in [t.function.name for t in self.tools or ()]:
+                raise _FieldError(
+                    "tool_choice.function.name", f"the tool '{name}' is not one of 'tools'"
+                )
+        if self.tool_choice == "auto" or (self.tools and self.tool_choice is None):
+            raise _FieldError(
+                "tool_choice",
+                "'tool_choice' 'auto' (the default with 'tools') needs a tool-call parser, "
+                "which this server does not have; send 'none', 'required' or a named function",
+            )
+        if self.tool_choice not in (None, "none") and (
+            self.structured_outputs is not None or self.response_format not in (None,)
+        ):
+            raise _FieldError(
+                "tool_choice",
+                "use either a tool call ('tool_choice') or structured outputs, not both",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise _FieldError("top_logprobs", "'top_logprobs' needs 'logprobs': true")
         if (

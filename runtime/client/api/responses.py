@@ -11,6 +11,7 @@ failure to its API error. Streamed answers are in :mod:`.streaming`.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,9 @@ from eaas.runtime.client.api.bodies import (
     CompletionChoice,
     CompletionChunk,
     CompletionResponse,
+    FunctionCallOut,
     PromptLogprobs,
+    ToolCallOut,
     UsageInfo,
 )
 from eaas.runtime.client.api.logprobs import LogprobFormatter
@@ -170,9 +173,37 @@ def prompt_logprobs_of(gen: Generation, fmt: LogprobFormatter, ch: Choice) -> Pr
     return fmt.prompt_logprobs(gen.prep.prompts[ch.prompt], rows, k)
 
 
+def tool_calls_of(tool_call: str, text: str) -> list[ToolCallOut]:
+    """The tool calls of an answer guided by a tool call's schema (vLLM): ``tool_call`` a
+    function's name (``text`` is its arguments) or ``"required"`` (``text`` is a JSON array of
+    ``{"name", "parameters"}``); ``[]`` when the text does not parse (cut by ``max_tokens``)."""
+    if tool_call != "required":
+        return [
+            ToolCallOut(id=_call_id(), function=FunctionCallOut(name=tool_call, arguments=text))
+        ]
+    try:
+        calls = json.loads(text)
+        return [
+            ToolCallOut(
+                id=_call_id(),
+                function=FunctionCallOut(
+                    name=c["name"], arguments=json.dumps(c["parameters"], ensure_ascii=False)
+                ),
+            )
+            for c in calls
+        ]
+    except (ValueError, TypeError, KeyError):
+        return []
+
+
+def _call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
 def token_ids_of(prep: Prepared, ids: list[int]) -> list[int] | None:
-    """A choice's ``token_ids``: ``ids``, or ``None`` with ``return_token_ids: false``."""
-    return None if prep.return_token_ids is False else ids
+    """A choice's ``token_ids``: ``ids`` with ``return_token_ids: true``, else ``None`` (as
+    vLLM: only when asked)."""
+    return ids if prep.return_token_ids else None
 
 
 def _final_choice(gen: Generation, fmt: LogprobFormatter, ch: Choice) -> Any:
@@ -187,6 +218,12 @@ def _final_choice(gen: Generation, fmt: LogprobFormatter, ch: Choice) -> Any:
     if prep.chat:
         lp = None if prep.logprobs is None else fmt.chat_logprobs(ch.events, prep.tokens_as_ids)
         msg = ChatMessageOut(role=prep.role, content=echo + ch.req.text)
+        if prep.tool_call is not None:
+            msg.tool_calls = tool_calls_of(prep.tool_call, ch.req.text)
+            if msg.tool_calls:
+                msg.content = ""
+                if prep.tool_call == "required" and ch.finish == "stop":
+                    end["finish_reason"] = "tool_calls"  # OpenAI: "stop" for a named one
         return ChatChoice(index=ch.index, message=msg, logprobs=lp, **end)
     clp = None
     if prep.logprobs is not None:

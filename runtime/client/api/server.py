@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from eaas.runtime import metrics
+from eaas.runtime.client.api.beam import beam_search, finished_request
 from eaas.runtime.client.api.bodies import DetokenizeResponse, TokenizeResponse
 from eaas.runtime.client.api.logprobs import LogprobFormatter
 from eaas.runtime.client.api.prepare import Prepared, RequestPreparer
@@ -200,7 +201,43 @@ class OpenAIServer:
         rid = ("chatcmpl-" if prep.chat else "cmpl-") + uuid.uuid4().hex[:24]
         return Generation(prep, choices, rid, int(time.time()), self.model_name)
 
+    async def _beam_search(self, prep: Prepared) -> Response:
+        """``use_beam_search``: ``n`` beams per prompt (:mod:`.beam`), answered at once."""
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        choices: list[Choice] = []
+        for p, prompt in enumerate(prep.prompts):
+            params = prep.params[0]
+            if prep.max_tokens is not None:
+                params = dataclasses.replace(params, max_tokens=prep.max_tokens[p])
+            try:
+                beams = await beam_search(
+                    self.engine,
+                    prompt,
+                    len(prep.params),
+                    params.max_tokens,
+                    eos,
+                    params.ignore_eos,
+                    prep.length_penalty,
+                    params.include_stop_str_in_output,
+                )
+            except Exception as exc:  # noqa: BLE001 -- the engine's error, as a request's
+                return exc_error(exc).response()
+            for b in beams:
+                req = finished_request(self.tokenizer, prompt, b, params, eos)
+                choices.append(
+                    Choice(
+                        len(choices), p, req, finish=req.finish_reason, stop_reason=b.stop_reason
+                    )
+                )
+        rid = ("chatcmpl-" if prep.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        gen = Generation(prep, choices, rid, int(time.time()), self.model_name)
+        metrics.REQUESTS.labels(client_id=self.client_id, status="200").inc()
+        body = await asyncio.to_thread(lambda: encode_response(build_response(gen, self.logprobs)))
+        return Response(content=body, media_type="application/json")
+
     async def _generate(self, request: Request, prep: Prepared, loop, q: asyncio.Queue):
+        if prep.beam_search:
+            return await self._beam_search(prep)
         gen = self._submit(prep, loop, q)
         if prep.stream:
             return await stream_response(
