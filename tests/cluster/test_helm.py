@@ -285,7 +285,13 @@ def test_tiny_pool_example_turns_ready(release):
         base_url=f"http://{cpod['status']['podIP']}:8000/v1", api_key="unused", timeout=120
     )
     model_id = api.models.list().data[0].id
-    out = api.completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0)
+    out = api.completions.create(
+        model=model_id,
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
     assert out.choices[0].model_extra["token_ids"] == ref
     reports_reach_the_operator(release[0], ns, api, model_id, prompt, ref)
     kubectl("delete", "attentionfleet", "tiny-clients", "-n", ns, "--timeout=120s")
@@ -317,7 +323,13 @@ def reports_reach_the_operator(tb, ns, api, model_id, prompt, ref) -> None:
         killed = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         for _ in range(3):  # each request may pick the dead server's replicas: it is reported
-            out = api.completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0)
+            out = api.completions.create(
+                model=model_id,
+                prompt=prompt,
+                max_tokens=8,
+                temperature=0,
+                extra_body={"return_token_ids": True},
+            )
             assert out.choices[0].model_extra["token_ids"] == ref
 
         def reported():

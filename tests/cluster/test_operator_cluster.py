@@ -462,7 +462,11 @@ def test_client_faults(fault_fleet):
         # B serves a request
         api_b = openai.OpenAI(base_url=f"http://{b_ip}:8000/v1", api_key="unused", timeout=120)
         out = api_b.completions.create(
-            model=model_id, prompt=prompts[0], max_tokens=FAULT_MAX_TOKENS, temperature=0
+            model=model_id,
+            prompt=prompts[0],
+            max_tokens=FAULT_MAX_TOKENS,
+            temperature=0,
+            extra_body={"return_token_ids": True},
         )
         assert out.choices[0].model_extra["token_ids"] == references[0]
         ips = {p["status"]["podIP"] for p in server_pods(ns).values()}

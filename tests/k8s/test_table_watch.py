@@ -60,7 +60,13 @@ def version(url: str) -> int | None:
 
 def complete(url: str) -> list[int]:
     c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
-    r = c.completions.create(model="tiny", prompt="Stateless experts", max_tokens=5, temperature=0)
+    r = c.completions.create(
+        model="tiny",
+        prompt="Stateless experts",
+        max_tokens=5,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
     return r.choices[0].model_extra["token_ids"]
 
 
