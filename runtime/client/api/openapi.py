@@ -58,14 +58,29 @@ def route_doc(
         ok["model"] = model
     if stream:
         ok["content"] = {
-            "text/event-stream": {
-                "schema": {"type": "string", "description": "SSE chunks, data: [DONE] last"}
-            }
+            # before OpenAPI 3.2's itemSchema, an event stream's `schema` describes one event
+            # (the fields of the SSE format, html.spec.whatwg.org "Server-sent events")
+            "text/event-stream": {"schema": SSE_EVENT_SCHEMA}
         }
     responses[200] = ok
     for status in (*errors, 500):
         responses[status] = {"model": ErrorResponse, "description": _ERROR_TEXT[status]}
     return {"operation_id": operation_id, "responses": responses, "response_model": None}
+
+
+#: One server-sent event of a streamed answer: ``data`` is a JSON chunk of the route's stream
+#: type (``*.chunk`` objects), ``[DONE]`` in the last event.
+SSE_EVENT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "One server-sent event: data is a JSON chunk, data: [DONE] last",
+    "properties": {
+        "data": {"type": "string"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+    "required": ["data"],
+}
 
 
 def _add_model(components: dict[str, Any], model: type[BaseModel]) -> dict[str, str]:
