@@ -22,16 +22,12 @@ nano-vllm's ``LLMEngine.step``):
 3. Postprocess (:meth:`Engine._postprocess`): advance the scheduler, count the step, deliver the
    events (:meth:`EngineBase._emit`: stops, detokenization).
 
-The request type and its events live in :mod:`eaas.runtime.client.request`; the cache and
-prefill budgets in :mod:`eaas.runtime.client.budgets`.
-
-Structured outputs: a request with a grammar (:mod:`eaas.runtime.client.structured`) gets a
-matcher on its first sampled step; its mask is applied to the step's logits before sampling and
-the sampled token advances it; the sequence stops once the grammar completed.
+Requests, events: :mod:`eaas.runtime.client.request`; budgets: :mod:`eaas.runtime.client.budgets`.
 
 Sampling: one call per forward into :func:`eaas.runtime.client.sampling.sample` over all rows
 (logits processors, penalties, greedy / seeded sampling, logprobs); a seeded request draws from
-its own ``torch.Generator``, so it is reproducible whatever else is in the batch.
+its own ``torch.Generator``, so it is reproducible whatever else is in the batch. A grammar
+(:mod:`~eaas.runtime.client.structured`) masks its row first; its sequence stops when complete.
 
 Stops: an EOS token id of the tokenizer/model (unless ``ignore_eos``), a ``stop_token_ids`` id,
 ``max_tokens`` generated tokens, or one of the ``stop`` strings appearing in the generated text.
