@@ -122,12 +122,16 @@ class PodWorker(threading.Thread):
         else:
             self.pod_ip = self.node.alloc_ip(self.uid, status.get("podIP"))
         self.dir.mkdir(parents=True, exist_ok=True)
-        if not terminal:
-            try:
-                self.vols.setup(self.pod, self.pod_ip)
+        if not terminal and not self.meta.get("deletionTimestamp"):  # a pod being deleted
+            try:  # before it started gets no volumes (its namespace may refuse tokens): below
+                self.vols.setup(self.pod, self.pod_ip)  # it is finalized at once
             except podlogic.PodConfigError as e:
                 self.config_error = str(e)
                 self.event("FailedMount", str(e), "Warning")
+            except Exception as e:
+                if not self.meta.get("deletionTimestamp"):
+                    raise  # the agent starts a new worker for the pod later (a retry)
+                self.config_error = f"deleted while its volumes were set up: {e}"
         while True:
             if self.off or self.node.stopping.is_set():
                 self._reap_all()

@@ -9,10 +9,10 @@ tests that need a CUDA GPU) are set on the tests themselves.
 **Checkpoints.** The tiny checkpoints are built once per session (:func:`model_dir`,
 :func:`tokenizer`, :func:`checkpoints`).
 
-**Workers.** The README's test command runs the suite on three pytest-xdist workers (``-n 3``
-in pyproject.toml's ``addopts``): most tests wait on processes and control-plane state, not on
-the CPU, so three workers cut the wall time even on a 2-core machine (the cluster tier alone
-takes most of one). :class:`ModuleScheduling` decides who runs what:
+**Workers.** The README's test command runs the suite on two pytest-xdist workers (``-n 2`` in
+pyproject.toml's ``addopts``): most tests wait on processes and control-plane state, not on the
+CPU, so two workers cut the wall time on a 2-core machine (three took longer: 18:27 against
+15:51, the cluster tier slowed by the load). :class:`ModuleScheduling` decides who runs what:
 
 * each control-plane tier (``tests/k8s``: kube-apiserver + etcd + kwok; ``tests/cluster``:
   the testbed with process nodes) is ONE unit, run whole in collection order on one worker
@@ -23,8 +23,8 @@ takes most of one). :class:`ModuleScheduling` decides who runs what:
   module-scoped fixtures (an ``eaas serve`` shared by a module's tests) set up once.
 
 The cluster tier is the longest unit, then the k8s tier: they are handed out first
-(:data:`_FIRST`), the modules after them by test count (xdist's order), so the other workers
-take the other modules while the cluster tier runs.
+(:data:`_FIRST`), the modules after them by test count (xdist's order), so the worker with the
+k8s tier takes the other modules while the cluster tier runs.
 
 ``pytest -n 0`` runs the whole suite in one process. (xdist's ``--dist loadgroup`` would express
 this with ``xdist_group`` marks, but with pytest 9 the group suffix it adds to a test's node id
