@@ -58,6 +58,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_servers import (  # noqa: E402  (bench/decode_servers.py)
     decode_engine,
+    into_decode,
     set_sched_slice,
     start_servers,
     timed_steps,
@@ -88,7 +89,7 @@ def _sdpa_ct(stats: pstats.Stats) -> float:
 
 
 def profile_engine(kind: str, model, tok, args) -> dict:
-    from eaas.runtime.client.engine import Engine, SamplingParams
+    from eaas.runtime.client.engine import Engine
     from eaas.runtime.client.reference_engine import ReferenceEngine
 
     eng = (
@@ -96,20 +97,8 @@ def profile_engine(kind: str, model, tok, args) -> dict:
         if kind == "paged"
         else ReferenceEngine(model, tok, client_id=kind)
     )
-    base = tok(" ".join(["expert server routing table"] * args.prompt_tokens))["input_ids"]
-    reqs = [
-        eng.submit(
-            base[i : i + args.prompt_tokens],
-            SamplingParams(max_tokens=10_000, ignore_eos=True),
-            lambda ev: None,
-        )
-        for i in range(args.batch)
-    ]
+    reqs = into_decode(eng, tok, args)
     with torch.inference_mode():
-        while not all(r.output_ids for r in reqs):  # prefill everything
-            eng._step()
-        for _ in range(2):  # warm-up decode steps
-            eng._step()
         prof = cProfile.Profile()
         t0 = time.perf_counter()
         prof.enable()

@@ -145,7 +145,7 @@ def start_servers(
 
 def decode_engine(model, tok, args, label: str, overlap: bool = False):
     """An engine with ``--batch`` sequences prefilled and two warm-up decode steps done."""
-    from eaas.runtime.client.engine import Engine, SamplingParams
+    from eaas.runtime.client.engine import Engine
 
     eng = Engine(
         model,
@@ -154,6 +154,16 @@ def decode_engine(model, tok, args, label: str, overlap: bool = False):
         max_num_batched_tokens=args.max_num_batched_tokens,
         double_batch_overlap=overlap,
     )
+    into_decode(eng, tok, args)
+    return eng
+
+
+def into_decode(eng, tok, args) -> list:
+    """Put ``--batch`` sequences of ``--prompt-tokens`` tokens into ``eng`` (any engine with
+    ``submit`` / ``_step``), prefill them all and run two warm-up decode steps; returns the
+    requests (cancel them to end the sequences)."""
+    from eaas.runtime.client.engine import SamplingParams
+
     base = tok(" ".join(["expert server routing table"] * args.prompt_tokens))["input_ids"]
     reqs = [
         eng.submit(
@@ -164,11 +174,11 @@ def decode_engine(model, tok, args, label: str, overlap: bool = False):
         for i in range(args.batch)
     ]
     with torch.inference_mode():
-        while not all(r.output_ids for r in reqs):
+        while not all(r.output_ids for r in reqs):  # prefill everything
             eng._step()
-        for _ in range(2):
+        for _ in range(2):  # warm-up decode steps
             eng._step()
-    return eng
+    return reqs
 
 
 def timed_steps(eng, steps: int, server_pids: list[int]) -> tuple[float, float, float]:
