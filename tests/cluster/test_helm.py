@@ -22,6 +22,7 @@ import openai
 import pytest
 import yaml
 
+from helpers.e2e import greedy_token_ids
 from helpers.k8s import get_json, kubectl, pod_ready, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -285,14 +286,7 @@ def test_tiny_pool_example_turns_ready(release):
         base_url=f"http://{cpod['status']['podIP']}:8000/v1", api_key="unused", timeout=120
     )
     model_id = api.models.list().data[0].id
-    out = api.completions.create(
-        model=model_id,
-        prompt=prompt,
-        max_tokens=8,
-        temperature=0,
-        extra_body={"return_token_ids": True},
-    )
-    assert out.choices[0].model_extra["token_ids"] == ref
+    assert greedy_token_ids(api, model_id, prompt, 8) == ref
     reports_reach_the_operator(release[0], ns, api, model_id, prompt, ref)
     kubectl("delete", "attentionfleet", "tiny-clients", "-n", ns, "--timeout=120s")
     # delete it while the operator runs (its finalizer needs the operator)
@@ -323,14 +317,7 @@ def reports_reach_the_operator(tb, ns, api, model_id, prompt, ref) -> None:
         killed = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         for _ in range(3):  # each request may pick the dead server's replicas: it is reported
-            out = api.completions.create(
-                model=model_id,
-                prompt=prompt,
-                max_tokens=8,
-                temperature=0,
-                extra_body={"return_token_ids": True},
-            )
-            assert out.choices[0].model_extra["token_ids"] == ref
+            assert greedy_token_ids(api, model_id, prompt, 8) == ref
 
         def reported():
             events = get_json("events", "-n", ns, "--field-selector", "involvedObject.name=tiny")

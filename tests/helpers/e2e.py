@@ -282,3 +282,16 @@ def metric_sum(values: dict, name: str, **labels) -> float:
         for (n, lab), v in values.items()
         if n == name and all(dict(lab).get(k) == str(x) for k, x in labels.items())
     )
+
+
+def greedy_token_ids(api, model: str, prompt, max_tokens: int) -> list[int]:
+    """The token ids of one greedy completion through the official ``openai`` client ``api``
+    (``return_token_ids``: the server sends ``token_ids`` only when asked, as vLLM)."""
+    out = api.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    return out.choices[0].model_extra["token_ids"]

@@ -28,6 +28,7 @@ from eaas.runtime.models.arch import read_model_info
 from eaas.runtime.tables.table import RoutingTable
 
 from helpers.common import free_port
+from helpers.e2e import greedy_token_ids
 from helpers.k8s import kubectl, wait_for
 
 pytestmark = pytest.mark.cluster
@@ -60,14 +61,7 @@ def version(url: str) -> int | None:
 
 def complete(url: str) -> list[int]:
     c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
-    r = c.completions.create(
-        model="tiny",
-        prompt="Stateless experts",
-        max_tokens=5,
-        temperature=0,
-        extra_body={"return_token_ids": True},
-    )
-    return r.choices[0].model_extra["token_ids"]
+    return greedy_token_ids(c, "tiny", "Stateless experts", 5)
 
 
 def test_client_follows_configmap_through_the_api(testbed, tmp_path, model_dir):
