@@ -19,6 +19,8 @@ CPU, so two workers cut the wall time on a 2-core machine (three took longer: 18
   with its own session-scoped testbed (stopped after the tier's last test,
   :class:`helpers.tier.TierTestbed`); the two testbeds may run side by side, one per worker
   (own state dirs, ports and pod networks);
+* modules that share one session-scoped deployment are one unit (:data:`_SHARED`: the two API
+  parity modules and their ``eaas serve``), so it starts once;
 * every other module is a unit of its own: it runs whole on one worker, in its order, with its
   module-scoped fixtures (an ``eaas serve`` shared by a module's tests) set up once.
 
@@ -44,6 +46,11 @@ from helpers.checkpoints import small_mixtral, small_qwen3
 
 #: control-plane tiers: folder -> work unit (each runs whole on one worker)
 _CONTROL_PLANE = {"tests/cluster/": "cluster", "tests/k8s/": "k8s"}
+#: modules -> the unit they share (one session-scoped deployment, tests/e2e/conftest.py)
+_SHARED = {
+    "tests/e2e/test_api_parity.py": "api-parity",
+    "tests/e2e/test_api_logprobs.py": "api-parity",
+}
 #: units handed out before the others, longest first
 _FIRST = ("cluster", "k8s")
 
@@ -77,7 +84,8 @@ def pytest_collection_modifyitems(config, items):
 
 class ModuleScheduling(LoadScopeScheduling):
     """xdist's load-by-scope scheduler with the units above: ``"cluster"`` and ``"k8s"`` for
-    the control-plane tiers, the module's path for any other test (node ids are relative to
+    the control-plane tiers, :data:`_SHARED`'s unit for modules that share a deployment, the
+    module's path for any other test (node ids are relative to
     the repository root, e.g. ``tests/e2e/test_push.py::test_version_1_in_use``)."""
 
     def _split_scope(self, nodeid: str) -> str:
@@ -85,7 +93,7 @@ class ModuleScheduling(LoadScopeScheduling):
         for folder, unit in _CONTROL_PLANE.items():
             if path.startswith(folder):
                 return unit
-        return path
+        return _SHARED.get(path, path)
 
     def _assign_work_unit(self, node) -> None:
         for unit in reversed(_FIRST):  # the longest units first

@@ -22,7 +22,7 @@ from eaas.runtime.serve import write_table
 from eaas.runtime.tables.table import RoutingTable
 
 from helpers.api import BAD_REQUEST_CODES, BAD_REQUESTS
-from helpers.e2e import metric_sum, metric_values, serve_fixture, served_model_name
+from helpers.e2e import metric_sum, metric_values, serve_fixture
 
 pytestmark = pytest.mark.api
 
@@ -40,11 +40,6 @@ MAX_TOKENS = 16
 deployment = serve_fixture(
     "serve-api", ["--expert-servers", "4", "--replicas", "2", "--attention-clients", "2"]
 )
-
-
-@pytest.fixture(scope="module")
-def model_name(deployment):
-    return served_model_name(deployment.base_url)
 
 
 @pytest.fixture(scope="module")

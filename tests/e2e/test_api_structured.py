@@ -15,7 +15,10 @@ import torch
 
 from eaas.runtime.models.reference import reference_logits
 
-from helpers.e2e import serve_fixture, served_model_name
+from helpers.e2e import serve_fixture
+
+#: the ``oai`` client's read timeout (tests/e2e/conftest.py): answers of up to 200 constrained tokens
+OAI_TIMEOUT_S = 180.0
 
 pytestmark = [pytest.mark.engine, pytest.mark.api]
 
@@ -39,20 +42,6 @@ WEATHER = {
 TIME = {"type": "function", "function": {"name": "get_time"}}
 
 deployment = serve_fixture("serve-structured", ["--expert-servers", "2", "--replicas", "1"])
-
-
-@pytest.fixture(scope="module")
-def model_name(deployment):
-    return served_model_name(deployment.base_url)
-
-
-@pytest.fixture(scope="module")
-def oai(deployment):
-    c = openai.OpenAI(
-        base_url=f"{deployment.base_url}/v1", api_key="unused", max_retries=0, timeout=180
-    )
-    yield c
-    c.close()
 
 
 def _chat(oai, model_name, **kw):

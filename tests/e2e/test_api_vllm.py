@@ -68,15 +68,6 @@ def model_name(checkpoint):
     return checkpoint.name
 
 
-@pytest.fixture(scope="module")
-def oai(deployment):
-    c = openai.OpenAI(
-        base_url=f"{deployment.base_url}/v1", api_key="unused", max_retries=0, timeout=120
-    )
-    yield c
-    c.close()
-
-
 def _post(deployment, path, body):
     return httpx.post(f"{deployment.base_url}{path}", json=body, timeout=120)
 

@@ -20,7 +20,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from eaas.runtime.models.reference import reference_generate
 from eaas.runtime.tables.table import RoutingTable
@@ -32,7 +31,6 @@ from helpers.e2e import (
     metric_sum,
     metric_values,
     serve_fixture,
-    served_model_name,
     stream_completion,
 )
 
@@ -41,11 +39,6 @@ deployment = serve_fixture(
     ["--expert-servers", "4", "--replicas", "2", "--dispatch-timeout", "5"]
     + ["--no-restart-expert-servers"],  # the servers killed here stay dead (503 when none is left)
 )
-
-
-@pytest.fixture(scope="module")
-def model_name(deployment):
-    return served_model_name(deployment.base_url)
 
 
 def test_kill_expert_server_while_streaming(deployment, model_name, tokenizer, model_dir):

@@ -9,6 +9,9 @@ from pathlib import Path
 
 from helpers.e2e import free_port, sigterm_and_wait
 
+#: the prompt of the API parity modules (tests/e2e/test_api_parity.py, test_api_logprobs.py)
+PARITY_PROMPT = "The expert server hosts a set of experts and"
+
 
 class LocalClient:
     """``python -m eaas attention-client --local-experts --model MODEL`` on a free port; its
