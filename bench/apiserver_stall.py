@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -49,9 +48,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from helpers.common import free_port  # noqa: E402
+from helpers.bench_cluster import process_cluster  # noqa: E402
 from helpers.faults import StreamLoad, apply_tiny_pool_and_fleet, serving_table  # noqa: E402
-from helpers.k8s import Operator, apply_crds, client_pods, kubectl, wait_for  # noqa: E402
+from helpers.k8s import client_pods, kubectl, wait_for  # noqa: E402
 from helpers.stall import (  # noqa: E402
     FaultResult,
     apiserver_stall,
@@ -155,7 +154,6 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from eaas import testbed as tbmod
     from eaas.runtime.models.reference import reference_generate
     from eaas.runtime.models.tiny import default_model_dir
 
@@ -165,44 +163,22 @@ def main() -> int:
     references = reference_generate(str(model_dir), prompts, MAX_TOKENS)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="eaas-stall-", dir=ROOT / ".cache") as tmp:
-        tb = tbmod.up(
-            state_dir=Path(tmp) / "state",
-            gpu_nodes=4,
-            cpu_nodes=1,
-            attached=True,
-            process_nodes="all",
-            restart_backoff_s=1.0,
-            echo=print,
-        )
-        os.environ.update({k: tb.env()[k] for k in ("KUBECONFIG", "PATH")})
-        op = None
         try:
-            apply_crds()
-            port = free_port()
-            op = Operator(
-                Path(tmp) / "operator.log",
-                env={
-                    "EAAS_OPERATOR_REPORT_LISTEN": f"127.0.0.1:{port}",
-                    "EAAS_OPERATOR_REPORT_URL": f"http://127.0.0.1:{port}",
-                    "EAAS_OPERATOR_LEASE_DURATION_S": "15",
-                },
-            )
-            op.start()
-            for mode in args.modes.split(","):
-                kinds = (
-                    ([] if args.no_stall else ["stall"] * args.runs)
-                    + ["heartbeat"] * args.heartbeat_loss
-                    + (["frozen"] if args.frozen_agent else [])
-                )
-                for i, kind in enumerate(kinds):
-                    rows.append(one_run(tb, mode, i, kind, args, prompts, references))
-        finally:
-            if op is not None:
-                op.stop()
-                (ROOT / ".cache" / "apiserver_stall_operator.log").write_bytes(
-                    op.log_path.read_bytes()
-                )
-            tbmod.down(state_dir=tb.state_dir)
+            with process_cluster(
+                Path(tmp), operator_env={"EAAS_OPERATOR_LEASE_DURATION_S": "15"}
+            ) as (tb, _op):
+                for mode in args.modes.split(","):
+                    kinds = (
+                        ([] if args.no_stall else ["stall"] * args.runs)
+                        + ["heartbeat"] * args.heartbeat_loss
+                        + (["frozen"] if args.frozen_agent else [])
+                    )
+                    for i, kind in enumerate(kinds):
+                        rows.append(one_run(tb, mode, i, kind, args, prompts, references))
+        finally:  # the operator's log, kept for post-mortems
+            log = Path(tmp) / "operator.log"
+            if log.exists():
+                (ROOT / ".cache" / "apiserver_stall_operator.log").write_bytes(log.read_bytes())
     print(
         "\n| mode | fault | runs | failed requests | uncovered versions | live dropped | "
         "victim out after (s): median / max |"

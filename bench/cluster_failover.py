@@ -44,7 +44,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -56,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # the testbed helpers are the tests' (tests/helpers)
 sys.path.insert(0, str(ROOT / "tests"))
 
+from helpers.bench_cluster import process_cluster  # noqa: E402
 from helpers.faults import (  # noqa: E402
     StreamLoad,
     apply_tiny_pool_and_fleet,
@@ -63,8 +63,6 @@ from helpers.faults import (  # noqa: E402
     serving_table,
 )
 from helpers.k8s import (  # noqa: E402
-    Operator,
-    apply_crds,
     client_pods,
     kubectl,
     routing_table,
@@ -244,7 +242,6 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from eaas import testbed as tbmod
     from eaas.runtime.models.reference import reference_generate
     from eaas.runtime.models.tiny import default_model_dir
 
@@ -254,35 +251,8 @@ def main() -> int:
     references = reference_generate(str(model_dir), prompts, MAX_TOKENS)
 
     with tempfile.TemporaryDirectory(prefix="eaas-failover-") as tmp:
-        tb = tbmod.up(
-            state_dir=Path(tmp) / "state",
-            gpu_nodes=4,
-            cpu_nodes=1,
-            attached=True,
-            process_nodes="all",
-            restart_backoff_s=1.0,
-            echo=print,
-        )
-        os.environ.update({k: tb.env()[k] for k in ("KUBECONFIG", "PATH")})
-        op = None
-        try:
-            apply_crds()
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            op = Operator(
-                Path(tmp) / "operator.log",
-                env={
-                    "EAAS_OPERATOR_REPORT_LISTEN": f"127.0.0.1:{port}",
-                    "EAAS_OPERATOR_REPORT_URL": f"http://127.0.0.1:{port}",
-                },
-            )
-            op.start()
+        with process_cluster(Path(tmp)) as (tb, _op):
             return run(tb, args, prompts, references, model_dir)
-        finally:
-            if op is not None:
-                op.stop()
-            tbmod.down(state_dir=tb.state_dir)
 
 
 def run(tb, args, prompts, references, model_dir) -> int:

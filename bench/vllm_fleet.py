@@ -43,7 +43,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -55,10 +54,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # the testbed helpers are the tests' (tests/helpers)
 sys.path.insert(0, str(ROOT / "tests"))
 
+from helpers.bench_cluster import process_cluster  # noqa: E402
 from helpers.faults import container_pid  # noqa: E402
 from helpers.k8s import (  # noqa: E402
-    Operator,
-    apply_crds,
     client_pods,
     get,
     kubectl,
@@ -332,7 +330,6 @@ def main() -> int:
     ap.add_argument("--logs", type=Path, default=None, help="copy the pods' logs here")
     args = ap.parse_args()
 
-    from eaas import testbed as tbmod
     from eaas.runtime.models.tiny import default_model_dir
 
     from helpers.vllm import vllm_checkpoints
@@ -340,30 +337,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="eaas-vllm-fleet-") as tmp:
         model_dir = Path(vllm_checkpoints(Path(tmp) / "models", default_model_dir())["qwen3_moe"])
         references = reference_tokens(model_dir)
-        tb = tbmod.up(
-            state_dir=Path(tmp) / "state",
-            gpu_nodes=4,
-            cpu_nodes=1,
-            attached=True,
-            process_nodes="all",
-            restart_backoff_s=1.0,
-            echo=print,
-        )
-        os.environ.update({k: tb.env()[k] for k in ("KUBECONFIG", "PATH")})
-        op = None
-        try:
-            apply_crds()
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            op = Operator(
-                Path(tmp) / "operator.log",
-                env={
-                    "EAAS_OPERATOR_REPORT_LISTEN": f"127.0.0.1:{port}",
-                    "EAAS_OPERATOR_REPORT_URL": f"http://127.0.0.1:{port}",
-                },
-            )
-            op.start()
+        with process_cluster(Path(tmp)):
             try:
                 res = run(args, model_dir, references)
             finally:
@@ -371,10 +345,6 @@ def main() -> int:
                     args.logs.mkdir(parents=True, exist_ok=True)
                     for log in (Path(tmp) / "state" / "nodes").glob("*/pods/*/*.log"):
                         (args.logs / f"{log.parent.name}-{log.name}").write_bytes(log.read_bytes())
-        finally:
-            if op is not None:
-                op.stop()
-            tbmod.down(state_dir=tb.state_dir)
     print(json.dumps(res, indent=1))
     if args.json:
         args.json.write_text(json.dumps(res, indent=1) + "\n")
