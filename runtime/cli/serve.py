@@ -124,6 +124,13 @@ def serve(
         help="Start an exited expert server again (back-off 1 s doubling to 60 s, as the "
         "kubelet does) and put it back into the routing table once it serves.",
     ),
+    restart_attention_clients: bool = typer.Option(
+        DEFAULT.restart_attention_clients,
+        "--restart-attention-clients/--no-restart-attention-clients",
+        help="Start an exited attention client (with --engine vllm: vllm serve) again, with "
+        "the same back-off; its running requests are lost, the other clients keep serving. "
+        "Without it, serve exits once no client is left.",
+    ),
     engine: str = typer.Option(
         DEFAULT.engine,
         "--engine",

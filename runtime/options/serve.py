@@ -60,6 +60,8 @@ class ServeOptions:
         server_cpus: ``"auto"`` (pin each expert server to one CPU) or ``"none"``.
         restart_expert_servers: start an exited expert server again (with back-off) and put it
             back into the routing table once it serves.
+        restart_attention_clients: start an exited attention client (or ``vllm serve``) again
+            with the same back-off; without it, serve exits once no client is left.
         engine: ``"eaas"`` (the attention clients of this repository) or ``"vllm"`` (one
             ``vllm serve`` with the eaas.vllm plugin instead of them: docs/vllm.md).
         vllm: the ``vllm`` command ``--engine vllm`` runs (a path or a name on ``PATH``).
@@ -99,6 +101,7 @@ class ServeOptions:
     server_sched_policy: str = "batch"
     server_cpus: str = "auto"
     restart_expert_servers: bool = True
+    restart_attention_clients: bool = True
     engine: str = "eaas"
     vllm: str = "vllm"
     vllm_args: str = ""

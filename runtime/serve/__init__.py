@@ -17,7 +17,10 @@ What it does:
    routing table version without that server (clients fail over on their own before that and
    hot-reload the new table), starts it again with back-off (:mod:`.restarts`: 1 s doubling to
    60 s, as the kubelet's CrashLoopBackOff) and, once the new process is ready, publishes the
-   next version with it back. A dead attention client is logged; when none is left, serve exits.
+   next version with it back. A dead attention client (or ``vllm serve``) is logged and started
+   again with the same back-off: its running requests are lost (their KV cache was in it), the
+   other clients on the port keep serving. With ``--no-restart-attention-clients`` it stays
+   down, and serve exits once none is left.
 5. SIGINT/SIGTERM: terminate the attention clients and wait until they exit (their running
    requests end while the expert servers still answer), then the expert servers; SIGKILL after
    a grace period (a second Ctrl-C: at once), remove the run directory (Unix sockets, routing

@@ -59,7 +59,8 @@ def module_command(module: str) -> list[str]:
 class Child:
     """One child process: ``role`` is ``"expert-server"`` or ``"attention-client"``; ``argv`` its
     command line; ``ready`` set once it printed ``<role> ... ready on ...`` (``ready_at``: its
-    ``time.monotonic()``); ``restarts``: how often it was started again after an exit."""
+    ``time.monotonic()``); ``restarts``: how often it was started again after an exit; ``env``:
+    the environment it was last started with (a restart reuses it)."""
 
     name: str
     role: str  # "expert-server" | "attention-client"
@@ -71,6 +72,7 @@ class Child:
     exit_logged: bool = False
     restarts: int = 0
     extra: dict = field(default_factory=dict)  # per-role facts (a vllm child: its health URLs)
+    env: dict = field(default_factory=dict, repr=False)
 
     @property
     def popen(self) -> subprocess.Popen:
@@ -101,7 +103,7 @@ class Children:
             preexec_fn=die_with_parent(os.getpid()),
             close_fds=True,
         )
-        child.proc = proc
+        child.proc, child.env = proc, env
         for pipe in (proc.stdout, proc.stderr):
             if pipe is not None:  # always, with PIPE
                 os.set_blocking(pipe.fileno(), False)
@@ -113,16 +115,17 @@ class Children:
         self._start(child, env)
         self.all.append(child)
 
-    def respawn(self, child: Child, env: dict) -> None:
-        """Start an exited ``child`` again with the same command line (its last output lines
-        relayed and its pipes closed first); ``ready`` is cleared and ``restarts`` counted."""
+    def respawn(self, child: Child, env: dict | None = None) -> None:
+        """Start an exited ``child`` again with the same command line and ``env`` (default: the
+        environment of its last start); its last output lines are relayed and its pipes closed
+        first; ``ready`` is cleared and ``restarts`` counted."""
         old = child.popen
         for pipe in (old.stdout, old.stderr):
             if pipe is not None and not pipe.closed:  # closed: its end was relayed already
                 self._drain(child, pipe)
         child.ready, child.ready_at, child.exit_logged = False, None, False
         child.restarts += 1
-        self._start(child, env)
+        self._start(child, child.env if env is None else env)
 
     def _drain(self, child: Child, pipe: IO[bytes]) -> None:
         """Relay what is left in ``pipe`` of an exited child, then unregister and close it."""

@@ -34,6 +34,15 @@ from eaas.runtime.tables.expert_spec import format_expert_spec
 from eaas.runtime.tables.table import RoutingTable
 
 
+def _mark_vllm_ready(ch: Child) -> None:
+    """A vllm child is ready once its ``/health`` answers (:func:`mark_ready`; a no-op for the
+    other children, whose ready line sets ``ready``); ``ready_at`` as for a ready line."""
+    if not ch.ready:
+        mark_ready(ch)
+        if ch.ready:
+            ch.ready_at = time.monotonic()
+
+
 class ServeError(RuntimeError):
     """A child failed to start (message names it and its exit code)."""
 
@@ -134,6 +143,7 @@ class Deployment:
         self.server_ids = [f"expert-{i}" for i in range(self.n)]
         self.full_table: RoutingTable | None = None  # version 1: every server
         self.down: set[str] = set()  # expert servers not serving now (out of the table)
+        #: restart schedules by child name (an expert server's name is its id)
         self.backoff = {sid: RestartBackoff() for sid in self.server_ids}
         self.ready_timeout = ready_timeout
         self.children = Children()
@@ -260,7 +270,7 @@ class Deployment:
                     )
                 self.children.pump(0.2)
                 for ch in self.children:
-                    mark_ready(ch)  # a vllm child: its /health (no-op for the others)
+                    _mark_vllm_ready(ch)
                     rc = ch.popen.poll()
                     if rc is not None:
                         raise ServeError(f"{ch.name} exited with code {rc} during start-up")
@@ -325,7 +335,41 @@ class Deployment:
             if ch.role == "expert-server" and self.table_path is not None:
                 self._server_exited(ch, rc)
             else:
-                log(f"attention client {ch.name} (pid {ch.popen.pid}) exited with code {rc}")
+                self._client_exited(ch, rc)
+
+    def _client_exited(self, ch: Child, rc: int) -> None:
+        """An attention client (or ``vllm serve``) exited: its running requests are lost (it
+        holds their KV cache); the other clients on the port keep serving. Schedule its
+        restart, or say that it stays down."""
+        if self.options.restart_attention_clients:
+            backoff = self.backoff.setdefault(ch.name, RestartBackoff())
+            delay = backoff.exited(time.monotonic(), ch.ready_at)
+            then = f"; restarting it in {delay:.0f} s"
+        else:
+            then = "; not restarted (--no-restart-attention-clients)"
+        log(
+            f"attention client {ch.name} (pid {ch.popen.pid}) exited with code {rc}: its "
+            f"running requests ended{then}",
+            "WARNING",
+        )
+
+    def _restart_clients(self) -> None:
+        """Start again the exited attention clients whose back-off has expired (same command
+        line and environment); a vllm child is ready again once its ``/health`` answers."""
+        now = time.monotonic()
+        for ch in self.children:
+            if ch.role == "expert-server":
+                continue
+            backoff = self.backoff.get(ch.name)
+            if ch.exit_logged and backoff is not None and backoff.due(now):
+                backoff.restarted()
+                self.children.respawn(ch)
+                log(
+                    f"restarted attention client {ch.name} (pid {ch.popen.pid}, restart "
+                    f"{ch.restarts})"
+                )
+            elif not ch.ready and ch.popen.poll() is None:
+                _mark_vllm_ready(ch)
 
     def _restart_servers(self) -> None:
         """Start again the exited expert servers whose back-off has expired; put the ones that
@@ -359,7 +403,8 @@ class Deployment:
             pass
 
     def serve_forever(self) -> int:
-        """Relay output and watch children until a stop signal or all clients are gone.
+        """Relay output and watch children until a stop signal (or, without
+        ``restart_attention_clients``, until all clients are gone).
 
         Returns the process exit code (0 on a signal, 1 when every attention client died).
         """
@@ -369,7 +414,8 @@ class Deployment:
                 break
             self._check_children()
             self._restart_servers()
-            if all(
+            self._restart_clients()
+            if not self.options.restart_attention_clients and all(
                 ch.popen.poll() is not None for ch in self.children if ch.role == "attention-client"
             ):
                 log("no attention client left; shutting down")

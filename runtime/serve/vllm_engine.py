@@ -5,7 +5,7 @@ The child runs ``vllm serve MODEL`` on serve's API address with the plugin enabl
 ``EAAS_*`` variables (:class:`~eaas.runtime.options.vllm.VllmPluginOptions`): the routing-table
 file serve writes and re-publishes, serve's ``--dispatch-timeout`` and ``--client-spin-us``, and
 the plugin's own port (``EAAS_HTTP_PORT``: ``/health`` with the table version and the servers,
-``/metrics``). Its role is ``attention-client`` (stopped first, its exit ends serve); it is ready
+``/metrics``). Its role is ``attention-client`` (stopped first, restarted as a client is); it is ready
 when vLLM's ``GET /health`` answers 200 (vLLM prints no eaas ready line). serve's
 ``--served-model-name`` (aliases: comma-separated) becomes vLLM's ``--served-model-name``, and one
 ``--api-key`` vLLM's ``VLLM_API_KEY`` (in its environment, not on its command line; vLLM reads

@@ -226,8 +226,9 @@ def test_serve_replicas_errors_name_the_flags():
 
 
 @pytest.mark.api
-def test_serve_help_names_the_restart_flag():
+def test_serve_help_names_the_restart_flags():
     r = _run(["serve", "--help"])
     out = " ".join(r.stdout.split())
     assert r.returncode == 0, r.stderr
     assert "--restart-expert-servers" in out and "--no-restart-expert-servers" in out, out
+    assert "--restart-attention-clients" in out and "--no-restart-attention-clients" in out

@@ -2,7 +2,8 @@
 holds an ``eaas/`` directory of its own (a checkout, a project named so) with the ``eaas``
 console script; a healthy start logs in one format and warns about nothing; an expert server
 that dies (SIGKILL) is started again with back-off and put back into the routing table, while
-completions through the official ``openai`` client keep working throughout.
+completions through the official ``openai`` client keep working throughout; an attention client
+that dies is started again too and serves the same completions.
 """
 
 from __future__ import annotations
@@ -152,3 +153,53 @@ def test_killed_expert_server_restarts_and_rejoins_the_table(deployment):
         rf"version {table.version} has it back",
         log,
     ), log[-3000:]
+
+
+def _client_pid(sp: ServeProcess) -> int | None:
+    for pid, cmd in descendants(sp.proc.pid).items():
+        if " -m eaas attention-client " in cmd + " ":
+            return pid
+    return None
+
+
+def test_killed_attention_client_restarts_and_serves_again(deployment):
+    """The deployment's only attention client SIGKILLed: serve stays up, starts it again with
+    the same command line after its back-off, and the new client serves the same greedy
+    completion as before."""
+    sp = deployment
+    client = openai.OpenAI(base_url=f"{sp.base_url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    prompt = "Kubernetes schedules pods on nodes"
+
+    def complete() -> str:
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+        return r.choices[0].text
+
+    reference = complete()
+    victim = _client_pid(sp)
+    assert victim is not None
+    argv_before = descendants(sp.proc.pid)[victim]
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while (pid := _client_pid(sp)) in (None, victim):
+        assert sp.proc.poll() is None, sp.log()[-3000:]  # serve did not exit
+        assert time.monotonic() < deadline, sp.log()[-3000:]
+        time.sleep(0.2)
+    deadline = time.monotonic() + 180
+    while True:  # the new process binds the port once it loaded the model
+        try:
+            if httpx.get(f"{sp.base_url}/health", timeout=10).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, sp.log()[-3000:]
+        time.sleep(0.5)
+    assert complete() == reference
+    assert descendants(sp.proc.pid)[pid] == argv_before  # the same command line
+    log = sp.log()
+    assert re.search(
+        rf"attention client attention-client-0 \(pid {victim}\) exited with code -9: its "
+        r"running requests ended; restarting it in 1 s",
+        log,
+    ), log[-3000:]
+    assert f"restarted attention client attention-client-0 (pid {pid}, restart 1)" in log
