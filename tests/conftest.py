@@ -19,8 +19,8 @@ CPU, so two workers cut the wall time on a 2-core machine (three took longer: 18
   with its own session-scoped testbed (stopped after the tier's last test,
   :class:`helpers.tier.TierTestbed`); the two testbeds may run side by side, one per worker
   (own state dirs, ports and pod networks);
-* modules that share one session-scoped deployment are one unit (:data:`_SHARED`: the two API
-  parity modules and their ``eaas serve``), so it starts once;
+* modules that share one session-scoped deployment are one unit (:data:`_SHARED`: the API
+  parity, logprobs and structured-output modules and their ``eaas serve``), so it starts once;
 * every other module is a unit of its own: it runs whole on one worker, in its order, with its
   module-scoped fixtures (an ``eaas serve`` shared by a module's tests) set up once.
 
@@ -50,6 +50,7 @@ _CONTROL_PLANE = {"tests/cluster/": "cluster", "tests/k8s/": "k8s"}
 _SHARED = {
     "tests/e2e/test_api_parity.py": "api-parity",
     "tests/e2e/test_api_logprobs.py": "api-parity",
+    "tests/e2e/test_api_structured.py": "api-parity",
 }
 #: units handed out before the others, longest first
 _FIRST = ("cluster", "k8s")

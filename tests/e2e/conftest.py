@@ -8,8 +8,8 @@ Fixtures every API module shares, each over the module's own ``deployment`` (any
 * ``oai``: the official ``openai`` client on it, no retries, a read timeout of the module's
   ``OAI_TIMEOUT_S`` (default :data:`OAI_TIMEOUT_S`);
 * ``parity_deployment``: the one ``eaas serve`` (2 expert servers, no redundancy) of the API
-  parity modules ``test_api_parity.py`` and ``test_api_logprobs.py``, started once per worker
-  (the two modules run on one worker: ``tests/conftest.py``), and their ``prompt_ids`` (the
+  modules ``test_api_parity.py``, ``test_api_logprobs.py`` and ``test_api_structured.py``,
+  started once per worker (the three run on one worker: ``tests/conftest.py``), and the first two's ``prompt_ids`` (the
   tokenizer's ids of ``PARITY_PROMPT``) and ``ref`` (its 12 greedy reference tokens).
 """
 

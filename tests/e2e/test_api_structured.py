@@ -15,8 +15,6 @@ import torch
 
 from eaas.runtime.models.reference import reference_logits
 
-from helpers.e2e import serve_fixture
-
 #: the ``oai`` client's read timeout (tests/e2e/conftest.py): answers of up to 200 constrained tokens
 OAI_TIMEOUT_S = 180.0
 
@@ -41,7 +39,10 @@ WEATHER = {
 }
 TIME = {"type": "function", "function": {"name": "get_time"}}
 
-deployment = serve_fixture("serve-structured", ["--expert-servers", "2", "--replicas", "1"])
+
+@pytest.fixture(scope="module")
+def deployment(parity_deployment):  # the API parity modules' eaas serve (tests/e2e/conftest.py)
+    return parity_deployment
 
 
 def _chat(oai, model_name, **kw):
