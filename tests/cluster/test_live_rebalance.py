@@ -1,4 +1,4 @@
-"""Live rebalancing and make-before-break scale-down on process nodes.
+"""Live rebalancing and a deleted server on process nodes, with no pod restarted.
 
 One ``placement.assignment: routing-table`` pool (tiny model, 5 servers, redundancy 2) and one
 attention client, all real processes. Its servers start without experts and learn them from the
@@ -8,9 +8,9 @@ operator's two-phase pushes:
 2. Rebalancing every few seconds (``load-balanced``, threshold 0, interval 2 s, the expert-load
    ConfigMap rewritten with a different hot set every 2 s) under the same 16 streaming requests:
    several new placements are published, and every request gives the baseline tokens.
-3. Scale 5 -> 4 under load: no survivor pod is replaced or restarted (UIDs and restart counts
-   unchanged), every routing table the clients got covers every expert, the leaving pod is
-   deleted only after the client acknowledged a table without it, no request fails.
+3. The policy set to ``round-robin`` (no more load-driven placements), its table acknowledged.
+   (Make-before-break scale-down of such a pool under 16 streams, with the leaving server's own
+   record of its last frame: ``test_elastic_drain.py``.)
 4. A server pod deleted under load: a table without it is published at once, no table ever
    uncovers an expert, the survivors load its experts by table (reported as measured: whether
    that table came before the replacement pod was up depends on its start-up time), no other
@@ -143,7 +143,7 @@ def operator(cluster, tmp_path_factory):
     op.stop()
 
 
-def test_rebalancing_and_scale_down_restart_nothing_and_keep_tokens(operator):
+def test_rebalancing_and_a_deleted_server_restart_nothing_and_keep_tokens(operator):
     ns = f"t-{uuid.uuid4().hex[:6]}"
     kubectl("create", "namespace", ns)
     apply_tiny_pool_and_fleet(
@@ -249,7 +249,7 @@ def test_rebalancing_and_scale_down_restart_nothing_and_keep_tokens(operator):
         for t in w.tables.values():
             assert not t.uncovered(), f"version {t.version} uncovers {t.uncovered()[:4]}"
 
-        # ---- 5 -> 4 under load: make-before-break, no survivor restarted ---------------------
+        # ---- the churn off: round-robin, a placement that load does not move ---------------
         kubectl(
             "patch",
             "expertpool",
@@ -260,11 +260,10 @@ def test_rebalancing_and_scale_down_restart_nothing_and_keep_tokens(operator):
             "-p",
             json.dumps({"spec": {"placement": {"policy": "round-robin"}}}),
         )
-        survivors = {n: p for n, p in server_pods(ns).items() if n != "live-4"}
-        before = {n: (p["metadata"]["uid"], restarts(p)) for n, p in survivors.items()}
+        final = wait_for("round-robin table acknowledged", serving, timeout=300, interval=0.5)
+        after = {n: (p["metadata"]["uid"], restarts(p)) for n, p in server_pods(ns).items()}
         errors: list[BaseException] = []
         answers: list[list[str]] = []
-        stop = threading.Event()
 
         def traffic() -> None:
             while not stop.is_set():
@@ -274,58 +273,11 @@ def test_rebalancing_and_scale_down_restart_nothing_and_keep_tokens(operator):
                     errors.append(exc)
                     return
 
-        with Watcher(ns) as w:
-            t = threading.Thread(target=traffic, daemon=True)
-            t.start()
-            t0 = time.monotonic()
-            kubectl("scale", "expertpool", "live", "-n", ns, "--replicas=4")
-
-            def scaled():
-                tt = table(ns)
-                ps = (get("expertpool", "live", ns) or {}).get("status") or {}
-                f = (get("attentionfleet", "clients", ns) or {}).get("status") or {}
-                ok = (
-                    "live-4" not in server_pods(ns)
-                    and tt is not None
-                    and set(tt.servers) == set(survivors)
-                    and f.get("acknowledgedVersion") == tt.version
-                    and ps.get("stagedRoutingTableVersion") == 0
-                )
-                return tt if ok else None
-
-            final = wait_for("scaled to 4", scaled, timeout=300, interval=0.5)
-            elapsed = time.monotonic() - t0
-            stop.set()
-            t.join(300)
-        assert not errors, errors[0]
-        assert answers and all(a == baseline for a in answers)
-        after = {n: (p["metadata"]["uid"], restarts(p)) for n, p in server_pods(ns).items()}
-        assert after == before, "a survivor was replaced or restarted"
-        for tv, tb in w.tables.items():
-            assert not tb.uncovered(), f"version {tv} uncovers {tb.uncovered()[:4]}"
-        without = [v for v, tb in w.tables.items() if "live-4" not in tb.servers]
-        assert without, "no table without the leaving server was seen"
-        first = min(without)
-        assert "live-4" in w.deleted_at and first in w.acked_at
-        # (2 s of slack: the fleet's status is written just after the operator records the ack)
-        assert w.acked_at[first] <= w.deleted_at["live-4"] + 2.0, (
-            "the leaving pod was deleted before the client acknowledged a table without it"
-        )
-        reps = {len(r) for experts in final.layers.values() for r in experts}
-        assert min(reps) >= 2
-        print(
-            f"\n[measure] 5->4 routing-table pool: survivors restarted 0/4, tables "
-            f"{sorted(w.tables)}, scale -> converged {elapsed:.1f}s, requests rounds "
-            f"{len(answers)} all with the baseline tokens"
-        )
-
         # ---- a deleted server: out of the table at once, its experts re-placed by table -------
         victim = "live-1"
         old_uid = server_pods(ns)[victim]["metadata"]["uid"]
         others = {n: v for n, v in after.items() if n != victim}
         v_before = final.version
-        errors.clear()
-        answers.clear()
         stop = threading.Event()
         with Watcher(ns) as w:
             t = threading.Thread(target=traffic, daemon=True)

@@ -2,8 +2,9 @@
 AttentionFleet gives real expert servers and real attention clients that serve a completion;
 the operator pushes each table version and the client acknowledges it; a failure report
 evicts a server only when the operator's own probe agrees; a frozen (SIGSTOPped) server is
-restarted by its liveness probe and comes back into the table; a deleted server pod's
-replacement is in the next table."""
+restarted by its liveness probe and comes back into the table; under 16 streams, a killed
+container, a deleted pod (its replacement in the next table), a powered-off node and a killed
+operator cost no request."""
 
 from __future__ import annotations
 
@@ -203,33 +204,7 @@ def test_pool_and_fleet_serve_push_ack_and_monitor(fault_fleet, operator):
         interval=1,
     )
 
-    # ---- a deleted pod: its replacement's IP is in the next table -------------------------
-    old_uid = server_pods(ns)["tiny-2"]["metadata"]["uid"]
-    t0 = time.monotonic()
-    kubectl("delete", "pod", "tiny-2", "-n", ns, "--wait=false")
-
-    def replaced():
-        p = server_pods(ns).get("tiny-2")
-        t2 = table(ns)
-        if not p or p["metadata"]["uid"] == old_uid or not p["status"].get("podIP"):
-            return None
-        return t2 if t2.servers.get("tiny-2") == f"tcp://{p['status']['podIP']}:9000" else None
-
-    t2 = wait_for("replacement in the table", replaced, timeout=180, interval=0.2)
-    t_table = time.monotonic() - t0
-    wait_for(
-        "client acknowledged the replacement's table",
-        lambda: (
-            (get("attentionfleet", "clients", ns)["status"].get("acknowledgedVersion") or 0)
-            >= t2.version
-        ),
-        timeout=60,
-        interval=0.2,
-    )
-    print(
-        f"[measure] pod deleted -> replacement's IP in the table {t_table:.2f}s, "
-        f"-> acknowledged (fleet status) {time.monotonic() - t0:.2f}s"
-    )
+    # (a deleted pod's replacement in the next table, under load: test_faults_under_load)
     out = api.completions.create(model=model_id, prompt="Hello", max_tokens=4, temperature=0)
     assert out.usage.completion_tokens == 4
 
