@@ -48,6 +48,7 @@ from eaas.operator.crd.spec import (
     MODEL_VOLUME,
     NVSHMEM_UID_MOUNT_DIR,
     NVSHMEM_UID_VOLUME,
+    VLLM_OWNED_FLAGS,
     AttentionFleetSpec,
     AutoscalingSpec,
     ClaimNameField,
@@ -63,6 +64,8 @@ from eaas.operator.crd.spec import (
     PlacementSpec,
     TransportScheme,
     TransportSpec,
+    VllmEngineSpec,
+    owned_vllm_flag,
     volume_from_source,
 )
 from eaas.operator.crd.status import (
@@ -75,6 +78,9 @@ from eaas.operator.crd.status import (
 )
 
 __all__ = [
+    "VLLM_OWNED_FLAGS",
+    "VllmEngineSpec",
+    "owned_vllm_flag",
     "API_KEY_ENV",
     "VLLM_API_KEY_ENV",
     "ApiKeySecretRef",
