@@ -48,7 +48,6 @@ from eaas.operator.crd.spec import (
     MODEL_VOLUME,
     NVSHMEM_UID_MOUNT_DIR,
     NVSHMEM_UID_VOLUME,
-    VLLM_OWNED_FLAGS,
     AttentionFleetSpec,
     AutoscalingSpec,
     ClaimNameField,
@@ -64,8 +63,6 @@ from eaas.operator.crd.spec import (
     PlacementSpec,
     TransportScheme,
     TransportSpec,
-    VllmEngineSpec,
-    owned_vllm_flag,
     volume_from_source,
 )
 from eaas.operator.crd.status import (
@@ -76,6 +73,7 @@ from eaas.operator.crd.status import (
     LoadSummary,
     PlacementSummary,
 )
+from eaas.operator.crd.vllm_args import VLLM_OWNED_FLAGS, VllmEngineSpec, owned_vllm_flag
 
 __all__ = [
     "VLLM_OWNED_FLAGS",
