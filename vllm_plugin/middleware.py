@@ -38,9 +38,10 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-#: the paths whose requests the plugin's scheduler can end (vLLM's OpenAI generation routes)
+#: the paths whose requests the plugin's scheduler can end (vLLM's OpenAI generation routes;
+#: under vLLM's ``--root-path`` the scope's path ends with them)
 CHAT = "/v1/chat/completions"
-PATHS = frozenset({"/v1/completions", CHAT})
+PATHS = ("/v1/completions", CHAT)
 #: the body of the 503 (vLLM's ``ErrorResponse`` shape)
 MESSAGE = (
     "eaas: 503 no_live_replica: an expert this request's tokens selected has no live replica "
@@ -102,20 +103,30 @@ def _replay(first: list[Message], receive: Receive) -> Receive:
     return again
 
 
-def _is_500_event(body: bytes) -> bool:
-    """Whether a stream chunk is vLLM's error event with code 500 (``data: {"error": ...}``)."""
-    if b'"error"' not in body or b"500" not in body:
+def _is_500_event(line: bytes) -> bool:
+    """Whether a stream line is vLLM's error event with code 500 (``data: {"error": ...}``)."""
+    if not line.startswith(b"data: ") or b'"error"' not in line:
         return False
-    for line in body.split(b"\n"):
-        if line.startswith(b"data: "):
-            try:
-                ev = json.loads(line[6:])
-            except ValueError:
-                continue
-            if isinstance(ev, dict) and isinstance(ev.get("error"), dict):
-                if ev["error"].get("code") == 500:
-                    return True
-    return False
+    try:
+        ev = json.loads(line[6:])
+    except ValueError:
+        return False
+    return (
+        isinstance(ev, dict)
+        and isinstance(ev.get("error"), dict)
+        and ev["error"].get("code") == 500
+    )
+
+
+def _as_503(chunk: bytes, ours: Callable[[], bool]) -> bytes | None:
+    """``chunk`` with its 500 error event replaced by the 503 one, or None (no such event, or
+    the request is not one the scheduler recorded)."""
+    lines = chunk.split(b"\n")
+    hits = [i for i, line in enumerate(lines) if _is_500_event(line)]
+    if not hits or not ours():
+        return None
+    event = b"data: " + json.dumps(error_body()).encode()
+    return b"\n".join(event if i in hits else line for i, line in enumerate(lines))
 
 
 class NoLiveReplica503:
@@ -139,7 +150,7 @@ class NoLiveReplica503:
         if (
             scope["type"] != "http"
             or scope.get("method") != "POST"
-            or scope.get("path") not in PATHS
+            or not str(scope.get("path", "")).endswith(PATHS)
         ):
             await self.app(scope, receive, send)
             return
@@ -149,36 +160,43 @@ class NoLiveReplica503:
             if not rid or self.record is None:
                 return False
             try:
-                return self.record.holds(rid, chat=scope["path"] == CHAT)
+                return self.record.holds(rid, chat=str(scope["path"]).endswith(CHAT))
             except OSError:
                 return False
 
-        held: dict[str, Any] = {"replace": False, "stream": False}
+        held: dict[str, Any] = {"replace": False, "stream": False, "headers": []}
 
         async def wrapped(message: Message) -> None:
             if message["type"] == "http.response.start":
                 if message["status"] == 500 and ours():
                     held["replace"] = True  # the 500's body follows: send the 503 instead
+                    held["headers"] = [
+                        (k, v)
+                        for k, v in message.get("headers") or ()
+                        if k.lower() not in (b"content-type", b"content-length")
+                    ]
                     return
                 ctype = dict(message.get("headers") or ()).get(b"content-type", b"")
                 held["stream"] = ctype.startswith(b"text/event-stream")
             elif message["type"] == "http.response.body":
                 if held["replace"]:
                     if not message.get("more_body"):
-                        await self._send_503(send)
+                        await self._send_503(send, held["headers"])
                     return
-                body = message.get("body", b"")
-                if held["stream"] and _is_500_event(body) and ours():
-                    body = b"data: " + json.dumps(error_body()).encode() + b"\n\n"
-                    message = {**message, "body": body}
+                if held["stream"] and b"500" in message.get("body", b""):
+                    body = _as_503(message["body"], ours)
+                    if body is not None:
+                        message = {**message, "body": body}
             await send(message)
 
         await self.app(scope, receive, wrapped)
 
     @staticmethod
-    async def _send_503(send: Send) -> None:
+    async def _send_503(send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        """The 503 with the 500's other headers (e.g. vLLM's ``X-Request-Id`` echo)."""
         body = json.dumps(error_body()).encode()
         headers = [
+            *headers,
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
         ]

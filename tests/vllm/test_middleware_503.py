@@ -46,12 +46,16 @@ class StandIn:
             data = json.dumps(ERROR_500).encode()
             await send({"type": "http.response.start", "status": 500,
                         "headers": [(b"content-type", b"application/json"),
+                                    (b"x-request-id", b"echo"),
                                     (b"content-length", str(len(data)).encode())]})  # fmt: skip
             await send({"type": "http.response.body", "body": data})
         elif self.mode == "stream":
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})  # fmt: skip
             for chunk in (b'data: {"choices": [{"text": "a"}]}\n\n',
+                          b"data: " + json.dumps(ERROR_500).encode() + b"\n\n",
+                          b": keep-alive\n\n",
+                          b'data: {"choices": [{"text": "500"}]}\n\n'
                           b"data: " + json.dumps(ERROR_500).encode() + b"\n\n",
                           b"data: [DONE]\n\n"):  # fmt: skip
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -91,6 +95,10 @@ def test_a_recorded_request_gets_503_and_another_500_stays(record):
     err = r.json()["error"]
     assert err["type"] == "ServiceUnavailableError" and err["code"] == 503
     assert "no_live_replica" in err["message"]
+    assert r.headers["x-request-id"] == "echo"  # the 500's other headers stay
+    assert int(r.headers["content-length"]) == len(r.content)
+    r = _call(app, record, "/root/v1/completions", {"prompt": "x"}, {"X-Request-Id": "abc"})
+    assert r.status_code == 503  # under vLLM's --root-path
     r = _call(app, record, "/v1/chat/completions", {"messages": []}, {"X-Request-Id": "chat1"})
     assert r.status_code == 503
     # not recorded (another id, a prefix of a recorded one, the other route): vLLM's 500 as is
@@ -127,11 +135,14 @@ def test_a_streams_error_event_becomes_the_503_event(record):
     assert events[0] == {"choices": [{"text": "a"}]}
     assert events[1]["error"]["code"] == 503
     assert events[1]["error"]["type"] == "ServiceUnavailableError"
-    assert r.text.endswith("data: [DONE]\n\n")
+    # an error event in a chunk with another event: only the error event is replaced
+    assert events[2] == {"choices": [{"text": "500"}]} and events[3] == events[1]
+    assert ": keep-alive" in r.text and r.text.endswith("data: [DONE]\n\n")
     r = _call(
         app, record, "/v1/completions", {"prompt": "x", "stream": True}, {"X-Request-Id": "s2"}
     )
-    assert json.loads(r.text.split("\n\n")[1][6:]) == ERROR_500
+    events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+    assert events[1] == events[3] == ERROR_500 and events[2] == {"choices": [{"text": "500"}]}
 
 
 def test_other_paths_and_successes_pass_through(record):
