@@ -30,7 +30,7 @@ from eaas.operator.names import (
     selector_string,
     table_configmap_name,
 )
-from eaas.operator.overlay import apply_pod_template
+from eaas.operator.overlay import OverlayError, apply_pod_template
 from eaas.operator.pods import nvshmem_uid_file, world_layout
 from eaas.operator.status import set_condition
 from eaas.operator.vllm_fleet import vllm_container
@@ -160,6 +160,8 @@ def fleet_deployment(
     if spec.api_key_secret is not None:  # the kubelet reads the Secret; the operator never
         name = VLLM_API_KEY_ENV if spec.engine == "vllm" else API_KEY_ENV
         container["env"].append(spec.api_key_secret.env(name))
+    if spec.vllm is not None and spec.engine != "vllm":  # the CRD's rule refuses it first
+        raise OverlayError("spec.vllm needs spec.engine vllm")
     if spec.engine == "vllm":  # vllm serve with the eaas.vllm plugin (vllm_fleet.py)
         container["command"], env, ports = vllm_container(
             spec,

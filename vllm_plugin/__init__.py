@@ -13,16 +13,21 @@ stay vLLM's. docs/vllm.md describes the supported vLLM versions and what the plu
 
 Modules: :mod:`.experts` (the layer and its ``FusedMoEMethodBase``), :mod:`.client` (the
 worker process's dispatcher, routing-table watches, failure reports), :mod:`.http` (the
-plugin's own port: push endpoint, ``/health``, ``/metrics``). Only this module is imported when
-the plugin is disabled (no torch, no vLLM import).
+plugin's own port: push endpoint, ``/health``, ``/metrics``), :mod:`.scheduler` (vLLM's
+scheduler ending only the requests a missing expert affects), :mod:`.failed` and
+:mod:`.middleware` (those requests' HTTP 503). Only this module and :mod:`.failed` are imported
+when the plugin is disabled (no torch, no vLLM import).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 
-from eaas.runtime.options.vllm import VllmPluginOptions
+from eaas.runtime.options.vllm import ENV, VllmPluginOptions
+from eaas.vllm.failed import default_dir
 
 log = logging.getLogger("eaas.vllm")
 
@@ -46,6 +51,13 @@ def register() -> None:
     # vLLM counts NaNs per request in the logits: the channel by which the worker's layers tell
     # eaas.vllm.scheduler which requests lost an expert (a no-op with another scheduler)
     os.environ.setdefault("VLLM_COMPUTE_NANS_IN_LOGITS", "1")
+    # where the scheduler records the requests it ends and the API server's middleware reads
+    # them (eaas.vllm.failed): set in vLLM's first process, before it starts the engine core,
+    # so every process of this vLLM inherits the same one
+    if not os.environ.get(ENV["failed_requests_dir"]):
+        record = default_dir()
+        os.environ[ENV["failed_requests_dir"]] = str(record)
+        atexit.register(shutil.rmtree, record, ignore_errors=True)  # this vLLM's first process
     from eaas.vllm.experts import install  # lazy: torch and vLLM only when enabled
 
     install()

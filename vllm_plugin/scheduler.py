@@ -7,7 +7,9 @@ per-request channel from the worker to the scheduler that needs no change to the
 with ``VLLM_COMPUTE_NANS_IN_LOGITS=1`` the model runner counts the NaNs in each request's logits
 (``ModelRunnerOutput.num_nans_in_logits``, keyed by request id), and a request status
 ``FINISHED_ERROR`` that the API server answers with an error (HTTP 500 ``Internal server
-error``; an ``error`` event in a stream).
+error``; an ``error`` event in a stream). The scheduler records the requests it ends that way
+(:class:`~eaas.vllm.failed.FailedRequests`), and the API server's middleware
+(:mod:`eaas.vllm.middleware`, ``--middleware``) answers exactly those with HTTP 503.
 
 So, with this scheduler (``vllm serve ... --scheduler-cls eaas.vllm.scheduler.Scheduler``):
 
@@ -37,7 +39,8 @@ from vllm.platforms import current_platform
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 
-from eaas.runtime.options.vllm import SCHEDULER_CLS
+from eaas.runtime.options.vllm import ENV, SCHEDULER_CLS
+from eaas.vllm.failed import FailedRequests
 
 log = logging.getLogger("eaas.vllm")
 
@@ -46,6 +49,8 @@ SCHEDULER_QUALNAME = SCHEDULER_CLS
 #: vLLM's variable that makes the model runner count NaNs per request (set by the plugin when
 #: unset, :func:`eaas.vllm.register`)
 NANS_ENV = "VLLM_COMPUTE_NANS_IN_LOGITS"
+#: where the failed requests are recorded for the middleware's 503 (set by the plugin)
+RECORD_ENV = ENV["failed_requests_dir"]
 
 
 def fails_requests(scheduler_cls: Any, environ: Any = os.environ) -> bool:
@@ -75,6 +80,7 @@ class FailAffectedRequests:
     encoder_cache_mismatch_reqs: set[str]
     kv_cache_manager: Any
     needs_kv_cache_zeroing: bool
+    _eaas_record: FailedRequests | None
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         nans = model_runner_output.num_nans_in_logits or {}
@@ -92,6 +98,9 @@ class FailAffectedRequests:
             # vLLM's error path of this step (finish_requests(FINISHED_ERROR) and an
             # EngineCoreOutput with finish_reason ERROR per request)
             self.encoder_cache_mismatch_reqs.update(failed)
+            # the API server's middleware (eaas.vllm.middleware) answers these with 503: the
+            # record is written before this step's outputs leave the engine core
+            self._record_failed(failed)
             log.error(
                 "eaas: 503 no_live_replica: %d request(s) end with an error (an expert their "
                 "tokens selected has no live replica): %s",
@@ -102,6 +111,18 @@ class FailAffectedRequests:
         if blocks:
             self._scrub(blocks)
         return out
+
+    def _record_failed(self, failed: list[str]) -> None:
+        if not hasattr(self, "_eaas_record"):
+            self._eaas_record = FailedRequests.from_env(os.environ)
+            if self._eaas_record is None:
+                log.warning("eaas.vllm.scheduler: %s unset: these end with vLLM's 500", RECORD_ENV)
+        if self._eaas_record is None:
+            return
+        try:
+            self._eaas_record.add(failed)
+        except OSError as exc:  # the 500 stays a 500; the requests still end
+            log.warning("eaas.vllm.scheduler: cannot record failed requests: %s", exc)
 
     def _scrub(self, blocks: set[int]) -> None:
         """The failed requests' KV blocks hold NaN: those no other request uses any more leave

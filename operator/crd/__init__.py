@@ -73,8 +73,12 @@ from eaas.operator.crd.status import (
     LoadSummary,
     PlacementSummary,
 )
+from eaas.operator.crd.vllm_args import VLLM_OWNED_FLAGS, VllmEngineSpec, owned_vllm_flag
 
 __all__ = [
+    "VLLM_OWNED_FLAGS",
+    "VllmEngineSpec",
+    "owned_vllm_flag",
     "API_KEY_ENV",
     "VLLM_API_KEY_ENV",
     "ApiKeySecretRef",

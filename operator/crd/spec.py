@@ -19,6 +19,7 @@ from eaas.operator.crd.base import (
     PlacementPolicy,
 )
 from eaas.operator.crd.secret_ref import ApiKeySecretRef
+from eaas.operator.crd.vllm_args import VllmEngineSpec
 
 # ---------------------------------------------------------------------------------------------
 # ExpertPool
@@ -523,6 +524,18 @@ class AttentionFleetSpec(CrdModel):
     """Desired state of an AttentionFleet: stateful attention clients (a Deployment and a Service)
     that use the routing table of one ExpertPool."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.vllm) || self.engine == 'vllm'",
+                    "message": "spec.vllm needs spec.engine vllm",
+                    "fieldPath": ".vllm",
+                }
+            ]
+        }
+    )
+
     expert_pool_ref: ExpertPoolRef = Field(
         description="The ExpertPool whose routing table the clients use."
     )
@@ -565,6 +578,11 @@ class AttentionFleetSpec(CrdModel):
         "the plugin watches the same routing-table ConfigMap, takes pushes and answers "
         "`/health` on port+1 (`port` must be below 65535); readiness is vLLM's `/health`. "
         "Not with a pool whose transport is nvshmem.",
+    )
+    vllm: VllmEngineSpec | None = Field(
+        default=None,
+        description="Settings of `engine: vllm` pods (only with `engine: vllm`): `args`, more "
+        "`vllm serve` flags.",
     )
     pod_template: dict[str, Any] | None = Field(
         default=None,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from eaas.runtime.options.client import check_dispatch_timeout, client_id_of
@@ -30,12 +30,33 @@ ENV = {
     "dispatch_timeout": "EAAS_DISPATCH_TIMEOUT",
     "client_id": "EAAS_CLIENT_ID",
     "spin_us": "EAAS_SPIN_US",
+    "failed_requests_dir": "EAAS_FAILED_REQUESTS_DIR",
 }
 
 #: ``vllm serve --scheduler-cls`` value of the plugin's scheduler (``eaas.vllm.scheduler``): a
 #: request whose tokens need an expert without a live replica ends with an error, the others go
 #: on (docs/vllm.md). ``eaas serve --engine vllm`` and the operator's vllm pods pass it.
 SCHEDULER_CLS = "eaas.vllm.scheduler.Scheduler"
+#: ``vllm serve --middleware`` value of the plugin's API-server middleware
+#: (``eaas.vllm.middleware``): the requests that scheduler ends get HTTP 503 with an OpenAI-style
+#: error body (a stream: that error event), not vLLM's generic 500
+MIDDLEWARE = "eaas.vllm.middleware.NoLiveReplica503"
+
+
+def plugin_vllm_args(extra: Sequence[str] = ()) -> list[str]:
+    """The ``vllm serve`` flags of the plugin's per-request failure, to add before ``extra``
+    (the user's own flags): ``--scheduler-cls`` :data:`SCHEDULER_CLS` unless ``extra`` names
+    another scheduler, and ``--middleware`` :data:`MIDDLEWARE` with it (the middleware answers
+    only what that scheduler records). ``eaas serve --engine vllm`` and the operator's
+    ``engine: vllm`` pods pass these.
+
+    Returns:
+        the flags, e.g. ``["--scheduler-cls", SCHEDULER_CLS, "--middleware", MIDDLEWARE]``.
+    """
+    if any(a == "--scheduler-cls" or a.startswith("--scheduler-cls=") for a in extra):
+        return []
+    return ["--scheduler-cls", SCHEDULER_CLS, "--middleware", MIDDLEWARE]
+
 
 _NUMBERS: dict[str, type] = {"http_port": int, "dispatch_timeout": float, "spin_us": float}
 
@@ -59,6 +80,10 @@ class VllmPluginOptions:
         client_id: the client id in frames, metrics and failure reports (a pod name is hashed,
             :func:`~eaas.runtime.options.client.client_id_of`).
         spin_us: busy-poll microseconds on ``unix:`` connections (None: the transport's own).
+        failed_requests_dir: the directory where the plugin's scheduler records the requests
+            it ends for a missing expert and its API-server middleware reads them (the 503s;
+            ``eaas.vllm.failed``); None: the plugin sets a fresh one under the temp dir in
+            vLLM's first process, which its other processes inherit.
 
     Raises (at construction):
         ValueError: a bad value; the message names the variable.
@@ -73,6 +98,7 @@ class VllmPluginOptions:
     dispatch_timeout: float = 5.0
     client_id: str = "vllm"
     spin_us: float | None = None
+    failed_requests_dir: str | None = None
 
     def __post_init__(self) -> None:
         try:

@@ -9,9 +9,10 @@ the plugin's own port (``EAAS_HTTP_PORT``: ``/health`` with the table version an
 when vLLM's ``GET /health`` answers 200 (vLLM prints no eaas ready line). serve's
 ``--served-model-name`` (aliases: comma-separated) becomes vLLM's ``--served-model-name``, and one
 ``--api-key`` vLLM's ``VLLM_API_KEY`` (in its environment, not on its command line; vLLM reads
-one key from there). vLLM runs the plugin's scheduler (``--scheduler-cls``
-:data:`~eaas.runtime.options.vllm.SCHEDULER_CLS`, unless ``--vllm-args`` names another), so a
-request that needs an expert without a live replica ends with an error and the others go on.
+one key from there). vLLM runs the plugin's scheduler and middleware
+(:func:`~eaas.runtime.options.vllm.plugin_vllm_args`, unless ``--vllm-args`` names another
+``--scheduler-cls``), so a request that needs an expert without a live replica ends with a 503
+and the others go on.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from eaas.runtime.common.ports import free_tcp_port
 from eaas.runtime.options import ServeOptions
-from eaas.runtime.options.vllm import SCHEDULER_CLS, VllmPluginOptions
+from eaas.runtime.options.vllm import VllmPluginOptions, plugin_vllm_args
 from eaas.runtime.serve.children import Child, log
 
 ROLE = "attention-client"
@@ -57,8 +58,7 @@ def vllm_child(o: ServeOptions, model_dir: str, table_path: Path) -> tuple[Child
     argv += ["--host", o.host, "--port", str(o.port), "--dtype", o.dtype]
     argv += ["--max-num-batched-tokens", str(o.max_num_batched_tokens)]
     extra = shlex.split(o.vllm_args)
-    if not any(a == "--scheduler-cls" or a.startswith("--scheduler-cls=") for a in extra):
-        argv += ["--scheduler-cls", SCHEDULER_CLS]  # a request without a live expert fails alone
+    argv += plugin_vllm_args(extra)  # a request without a live expert fails alone, with a 503
     argv += extra
     env = {**plugin.env(), "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1"}
     if o.api_key:

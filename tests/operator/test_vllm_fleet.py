@@ -1,12 +1,19 @@
 """AttentionFleet ``spec.engine: vllm`` (pure): the client pods run ``vllm serve`` with the
-eaas.vllm plugin configured by its ``EAAS_*`` variables; pushes go to the plugin's port."""
+eaas.vllm plugin configured by its ``EAAS_*`` variables and the plugin's scheduler and
+middleware flags; pushes go to the plugin's port; ``spec.vllm.args`` are appended, never a flag
+the operator sets."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from eaas.operator.crd import AttentionFleetSpec, ExpertPoolSpec
+from eaas.operator.crd import (
+    VLLM_OWNED_FLAGS,
+    AttentionFleetSpec,
+    ExpertPoolSpec,
+    owned_vllm_flag,
+)
 from eaas.operator.desired import Owner, fleet_deployment
 from eaas.operator.overlay import OverlayError
 from eaas.operator.vllm_fleet import push_port
@@ -85,3 +92,70 @@ def test_the_example_fleet_is_a_vllm_fleet():
     c = container(spec)
     assert spec.engine == "vllm" and c["command"][:2] == ["vllm", "serve"]
     assert {"name": "VLLM_MLA_DISABLE", "value": "1"} in c["env"]  # the overlay merged in
+    assert spec.vllm is not None and c["command"][-len(spec.vllm.args) :] == spec.vllm.args
+
+
+def test_vllm_args_follow_the_operators_flags():
+    args = ["--max-model-len", "8192", "--enable-prefix-caching", "--model-impl=vllm"]
+    c = container(fleet(engine="vllm", vllm={"args": args}))
+    assert c["command"][-len(args) :] == args
+    assert c["command"][: -len(args)] == container(fleet(engine="vllm"))["command"]
+    assert fleet(engine="vllm").vllm is None  # no field: the operator's flags alone
+
+
+def test_every_flag_the_operator_sets_is_owned():
+    spec = fleet(engine="vllm", apiKeySecret={"name": "keys"})
+    flags = [a for a in container(spec)["command"] if a.startswith("--")]
+    assert flags and set(flags) <= set(VLLM_OWNED_FLAGS), set(flags) - set(VLLM_OWNED_FLAGS)
+    assert {"--model", "--api-key"} <= set(VLLM_OWNED_FLAGS)  # spec.model, spec.apiKeySecret
+
+
+@pytest.mark.parametrize(
+    "arg,flag",
+    [
+        ("--port", "--port"),
+        ("--port=9", "--port"),
+        ("--host", "--host"),
+        ("--scheduler_cls", "--scheduler-cls"),  # vLLM reads _ as -
+        ("--sched", "--scheduler-cls"),  # an abbreviation argparse would take
+        ("--dtype=bfloat16", "--dtype"),
+        ("--served-model-name", "--served-model-name"),
+        ("--middleware", "--middleware"),
+        ("--api-key=k", "--api-key"),
+        ("--model", "--model"),
+        ("--", "--"),
+    ],
+)
+def test_owned_flags_are_refused_naming_the_field(arg, flag):
+    assert owned_vllm_flag(arg) == flag
+    with pytest.raises(OverlayError, match=r"spec\.vllm\.args: .* sets " + flag):
+        container(fleet(engine="vllm", vllm={"args": ["--enforce-eager", arg]}))
+
+
+@pytest.mark.parametrize("arg", ["8192", "--max-model-len", "--model-impl", "--hf-token", "-O3"])
+def test_other_flags_and_values_are_not_owned(arg):
+    assert owned_vllm_flag(arg) is None
+
+
+def test_vllm_settings_need_engine_vllm():
+    with pytest.raises(OverlayError, match="spec.vllm needs spec.engine vllm"):
+        container(fleet(vllm={"args": ["--enforce-eager"]}))
+    with pytest.raises(ValidationError, match="args"):
+        fleet(engine="vllm", vllm={"args": "--enforce-eager"})  # a list, not a string
+
+
+def test_the_crd_rules_name_the_fields():
+    from eaas.operator.crd import attentionfleet_crd
+
+    spec = attentionfleet_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    spec = spec["properties"]["spec"]
+    assert {
+        "rule": "!has(self.vllm) || self.engine == 'vllm'",
+        "message": "spec.vllm needs spec.engine vllm",
+        "fieldPath": ".vllm",
+    } in spec["x-kubernetes-validations"]
+    item = spec["properties"]["vllm"]["properties"]["args"]["items"]
+    (rule,) = item["x-kubernetes-validations"]
+    assert rule["message"].startswith("spec.vllm.args must not set a flag the operator sets")
+    assert all(f"'{f}'" in rule["rule"] for f in VLLM_OWNED_FLAGS)
+    assert item["maxLength"] and spec["properties"]["vllm"]["properties"]["args"]["maxItems"]

@@ -3,7 +3,7 @@ process with vLLM's offline ``LLM`` (engine and worker in this process: one vLLM
 of them), with or without the eaas.vllm plugin.
 
 ``python greedy_driver.py JOB.json OUT.json``; JOB: ``{"prompts": [[ids]], "max_tokens": n,
-"runs": [{"name", "model", "env": {EAAS_*} | null}]}``. A run with ``env`` enables the plugin
+"runs": [{"name", "model", "env": {EAAS_*} | null, "llm": {more LLM(...) arguments}}]}``. A run with ``env`` enables the plugin
 for that model (``EAAS_*`` set while it loads; the process's plugin client is reset between
 models); runs without ``env`` are vLLM alone (then the process must run with
 ``VLLM_PLUGINS=""`` or without any ``env`` run, as the plugin registers once per process).
@@ -61,6 +61,7 @@ def main() -> int:
             max_num_seqs=16,
             seed=0,
             distributed_executor_backend="uni",
+            **run.get("llm", {}),
         )
         gc.collect()
         pss = pss_kib()

@@ -6,8 +6,10 @@ a push token; failure reports to a receiver in this process. In order: health an
 in use, the authenticated push endpoint and its acknowledgement, 16 concurrent streams through
 a SIGKILL of one expert server (every stream completes with the reference text; failover,
 marked-down and failure-report evidence), then a routing table without the dead server, and
-last an expert without any live replica: only the requests that need it fail (vLLM's scheduler
-with the plugin's per-request failure, ``--scheduler-cls eaas.vllm.scheduler.Scheduler``).
+last an expert without any live replica: only the requests that need it fail, with HTTP 503
+(vLLM's scheduler with the plugin's per-request failure and its API-server middleware,
+``--scheduler-cls eaas.vllm.scheduler.Scheduler --middleware
+eaas.vllm.middleware.NoLiveReplica503``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 from openai import OpenAI
+
+from eaas.runtime.options.vllm import plugin_vllm_args
 
 from helpers.common import free_port, wait_until
 from helpers.e2e import metric_sum, metric_values
@@ -90,7 +94,7 @@ def stack(vllm_python, vllm_models, tmp_path_factory):
         vllm_models["qwen3_moe"],
         work / "vllm.log",
         env,
-        extra_args=("--scheduler-cls", "eaas.vllm.scheduler.Scheduler"),
+        extra_args=tuple(plugin_vllm_args()),
     )
     try:
         server.wait_ready()
@@ -163,6 +167,7 @@ def _stream(client: OpenAI, prompt: list[int], out: dict) -> None:
         out["text"] = "".join(text)
     except Exception as exc:  # noqa: BLE001  (the test reports it)
         out["error"] = repr(exc)
+        out["error_body"] = getattr(exc, "body", None)  # the error event's object
 
 
 def _run_streams(server: VllmServer, on_started=None) -> list[dict]:
@@ -259,14 +264,14 @@ def _reference(server: VllmServer) -> list[dict]:
 
 def _short_round(server: VllmServer) -> list[object]:
     """The :data:`SHORT` prompts at once, 1 greedy token each (the prompt's only token and
-    nothing else goes through the MoE layers): its token ids, or the HTTP status it failed
-    with."""
+    nothing else goes through the MoE layers): its token ids, or ``(HTTP status, JSON body)``
+    it failed with."""
 
     def one(p: list[int]) -> object:
         try:
             return server.greedy_ids(p, 1)
         except httpx.HTTPStatusError as exc:
-            return exc.response.status_code
+            return exc.response.status_code, exc.response.json()
 
     with ThreadPoolExecutor(len(SHORT)) as ex:
         return list(ex.map(one, SHORT))
@@ -275,8 +280,9 @@ def _short_round(server: VllmServer) -> list[object]:
 def test_no_live_replica_fails_only_the_affected_requests(stack):
     """Last: with redundancy 1 for some expert (every server holding it SIGKILLed, the table
     without them), 32 one-token requests at once: those whose token selects that expert end
-    with vLLM's 500, the others complete with the reference token; 16 concurrent streams: the
-    requests whose tokens select that expert end with an error (vLLM's 500 ``Internal server error`` event in the stream, never a hang),
+    with HTTP 503 and an OpenAI-style ``ServiceUnavailableError`` body naming the cause, the
+    others complete with the reference token; 16 concurrent streams: the requests whose tokens
+    select that expert end with the same error as the stream's error event (never a hang),
     vLLM does not stop (its engine and /health stay up, the plugin's /health is 503 with the
     expert uncovered); once the servers are back in a table every stream completes with the
     reference text again."""
@@ -292,18 +298,30 @@ def test_no_live_replica_fails_only_the_affected_requests(stack):
     h = httpx.get(f"{side}/health", timeout=10).json()
     assert h["status"] == "degraded" and h["uncovered_experts"] > 0 and h["fails_requests"]
     # one-token requests in one batch: those whose token selects the uncovered expert fail
-    # (vLLM's 500), the others in the same steps complete with the reference token
+    # (503, the middleware's answer to what the scheduler recorded), the others in the same
+    # steps complete with the reference token
     short = _short_round(server)
     failed = [i for i, r in enumerate(short) if not isinstance(r, list)]
     print(f"one-token requests: {len(failed)} of {len(SHORT)} failed")
     assert failed and len(failed) < len(SHORT), short
-    assert all(short[i] == 500 for i in failed), short
+    for i in failed:
+        status, body = short[i]  # type: ignore[misc]
+        assert status == 503, short[i]
+        assert body["error"]["type"] == "ServiceUnavailableError", body
+        assert body["error"]["code"] == 503 and "no_live_replica" in body["error"]["message"]
     assert all(r == short_ref[i] for i, r in enumerate(short) if i not in failed)
     outs = _run_streams(server)  # a hang fails here (threads joined with a timeout)
     errors = [o["error"] for o in outs if "error" in o]
     print(f"streams of {MAX_TOKENS} tokens: {len(errors)} of {STREAMS} failed")
     assert errors, "no request needed the uncovered expert"
-    assert all("Internal server error" in e for e in errors), errors
+    bodies = [o.get("error_body") for o in outs if "error" in o]
+    assert all(
+        isinstance(b, dict)
+        and b.get("code") == 503
+        and b.get("type") == "ServiceUnavailableError"
+        and "no_live_replica" in b.get("message", "")
+        for b in bodies
+    ), errors
     wrong = [
         i
         for i, (o, r) in enumerate(zip(outs, reference, strict=True))
