@@ -481,6 +481,7 @@ def plan_pods(
     observed: Sequence[ObservedPod],
     max_unavailable: int,
     in_use: Collection[str] = (),
+    surge: bool = True,
 ) -> PodPlan:
     """Decide creations, deletions and relabels that move ``observed`` toward ``desired``.
 
@@ -492,9 +493,9 @@ def plan_pods(
       they serve nothing, so a hung pod never blocks a re-placement;
     * outdated live pods (spec hash differs, e.g. their experts changed), then excess pods (index
       beyond ``replicas``), are deleted one by one, only while fewer than ``max_unavailable``
-      desired servers are unavailable -- plus one for each live excess pod (on a scale-down the
-      servers leaving still serve, a surge as a Deployment's ``maxSurge``: the live servers never
-      fall below ``desired - max_unavailable``) -- and only if every (layer, expert) that is live
+      desired servers are unavailable -- with ``surge``, plus one for each live excess pod (on a
+      scale-down the servers leaving still serve, as a Deployment's ``maxSurge``: the live
+      servers never fall below ``desired - max_unavailable``) -- and only if every (layer, expert) that is live
       now stays live on the remaining Ready pods. If that blocks all progress while every desired server is
       available, one pod is deleted anyway (``forced``) so a re-placement always completes.
 
@@ -506,6 +507,10 @@ def plan_pods(
             pools: named in the published or a pending routing table, not every client
             acknowledged a table without them, or not drained yet): never deleted now --
             make-before-break scale-down and re-placement (:mod:`eaas.operator.drain`).
+        surge: the live excess pods serve until they are deleted (their experts are in the
+            routing table: command-line pools), so each adds one to ``max_unavailable``. False
+            for ``routing-table`` pools: a leaving server is taken out of the table first and
+            serves nothing.
     """
     plan = PodPlan()
     by_name = {p.name: p for p in observed}
@@ -552,7 +557,7 @@ def plan_pods(
     for p in live:
         replicas.update(set(p.experts))
     # the live excess servers serve until the re-placement is done: they are the surge
-    budget = max(1, max_unavailable) + len(excess_live) - unavailable
+    budget = max(1, max_unavailable) + (len(excess_live) if surge else 0) - unavailable
 
     def safe_without(pod: ObservedPod) -> bool:
         return all(replicas[pair] >= 2 for pair in set(pod.experts))
