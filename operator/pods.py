@@ -559,6 +559,10 @@ def plan_pods(
     # the live excess servers serve until the re-placement is done: they are the surge
     budget = max(1, max_unavailable) + (len(excess_live) if surge else 0) - unavailable
 
+    # with the surge, the excess go only while the live servers stay at desired - max_unavailable
+    floor = len(desired) - max(1, max_unavailable) if surge else 0
+    serving = [len(live)]
+
     def safe_without(pod: ObservedPod) -> bool:
         return all(replicas[pair] >= 2 for pair in set(pod.experts))
 
@@ -566,6 +570,7 @@ def plan_pods(
         removed.add(pod.name)
         if pod.live:
             replicas.subtract(set(pod.experts))
+            serving[0] -= 1
 
     # replace outdated servers first while excess ones still hold their experts, then shrink
     ordered = [
@@ -578,6 +583,8 @@ def plan_pods(
             remove(pod)
             continue
         if not is_excess and budget <= 0:
+            continue
+        if is_excess and serving[0] <= floor:
             continue
         if not safe_without(pod):
             continue

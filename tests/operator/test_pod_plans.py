@@ -323,6 +323,11 @@ def test_a_scale_down_replaces_the_servers_that_stay_in_a_few_rounds():
     forced deletion uncovering 3 experts), and every intermediate table covers every expert."""
     tables: list = []
     old, new = (make_spec(replicas=n, model=dict(BIG_MODEL)) for n in (256, 16))
+    obs = observed_from(desired_for(old)[1])
+    plan = plan_pods(desired_from(new, obs), obs, max_unavailable=1)
+    replaced = [n for n, _, why in plan.delete if why == "outdated"]
+    assert len(replaced) > 1  # more than max_unavailable: the 240 leaving serve meanwhile
+    assert len(obs) - len(plan.delete) >= 16 - 1  # never fewer live than desired - 1
     steps, gaps, forced, state = simulate(old, new, tables=tables)
     assert steps <= 16 and gaps == forced == 0
     assert all(t.uncovered() == [] for t in tables)
