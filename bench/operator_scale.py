@@ -370,6 +370,10 @@ def markdown(results: list[dict]) -> str:
             f"{w.get('reconcile_steps', 0)} / {w.get('pod_lists', 0)} / {w.get('table_writes', 0)}"
         )
 
+    def skipped(phase: dict) -> str:
+        n = (phase.get("work") or {}).get("idle_steps_skipped", 0)
+        return f", {n} idle step{'s' * (n != 1)} skipped" if n else ""
+
     def load(phase: dict) -> str:
         return f"{phase['load']:.1f}" if "load" in phase else ""
 
@@ -388,14 +392,16 @@ def markdown(results: list[dict]) -> str:
         for i, idle in enumerate(r["idle"]):
             rows.append(
                 f"| {n} | idle run {i + 1} | {idle['wall_s']:.0f} | {idle['cpu_s']:.2f} | "
-                f"{work(idle)} | {load(idle)} | {idle['share'] * 100:.2f}% of a core |"
+                f"{work(idle)} | {load(idle)} | {idle['share'] * 100:.2f}% of a core"
+                f"{skipped(idle)} |"
             )
         k = r.get("kill")
         if k is not None:
             rows.append(
                 f"| {n} | one server killed | {k['wall_s']:.1f} | {k['cpu_s']:.2f} | {work(k)} | "
                 f"{load(k)} | out of the table {k['table_s'] * 1000:.0f} ms after DELETED "
-                f"({k['cpu_to_table_s']:.2f} CPU-s) |"
+                f"({k['cpu_to_table_s']:.2f} CPU-s"
+                f"{', dropped before the step' if (k.get('work') or {}).get('table_drops') else ''}) |"
             )
         for name, label in (
             (f"scale -> {SMALL}", f"scale N -> {SMALL}"),

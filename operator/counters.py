@@ -8,6 +8,10 @@ so that a test or a benchmark can count work instead of timing it.
 * ``eaas_operator_pod_lists_total``: pool steps that LISTed their pods (the others read the
   pod index the watch keeps).
 * ``eaas_operator_table_writes_total``: routing-table ConfigMap writes.
+* ``eaas_operator_table_drops_total``: of those, dead servers dropped from the table in force
+  before the step (:mod:`eaas.operator.reconcile.death`).
+* ``eaas_operator_idle_steps_skipped_total``: idle resync steps skipped, nothing they read
+  having changed (:mod:`eaas.operator.resync`).
 * ``eaas_operator_load_scrapes_total{result}``: ``GET /metrics`` of expert servers by the load
   scraper (:mod:`eaas.operator.load`), ``ok`` or ``failed``.
 * ``eaas_operator_api_calls_total{method, resource}``: Kubernetes API requests made through the

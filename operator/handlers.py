@@ -124,10 +124,14 @@ async def server_pod_event(
 ) -> None:
     """A change of an expert-server pod that the operator uses (readiness, IP, phase,
     restarts, labels and annotations, deletion: :class:`~eaas.operator.pods.ObservedPod`)
-    wakes its pool; other updates of the pod cost nothing more."""
+    wakes its pool; other updates of the pod cost nothing more. A pod deleted, terminating or
+    finished is also noted for its pool's next step to drop from the table first
+    (:meth:`~eaas.operator.state.OperatorState.note_death`)."""
     state, ns = _state(memo), _namespace(namespace)
     state.counters.add("eaas_operator_watch_events_total", resource="pods")
     observed = None if type == "DELETED" else ObservedPod.from_pod(body)
+    if observed is None or observed.terminating or observed.finished:
+        state.note_death(ns, labels[LABEL_POOL], name, str(body.get("metadata", {}).get("uid", "")))
     if state.note_pod(ns, name, observed):
         state.wake("pool", ns, labels[LABEL_POOL])
 

@@ -3,7 +3,8 @@ plan that moves the observed pods toward the desired ones without uncovering an 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+import collections
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -475,18 +476,12 @@ class PodPlan:
         return not (self.create or self.delete or self.relabel or self.waiting)
 
 
-def _covered(pods: Iterable[ObservedPod]) -> set[LayerExpert]:
-    out: set[LayerExpert] = set()
-    for p in pods:
-        out.update(p.experts)
-    return out
-
-
 def plan_pods(
     desired: Mapping[str, Mapping[str, Any]],
     observed: Sequence[ObservedPod],
     max_unavailable: int,
     in_use: Collection[str] = (),
+    surge: bool = True,
 ) -> PodPlan:
     """Decide creations, deletions and relabels that move ``observed`` toward ``desired``.
 
@@ -497,9 +492,11 @@ def plan_pods(
     * outdated pods that are not live (not Ready, hung, on a dead node) are deleted at once:
       they serve nothing, so a hung pod never blocks a re-placement;
     * outdated live pods (spec hash differs, e.g. their experts changed), then excess pods (index
-      beyond ``replicas``), are deleted one by one, only while fewer than ``max_unavailable`` desired
-      servers are unavailable, and only if every (layer, expert) that is live now stays live on
-      the remaining Ready pods. If that blocks all progress while every desired server is
+      beyond ``replicas``), are deleted one by one, only while fewer than ``max_unavailable``
+      desired servers are unavailable -- with ``surge``, plus one for each live excess pod (on a
+      scale-down the servers leaving still serve, as a Deployment's ``maxSurge``: the live
+      servers never fall below ``desired - max_unavailable``) -- and only if every (layer, expert) that is live
+      now stays live on the remaining Ready pods. If that blocks all progress while every desired server is
       available, one pod is deleted anyway (``forced``) so a re-placement always completes.
 
     Args:
@@ -510,6 +507,10 @@ def plan_pods(
             pools: named in the published or a pending routing table, not every client
             acknowledged a table without them, or not drained yet): never deleted now --
             make-before-break scale-down and re-placement (:mod:`eaas.operator.drain`).
+        surge: the live excess pods serve until they are deleted (their experts are in the
+            routing table: command-line pools), so each adds one to ``max_unavailable``. False
+            for ``routing-table`` pools: a leaving server is taken out of the table first and
+            serves nothing.
     """
     plan = PodPlan()
     by_name = {p.name: p for p in observed}
@@ -550,12 +551,26 @@ def plan_pods(
 
     removed: set[str] = {n for n, _, _ in plan.delete}
     live = [p for p in observed if p.live and p.name not in removed]
-    must_cover = _covered(live)
-    budget = max(1, max_unavailable) - unavailable
+    # live replicas per (layer, expert) on the live pods not removed yet: a pod may go while
+    # each of its experts has another (what is live now stays live; O(its experts), not O(pool))
+    replicas: collections.Counter[LayerExpert] = collections.Counter()
+    for p in live:
+        replicas.update(set(p.experts))
+    # the live excess servers serve until the re-placement is done: they are the surge
+    budget = max(1, max_unavailable) + (len(excess_live) if surge else 0) - unavailable
+
+    # with the surge, the excess go only while the live servers stay at desired - max_unavailable
+    floor = len(desired) - max(1, max_unavailable) if surge else 0
+    serving = [len(live)]
 
     def safe_without(pod: ObservedPod) -> bool:
-        rest = [p for p in live if p.name not in removed and p.name != pod.name]
-        return must_cover <= _covered(rest)
+        return all(replicas[pair] >= 2 for pair in set(pod.experts))
+
+    def remove(pod: ObservedPod) -> None:
+        removed.add(pod.name)
+        if pod.live:
+            replicas.subtract(set(pod.experts))
+            serving[0] -= 1
 
     # replace outdated servers first while excess ones still hold their experts, then shrink
     ordered = [
@@ -565,14 +580,16 @@ def plan_pods(
         is_excess = pod.name not in desired
         if not pod.live:  # serves nothing: replacing it costs no availability, never wait on it
             plan.delete.append((pod.name, pod.uid, "outdated"))
-            removed.add(pod.name)
+            remove(pod)
             continue
         if not is_excess and budget <= 0:
+            continue
+        if is_excess and serving[0] <= floor:
             continue
         if not safe_without(pod):
             continue
         plan.delete.append((pod.name, pod.uid, "excess" if is_excess else "outdated"))
-        removed.add(pod.name)
+        remove(pod)
         if not is_excess:
             budget -= 1
     if ordered and unavailable == 0 and not any(n in removed for n in (p.name for p in ordered)):

@@ -13,8 +13,14 @@ as in client-go's informer resync or controller-runtime's ``SyncPeriod``: a step
   seconds to bring them back), a routing table staged on its servers, or placement or
   autoscaling that follows the measured load;
 * otherwise once per ``idle_resync_s`` (env ``EAAS_OPERATOR_IDLE_RESYNC_S``, default 120 s; 0:
-  every ``resync_s`` as before). ``status.load`` of a pool that is not load-driven is therefore
-  refreshed only this often.
+  every ``resync_s`` as before), and then only when something the step reads changed since the
+  last step began (the pods' resourceVersions in the watch's index, node readiness and labels,
+  the table, the clients' acknowledgements, the measured load, failure reports:
+  :meth:`eaas.operator.state.OperatorState.step_inputs`; an unchanged idle step of a
+  4,096-server pool cost ~1 CPU-s), and at least every
+  :data:`~eaas.operator.state.LIST_RESYNC_S` (that step LISTs the pods, the safety net of a
+  watch that missed an event; an HPA or NetworkPolicy removed by hand is re-applied by it).
+  ``status.load`` of a pool that is not load-driven is therefore refreshed only this often.
 """
 
 from __future__ import annotations

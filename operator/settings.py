@@ -8,7 +8,7 @@ Environment variables (all optional):
 
 =====================================  ====================================================
 ``EAAS_OPERATOR_RESYNC_S``              period of a pool's / fleet's daemon (s; default 2)
-``EAAS_OPERATOR_IDLE_RESYNC_S``         full step of an idle pool this often (s; default 120)
+``EAAS_OPERATOR_IDLE_RESYNC_S``         idle pool's inputs compared this often (s; default 120)
 ``EAAS_OPERATOR_WATCH_TIMEOUT_S``       server-side timeout of kopf's watches (s; default 60)
 ``EAAS_OPERATOR_REPORT_LISTEN``         ``HOST:PORT`` of the failure-report endpoint
 ``EAAS_OPERATOR_REPORT_URL``            that endpoint as clients reach it
@@ -100,8 +100,9 @@ class ResyncSettings:
 
     Attributes:
         resync_s: period of every pool's / fleet's daemon (s), on top of event wakeups.
-        idle_resync_s: a pool nothing happened to gets a full step only this often (s; 0:
-            every ``resync_s``; :mod:`eaas.operator.resync`).
+        idle_resync_s: a pool nothing happened to is looked at only this often (s; 0: a
+            full step every ``resync_s``): a full step when something it reads changed
+            (:mod:`eaas.operator.resync`).
         watch_timeout_s: server-side timeout of kopf's watch requests (s; the client's is 10 s
             longer).
     """

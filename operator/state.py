@@ -99,6 +99,16 @@ class PoolMemory:
         elastic: replica changes being settled and servers leaving (:mod:`eaas.operator.drain`).
         held: server name -> why fail static keeps it in the routing table although the API
             server shows it unavailable (:mod:`eaas.operator.fail_static`; re-probed each step).
+        dead: pod name -> uid of servers the pod watch saw deleted, terminating or finished
+            (direct evidence) since the pool's last step began: the next step first drops them
+            from the published table (:mod:`eaas.operator.reconcile.death`).
+        owner: the pool as its last step read it (None: not stepped yet).
+        drops_at_once: the pool's table may be trimmed of a dead server before its step (the
+            experts are on the servers' command lines; a ``routing-table`` pool re-places
+            first when a drop would uncover an expert). Set by each step.
+        step_inputs: what the last step read that the watches keep (:meth:`OperatorState.
+            step_inputs`, as the step began): an idle resync step is skipped while it is the same.
+        inputs_checked_at: monotonic time :attr:`step_inputs` was last compared or taken.
     """
 
     suspects: dict[str, tuple[str, float]] = field(default_factory=dict)
@@ -119,6 +129,11 @@ class PoolMemory:
     manifests: dict[tuple[Hashable, int, tuple[LayerExpert, ...]], dict[str, Any]] = field(
         default_factory=dict
     )
+    dead: dict[str, str] = field(default_factory=dict)
+    owner: Owner | None = None
+    drops_at_once: bool = False
+    step_inputs: Hashable = None
+    inputs_checked_at: float = -1e18
 
     def busy(self) -> bool:
         """Whether the pool needs a full step every ``resync_s`` rather than once per idle
@@ -332,6 +347,44 @@ class OperatorState:
             return False
         self.pods_seen[key] = observed
         return True
+
+    def note_death(self, namespace: str, pool: str, name: str, uid: str) -> None:
+        """A server pod of pool ``namespace/pool`` was deleted, is terminating or finished (the
+        pod watch): its pool's next step drops it from the published table first
+        (:attr:`PoolMemory.dead`). A pool not stepped yet has no table to trim."""
+        memory = self.pools.get((namespace, pool))
+        if memory is not None:
+            memory.dead[name] = uid
+
+    def step_inputs(self, namespace: str, pool: str) -> Hashable:
+        """What a step of pool ``namespace/pool`` reads that the watches and the operator's own
+        writes keep: its pods' ``(uid, resourceVersion)`` in the pod index, the nodes'
+        readiness and labels, the table as last written or read, the clients'
+        acknowledgements, the measured load and pending failure reports. Call it on the event
+        loop (the index changes there). None without a pod index (no step is skipped then).
+
+        Costs one pass over the index: ~2 ms for 4,096 pods, against ~0.3 CPU-s for a step."""
+        index = self.pod_index
+        if index is None:
+            return None
+        memory = self.pool(namespace, pool)
+        pods = frozenset(
+            (
+                (body.get("metadata") or {}).get("uid"),
+                (body.get("metadata") or {}).get("resourceVersion"),
+            )
+            for body in index.get((namespace, pool), ())
+        )
+        load = self.scraper.load((namespace, pool)) if self.scraper is not None else None
+        return (
+            pods,
+            frozenset(self.node_ready.items()),
+            frozenset((n, frozenset(labels.items())) for n, labels in self.node_labels.items()),
+            memory.published,
+            tuple(memory.client_acks()),
+            repr(load.summary()) if load is not None and load.per_server else None,
+            len(memory.reported),
+        )
 
     def note_configmap(
         self, namespace: str, pool: str, name: str, resource_version: str, deleted: bool

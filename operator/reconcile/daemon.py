@@ -19,7 +19,7 @@ from eaas.operator.load import LoadScraper
 from eaas.operator.reconcile.load import start_external_metrics
 from eaas.operator.reconcile.reports import start_report_server
 from eaas.operator.resync import step_due
-from eaas.operator.state import OperatorState
+from eaas.operator.state import LIST_RESYNC_S, OperatorState
 
 Step = Callable[[OperatorState, str, str, kopf.Logger], None]
 
@@ -38,7 +38,10 @@ def _due(
 ) -> bool:
     """Whether the daemon runs a full step now: fleets always; pools on events, else once per
     idle resync (:mod:`eaas.operator.resync`), more often while busy: servers under suspicion,
-    a staged table, or (a load-driven pool) measured load, once per load window."""
+    a staged table, or (a load-driven pool) measured load, once per load window. An idle
+    resync step is skipped when nothing it reads changed since the last step began
+    (:meth:`OperatorState.step_inputs`), but not for :data:`LIST_RESYNC_S` in a row (that step
+    LISTs the pods: the safety net of a watch that missed an event)."""
     if kind != "pool":
         return True
     memory = state.pools.get(key)
@@ -54,7 +57,31 @@ def _due(
     )
     if scraper is not None:
         scraper.keep(key)  # an idle pool's servers stay scraped between its rare steps
-    return step_due(woken, failed, busy, since_last_step_s, state.settings.resync.idle_resync_s)
+    idle_resync_s = state.settings.resync.idle_resync_s
+    due = step_due(woken, failed, busy, since_last_step_s, idle_resync_s)
+    if not due:
+        return False
+    if memory is None or woken or failed or busy or idle_resync_s <= 0:
+        return take_inputs(state, key)
+    # an idle resync: skipped while nothing the step reads changed, at most LIST_RESYNC_S
+    if since_last_step_s >= LIST_RESYNC_S:
+        return take_inputs(state, key)
+    if time.monotonic() - memory.inputs_checked_at < idle_resync_s:
+        return False  # compared already in this idle period
+    memory.inputs_checked_at = time.monotonic()
+    if memory.step_inputs is not None and state.step_inputs(*key) == memory.step_inputs:
+        state.counters.add("eaas_operator_idle_steps_skipped_total")
+        return False
+    return take_inputs(state, key)
+
+
+def take_inputs(state: OperatorState, key: tuple[str, str]) -> bool:
+    """Remember what a step of pool ``key`` that begins now reads
+    (:meth:`OperatorState.step_inputs`); returns True (the step runs)."""
+    memory = state.pool(*key)
+    memory.step_inputs = state.step_inputs(*key)
+    memory.inputs_checked_at = time.monotonic()
+    return True
 
 
 async def run_daemon(

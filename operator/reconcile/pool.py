@@ -27,6 +27,7 @@ from eaas.operator.pods import (
     table_assignment,
 )
 from eaas.operator.pool_placement import placement_revision
+from eaas.operator.reconcile.death import drop_dead_at_once
 from eaas.operator.reconcile.drain import acted_spec
 from eaas.operator.reconcile.fail_static import add_condition, hold_back
 from eaas.operator.reconcile.load import placement_load, track_load
@@ -96,9 +97,13 @@ def reconcile_pool(state: OperatorState, namespace: str, name: str, logger: kopf
     changed. Pools with ``spec.placement.assignment: routing-table`` go to
     :func:`eaas.operator.reconcile.table_pool.reconcile_table_pool`.
 
+    A server the pod watch saw die leaves the published table first, before anything is read
+    (:func:`eaas.operator.reconcile.death.drop_dead_at_once`).
+
     Raises:
         ApiException: any API error but 404/409 on create/delete (the daemon logs and retries).
     """
+    drop_dead_at_once(state, k8s.CoreV1Api(state.api()), namespace, name, logger)
     try:
         _reconcile_pool(state, namespace, name, logger, from_index=True)
     except StalePodView:
@@ -145,6 +150,7 @@ def _reconcile_pool(
         return
     owner = Owner.from_body(body)
     memory = state.pool(namespace, name)
+    memory.owner = owner
     old_status = body.get("status") or {}
     old_conditions = old_status.get("conditions") or []
     pods = pool_pods(state, core, namespace, name, from_index)
@@ -157,6 +163,7 @@ def _reconcile_pool(
             spec.autoscaling is not None or spec.placement.policy == "load-balanced"
         )
         track_load(state, namespace, name, pods, observed)
+        memory.drops_at_once = not table_assignment(spec)
         if table_assignment(spec):
             reconcile_table_pool(state, core, custom, body, owner, spec, observed, pods, logger)
             return

@@ -179,6 +179,7 @@ def _plan_pods(
         observed_t,
         max_unavailable=max(1, s.spec.redundancy - 1),
         in_use=in_use | held_pods,
+        surge=False,  # a leaving server left the table first: it serves nothing
     )
     return plan, observed_t, held, leaving
 

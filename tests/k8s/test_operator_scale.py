@@ -5,11 +5,13 @@ on kwok nodes, against the real API server, with the work counted (``GET /metric
 * Idle periods with node heartbeats (every node's ``Ready`` condition re-posted with a new
   ``lastHeartbeatTime``, as a kubelet does) and pod updates the operator does not use (an
   annotation): each period costs the same few idle-resync steps, no pod LIST, no table write,
-  the same API calls; the heartbeats wake nothing.
+  the same API calls; the heartbeats wake nothing. With heartbeats only, nothing a step reads
+  changes and the idle resyncs are skipped.
 * The load scraper: the pool's kwok pods serve no metrics, and each period costs at most a
   few GETs per scrape round (``PROBE_SERVERS``), not one per server.
 * One server killed: a handful of steps and table writes (out, back in), the same as in a small
-  pool, whatever the pool's size.
+  pool, whatever the pool's size; it leaves the table by one write before its step reads
+  anything.
 
 The pool's 256 pods coming up are most of its time.
 """
@@ -77,6 +79,8 @@ def _work(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
         "steps": d("reconcile_steps", kind="pool"),
         "pod_lists": d("pod_lists"),
         "table_writes": d("table_writes"),
+        "table_drops": d("table_drops"),
+        "idle_skips": d("idle_steps_skipped"),
         "api_calls": api,
         "node_events": d("watch_events", resource="nodes"),
         "pod_events": d("watch_events", resource="pods"),
@@ -196,12 +200,13 @@ def _touch_pods(core: k8s.CoreV1Api, ns: str, count: int, stamp: str) -> None:
         )
 
 
-def _period(core, ns, nodes, port, index: int) -> dict[str, int]:
+def _period(core, ns, nodes, port, index: int, touch: bool = True) -> dict[str, int]:
     before = _metrics(port)
     t0 = time.monotonic()
     for beat in range(HEARTBEATS):
         _heartbeat(core, nodes)
-        _touch_pods(core, ns, 32, f"{index}-{beat}")
+        if touch:
+            _touch_pods(core, ns, 32, f"{index}-{beat}")
         time.sleep(max(0.0, t0 + (beat + 1) * PERIOD_S / HEARTBEATS - time.monotonic()))
     return _work(before, _metrics(port))
 
@@ -224,6 +229,12 @@ def test_idle_work_with_heartbeats_does_not_grow_with_time(core, gpu_nodes, big_
     for p in later:
         assert p["steps"] <= first["steps"] + 1, periods
         assert p["api_calls"] <= first["api_calls"] + 8, periods
+    # heartbeats only: nothing a step reads changes, so the idle resyncs are skipped
+    quiet = _period(core, big_pool, nodes, counted, 3, touch=False)
+    print("work of a period of heartbeats only:", quiet)
+    assert quiet["node_events"] >= HEARTBEATS * len(nodes), quiet
+    assert quiet["steps"] <= 1 and quiet["idle_skips"] >= 1, quiet  # 1: the touches' last step
+    assert quiet["pod_lists"] == 0 and quiet["table_writes"] == 0, quiet
 
 
 def test_a_killed_server_costs_a_few_steps_in_a_large_pool(core, big_pool, counted):
@@ -247,5 +258,7 @@ def test_a_killed_server_costs_a_few_steps_in_a_large_pool(core, big_pool, count
     print("work of one killed server:", work)
     # out of the table, replaced, back in: a few steps, each LIST only where it writes pods
     assert 1 <= work["table_writes"] <= 4, work
+    # it left the table by one write of the table in force less it, before its step read anything
+    assert work["table_drops"] == 1, work
     assert work["steps"] <= 12, work
     assert work["pod_lists"] <= 4, work

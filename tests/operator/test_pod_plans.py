@@ -314,3 +314,22 @@ def test_fleet_replicas_get_distinct_client_ids():
     for bad in ("", "-1", str(2**63)):
         with pytest.raises(typer.BadParameter):
             client_id_of(bad)
+
+
+@pytest.mark.scale
+def test_a_scale_down_replaces_the_servers_that_stay_in_a_few_rounds():
+    """256 -> 16 servers: the 240 leaving serve while the 16 that stay are re-placed, so those
+    are replaced as many at a time as coverage allows (one at a time before: 49 steps, one
+    forced deletion uncovering 3 experts), and every intermediate table covers every expert."""
+    tables: list = []
+    old, new = (make_spec(replicas=n, model=dict(BIG_MODEL)) for n in (256, 16))
+    obs = observed_from(desired_for(old)[1])
+    plan = plan_pods(desired_from(new, obs), obs, max_unavailable=1)
+    replaced = [n for n, _, why in plan.delete if why == "outdated"]
+    assert len(replaced) > 1  # more than max_unavailable: the 240 leaving serve meanwhile
+    assert len(obs) - len(plan.delete) >= 16 - 1  # never fewer live than desired - 1
+    steps, gaps, forced, state = simulate(old, new, tables=tables)
+    assert steps <= 16 and gaps == forced == 0
+    assert all(t.uncovered() == [] for t in tables)
+    assert sorted(state, key=lambda n: int(n.rsplit("-", 1)[1])) == [f"tiny-{i}" for i in range(16)]
+    assert coverage(build_routing_table(new, list(state.values()), 1), 2)[1:] == (0, 0)
