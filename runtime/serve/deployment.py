@@ -91,10 +91,12 @@ class Deployment:
     With ``server_cpus == "auto"`` each expert server is pinned to one CPU of this process's
     CPU set (its ``--cpus``), the servers one decode call reaches on different CPUs
     (:func:`~eaas.runtime.placement.spread_over_cpus`), when there are at least 2 servers and 2
-    CPUs and ``server_threads`` is 1; :attr:`server_cpu_list` holds the result (None: not
-    pinned). ``server_sched_policy`` ``"batch"`` (SCHED_BATCH): a server woken by a client's
-    doorbell does not preempt that client, which still rings the other servers of the call and
-    computes the shared expert.
+    CPUs and ``server_threads`` is 1 and the engine is ``eaas`` (with ``vllm``, vLLM binds its
+    worker's OpenMP threads to CPUs of its own choice, and a server pinned to the worker's CPU
+    takes it from vLLM); :attr:`server_cpu_list` holds the result (None: not pinned).
+    ``server_sched_policy`` ``"batch"`` (SCHED_BATCH): a server woken by a client's doorbell
+    does not preempt that client, which still rings the other servers of the call and computes
+    the shared expert.
 
     Raises:
         ValueError, PlacementError, FileNotFoundError: an option this machine or the model
@@ -135,6 +137,8 @@ class Deployment:
         if o.server_cpus == "auto":
             if o.server_threads != 1:
                 self.not_pinned_why = ": --server-threads is not 1"
+            elif o.engine == "vllm":  # vLLM binds its worker's OpenMP threads to CPUs itself
+                self.not_pinned_why = ": --engine vllm (vLLM binds its worker to CPUs)"
             elif o.expert_servers < 2 or len(cpus) < 2:
                 self.not_pinned_why = f": {o.expert_servers} server(s), {len(cpus)} CPU(s)"
             else:

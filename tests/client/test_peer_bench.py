@@ -187,3 +187,19 @@ def test_bad_options_are_refused_before_anything_starts(argv, message):
     with pytest.raises(SystemExit) as e:
         peer.main(argv)
     assert message in str(e.value)
+
+
+def test_report_gives_vllm_eaas_against_vllm_and_eaas():
+    args = argparse.Namespace(vllm=True, peer_url=None, workloads="W1")
+    res = {
+        "float32": {
+            "eaas": {"workloads": {"W1": _summary(40.0, 500.0, 10.0, 20.0)}},
+            "vllm": {"workloads": {"W1": _summary(100.0, 200.0, 5.0, 10.0)}},
+            "vllm+eaas": {"workloads": {"W1": _summary(80.0, 250.0, 6.0, 12.0)}},
+        }
+    }
+    table, misses = peer.report(res, args)
+    assert "| W1 | vllm+eaas / vllm | 0.80x |" in table
+    assert "| W1 | vllm+eaas / eaas | 2.00x |" in table
+    assert "float32 W1: vllm+eaas/vllm 0.80 < 0.9" in misses
+    assert not any("vllm+eaas/eaas" in m for m in misses)

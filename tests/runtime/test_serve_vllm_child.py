@@ -4,14 +4,17 @@ and the API key in the environment, never in argv."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
+from eaas.runtime.common.ports import free_tcp_port
 from eaas.runtime.options import ServeOptions
 from eaas.runtime.options.vllm import SCHEDULER_CLS
-from eaas.runtime.serve.vllm_engine import vllm_child
+from eaas.runtime.serve import Deployment
+from eaas.runtime.serve.vllm_engine import VLLM_CLIENT_SPIN_US, vllm_child
 
 pytestmark = pytest.mark.vllm
 
@@ -34,3 +37,23 @@ def test_a_scheduler_in_vllm_args_replaces_it(given):
     argv, _ = _argv_env(vllm_args=f"--enforce-eager {given}")
     assert SCHEDULER_CLS not in " ".join(argv)
     assert " ".join(argv).endswith(f"--enforce-eager {given}")
+
+
+def test_the_plugin_blocks_at_once_unless_a_client_spin_is_given():
+    # --client-spin-us default: the plugin's EAAS_SPIN_US is VLLM_CLIENT_SPIN_US (0: block at
+    # once, vLLM's worker never spins on the CPU a server of its call may need); a number is kept
+    _, env = _argv_env()
+    assert env["EAAS_SPIN_US"] == "0.0" == str(VLLM_CLIENT_SPIN_US)
+    _, env = _argv_env(client_spin_us="40")
+    assert env["EAAS_SPIN_US"] == "40.0"
+
+
+def test_expert_servers_are_not_pinned_beside_vllm():
+    # --server-cpus auto pins the servers for serve's own clients (2+ CPUs); with --engine vllm
+    # it does not: vLLM binds its worker's OpenMP thread to a CPU of its own choice
+    port = free_tcp_port()
+    cpus = len(os.sched_getaffinity(0))
+    eaas = Deployment(ServeOptions(port=port))
+    assert (eaas.server_cpu_list is not None) == (cpus >= 2)
+    vllm = Deployment(ServeOptions(engine="vllm", vllm=sys.executable, port=port))
+    assert vllm.server_cpu_list is None and "--engine vllm" in vllm.not_pinned_why
