@@ -423,3 +423,23 @@ def test_server_frame_masks_the_pairs_of_other_servers():
     every = server_frame(torch.zeros(3, 2, dtype=torch.int64), 0, idx32, w32)
     assert every is not None and every.rows is None and every.n == 3
     assert torch.equal(every.experts, idx32) and torch.equal(every.weights, w32)
+
+
+def test_a_table_without_any_server_raises_no_live_replica():
+    """Every server out of the table (all dead, none restarted): a 503-class error naming the
+    expert, never an index error of the empty server list (was a 500)."""
+    replicas = torch.full((4, 2), -1, dtype=torch.int64)
+    assign, counts = choose_replicas(
+        torch.tensor([[0, 1], [2, -1]]),
+        replicas,
+        torch.zeros(0, dtype=torch.bool),
+        torch.zeros(4, dtype=torch.int64),
+    )
+    assert assign.tolist() == [[NO_REPLICA, NO_REPLICA], [NO_REPLICA, NO_SERVER]]
+    t = table()
+    empty = t.without_servers(set(t.servers)).with_version(2)
+    assert not empty.servers
+    d = Dispatcher(0, 8, torch.float32, empty, connect_in_background=False)
+    with pytest.raises(NoLiveReplicaError, match="expert"):
+        d.dispatch(1, torch.randn(2, 8), torch.tensor([[0, 1], [2, 3]]), torch.ones(2, 2))
+    d.close()

@@ -64,6 +64,19 @@ def _server_pid(sp: ServeProcess, server_id: str) -> int | None:
     return None
 
 
+def _greedy_completion(sp: ServeProcess, prompt: str):
+    """A function that returns the text of 8 greedy tokens after ``prompt`` (official client,
+    no retries: a failed request raises)."""
+    client = openai.OpenAI(base_url=f"{sp.base_url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+
+    def complete() -> str:
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+        return r.choices[0].text
+
+    return complete
+
+
 def test_healthy_start_from_a_folder_with_eaas_in_it(deployment):
     """The children run the installed package (``python -P -m eaas``), not the folder's decoy;
     every output line has the one format; a server not reached yet is no warning."""
@@ -83,14 +96,7 @@ def test_healthy_start_from_a_folder_with_eaas_in_it(deployment):
 
 def test_killed_expert_server_restarts_and_rejoins_the_table(deployment):
     sp = deployment
-    client = openai.OpenAI(base_url=f"{sp.base_url}/v1", api_key="unused", max_retries=0)
-    model = client.models.list().data[0].id
-    prompt = "A routing table maps every logical expert"
-
-    def complete() -> str:
-        r = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
-        return r.choices[0].text
-
+    complete = _greedy_completion(sp, "A routing table maps every logical expert")
     reference = complete()
     results: list[tuple[float, str | BaseException]] = []
     stop = threading.Event()
@@ -167,14 +173,7 @@ def test_killed_attention_client_restarts_and_serves_again(deployment):
     the same command line after its back-off, and the new client serves the same greedy
     completion as before."""
     sp = deployment
-    client = openai.OpenAI(base_url=f"{sp.base_url}/v1", api_key="unused", max_retries=0)
-    model = client.models.list().data[0].id
-    prompt = "Kubernetes schedules pods on nodes"
-
-    def complete() -> str:
-        r = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
-        return r.choices[0].text
-
+    complete = _greedy_completion(sp, "Kubernetes schedules pods on nodes")
     reference = complete()
     victim = _client_pid(sp)
     assert victim is not None

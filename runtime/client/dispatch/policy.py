@@ -186,9 +186,11 @@ def live_replicas(
 
     Returns:
         ``(live_reps [E, R] int64, nlive [E] int64)``: the first ``nlive[e]`` entries of
-        ``live_reps[e]`` are ``e``'s usable replicas.
+        ``live_reps[e]`` are ``e``'s usable replicas (none when ``S`` is 0: a table without
+        servers, every expert then has ``nlive`` 0).
     """
-    live = (replicas >= 0) & usable[replicas.clamp(min=0)]  # (E, R)
+    live = replicas >= 0  # (E, R)
+    live = live & usable[replicas.clamp(min=0)] if usable.numel() else torch.zeros_like(live)
     order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)  # (E, R)
     return replicas.gather(1, order), live.sum(1)
 
