@@ -9,6 +9,7 @@ from typing import Annotated
 from pydantic import Field
 
 from eaas.operator.crd.base import CrdModel
+from eaas.runtime.options.vllm import vllm_flag_in
 
 #: ``vllm serve`` flags the operator sets on an ``engine: vllm`` pod (operator/vllm_fleet.py,
 #: with the plugin's ``--scheduler-cls`` / ``--middleware`` from runtime/options/vllm.py) or owns
@@ -31,12 +32,7 @@ def owned_vllm_flag(arg: str) -> str | None:
     """The operator-owned flag that ``arg`` (one ``spec.vllm.args`` item) would set, read as
     vLLM reads it (the name before ``=``, ``_`` as ``-``, an abbreviation: a prefix of a flag
     name), ``"--"`` for a bare ``--``; None for any other item (a value, another flag)."""
-    if not arg.startswith("--"):
-        return None
-    name = arg.split("=", 1)[0].replace("_", "-")
-    if len(name) <= 2:
-        return "--"
-    return next((f for f in VLLM_OWNED_FLAGS if f.startswith(name)), None)
+    return vllm_flag_in(arg, VLLM_OWNED_FLAGS)
 
 
 VllmArg = Annotated[

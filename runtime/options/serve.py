@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from eaas.runtime.common.dtypes import check_serving_dtype
 from eaas.runtime.options.api_key import check_api_keys
 from eaas.runtime.options.client import check_dispatch_timeout
+from eaas.runtime.options.vllm import SERVE_OWNED_VLLM_FLAGS, vllm_flag_in
 
 
 def parse_client_spin(value: str | float | None) -> float | None:
@@ -142,9 +143,18 @@ class ServeOptions:
         if self.engine not in ("eaas", "vllm"):
             raise ValueError(f"--engine must be eaas or vllm, got {self.engine!r}")
         try:
-            shlex.split(self.vllm_args)
+            vllm_args = shlex.split(self.vllm_args)
         except ValueError as exc:
             raise ValueError(f"--vllm-args: {exc}") from None
+        for arg in vllm_args:
+            owned = vllm_flag_in(arg, SERVE_OWNED_VLLM_FLAGS)
+            if owned == "--":
+                raise ValueError("--vllm-args: a bare -- would end vllm serve's flags")
+            if owned:
+                raise ValueError(
+                    f"--vllm-args: {arg!r} sets vllm serve's {owned}, which serve sets itself "
+                    f"(use serve's own {owned})"
+                )
         if self.vllm_args and self.engine != "vllm":
             raise ValueError("--vllm-args acts with --engine vllm only")
         if self.engine == "vllm" and (self.attention_clients != 1 or self.double_batch_overlap):

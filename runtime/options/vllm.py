@@ -58,6 +58,33 @@ def plugin_vllm_args(extra: Sequence[str] = ()) -> list[str]:
     return ["--scheduler-cls", SCHEDULER_CLS, "--middleware", MIDDLEWARE]
 
 
+#: ``vllm serve`` flags ``eaas serve --engine vllm`` sets from its own flags of the same names
+#: (the model is the positional argument, ``--api-key`` goes to ``VLLM_API_KEY``): ``--vllm-args``
+#: may not set them
+SERVE_OWNED_VLLM_FLAGS = (
+    "--host",
+    "--port",
+    "--model",
+    "--served-model-name",
+    "--dtype",
+    "--max-num-batched-tokens",
+    "--api-key",
+)
+
+
+def vllm_flag_in(arg: str, flags: Sequence[str]) -> str | None:
+    """The flag of ``flags`` that ``arg`` (one ``vllm serve`` argument) would set, read as vLLM's
+    argparse reads it (the name before ``=``, ``_`` as ``-``, an abbreviation: a prefix of a
+    flag name), ``"--"`` for a bare ``--``; None for any other argument (a value, another flag).
+    """
+    if not arg.startswith("--"):
+        return None
+    name = arg.split("=", 1)[0].replace("_", "-")
+    if len(name) <= 2:
+        return "--"
+    return next((f for f in flags if f.startswith(name)), None)
+
+
 _NUMBERS: dict[str, type] = {"http_port": int, "dispatch_timeout": float, "spin_us": float}
 
 

@@ -57,3 +57,25 @@ def test_expert_servers_are_not_pinned_beside_vllm():
     assert (eaas.server_cpu_list is not None) == (cpus >= 2)
     vllm = Deployment(ServeOptions(engine="vllm", vllm=sys.executable, port=port))
     assert vllm.server_cpu_list is None and "--engine vllm" in vllm.not_pinned_why
+
+
+@pytest.mark.parametrize(
+    ("given", "owned"),
+    [
+        ("--port=9", "--port"),
+        ("--host 0.0.0.0", "--host"),
+        ("--dtype bfloat16", "--dtype"),
+        ("--served_model_name x", "--served-model-name"),
+        ("--max-num-batched 64", "--max-num-batched-tokens"),
+        ("--model /other", "--model"),
+    ],
+)
+def test_vllm_args_that_set_a_flag_serve_sets_are_refused_by_name(given, owned):
+    """``--vllm-args`` may not set what serve sets from its own flags (vLLM would take the later
+    value, e.g. a port serve does not listen on), in any spelling vLLM's parser takes."""
+    with pytest.raises(ValueError, match=f"sets vllm serve's {owned}, which serve sets itself"):
+        ServeOptions(engine="vllm", vllm_args=f"--enforce-eager {given}")
+    with pytest.raises(ValueError, match="bare --"):
+        ServeOptions(engine="vllm", vllm_args="--enforce-eager --")
+    ok = ServeOptions(engine="vllm", vllm_args="--enforce-eager --max-model-len 256 --seed 0")
+    assert ok.vllm_args.startswith("--enforce-eager")
