@@ -3,12 +3,18 @@
 shadow the installed package (:func:`module_command`), their stdout and stderr relayed line by
 line in serve's one output format (:func:`output_line`) and watched for the ready line, started
 again after an exit (:meth:`Children.respawn`), stopped clients first.
+
+Each child leads a session (and process group) of its own, so a terminal's Ctrl-C reaches serve
+alone, which then stops the children in order (clients first); and what a child started itself
+(vLLM's EngineCore and resource tracker) is SIGKILLed with it (:meth:`Children.kill_group`)
+instead of outliving serve holding its memory.
 """
 
 from __future__ import annotations
 
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import time
@@ -102,6 +108,7 @@ class Children:
             env=env,
             preexec_fn=die_with_parent(os.getpid()),
             close_fds=True,
+            start_new_session=True,  # its own process group: see the module docstring
         )
         child.proc, child.env = proc, env
         for pipe in (proc.stdout, proc.stderr):
@@ -187,14 +194,22 @@ class Children:
         except Exception:  # noqa: BLE001  (a closed pipe while stopping: nothing left to relay)
             time.sleep(timeout)
 
+    @staticmethod
+    def kill_group(child: Child) -> None:
+        """SIGKILL the process group ``child`` leads: the child if still running, and every
+        process it started that is left in its group (its pid is the group's id; a group
+        whose members are all gone is ignored)."""
+        if child.proc is None:
+            return
+        try:
+            os.killpg(child.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     def kill_all(self) -> None:
-        """SIGKILL every child still running."""
+        """SIGKILL every child still running, with what it started (:meth:`kill_group`)."""
         for ch in self.all:
-            if ch.proc is not None and ch.proc.poll() is None:
-                try:
-                    ch.proc.kill()
-                except ProcessLookupError:
-                    pass
+            self.kill_group(ch)
 
     def stop(self, grace: float) -> float | None:
         """Terminate the clients (SIGTERM) and wait for them, then the servers; SIGKILL what is
@@ -229,8 +244,9 @@ class Children:
                     self.pump_quietly(0.1)  # relay their last lines while they stop
                 if proc.poll() is None:
                     log(f"{ch.name} did not exit within {grace:.0f} s; killing it", "WARNING")
-                    proc.kill()
+                    self.kill_group(ch)
                 proc.wait()
+                self.kill_group(ch)  # what it started and left behind (vLLM's EngineCore)
         for ch in self.all:
             if ch.proc is None:
                 continue

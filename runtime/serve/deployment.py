@@ -335,6 +335,7 @@ class Deployment:
             if rc is None or ch.exit_logged:
                 continue
             ch.exit_logged = True
+            self.children.kill_group(ch)  # what it started (vLLM's EngineCore) goes with it
             self._mark_dead_metrics(ch.popen.pid)
             if ch.role == "expert-server" and self.table_path is not None:
                 self._server_exited(ch, rc)
@@ -414,7 +415,7 @@ class Deployment:
         """
         while not self._stop:
             self.children.pump(0.2)
-            if self._stop:  # a Ctrl-C in a terminal reaches the children too: no restarts
+            if self._stop:  # stopping: no restarts
                 break
             self._check_children()
             self._restart_servers()

@@ -1,6 +1,6 @@
-"""``eaas serve``'s life cycle and start-up checks: SIGTERM during a long request (clients stop
-before servers), a second Ctrl-C, stale and SIGKILLed run directories; the API answering while a
-huge prompt is tokenized and a too-large body refused; bad numbers, a bad KV-cache size or device
+"""``eaas serve``'s life cycle and start-up checks: a terminal's Ctrl-C during a long request
+(clients stop before servers), a second Ctrl-C, stale and SIGKILLed run directories; the API
+answering while a huge prompt is tokenized and a too-large body refused; bad numbers, a bad KV-cache size or device
 refused before the children load the model."""
 
 from __future__ import annotations
@@ -21,10 +21,13 @@ import pytest
 from helpers.e2e import ServeProcess, alive, free_port, sigterm_and_wait
 
 
-def test_sigterm_stops_clients_before_servers_and_requests_see_no_dead_replica(tmp_path):
-    """SIGTERM of serve while a long stream runs: the clients stop first (while every expert
-    server still answers), so the stream ends normally or with 503 ``server_shutting_down``,
-    never with ``no_live_replica``; the log shows every client stopped before any server."""
+def test_ctrl_c_ends_clients_before_servers_and_requests_see_no_dead_replica(tmp_path):
+    """A terminal's Ctrl-C (SIGINT to serve's whole process group; SIGTERM to serve takes the
+    same path from serve on) while a long stream runs: the clients stop first (while every
+    expert server still answers), so the stream ends normally or with 503
+    ``server_shutting_down``, never with ``no_live_replica``; the log shows every client stopped
+    before any server. (Each child leads a group of its own, so the terminal's SIGINT reaches
+    serve alone.)"""
     sp = ServeProcess(
         ["--expert-servers", "2", "--replicas", "1"], tmp_path / "serve.log", free_port()
     )
@@ -47,7 +50,7 @@ def test_sigterm_stops_clients_before_servers_and_requests_see_no_dead_replica(t
                 if line.startswith("data: {"):
                     lines.append(line)
                     break
-            sp.proc.send_signal(signal.SIGTERM)
+            os.killpg(sp.proc.pid, signal.SIGINT)  # a terminal signals its foreground group
             for line in it:
                 lines.append(line)
     finally:

@@ -111,6 +111,7 @@ class ServeProcess:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
+            start_new_session=True,  # its own process group, as a terminal's foreground job
         )
         deadline = time.monotonic() + timeout
         while True:
