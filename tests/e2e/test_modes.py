@@ -195,7 +195,15 @@ def _taken_port():
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--port", "TAKEN"], "cannot listen on 127.0.0.1"),
+        (["--port", "TAKEN"], "--port TAKEN: cannot listen on 127.0.0.1"),
+        (["--host", "999.1.1.1"], "--host 999.1.1.1: cannot listen on 999.1.1.1"),
+        (["--host", "192.0.2.1"], "--host 192.0.2.1: cannot listen on 192.0.2.1"),  # not local
+        (["--served-model-name", ""], "--served-model-name '': an empty model id"),
+        (["--served-model-name", "a,,b"], "--served-model-name 'a,,b': an empty model id"),
+        (
+            ["--engine", "vllm", "--vllm", "/nonexistent/vllm"],
+            "'/nonexistent/vllm': no such command",
+        ),
         (["--model", "/nonexistent"], "/nonexistent/config.json"),
         (["--dtype", "float16"], "--dtype must be float32 or bfloat16"),
         (["--port", "70000"], "less than or equal to 65535"),
@@ -230,7 +238,9 @@ def test_serve_rejects_bad_options_before_starting_anything(args, message):
     SO_REUSEPORT) is refused instead of silently shared."""
     held = _taken_port()
     try:
-        args = [str(held.getsockname()[1]) if a == "TAKEN" else a for a in args]
+        taken = str(held.getsockname()[1])
+        args = [taken if a == "TAKEN" else a for a in args]
+        message = message.replace("TAKEN", taken)
         if "--port" not in args:  # not the default 8000, which a user's serve may hold
             args += ["--port", str(free_port())]
         r = subprocess.run(
