@@ -30,8 +30,8 @@ What it does:
    ``PR_SET_PDEATHSIG=SIGKILL`` (set between fork and exec), so they die with serve even if
    serve is SIGKILLed, and each leads a process group of its own: a terminal's Ctrl-C reaches
    serve alone (which stops them in the order above), and what a child started (vLLM's
-   EngineCore) is SIGKILLed with its group once the child exits. Shared memory of the shm transport is memfd-based: nothing in
-   ``/dev/shm``.
+   EngineCore) is SIGKILLed with its group once the child exits. Shared memory of the shm
+   transport is memfd-based: nothing in ``/dev/shm``.
 
 Child output: each child's stdout and stderr lines are relayed to serve's stdout in serve's one
 format (:func:`~eaas.runtime.serve.children.output_line`: time stamp, ``[name]``, message).

@@ -244,9 +244,9 @@ class Children:
                     self.pump_quietly(0.1)  # relay their last lines while they stop
                 if proc.poll() is None:
                     log(f"{ch.name} did not exit within {grace:.0f} s; killing it", "WARNING")
-                    self.kill_group(ch)
+                # the child if still running, and what it started and left (vLLM's EngineCore)
+                self.kill_group(ch)
                 proc.wait()
-                self.kill_group(ch)  # what it started and left behind (vLLM's EngineCore)
         for ch in self.all:
             if ch.proc is None:
                 continue

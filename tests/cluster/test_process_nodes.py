@@ -18,6 +18,7 @@ import uuid
 
 import pytest
 
+from helpers.e2e import alive
 from helpers.k8s import get_json, kubectl, wait_for
 
 PY = sys.executable
@@ -60,15 +61,6 @@ def wait_ready(name: str, timeout: float = 90) -> dict:
 def http_get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as r:
         return r.read().decode()
-
-
-def alive(pid: int) -> bool:
-    """``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def ctr_status(p: dict, name: str | None = None) -> dict:

@@ -48,14 +48,15 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def alive(pid: int, cmd: str) -> bool:
-    """Process ``pid`` still exists (not a zombie) with the same command line."""
+def alive(pid: int, cmd: str | None = None) -> bool:
+    """Process ``pid`` still exists (not a zombie), with the command line ``cmd`` where given
+    (a pid reused by another process then does not count)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return False
-    return state != "Z" and cmdline(pid) == cmd
+    return state != "Z" and (cmd is None or cmdline(pid) == cmd)
 
 
 def sigterm_and_wait(proc: subprocess.Popen, timeout: float = 60.0) -> int:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from eaas.runtime.serve import Child, Children
 
+from helpers.e2e import alive
+
 # A child that starts a grandchild (it stays in the child's process group), writes the
 # grandchild's pid to argv[1], prints a ready line and then exits or sleeps (argv[2]).
 _PARENT = """
@@ -22,14 +24,6 @@ print("expert-server x ready on test", flush=True)
 if sys.argv[2] == "sleep":
     time.sleep(600)
 """
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _start(children: Children, tmp: Path, mode: str) -> tuple[Child, int]:
@@ -45,9 +39,9 @@ def _start(children: Children, tmp: Path, mode: str) -> tuple[Child, int]:
 
 def _wait_gone(pid: int, timeout: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout
-    while _alive(pid) and time.monotonic() < deadline:
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return not _alive(pid)
+    return not alive(pid)
 
 
 def test_a_child_leads_its_own_process_group(tmp_path):
@@ -74,7 +68,7 @@ def test_an_exited_childs_leftovers_are_killed_with_its_group(tmp_path):
     children = Children()
     child, grandchild = _start(children, tmp_path, "exit")
     child.popen.wait(60)
-    assert _alive(grandchild)  # an orphan: this is what kill_group is for
+    assert alive(grandchild)  # an orphan: this is what kill_group is for
     children.kill_group(child)
     assert _wait_gone(grandchild)
     children.stop(grace=5)
