@@ -9,6 +9,8 @@ for seeded sampling. Local experts only (the disaggregated path is covered in te
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -25,7 +27,7 @@ from eaas.runtime.client.reference_engine import ReferenceEngine
 from eaas.runtime.models.attention import load_attention_model
 from eaas.runtime.models.reference import reference_generate, reference_logits
 
-from helpers.common import wait_until
+from helpers.common import free_port, wait_until
 from helpers.engine import ENGINE_TEXTS as TEXTS
 from helpers.engine import run_requests
 
@@ -397,13 +399,8 @@ def test_greedy_equals_generate_with_burst_steps(checkpoints, loaded):
 
 
 def test_serve_rejects_a_bad_prefill_cap_before_starting_anything():
-    import subprocess
-    import sys
-
-    from eaas.runtime.common.ports import free_tcp_port
-
     r = subprocess.run(
-        [sys.executable, "-m", "eaas", "serve", "--port", str(free_tcp_port())]
+        [sys.executable, "-m", "eaas", "serve", "--port", str(free_port())]
         + ["--prefill-tokens-while-decoding", "0"],
         capture_output=True,
         text=True,

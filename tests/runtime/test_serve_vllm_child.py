@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from eaas.runtime.common.ports import free_tcp_port
 from eaas.runtime.options import ServeOptions
 from eaas.runtime.options.vllm import SCHEDULER_CLS
 from eaas.runtime.serve import Deployment
 from eaas.runtime.serve.vllm_engine import VLLM_CLIENT_SPIN_US, vllm_child
+
+from helpers.common import free_port
 
 pytestmark = pytest.mark.vllm
 
@@ -51,7 +52,7 @@ def test_the_plugin_blocks_at_once_unless_a_client_spin_is_given():
 def test_expert_servers_are_not_pinned_beside_vllm():
     # --server-cpus auto pins the servers for serve's own clients (2+ CPUs); with --engine vllm
     # it does not: vLLM binds its worker's OpenMP thread to a CPU of its own choice
-    port = free_tcp_port()
+    port = free_port()
     cpus = len(os.sched_getaffinity(0))
     eaas = Deployment(ServeOptions(port=port))
     assert (eaas.server_cpu_list is not None) == (cpus >= 2)
