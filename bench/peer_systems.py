@@ -166,11 +166,21 @@ def start_system(kind: str, args, dtype: str, logdir: Path) -> Running:
     sysm = Running(kind, dtype, url, proc, log)
     try:
         loadgen.wait_ready(url, proc, timeout=args.start_timeout)
+    except RuntimeError as exc:  # exited or never ready: say why from its log's last line
+        stop_system(sysm)
+        raise RuntimeError(f"{exc}: {last_line(log.name)} (log: {log.name})") from None
     except BaseException:
         stop_system(sysm)
         raise
     sysm.res["start_s"] = time.monotonic() - t0
     return sysm
+
+
+def last_line(path: str) -> str:
+    """The last non-empty line of a server log (the error a failed start-up ends with)."""
+    with open(path, "rb") as f:
+        lines = [ln.strip() for ln in f.read()[-8192:].decode(errors="replace").splitlines()]
+    return next((ln for ln in reversed(lines) if ln), "(empty log)")
 
 
 def stop_system(sysm: Running) -> None:

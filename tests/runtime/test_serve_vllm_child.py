@@ -1,10 +1,12 @@
 """``eaas serve --engine vllm``'s ``vllm serve`` command line (pure: nothing is started): the
 plugin's scheduler by default, the user's ``--scheduler-cls`` from ``--vllm-args`` instead,
-and the API key in the environment, never in argv."""
+and the API key in the environment, never in argv; and the check that the ``vllm`` command's
+Python has the plugin (one real ``eaas serve`` that refuses to start)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import pytest
 from eaas.runtime.options import ServeOptions
 from eaas.runtime.options.vllm import SCHEDULER_CLS
 from eaas.runtime.serve import Deployment
-from eaas.runtime.serve.vllm_engine import VLLM_CLIENT_SPIN_US, vllm_child
+from eaas.runtime.serve.vllm_engine import VLLM_CLIENT_SPIN_US, vllm_child, vllm_python
 
 from helpers.common import free_port
 
@@ -80,3 +82,43 @@ def test_vllm_args_that_set_a_flag_serve_sets_are_refused_by_name(given, owned):
         ServeOptions(engine="vllm", vllm_args="--enforce-eager --")
     ok = ServeOptions(engine="vllm", vllm_args="--enforce-eager --max-model-len 256 --seed 0")
     assert ok.vllm_args.startswith("--enforce-eager")
+
+
+@pytest.mark.parametrize(
+    "header,python",
+    [
+        ("#!/venv/bin/python\nimport sys\n", ["/venv/bin/python"]),
+        ("#!/usr/bin/env python3 -S\n", ["python3", "-S"]),
+        # pip's header when the interpreter's path is too long for #!
+        (
+            "#!/bin/sh\n'''exec' \"/a long/bin/python\" \"$0\" \"$@\"\n' '''\n",
+            ["/a long/bin/python"],
+        ),
+        ('#!/bin/bash\nexec /opt/vllm/bin/vllm "$@"\n', None),  # a wrapper: not probed
+        ("\x7fELF\x02\x01", None),  # a binary
+    ],
+)
+def test_the_python_of_a_vllm_command_is_read_from_its_header(tmp_path, header, python):
+    exe = tmp_path / "vllm"
+    exe.write_text(header)
+    assert vllm_python(str(exe)) == python
+
+
+def test_a_vllm_whose_python_lacks_the_plugin_is_refused_before_anything_starts(tmp_path):
+    # a console script of a Python without eaas (-S: no site-packages, so no eaas there);
+    # without the check vLLM starts, logs "Failed to load plugin eaas" and dies much later
+    exe = tmp_path / "vllm"
+    exe.write_text(f"#!{sys.executable} -S\nraise SystemExit('not run')\n")
+    exe.chmod(0o755)
+    r = subprocess.run(
+        [sys.executable, "-m", "eaas", "serve", "--engine", "vllm", "--vllm", str(exe)]
+        + ["--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = " ".join((r.stdout + r.stderr).split())
+    assert r.returncode == 2, out
+    assert f"its Python ({sys.executable}) has no eaas.vllm plugin" in out, out
+    assert "No module named 'eaas'" in out and "pip install 'eaas[vllm]'" in out, out
+    assert "Traceback" not in out and "expert-server" not in r.stdout, out
