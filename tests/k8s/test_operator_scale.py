@@ -208,7 +208,16 @@ def _period(core, ns, nodes, port, index: int, touch: bool = True) -> dict[str, 
         if touch:
             _touch_pods(core, ns, 32, f"{index}-{beat}")
         time.sleep(max(0.0, t0 + (beat + 1) * PERIOD_S / HEARTBEATS - time.monotonic()))
-    return _work(before, _metrics(port))
+    # the period ends once its own watch events are counted: on a loaded machine the last
+    # touches may arrive after the last sleep and would be counted in the next period
+    # (a fresh-clone run counted 95, 97, 96 pod events for 96 touches per period)
+    nodes_want, pods_want = HEARTBEATS * len(nodes), HEARTBEATS * 32 if touch else 0
+
+    def counted():
+        w = _work(before, _metrics(port))
+        return w if w["node_events"] >= nodes_want and w["pod_events"] >= pods_want else None
+
+    return wait_for(f"idle period {index}'s heartbeats and pod touches counted", counted, 60, 0.5)
 
 
 def test_idle_work_with_heartbeats_does_not_grow_with_time(core, gpu_nodes, big_pool, counted):
