@@ -56,6 +56,13 @@ def expert_server(
     ),
     dtype: DtypeOption = DEFAULT.dtype,
     cpu_bf16_compute: CpuBf16Option = DEFAULT.cpu_bf16_compute,
+    cpu_kernel: str = typer.Option(
+        DEFAULT.cpu_kernel,
+        "--cpu-kernel",
+        help="CPU expert compute: auto (vLLM's CPU fused-MoE kernel when this Python has "
+        "vLLM's CPU build, else torch), torch (grouped_mm), vllm (that kernel; exit 2 when it "
+        "does not load). The fused kernel runs batches of a few hundred pairs or fewer.",
+    ),
     device: str = typer.Option(
         DEFAULT.device,
         "--device",
@@ -156,7 +163,7 @@ def run_expert_server(o: ExpertServerOptions) -> None:
     from eaas.runtime.models.tiny import default_model_dir
     from eaas.runtime.models.weights import load_expert_weights
     from eaas.runtime.server.main import learn_from_table, run, start_http
-    from eaas.runtime.server.server import ExpertServer
+    from eaas.runtime.server.server import ExpertServer, resolve_cpu_kernel
 
     try:
         configure_logging(f"expert-server-{o.server_id}")
@@ -177,6 +184,10 @@ def run_expert_server(o: ExpertServerOptions) -> None:
         dev = resolve_device(o.device)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    try:  # before the weights load: --cpu-kernel vllm where vLLM's kernel does not load
+        resolve_cpu_kernel(o.cpu_kernel, dev)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--cpu-kernel") from None
     world_cfg = nvshmem_world_config(o.nvshmem_world, o.nvshmem_pe, o.nvshmem_uid_file, o.listen)
     try:
         check_listen_device(o.listen, dev.type)
@@ -235,10 +246,16 @@ def run_expert_server(o: ExpertServerOptions) -> None:
             batch_window_us=o.batch_window_us,
             device=dev,
             compute=compute,
+            cpu_kernel=o.cpu_kernel,
             **listener_kw,
         )
     except (OSError, OverflowError) as e:  # bind: address in use, no such host, bad port
         raise typer.BadParameter(f"--listen {o.listen}: {e}") from None
+    if dev.type == "cpu":
+        typer.echo(
+            f"expert-server {o.server_id} cpu kernel {server.cpu_kernel} ({server.cpu_kernel_why})",
+            err=True,
+        )
     # the server keeps its own copies (compute dtype, stacked per layer on the CPU): holding
     # the loaded ones for the life of the process would keep every expert's weights twice
     del hosted

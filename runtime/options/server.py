@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from eaas.runtime.common.dtypes import check_serving_dtype
 from eaas.runtime.options.argv import to_argv
 
+#: ``--cpu-kernel``: ``auto`` (vLLM's CPU fused-MoE kernel when this Python has vLLM's CPU
+#: build, else torch), ``torch``, ``vllm`` (:mod:`eaas.runtime.server.cpu_fused`)
+CPU_KERNELS = ("auto", "torch", "vllm")
+
 
 @dataclass(kw_only=True)
 class ExpertServerOptions:
@@ -24,7 +28,8 @@ class ExpertServerOptions:
     The field order is the order of the flags in :meth:`argv`.
 
     Raises (at construction):
-        ValueError: a ``--dtype`` other than float32 / bfloat16, ``--spare`` with
+        ValueError: a ``--dtype`` other than float32 / bfloat16, a ``--cpu-kernel`` not in
+            :data:`CPU_KERNELS`, ``--spare`` with
             ``--experts`` or without a routing-table source, ``--push-token-file`` without
             ``--http-port``. The message names the flag.
     """
@@ -38,6 +43,7 @@ class ExpertServerOptions:
     listen: str
     dtype: str = "float32"
     cpu_bf16_compute: str = "auto"
+    cpu_kernel: str = "auto"
     threads: int = 1
     device: str = "auto"
     cpus: str | None = None
@@ -53,6 +59,10 @@ class ExpertServerOptions:
 
     def __post_init__(self) -> None:
         check_serving_dtype(self.dtype)
+        if self.cpu_kernel not in CPU_KERNELS:
+            raise ValueError(
+                f"--cpu-kernel must be one of {', '.join(CPU_KERNELS)}, got {self.cpu_kernel!r}"
+            )
         if self.spare and self.experts:
             raise ValueError("--spare starts with no experts: not with --experts")
         if self.spare and not (self.push_token_file or self.routing_table_configmap):

@@ -101,6 +101,8 @@ class Hosting:
         stacks: layer -> :class:`LayerStack` (CPU weights: ``pairs`` and ``by_layer`` hold
             views of it); empty on CUDA.
         gpu: layer -> lazily built native grouped kernel of THIS snapshot (CUDA weights only).
+        fused: layer -> lazily built :class:`~eaas.runtime.server.cpu_fused.FusedLayer` of THIS
+            snapshot's stack, or False where vLLM's kernel cannot take it (``--cpu-kernel``).
     """
 
     pairs: Mapping[tuple[int, int], ExpertWeights]
@@ -108,6 +110,7 @@ class Hosting:
     accept: Mapping[int, torch.Tensor]
     stacks: Mapping[int, LayerStack] = field(default_factory=dict)
     gpu: dict[int, object] = field(default_factory=dict)
+    fused: dict[int, object] = field(default_factory=dict)
 
     @classmethod
     def build(

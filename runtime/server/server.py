@@ -47,7 +47,10 @@ import torch
 from eaas.runtime.experts import ExpertWeights
 from eaas.runtime.metrics import EXPERT_TOKENS, SERVER_BATCH_TOKENS, SERVER_FRAMES
 from eaas.runtime.models.compute import ComputeChoice, decide_compute
+from eaas.runtime.options.server import CPU_KERNELS
+from eaas.runtime.server import cpu_fused
 from eaas.runtime.server.compute import grouped_expert_sum
+from eaas.runtime.server.cpu_fused import FusedLayer
 from eaas.runtime.server.grouped import GroupedExperts
 from eaas.runtime.server.hosting import Hosting
 from eaas.runtime.server.traffic import TrafficRecord
@@ -64,6 +67,33 @@ LOAD_METRICS_FLUSH_S = 0.05  # a busy server adds its expert loads to EXPERT_TOK
 FINAL_DRAIN_S = 1.0
 
 _NOTHING_HOSTED = torch.zeros(1, dtype=torch.bool)  # mask of a layer this server does not host
+#: ``--cpu-kernel vllm``: vLLM's fused kernel up to this many real (token, expert) pairs per
+#: batch, torch's grouped_mm above (bench/expert_kernel.py, 1 thread, half of the experts
+#: hosted: at the tiny and the medium model's shapes the fused kernel took 0.25-0.45x the time
+#: at 1-16 tokens; bfloat16 break-even at ~256-512 pairs, float32 still 0.6x at 1024)
+FUSED_MAX_PAIRS = {torch.bfloat16: 256, torch.float32: 1024}
+
+
+def resolve_cpu_kernel(cpu_kernel: str, device: torch.device) -> tuple[str, str]:
+    """``(kernel, why)`` of ``--cpu-kernel`` on ``device``: ``vllm`` or ``torch`` and the reason.
+
+    Raises:
+        ValueError: an unknown value, or ``vllm`` on the CPU without vLLM's kernel.
+    """
+    if cpu_kernel not in CPU_KERNELS:
+        raise ValueError(
+            f"--cpu-kernel must be one of {', '.join(CPU_KERNELS)}, got {cpu_kernel!r}"
+        )
+    if device.type != "cpu":
+        return "torch", f"not used on {device.type}"
+    if cpu_kernel == "torch":
+        return "torch", "--cpu-kernel torch"
+    loaded, why = cpu_fused.load_kernel()
+    if loaded:
+        return "vllm", f"vLLM's cpu_fused_moe, isa {cpu_fused.isa_for(torch.bfloat16)} (bf16)"
+    if cpu_kernel == "vllm":
+        raise ValueError(f"--cpu-kernel vllm: vLLM's CPU MoE kernel does not load here: {why}")
+    return "torch", f"auto: {why}"
 
 
 class ExpertServer:
@@ -86,7 +116,16 @@ class ExpertServer:
             bfloat16 server on CPU computing in float32) the hosted weights are kept as float32
             copies (exact upcasts, twice the bytes), each batch's bfloat16 rows are upcast once
             and the answer is rounded to bfloat16 once: frames stay ``dtype`` on the wire.
+        cpu_kernel: the CPU expert compute (``--cpu-kernel``, :data:`CPU_KERNELS`): ``vllm``
+            runs vLLM's CPU fused-MoE kernel (:mod:`eaas.runtime.server.cpu_fused`) on batches
+            of at most :data:`FUSED_MAX_PAIRS` pairs and :func:`grouped_expert_sum` on larger
+            ones, ``torch`` always the latter, ``auto`` (default) ``vllm`` when this Python has
+            vLLM's CPU build. Ignored on CUDA.
         listener_kw: extra options for the listener (e.g. ``spin_us``).
+
+    Raises:
+        ValueError: ``cpu_kernel`` is not one of :data:`CPU_KERNELS`, or ``vllm`` and vLLM's
+            kernel does not load here (the message says why).
 
     Hosted experts change while serving (:meth:`add_experts`, :meth:`drop_experts`; driven by
     the routing table through :mod:`eaas.runtime.server.assignment`).
@@ -105,6 +144,7 @@ class ExpertServer:
         poll_timeout: float = 0.2,
         device: str | torch.device | None = None,
         compute: ComputeChoice | None = None,
+        cpu_kernel: str = "auto",
         **listener_kw,
     ):
         if num_threads:
@@ -125,6 +165,7 @@ class ExpertServer:
             compute = decide_compute(dtype, self.device.type, "native")
         self.compute = compute
         self.compute_dtype = compute.compute_dtype
+        self.cpu_kernel, self.cpu_kernel_why = resolve_cpu_kernel(cpu_kernel, self.device)
         self._hosting = Hosting.build(
             {(int(layer), int(e)): self._to_compute(w) for (layer, e), w in hosted.items()},
             self.device,
@@ -303,19 +344,19 @@ class ExpertServer:
             out, loads = self._gpu_layer(layer, hosting)(
                 hidden.to(self.device), experts.to(self.device), weights.to(self.device)
             )
-        elif self.compute_dtype != self.dtype:  # e.g. bf16 frames, fp32 math (compute policy)
-            out, loads = grouped_expert_sum(
-                hidden.to(self.compute_dtype),
-                experts,
-                weights,
-                hosting.by_layer[layer],
-                hosting.stacks.get(layer),
-            )
-            out = out.to(self.dtype)  # (N, H) rounded once, back to the wire dtype
         else:
-            out, loads = grouped_expert_sum(
-                hidden, experts, weights, hosting.by_layer[layer], hosting.stacks.get(layer)
+            x = hidden if self.compute_dtype == self.dtype else hidden.to(self.compute_dtype)
+            fused = (
+                self._fused_layer(layer, hosting, experts) if self.cpu_kernel == "vllm" else None
             )
+            if fused is not None:
+                out, loads = fused(x, experts, weights)
+            else:
+                out, loads = grouped_expert_sum(
+                    x, experts, weights, hosting.by_layer[layer], hosting.stacks.get(layer)
+                )
+            if out.dtype != self.dtype:  # e.g. bf16 frames, fp32 math (compute policy)
+                out = out.to(self.dtype)  # (N, H) rounded once, back to the wire dtype
         ntok = int(hidden.shape[0])
         SERVER_BATCH_TOKENS.observe(ntok)
         pending = self._pending_loads  # EXPERT_TOKENS, added by flush_load_metrics
@@ -330,6 +371,24 @@ class ExpertServer:
             n = f.num_tokens
             self.listener.respond_ok(conn, f, out[start : start + n])
             start += n
+
+    def _fused_layer(
+        self, layer: int, hosting: Hosting, experts: torch.Tensor
+    ) -> FusedLayer | None:
+        """This snapshot's :class:`FusedLayer` of ``layer`` (built on first use), or None: the
+        layer has no stack, the kernel cannot take it, or the batch has more than
+        :data:`FUSED_MAX_PAIRS` real pairs (there torch's ``grouped_mm`` is as fast or faster)."""
+        f = hosting.fused.get(layer)
+        if f is None:
+            stack = hosting.stacks.get(layer)
+            f = False if stack is None or cpu_fused.unsupported(stack) else FusedLayer.build(stack)
+            hosting.fused[layer] = f
+        if not isinstance(f, FusedLayer):
+            return None
+        limit = FUSED_MAX_PAIRS.get(self.compute_dtype, 0)
+        if experts.numel() > limit and int((experts >= 0).sum()) > limit:
+            return None
+        return f
 
     def _gpu_layer(self, layer: int, hosting: Hosting):
         g = hosting.gpu.get(layer)
@@ -378,7 +437,12 @@ class ExpertServer:
             for w in self._hosting.pairs.values()
             for t in (w.gate, w.up, w.down)
         )
-        return {**self.compute.as_dict(), "weight_bytes": nbytes}
+        return {
+            **self.compute.as_dict(),
+            "weight_bytes": nbytes,
+            "cpu_kernel": self.cpu_kernel,
+            "cpu_kernel_reason": self.cpu_kernel_why,
+        }
 
     def drop_experts(self, pairs: Iterable[tuple[int, int]]) -> None:
         """Stop hosting ``pairs`` (thread safe): later frames naming them get
