@@ -94,6 +94,13 @@ def serve(
         help="Expert servers' --device: cpu (default), auto, cuda or cuda:N (cuda: the native "
         "grouped kernels; frames still travel through host shared memory or TCP).",
     ),
+    server_cpu_kernel: str = typer.Option(
+        DEFAULT.server_cpu_kernel,
+        "--server-cpu-kernel",
+        help="Expert servers' --cpu-kernel: auto (default: vLLM's CPU fused-MoE kernel where "
+        "the servers' Python has vLLM's CPU build; with --engine vllm serve starts them with "
+        "the vllm command's Python), torch or vllm.",
+    ),
     prefill_tokens_while_decoding: str = typer.Option(
         DEFAULT.prefill_tokens_while_decoding,
         "--prefill-tokens-while-decoding",

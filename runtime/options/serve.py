@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from eaas.runtime.common.dtypes import check_serving_dtype
 from eaas.runtime.options.api_key import check_api_keys
 from eaas.runtime.options.client import check_dispatch_timeout, check_served_model_name
+from eaas.runtime.options.server import CPU_KERNELS
 from eaas.runtime.options.vllm import SERVE_OWNED_VLLM_FLAGS, vllm_flag_in
 
 
@@ -58,6 +59,7 @@ class ServeOptions:
         client_spin_us: the clients' ``--spin-us`` (shm only): None / ``"default"`` or
             microseconds >= 0; :attr:`spin_us` is the parsed value.
         server_sched_policy: the expert servers' ``--sched-policy`` (``batch`` or ``other``).
+        server_cpu_kernel: the expert servers' ``--cpu-kernel`` (``auto``, ``torch``, ``vllm``).
         server_cpus: ``"auto"`` (pin each expert server to one CPU) or ``"none"``.
         restart_expert_servers: start an exited expert server again (with back-off) and put it
             back into the routing table once it serves.
@@ -97,6 +99,7 @@ class ServeOptions:
     client_device: str = "auto"
     double_batch_overlap: bool = False
     server_device: str = "cpu"
+    server_cpu_kernel: str = "auto"
     prefill_tokens_while_decoding: str = "auto"
     client_spin_us: str | float | None = "default"
     server_sched_policy: str = "batch"
@@ -125,6 +128,11 @@ class ServeOptions:
             )
         if self.attention_clients < 1:
             raise ValueError("--attention-clients must be >= 1")
+        if self.server_cpu_kernel not in CPU_KERNELS:
+            raise ValueError(
+                f"--server-cpu-kernel must be one of {', '.join(CPU_KERNELS)}, "
+                f"got {self.server_cpu_kernel!r}"
+            )
         if self.server_cpus not in ("auto", "none"):
             raise ValueError(f"--server-cpus must be auto or none, got {self.server_cpus!r}")
         check_serving_dtype(self.dtype)

@@ -46,15 +46,16 @@ def log(msg: str, level: str = "") -> None:
     print(output_line(SERVE_SOURCE, msg, level), flush=True)
 
 
-def module_command(module: str) -> list[str]:
-    """The command line that runs ``python -m module`` with this interpreter without putting
-    the working directory first on ``sys.path`` (``python -m`` does: a folder named like the
-    package there, e.g. a checkout of this repository, would be imported instead of the
-    installed package). Python 3.11+: ``-P``; 3.10: a ``-c`` that drops that entry first."""
-    if sys.version_info >= (3, 11):
+def module_command(module: str, python: list[str] | None = None) -> list[str]:
+    """The command line that runs ``python -m module`` with this interpreter (or ``python``, an
+    interpreter's argv) without putting the working directory first on ``sys.path``
+    (``python -m`` does: a folder named like the package there, e.g. a checkout of this
+    repository, would be imported instead of the installed package). This interpreter on
+    Python 3.11+: ``-P``; 3.10 or another interpreter: a ``-c`` that drops that entry first."""
+    if python is None and sys.version_info >= (3, 11):
         return [sys.executable, "-P", "-m", module]
-    return [  # pragma: no cover - Python 3.10
-        sys.executable,
+    return [  # Python 3.10, or the vllm command's Python (serve --engine vllm)
+        *(python or [sys.executable]),
         "-c",
         f"import runpy, sys; del sys.path[0]; runpy.run_module({module!r}, "
         "run_name='__main__', alter_sys=True)",

@@ -127,8 +127,11 @@ class Deployment:
             raise ValueError(str(exc).replace("--device", "--server-device", 1)) from None
         parse_prefill_cap(o.prefill_tokens_while_decoding)
         _check_port_free(o.host, o.port)
+        #: ``python -m eaas`` of the expert servers: with ``--engine vllm`` the vllm command's
+        #: Python when its eaas is this one (it has vLLM's CPU MoE kernel), else serve's own
+        self.server_python = module_command("eaas")
         if o.engine == "vllm":
-            check_vllm(o)  # before any expert server starts
+            self.server_python = check_vllm(o) or self.server_python  # before any server starts
         self.model_dir = str(o.model) if o.model is not None else str(default_model_dir())
         self.info = read_model_info(self.model_dir)
         if kv_bytes is not None:  # the engine's size check, before the clients load weights
@@ -222,7 +225,7 @@ class Deployment:
         table_path = self.table_path = run_dir / "routing-table.json"
         write_table(table_path, self.table)
         env = self._env()
-        py = module_command("eaas")  # never a folder named eaas in the working directory
+        py = self.server_python  # never a folder named eaas in the working directory
         try:
             for s, (sid, ep) in enumerate(zip(ids, endpoints, strict=False)):
                 server = ExpertServerOptions(
@@ -234,6 +237,7 @@ class Deployment:
                     cpu_bf16_compute=o.cpu_bf16_compute,
                     threads=o.server_threads,
                     device=o.server_device,
+                    cpu_kernel=o.server_cpu_kernel,
                     cpus=None if self.server_cpu_list is None else str(self.server_cpu_list[s]),
                     sched_policy=o.server_sched_policy,
                 )

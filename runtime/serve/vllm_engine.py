@@ -29,7 +29,7 @@ from pathlib import Path
 from eaas.runtime.common.ports import free_tcp_port
 from eaas.runtime.options import ServeOptions
 from eaas.runtime.options.vllm import VllmPluginOptions, plugin_vllm_args
-from eaas.runtime.serve.children import Child, log
+from eaas.runtime.serve.children import Child, log, module_command
 
 ROLE = "attention-client"
 
@@ -90,11 +90,16 @@ def vllm_command(o: ServeOptions) -> str:
     return exe
 
 
-def check_vllm(o: ServeOptions) -> str:
+def check_vllm(o: ServeOptions) -> list[str] | None:
     """:func:`vllm_command`, checked once before serve starts any child: it exists, and its
     Python imports the eaas.vllm plugin and lists its entry point (without it vLLM starts
     without the plugin, logs ``Failed to load plugin eaas`` and stops later with an unrelated
     error). A plugin from another eaas than serve's own is logged.
+
+    Returns:
+        the command that runs ``python -m eaas`` with the vllm command's Python when its eaas
+        is serve's own (serve then starts the expert servers with it: that Python has vLLM's
+        CPU kernel, ``eaas expert-server --cpu-kernel auto``), else None.
 
     Raises:
         FileNotFoundError: ``--vllm`` is neither a file nor a command on ``PATH``, or its Python
@@ -104,7 +109,7 @@ def check_vllm(o: ServeOptions) -> str:
     exe = vllm_command(o)
     python = vllm_python(exe)
     if python is None:
-        return exe
+        return None
     try:  # from /: the plugin vLLM loads, not a checkout in serve's working directory
         r = subprocess.run(
             [*python, "-c", _PLUGIN_PROBE], cwd="/", capture_output=True, text=True, timeout=120
@@ -125,7 +130,8 @@ def check_vllm(o: ServeOptions) -> str:
     plugin = r.stdout.strip()
     if plugin != ours:
         log(f"note: the eaas.vllm plugin vLLM loads is {plugin}, not this serve's {ours}")
-    return exe
+        return None
+    return module_command("eaas", python)
 
 
 def vllm_child(o: ServeOptions, model_dir: str, table_path: Path) -> tuple[Child, dict[str, str]]:

@@ -15,6 +15,7 @@ import pytest
 from eaas.runtime.options import ServeOptions
 from eaas.runtime.options.vllm import SCHEDULER_CLS
 from eaas.runtime.serve import Deployment
+from eaas.runtime.serve.children import module_command
 from eaas.runtime.serve.vllm_engine import VLLM_CLIENT_SPIN_US, vllm_child, vllm_python
 
 from helpers.common import free_port
@@ -122,3 +123,11 @@ def test_a_vllm_whose_python_lacks_the_plugin_is_refused_before_anything_starts(
     assert f"its Python ({sys.executable}) has no eaas.vllm plugin" in out, out
     assert "No module named 'eaas'" in out and "pip install 'eaas[vllm]'" in out, out
     assert "Traceback" not in out and "expert-server" not in r.stdout, out
+
+
+def test_servers_run_with_serves_python_unless_vllms_has_this_eaas():
+    # a vllm that is not a Python script (here: the interpreter binary) is not probed: the
+    # servers run with serve's own Python and its torch kernel
+    d = Deployment(ServeOptions(engine="vllm", vllm=sys.executable, port=free_port()))
+    assert d.server_python[0] == sys.executable
+    assert module_command("eaas", ["/v/bin/python"])[:2] == ["/v/bin/python", "-c"]

@@ -55,6 +55,8 @@ def test_serve_engine_vllm(vllm_python, vllm_models, tmp_path):
         text = log.read_text()
         plugin = re.search(r"plugin port (http://\S+)", text)
         assert plugin, text[-3000:]
+        # serve ran its servers with the vllm command's Python: vLLM's CPU MoE kernel there
+        assert len(re.findall(r"expert-server expert-\d cpu kernel vllm", text)) == 4, text[-3000:]
         name = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"][0]["id"]
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
