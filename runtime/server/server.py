@@ -68,9 +68,9 @@ FINAL_DRAIN_S = 1.0
 
 _NOTHING_HOSTED = torch.zeros(1, dtype=torch.bool)  # mask of a layer this server does not host
 #: ``--cpu-kernel vllm``: vLLM's fused kernel up to this many real (token, expert) pairs per
-#: batch, torch's grouped_mm above (bench/expert_kernel.py, 1 thread, half of the experts
-#: hosted: at the tiny and the medium model's shapes the fused kernel took 0.25-0.45x the time
-#: at 1-16 tokens; bfloat16 break-even at ~256-512 pairs, float32 still 0.6x at 1024)
+#: batch, torch's grouped_mm above (bench/expert_kernel.py --host-every 2, 1 thread: at the
+#: tiny and the medium model's shapes the fused path took 0.25-0.65x the time at 1-16 tokens;
+#: bfloat16 break-even at ~256-512 pairs, float32 still ~0.6x at 1024; docs/vllm.md)
 FUSED_MAX_PAIRS = {torch.bfloat16: 256, torch.float32: 1024}
 
 
@@ -90,7 +90,8 @@ def resolve_cpu_kernel(cpu_kernel: str, device: torch.device) -> tuple[str, str]
         return "torch", "--cpu-kernel torch"
     loaded, why = cpu_fused.load_kernel()
     if loaded:
-        return "vllm", f"vLLM's cpu_fused_moe, isa {cpu_fused.isa_for(torch.bfloat16)} (bf16)"
+        isa = cpu_fused.isa_for(torch.bfloat16)
+        return "vllm", f"vLLM's cpu_fused_moe: isa {isa} for bfloat16, vec for float32"
     if cpu_kernel == "vllm":
         raise ValueError(f"--cpu-kernel vllm: vLLM's CPU MoE kernel does not load here: {why}")
     return "torch", f"auto: {why}"
