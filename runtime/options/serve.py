@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from eaas.runtime.common.dtypes import check_serving_dtype
 from eaas.runtime.options.api_key import check_api_keys
 from eaas.runtime.options.client import check_dispatch_timeout, check_served_model_name
-from eaas.runtime.options.server import CPU_KERNELS
+from eaas.runtime.options.server import check_cpu_kernel
 from eaas.runtime.options.vllm import SERVE_OWNED_VLLM_FLAGS, vllm_flag_in
 
 
@@ -128,11 +128,7 @@ class ServeOptions:
             )
         if self.attention_clients < 1:
             raise ValueError("--attention-clients must be >= 1")
-        if self.server_cpu_kernel not in CPU_KERNELS:
-            raise ValueError(
-                f"--server-cpu-kernel must be one of {', '.join(CPU_KERNELS)}, "
-                f"got {self.server_cpu_kernel!r}"
-            )
+        check_cpu_kernel(self.server_cpu_kernel, "--server-cpu-kernel")
         if self.server_cpus not in ("auto", "none"):
             raise ValueError(f"--server-cpus must be auto or none, got {self.server_cpus!r}")
         check_serving_dtype(self.dtype)

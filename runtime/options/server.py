@@ -17,6 +17,12 @@ from eaas.runtime.options.argv import to_argv
 CPU_KERNELS = ("auto", "torch", "vllm")
 
 
+def check_cpu_kernel(value: str, flag: str = "--cpu-kernel") -> None:
+    """Raise ValueError (naming ``flag``) unless ``value`` is one of :data:`CPU_KERNELS`."""
+    if value not in CPU_KERNELS:
+        raise ValueError(f"{flag} must be one of {', '.join(CPU_KERNELS)}, got {value!r}")
+
+
 @dataclass(kw_only=True)
 class ExpertServerOptions:
     """Everything ``eaas expert-server`` is started with (field ``x_y`` is flag ``--x-y``;
@@ -59,10 +65,7 @@ class ExpertServerOptions:
 
     def __post_init__(self) -> None:
         check_serving_dtype(self.dtype)
-        if self.cpu_kernel not in CPU_KERNELS:
-            raise ValueError(
-                f"--cpu-kernel must be one of {', '.join(CPU_KERNELS)}, got {self.cpu_kernel!r}"
-            )
+        check_cpu_kernel(self.cpu_kernel)
         if self.spare and self.experts:
             raise ValueError("--spare starts with no experts: not with --experts")
         if self.spare and not (self.push_token_file or self.routing_table_configmap):

@@ -47,7 +47,7 @@ import torch
 from eaas.runtime.experts import ExpertWeights
 from eaas.runtime.metrics import EXPERT_TOKENS, SERVER_BATCH_TOKENS, SERVER_FRAMES
 from eaas.runtime.models.compute import ComputeChoice, decide_compute
-from eaas.runtime.options.server import CPU_KERNELS
+from eaas.runtime.options.server import check_cpu_kernel
 from eaas.runtime.server import cpu_fused
 from eaas.runtime.server.compute import grouped_expert_sum
 from eaas.runtime.server.cpu_fused import FusedLayer
@@ -80,10 +80,7 @@ def resolve_cpu_kernel(cpu_kernel: str, device: torch.device) -> tuple[str, str]
     Raises:
         ValueError: an unknown value, or ``vllm`` on the CPU without vLLM's kernel.
     """
-    if cpu_kernel not in CPU_KERNELS:
-        raise ValueError(
-            f"--cpu-kernel must be one of {', '.join(CPU_KERNELS)}, got {cpu_kernel!r}"
-        )
+    check_cpu_kernel(cpu_kernel)
     if device.type != "cpu":
         return "torch", f"not used on {device.type}"
     if cpu_kernel == "torch":
@@ -117,7 +114,7 @@ class ExpertServer:
             bfloat16 server on CPU computing in float32) the hosted weights are kept as float32
             copies (exact upcasts, twice the bytes), each batch's bfloat16 rows are upcast once
             and the answer is rounded to bfloat16 once: frames stay ``dtype`` on the wire.
-        cpu_kernel: the CPU expert compute (``--cpu-kernel``, :data:`CPU_KERNELS`): ``vllm``
+        cpu_kernel: the CPU expert compute (``--cpu-kernel``, :data:`~eaas.runtime.options.server.CPU_KERNELS`): ``vllm``
             runs vLLM's CPU fused-MoE kernel (:mod:`eaas.runtime.server.cpu_fused`) on batches
             of at most :data:`FUSED_MAX_PAIRS` pairs and :func:`grouped_expert_sum` on larger
             ones, ``torch`` always the latter, ``auto`` (default) ``vllm`` when this Python has
@@ -125,7 +122,7 @@ class ExpertServer:
         listener_kw: extra options for the listener (e.g. ``spin_us``).
 
     Raises:
-        ValueError: ``cpu_kernel`` is not one of :data:`CPU_KERNELS`, or ``vllm`` and vLLM's
+        ValueError: ``cpu_kernel`` is not one of :data:`~eaas.runtime.options.server.CPU_KERNELS`, or ``vllm`` and vLLM's
             kernel does not load here (the message says why).
 
     Hosted experts change while serving (:meth:`add_experts`, :meth:`drop_experts`; driven by
