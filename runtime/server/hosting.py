@@ -101,8 +101,9 @@ class Hosting:
         stacks: layer -> :class:`LayerStack` (CPU weights: ``pairs`` and ``by_layer`` hold
             views of it); empty on CUDA.
         gpu: layer -> lazily built native grouped kernel of THIS snapshot (CUDA weights only).
-        fused: layer -> lazily built :class:`~eaas.runtime.server.cpu_fused.FusedLayer` of THIS
-            snapshot's stack, or False where vLLM's kernel cannot take it (``--cpu-kernel``).
+        fused: layer -> :class:`~eaas.runtime.server.cpu_fused.FusedLayer` of THIS snapshot's
+            stack, or False where vLLM's kernel cannot take it; filled by the server right after
+            :meth:`build` with ``--cpu-kernel vllm`` (empty otherwise).
     """
 
     pairs: Mapping[tuple[int, int], ExpertWeights]
